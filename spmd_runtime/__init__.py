@@ -1,0 +1,18 @@
+"""spmd_runtime: GSPMD on plain MPI.
+
+Annotate a few tensors of a traced function with ``mesh_split``, ``partition``
+it into ONE SPMD program, and ``run`` that program on every MPI rank.
+"""
+from .graph import Graph, TensorSpec
+from .mesh import Mesh
+from .sharding import Sharding, parse_spec
+from .trace import Tensor, mesh_split, trace
+from .reference import evaluate
+from .partition import partition, plan_reshard
+from .program import SPMDProgram, load_program
+from .exec import run, run_local
+
+__version__ = "0.1.0"
+
+__all__ = ["Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
+           "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "__version__"]

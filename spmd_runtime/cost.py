@@ -1,0 +1,22 @@
+"""Cost model of collectives: bytes each rank puts on the wire (GSPMD_NOTES.md section 5).
+
+Bandwidth-optimal algorithms over k ranks; the latency model is alpha + beta * bytes.
+"""
+from __future__ import annotations
+
+from .mesh import Mesh
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
+
+
+def wire_bytes(op: str, k: int, bytes_in: int, bytes_out: int) -> float:
+    """Bytes each rank sends for one collective over ``k`` ranks (GSPMD_NOTES.md section 5)."""
+    if k <= 1 or op == "shard_slice":
+        return 0.0
+    return {"all_reduce": 2 * (k - 1) / k * bytes_in, "all_gather": (k - 1) / k * bytes_out,
+            "reduce_scatter": (k - 1) / k * bytes_in, "all_to_all": (k - 1) / k * bytes_in,
+            "collective_permute": float(bytes_in)}[op]
+
+
+def group_size(step_op: str, attrs: dict, mesh: Mesh) -> int:
+    return mesh.size if step_op == "collective_permute" else mesh.axis_size(attrs["axes"])

@@ -1,0 +1,103 @@
+"""The traced computation graph: a flat, topologically ordered list of nodes.
+
+Every node has one result with a static global shape and dtype. Operands are
+node ids. Binary elementwise ops always see equal shapes: tracing inserts
+explicit ``broadcast_in_dim`` nodes, as XLA does, so no partitioning rule has to
+reason about implicit broadcasting.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+UNARY_OPS = ("neg", "exp", "log", "tanh", "sqrt", "abs", "not")
+BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum",
+              "eq", "ne", "lt", "le", "gt", "ge", "and", "or")
+COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+ELEMENTWISE_OPS = UNARY_OPS + BINARY_OPS + ("select", "convert")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a traced function's argument."""
+    shape: tuple[int, ...]
+    dtype: str = "float64"
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"a TensorSpec shape has non-negative dims; got {self.shape}")
+
+    def __str__(self):
+        return f"{self.dtype}{list(self.shape)}"
+
+    @classmethod
+    def of(cls, x) -> "TensorSpec":
+        if isinstance(x, TensorSpec):
+            return x
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return cls(tuple(x.shape), np.dtype(x.dtype).name)
+        raise TypeError(f"an argument spec is a TensorSpec or an array; got {type(x).__name__}")
+
+
+@dataclass(eq=False)
+class Node:
+    id: int
+    op: str
+    inputs: tuple[int, ...]
+    attrs: dict
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.shape, self.dtype)
+
+
+@dataclass(eq=False)
+class Graph:
+    nodes: list[Node] = field(default_factory=list)
+    params: list[int] = field(default_factory=list)
+    param_names: list[str] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+
+    def add(self, op: str, inputs, attrs, shape, dtype) -> Node:
+        node = Node(len(self.nodes), op, tuple(inputs), dict(attrs), tuple(int(s) for s in shape),
+                    np.dtype(dtype).name)
+        self.nodes.append(node)
+        return node
+
+    def __getitem__(self, i: int) -> Node:
+        return self.nodes[i]
+
+    def users(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n.id)
+        return out
+
+    @property
+    def input_specs(self) -> list[TensorSpec]:
+        return [self.nodes[p].spec for p in self.params]
+
+    @property
+    def output_specs(self) -> list[TensorSpec]:
+        return [self.nodes[o].spec for o in self.outputs]
+
+    def __str__(self):
+        lines = [f"graph({', '.join(f'{n}: {self.nodes[p].spec}' for n, p in zip(self.param_names, self.params))})"]
+        for n in self.nodes:
+            attrs = ", ".join(f"{k}={_short(v)}" for k, v in n.attrs.items())
+            args = ", ".join(f"%{i}" for i in n.inputs)
+            lines.append(f"  %{n.id} = {n.op}({args}{', ' if args and attrs else ''}{attrs}) : {n.spec}")
+        lines.append(f"  return {', '.join(f'%{o}' for o in self.outputs)}")
+        return "\n".join(lines)
+
+
+def _short(v):
+    if isinstance(v, np.ndarray):
+        return f"array{list(v.shape)}" if v.size > 4 else repr(v.tolist())
+    return str(v)

@@ -1,0 +1,175 @@
+"""The SPMD partitioner: Graph + mesh + a few annotations -> one SPMDProgram.
+
+For each node in order: its partition rule brings the operands into shardings it
+can use locally (through the resharding planner), emits the local op, and the
+driver reshards the result to the node's propagated sharding.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from ..graph import Graph, Node
+from ..mesh import Mesh
+from ..program import Instr, IOSpec, SPMDProgram
+from ..sharding import Sharding, parse_spec
+from .propagation import propagate
+from .resharding import plan_cost, plan_reshard
+
+PARTITION_RULES: dict = {}
+
+
+def partition_rule(*ops):
+    """Register ``fn(ctx, node) -> LocalValue`` as the partitioning of ``ops``."""
+    def register(fn):
+        for op in ops:
+            PARTITION_RULES[op] = fn
+        return fn
+    return register
+
+
+@dataclass(frozen=True)
+class LocalValue:
+    slot: int
+    sharding: Sharding
+    shape: tuple[int, ...]  # global
+    dtype: str
+
+
+class PartitionContext:
+    def __init__(self, graph: Graph, mesh: Mesh, shardings: dict[int, Sharding]):
+        self.graph, self.mesh, self.shardings = graph, mesh, shardings
+        self.values: dict[int, LocalValue] = {}
+        self.instrs: list[Instr] = []
+        self.notes: list[str] = []
+        self._reshard_cache: dict = {}
+
+    def sharding(self, node_id: int) -> Sharding:
+        return self.shardings[node_id]
+
+    def value(self, node_id: int) -> LocalValue:
+        return self.values[node_id]
+
+    def emit(self, op, args, attrs, sharding: Sharding, shape, dtype) -> LocalValue:
+        out = LocalValue(len(self.instrs), sharding, tuple(shape), str(dtype))
+        local = sharding.local_shape(out.shape, self.mesh)
+        self.instrs.append(Instr(op, out.slot, tuple(a.slot for a in args), dict(attrs), local, out.dtype,
+                                 sharding, out.shape))
+        return out
+
+    def emit_like(self, node: Node, op, args, attrs, sharding: Sharding) -> LocalValue:
+        return self.emit(op, args, attrs, sharding, node.shape, node.dtype)
+
+    def cost(self, value: LocalValue, target: Sharding) -> float:
+        return plan_cost(value.sharding, target, value.shape, value.dtype, self.mesh)
+
+    def reshard(self, value: LocalValue, target: Sharding) -> LocalValue:
+        """``value`` laid out as ``target``, via the one planner; each (value, target) planned once."""
+        if value.sharding == target:
+            return value
+        key = (value.slot, target)
+        if key not in self._reshard_cache:
+            plan = plan_reshard(value.sharding, target, value.shape, self.mesh)
+            self.notes += plan.notes
+            cur = value
+            for step in plan.steps:
+                cur = self.emit(step.op, [cur], step.attrs, step.result, value.shape, value.dtype)
+            self._reshard_cache[key] = cur
+        return self._reshard_cache[key]
+
+
+def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None) -> SPMDProgram:
+    """Partition ``graph`` over ``mesh`` into one SPMD program.
+
+    ``in_specs`` / ``out_specs``: one ``mesh_split``-style spec per graph
+    input / output (None entries, or None altogether, leave it to propagation).
+    """
+    fixed = _user_shardings(graph, mesh, in_specs, out_specs)
+    prop = propagate(graph, mesh, fixed)
+    live = _live_nodes(graph)
+    for node in graph.nodes:
+        if node.id in live:
+            prop.shardings[node.id].check(mesh, node.shape, what=_describe(graph, node))
+    ctx = PartitionContext(graph, mesh, prop.shardings)
+    for node in graph.nodes:
+        if node.id in live:
+            ctx.values[node.id] = ctx.reshard(_partition_node(ctx, node), prop.shardings[node.id])
+    return _finish(ctx, graph, prop)
+
+
+def _partition_node(ctx: PartitionContext, node: Node) -> LocalValue:
+    fn = PARTITION_RULES.get(node.op)
+    if fn is None:
+        shardings = [str(ctx.value(i).sharding) for i in node.inputs]
+        raise NotImplementedError(f"every op needs a partition rule; got none for op {node.op!r} "
+                                  f"(%{node.id}, operand shardings {shardings})")
+    return fn(ctx, node)
+
+
+def _user_shardings(graph, mesh, in_specs, out_specs) -> dict[int, Sharding]:
+    fixed: dict[int, Sharding] = {}
+    for what, ids, specs in (("input", graph.params, in_specs), ("output", graph.outputs, out_specs)):
+        if specs is None:
+            continue
+        if len(specs) != len(ids):
+            raise ValueError(f"{what} specs need one entry per graph {what} ({len(ids)}); got {len(specs)}")
+        for k, (vid, spec) in enumerate(zip(ids, specs)):
+            if spec is not None:
+                _fix(fixed, vid, parse_spec(spec, mesh, len(graph[vid].shape), f"{what} {k}"), graph, mesh)
+    for node in graph.nodes:
+        if node.op == "mesh_split":
+            if node.attrs["mesh"] != mesh:
+                raise ValueError(f"mesh_split annotations must use the partition mesh {mesh}; got "
+                                 f"{node.attrs['mesh']} at %{node.id}")
+            _fix(fixed, node.id, node.attrs["sharding"], graph, mesh)
+    return fixed
+
+
+def _fix(fixed, vid, sharding, graph, mesh):
+    sharding.check(mesh, graph[vid].shape, what=_describe(graph, graph[vid]))
+    if fixed.setdefault(vid, sharding) != sharding:
+        raise ValueError(f"a value takes one user sharding; got {fixed[vid]} and {sharding} for "
+                         f"{_describe(graph, graph[vid])}")
+
+
+def _describe(graph: Graph, node: Node) -> str:
+    name = f" ({node.attrs['name']!r})" if node.op == "parameter" else ""
+    return f"tensor %{node.id}{name} = {node.op} {node.spec}"
+
+
+def _live_nodes(graph: Graph) -> set[int]:
+    live, stack = set(), list(graph.outputs)
+    while stack:
+        v = stack.pop()
+        if v not in live:
+            live.add(v)
+            stack += graph[v].inputs
+    return live | set(graph.params)
+
+
+def _finish(ctx: PartitionContext, graph: Graph, prop) -> SPMDProgram:
+    mesh, names = ctx.mesh, graph.param_names
+    inputs = [IOSpec(n, ctx.value(p).slot, graph[p].shape, graph[p].dtype, ctx.value(p).sharding)
+              for n, p in zip(names, graph.params)]
+    outputs = [IOSpec(f"out{k}", ctx.value(o).slot, graph[o].shape, graph[o].dtype, ctx.value(o).sharding)
+               for k, o in enumerate(graph.outputs)]
+    _assign_frees(ctx.instrs, {o.slot for o in outputs})
+    notes = list(dict.fromkeys(ctx.notes))
+    for n in notes:
+        warnings.warn(f"spmd_runtime partitioner: {n}", stacklevel=3)
+    report = {n.id: (prop.shardings[n.id], prop.origin[n.id]) for n in graph.nodes}
+    return SPMDProgram(mesh, ctx.instrs, inputs, outputs, notes, report)
+
+
+def _assign_frees(instrs: list[Instr], keep: set[int]) -> None:
+    """Record on each instruction the buffers that die there, so the interpreter frees them at once."""
+    last = {i.out: i.out for i in instrs}
+    for i in instrs:
+        for a in i.args:
+            last[a] = i.out
+    dying: dict[int, list[int]] = {}
+    for slot, at in last.items():
+        if slot not in keep:
+            dying.setdefault(at, []).append(slot)
+    for i in instrs:
+        i.free = tuple(sorted(dying.get(i.out, ())))

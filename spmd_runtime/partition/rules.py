@@ -1,0 +1,152 @@
+"""Per-op partition rules: ``rule(ctx, node) -> LocalValue`` in any sharding.
+
+Each rule picks operand shardings it can compute on locally, reshards the
+operands through ``ctx.reshard`` (the one planner), and emits the local op with
+local attributes. The driver then reshards the result to the node's sharding.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+from ..graph import ELEMENTWISE_OPS
+from ..sharding import Sharding
+from .partitioner import PartitionContext, partition_rule
+from .propagation import einsum_terms
+from .reshape_map import map_reshape_sharding
+from .resharding import plan_cost
+
+
+@partition_rule("parameter")
+def _parameter(ctx: PartitionContext, node):
+    return ctx.emit_like(node, "parameter", [], {"index": node.attrs["index"]}, ctx.sharding(node.id))
+
+
+@partition_rule("constant")
+def _constant(ctx, node):
+    return ctx.emit_like(node, "constant", [], node.attrs, Sharding.replicated(len(node.shape)))
+
+
+@partition_rule("mesh_split")
+def _mesh_split(ctx, node):
+    return ctx.reshard(ctx.value(node.inputs[0]), node.attrs["sharding"])
+
+
+@partition_rule(*ELEMENTWISE_OPS)
+def _elementwise(ctx, node):
+    target = ctx.sharding(node.id)
+    args = [ctx.reshard(ctx.value(i), target) for i in node.inputs]
+    return ctx.emit_like(node, node.op, args, node.attrs, target)
+
+
+@partition_rule("transpose")
+def _transpose(ctx, node):
+    target, perm = ctx.sharding(node.id), node.attrs["perm"]
+    dims = [()] * len(perm)
+    for i, p in enumerate(perm):
+        dims[p] = target.dims[i]
+    x = ctx.reshard(ctx.value(node.inputs[0]), Sharding(tuple(dims)))
+    return ctx.emit_like(node, "transpose", [x], node.attrs, target)
+
+
+@partition_rule("broadcast_in_dim")
+def _broadcast(ctx, node):
+    target, dims = ctx.sharding(node.id), node.attrs["dims"]
+    src = ctx.graph[node.inputs[0]].shape
+    need = Sharding(tuple(target.dims[d] if src[i] == node.shape[d] else () for i, d in enumerate(dims)))
+    x = ctx.reshard(ctx.value(node.inputs[0]), need)
+    local = target.local_shape(node.shape, ctx.mesh)
+    return ctx.emit_like(node, "broadcast_in_dim", [x], {"shape": local, "dims": dims}, target)
+
+
+@partition_rule("reshape")
+def _reshape(ctx, node):
+    """Cheapest of: reshard the operand to match the result, reshape as the operand lies, or replicate."""
+    x, target, mesh = ctx.value(node.inputs[0]), ctx.sharding(node.id), ctx.mesh
+    options = []
+    need = map_reshape_sharding(target, node.shape, x.shape, mesh, exact=True)
+    if need is not None:
+        options.append((ctx.cost(x, need), need, target))
+    got = map_reshape_sharding(x.sharding, x.shape, node.shape, mesh, exact=True)
+    if got is not None and _divides(got, node.shape, mesh):
+        options.append((ctx.cost(x, x.sharding) + plan_cost(got, target, node.shape, node.dtype, ctx.mesh), x.sharding, got))
+    if not options:
+        repl = Sharding.replicated(len(x.shape))
+        ctx.notes.append(f"reshape %{node.id} {x.shape}->{node.shape} cannot keep {x.sharding} -> {target} "
+                         f"local; it replicates the operand first")
+        options.append((0.0, repl, Sharding.replicated(len(node.shape))))
+    _, need, result = min(options, key=lambda o: o[0])
+    x = ctx.reshard(x, need)
+    return ctx.emit_like(node, "reshape", [x], {"shape": result.local_shape(node.shape, mesh)}, result)
+
+
+def _divides(s: Sharding, shape, mesh) -> bool:
+    return all(n % mesh.axis_size(d) == 0 for n, d in zip(shape, s.dims))
+
+
+@partition_rule("reduce")
+def _reduce(ctx, node):
+    """Reduce locally, keeping the operand's split of reduced dims; the result is a partial reduction
+    over those axes, which the planner turns into an all-reduce or a reduce-scatter."""
+    x, target, axes = ctx.value(node.inputs[0]), ctx.sharding(node.id), node.attrs["axes"]
+    kept, dims = iter(target.dims), []
+    for i in range(len(x.shape)):
+        dims.append(tuple(a for a in x.sharding.dims[i] if a not in target.axes) if i in axes else next(kept))
+    need = Sharding(tuple(dims))
+    x = ctx.reshard(x, need)
+    partial = tuple(a for i in axes for a in need.dims[i])
+    result = Sharding(target.dims, partial, node.attrs["kind"] if partial else "sum")
+    return ctx.emit_like(node, "reduce", [x], node.attrs, result)
+
+
+# ---------------------------------------------------------------- einsum
+@partition_rule("einsum")
+def _einsum(ctx, node):
+    """Pick the per-letter split (strategy) that moves the fewest bytes, then the least local work.
+
+    A letter split alike on both operands is a batch dim (result split) or a
+    contracting dim (result partial: all-reduce, or reduce-scatter when the
+    result is wanted split); a free letter split on one side needs the other
+    operand replicated over that axis.
+    """
+    lhs_t, rhs_t, out_t = einsum_terms(node)
+    a, b, target = ctx.value(node.inputs[0]), ctx.value(node.inputs[1]), ctx.sharding(node.id)
+    sizes = {**dict(zip(lhs_t, a.shape)), **dict(zip(rhs_t, b.shape))}
+    options = _letter_options(sizes, [(lhs_t, a.sharding), (rhs_t, b.sharding), (out_t, target)], ctx.mesh)
+    best = None
+    for choice in itertools.product(*options.values()):
+        split = dict(zip(options, choice))
+        if not _distinct(split):
+            continue
+        shard_a, shard_b, result = _strategy_shardings(split, lhs_t, rhs_t, out_t, ctx.mesh)
+        bytes_moved = ctx.cost(a, shard_a) + ctx.cost(b, shard_b) + plan_cost(result, target, node.shape, node.dtype, ctx.mesh)
+        work = math.prod(-(-sizes[c] // ctx.mesh.axis_size(split[c])) for c in sizes)
+        key = (bytes_moved, work)
+        if best is None or key < best[0]:
+            best = (key, shard_a, shard_b, result)
+    _, shard_a, shard_b, result = best
+    args = [ctx.reshard(a, shard_a), ctx.reshard(b, shard_b)]
+    return ctx.emit_like(node, "einsum", args, node.attrs, result)
+
+
+def _letter_options(sizes, termed, mesh) -> dict[str, list[tuple[str, ...]]]:
+    """Candidate axes per letter: unsplit, or as either operand or the result splits it."""
+    opts = {c: [()] for c in sizes}
+    for term, s in termed:
+        for c, axes in zip(term, s.dims):
+            if axes and axes not in opts[c] and sizes[c] % mesh.axis_size(axes) == 0:
+                opts[c].append(axes)
+    return opts
+
+
+def _distinct(split) -> bool:
+    used = [a for axes in split.values() for a in axes]
+    return len(used) == len(set(used))
+
+
+def _strategy_shardings(split, lhs_t, rhs_t, out_t, mesh):
+    contracting = [c for c in lhs_t if c in rhs_t and c not in out_t]
+    partial = tuple(a for name in mesh.axis_names for c in contracting if name in split[c] for a in (name,))
+    shard = lambda term: Sharding(tuple(split[c] for c in term))
+    result = Sharding(tuple(split[c] for c in out_t), partial)
+    return shard(lhs_t), shard(rhs_t), result

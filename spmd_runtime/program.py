@@ -1,0 +1,189 @@
+"""The SPMD program: ONE instruction list that every rank runs on its own shards.
+
+Instructions name local shapes; rank-dependent behaviour (which block to slice,
+which peer to exchange with) is expressed through the mesh and resolved by each
+rank at load time. Saved as versioned, human-readable JSON with a content hash.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .mesh import Mesh
+from .cost import COLLECTIVES, group_size, wire_bytes
+from .sharding import Sharding
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Instr:
+    op: str
+    out: int
+    args: tuple[int, ...]
+    attrs: dict
+    shape: tuple[int, ...]  # local shape on every rank
+    dtype: str
+    sharding: Sharding
+    global_shape: tuple[int, ...]
+    free: tuple[int, ...] = ()  # slots whose last use is this instruction
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass
+class IOSpec:
+    name: str
+    slot: int
+    shape: tuple[int, ...]  # global
+    dtype: str
+    sharding: Sharding
+
+
+@dataclass
+class SPMDProgram:
+    mesh: Mesh
+    instrs: list[Instr]
+    inputs: list[IOSpec]
+    outputs: list[IOSpec]
+    notes: list[str] = field(default_factory=list)
+    report: dict = field(default_factory=dict, repr=False)  # value -> (sharding, origin); not saved
+
+    # ------------------------------------------------------------ summaries
+    def comm_summary(self) -> list[dict]:
+        """One dict per collective: kind, axes, group_size, bytes_in, bytes_out, wire_bytes (per rank)."""
+        sizes = {i.out: i.nbytes for i in self.instrs}
+        out = []
+        for ins in self.instrs:
+            if ins.op in COLLECTIVES:
+                k = group_size(ins.op, ins.attrs, self.mesh)
+                b_in = sizes[ins.args[0]]
+                out.append({"kind": ins.op, "axes": tuple(ins.attrs.get("axes", self.mesh.axis_names)),
+                            "group_size": k, "bytes_in": b_in, "bytes_out": ins.nbytes,
+                            "wire_bytes": wire_bytes(ins.op, k, b_in, ins.nbytes)})
+        return out
+
+    @property
+    def wire_bytes(self) -> float:
+        return sum(c["wire_bytes"] for c in self.comm_summary())
+
+    def collectives(self) -> list[str]:
+        """Collective kinds in program order (handy in tests)."""
+        return [c["kind"] for c in self.comm_summary()]
+
+    def peak_bytes(self) -> int:
+        """Largest sum of live local buffers at any point (inputs included)."""
+        live = {i.slot: int(np.prod(i.sharding.local_shape(i.shape, self.mesh))) * np.dtype(i.dtype).itemsize
+                for i in self.inputs}
+        peak = cur = sum(live.values())
+        for ins in self.instrs:
+            live[ins.out] = ins.nbytes
+            cur += ins.nbytes
+            peak = max(peak, cur)
+            cur -= sum(live.pop(s, 0) for s in ins.free)
+        return peak
+
+    # ------------------------------------------------------------ listing
+    def __str__(self):
+        head = f"SPMDProgram on {self.mesh}  hash={self.hash[:12]}  wire_bytes/rank={self.wire_bytes:.0f}"
+        params = ", ".join(f"%{i.slot} {i.name}: {_ty(i.dtype, i.shape)} {i.sharding}" for i in self.inputs)
+        lines = [head, f"  inputs ({params})"]
+        for ins in self.instrs:
+            if ins.op == "parameter":
+                continue
+            attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in ins.attrs.items())
+            args = ", ".join(f"%{a}" for a in ins.args)
+            sep = ", " if args and attrs else ""
+            lines.append(f"  %{ins.out} = {ins.op}({args}{sep}{attrs}) : {_ty(ins.dtype, ins.shape)} {ins.sharding}")
+        lines.append("  return " + ", ".join(f"%{o.slot} {o.sharding}" for o in self.outputs))
+        lines += [f"  # note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------ persistence
+    def body(self) -> dict:
+        return {"mesh": self.mesh.to_json(),
+                "inputs": [_io_json(i) for i in self.inputs], "outputs": [_io_json(o) for o in self.outputs],
+                "instrs": [_instr_json(i) for i in self.instrs], "notes": list(self.notes)}
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.body(), sort_keys=True).encode()).hexdigest()
+
+    def save(self, path) -> None:
+        body = self.body()
+        doc = {"format": "spmd_runtime.program", "version": FORMAT_VERSION, "hash": self.hash, **body}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+def load_program(path) -> SPMDProgram:
+    """Read a saved program, checking its format version and content hash."""
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("format") != "spmd_runtime.program" or doc.get("version") != FORMAT_VERSION:
+        raise ValueError(f"a program file has format spmd_runtime.program version {FORMAT_VERSION}; got "
+                         f"{doc.get('format')!r} version {doc.get('version')!r} in {path}")
+    prog = SPMDProgram(Mesh.from_json(doc["mesh"]), [_instr_from(d) for d in doc["instrs"]],
+                       [_io_from(d) for d in doc["inputs"]], [_io_from(d) for d in doc["outputs"]], doc["notes"])
+    if prog.hash != doc["hash"]:
+        raise ValueError(f"a program file's content must match its hash; got {prog.hash[:12]} for recorded "
+                         f"{doc['hash'][:12]} in {path} (edited or corrupt)")
+    return prog
+
+
+def _ty(dtype, shape):
+    return f"{dtype}[{','.join(map(str, shape))}]"
+
+
+def _fmt(v):
+    if isinstance(v, np.ndarray):
+        return f"array{list(v.shape)}" if v.size > 4 else str(v.tolist())
+    if isinstance(v, tuple):
+        return "(" + ",".join(map(str, v)) + ")"
+    return str(v)
+
+
+def _io_json(i: IOSpec):
+    return {"name": i.name, "slot": i.slot, "shape": list(i.shape), "dtype": i.dtype, "sharding": i.sharding.to_json()}
+
+
+def _io_from(d) -> IOSpec:
+    return IOSpec(d["name"], d["slot"], tuple(d["shape"]), d["dtype"], Sharding.from_json(d["sharding"]))
+
+
+def _instr_json(i: Instr):
+    return {"op": i.op, "out": i.out, "args": list(i.args), "attrs": {k: _enc(v) for k, v in i.attrs.items()},
+            "shape": list(i.shape), "dtype": i.dtype, "sharding": i.sharding.to_json(),
+            "global_shape": list(i.global_shape), "free": list(i.free)}
+
+
+def _instr_from(d) -> Instr:
+    return Instr(d["op"], d["out"], tuple(d["args"]), {k: _dec(v) for k, v in d["attrs"].items()},
+                 tuple(d["shape"]), d["dtype"], Sharding.from_json(d["sharding"]), tuple(d["global_shape"]),
+                 tuple(d["free"]))
+
+
+def _enc(v):
+    """JSON form of an attribute: arrays as base64 .npy (exact), tuples as lists."""
+    if isinstance(v, np.ndarray):
+        buf = io.BytesIO()
+        np.save(buf, v, allow_pickle=False)
+        return {"ndarray": base64.b64encode(buf.getvalue()).decode()}
+    if isinstance(v, (tuple, list)):
+        return [_enc(x) for x in v]
+    return v
+
+
+def _dec(v):
+    if isinstance(v, dict) and "ndarray" in v:
+        return np.load(io.BytesIO(base64.b64decode(v["ndarray"])), allow_pickle=False)
+    if isinstance(v, list):
+        return tuple(_dec(x) for x in v)
+    return v

@@ -1,0 +1,125 @@
+"""How one tensor is laid out over a mesh.
+
+``dims[i]`` lists the mesh axes that split tensor dim i (major first), ``partial``
+lists the mesh axes over which the local values are partial results still to be
+combined with ``reduce_op``; the tensor is replicated over every other axis. This
+covers XLA's replicated, tiled and partially replicated forms and DTensor's
+Shard / Replicate / Partial placements.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .mesh import Mesh
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    dims: tuple[tuple[str, ...], ...]
+    partial: tuple[str, ...] = ()
+    reduce_op: str = "sum"
+
+    def __post_init__(self):
+        dims = tuple(tuple(d) for d in self.dims)
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "partial", tuple(self.partial))
+        used = [a for d in dims for a in d] + list(self.partial)
+        if len(used) != len(set(used)):
+            raise ValueError(f"a mesh axis may shard a tensor at most once; got {self}")
+        if self.reduce_op not in REDUCE_OPS:
+            raise ValueError(f"reduce_op must be one of {REDUCE_OPS}; got {self.reduce_op!r}")
+
+    @classmethod
+    def replicated(cls, ndim: int) -> "Sharding":
+        return cls(((),) * ndim)
+
+    def __str__(self):
+        dims = ", ".join("R" if not d else d[0] if len(d) == 1 else "(" + ",".join(d) + ")" for d in self.dims)
+        part = f" P{self.reduce_op}({','.join(self.partial)})" if self.partial else ""
+        return f"[{dims}]{part}"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis that splits some dim, in dim order."""
+        return tuple(a for d in self.dims for a in d)
+
+    @property
+    def is_replicated(self) -> bool:
+        return not self.axes and not self.partial
+
+    def with_dims(self, dims) -> "Sharding":
+        return Sharding(tuple(dims), self.partial, self.reduce_op)
+
+    def without_partial(self) -> "Sharding":
+        return Sharding(self.dims)
+
+    def num_shards(self, mesh: Mesh, dim: int) -> int:
+        return mesh.axis_size(self.dims[dim])
+
+    def local_shape(self, shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
+        """Shape of one shard (ceil division: trailing shards are padded)."""
+        return tuple(-(-n // mesh.axis_size(d)) for n, d in zip(shape, self.dims))
+
+    def check(self, mesh: Mesh, shape: tuple[int, ...], what: str = "tensor") -> None:
+        """Raise unless this sharding fits ``shape`` on ``mesh`` (known axes, one entry per dim, even split)."""
+        if len(self.dims) != len(shape):
+            raise ValueError(f"a sharding needs one entry per dim of {what}; got {len(self.dims)} entries "
+                             f"for shape {shape}")
+        for a in self.axes + self.partial:
+            mesh.axis_index(a)
+        for i, (n, d) in enumerate(zip(shape, self.dims)):
+            k = mesh.axis_size(d)
+            if n % k:
+                raise ValueError(f"dim {i} of {what} (size {n}) must split evenly into {k} shards over mesh "
+                                 f"axes {d}; got size {n} % {k} = {n % k} (uneven splits are not supported yet)")
+
+    def to_json(self):
+        return {"dims": [list(d) for d in self.dims], "partial": list(self.partial), "reduce_op": self.reduce_op}
+
+    @classmethod
+    def from_json(cls, d) -> "Sharding":
+        return cls(tuple(tuple(x) for x in d["dims"]), tuple(d["partial"]), d["reduce_op"])
+
+
+def parse_spec(spec, mesh: Mesh, ndim: int, what: str = "tensor") -> Sharding:
+    """Turn a ``mesh_split`` spec into a Sharding.
+
+    One entry per tensor dim: None or -1 (replicated), an axis name, a tuple of
+    names (major first), or an int mesh dim as in the GSPMD paper. A Sharding
+    passes through unchanged.
+    """
+    if isinstance(spec, Sharding):
+        return spec
+    if isinstance(spec, (str, int)) or spec is None:
+        raise TypeError(f"a sharding spec is a sequence with one entry per dim of {what}; got {spec!r}")
+    spec = tuple(spec)
+    if len(spec) != ndim:
+        raise ValueError(f"a sharding spec needs one entry per dim of {what} (ndim {ndim}); got {len(spec)} "
+                         f"entries in {spec}")
+    return Sharding(tuple(_parse_entry(e, mesh) for e in spec))
+
+
+def _parse_entry(entry, mesh: Mesh) -> tuple[str, ...]:
+    if entry is None or (isinstance(entry, int) and entry == -1):
+        return ()
+    if isinstance(entry, (tuple, list)):
+        return tuple(a for e in entry for a in _parse_entry(e, mesh))
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        if not 0 <= entry < len(mesh.shape):
+            raise ValueError(f"an int spec entry must be a mesh dim in [0, {len(mesh.shape)}) or -1; got {entry}")
+        return (mesh.axis_names[entry],)
+    if isinstance(entry, str):
+        mesh.axis_index(entry)
+        return (entry,)
+    raise TypeError(f"a spec entry must be None, -1, a mesh axis name or int, or a tuple of them; got {entry!r}")
+
+
+def shard_count(mesh: Mesh, axes) -> int:
+    return math.prod(mesh.axis_size(a) for a in axes)
