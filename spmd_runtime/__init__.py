@@ -7,6 +7,7 @@ from .graph import Graph, TensorSpec
 from .mesh import Mesh
 from .sharding import Sharding, parse_spec
 from .trace import Tensor, mesh_split, trace
+from . import numpy  # noqa: E402  (defines the Tensor operators)
 from .reference import evaluate
 from .partition import partition, plan_reshard
 from .program import SPMDProgram, load_program

@@ -29,9 +29,10 @@ def communicator(mesh, comm=None) -> MeshCommunicator:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
     key = (mesh, id(comm))
-    if key not in _communicators:
-        _communicators[key] = MeshCommunicator(mesh, comm)
-    return _communicators[key]
+    held = _communicators.get(key)
+    if held is None or held[0] is not comm:  # the held reference keeps id(comm) from being reused
+        held = _communicators[key] = (comm, MeshCommunicator(mesh, comm))
+    return held[1]
 
 
 def run(program: SPMDProgram, *inputs, comm=None, backend=None) -> list:
@@ -102,7 +103,7 @@ def _check(program, inputs, shape_of, kind) -> str | None:
 def _interpreter(program, mc, xp) -> Interpreter:
     cache = program.__dict__.setdefault("_interpreters", {})
     key = (id(mc), xp.__name__)
-    if key not in cache:
+    if key not in cache or cache[key].mc is not mc:
         cache[key] = Interpreter(program, mc, xp)
     return cache[key]
 

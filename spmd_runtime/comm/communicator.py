@@ -1,0 +1,129 @@
+"""MPI communicators over mesh axes.
+
+``MeshCommunicator`` owns one sub-communicator per tuple of mesh axes, split
+from the world communicator the first time it is used and cached afterwards.
+Its sub-communicator rank is the rank's shard number over those axes
+(``mesh.index_along``), so MPI's rank-ordered collectives produce shards in
+mesh order.
+
+The public buffer methods are thin one-line wrappers over the mpi4py buffer
+(uppercase) primitives, in the spirit of ``mpi4py.util.pkl5``: buffers must be
+contiguous arrays of one dtype (or device arrays for a CUDA-aware MPI) and are
+never pickled. Array-level semantics (layouts, k == 1, GPU staging) live in
+``collectives.py``.
+
+Sub-communicators are created lazily by a collective ``Split`` on the world
+communicator, so every rank must request the same axes in the same order,
+which SPMD programs do by construction.
+"""
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from spmd_runtime.comm.gpu import Transport
+
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def mpi_op(op: str):
+    if op not in _OPS:
+        raise ValueError(f"reduction op must be one of {sorted(_OPS)}; got {op!r}")
+    return _OPS[op]
+
+
+def _peer(rank: int | None) -> int:
+    # MPI_PROC_NULL turns a send or receive into a no-op, so a rank without a
+    # partner can still take part in one uniform Sendrecv.
+    return MPI.PROC_NULL if rank is None else rank
+
+
+class MeshCommunicator:
+    """Collective communication over named mesh axes; device id = world rank.
+
+    ``comm`` defaults to ``MPI.COMM_WORLD``; any object with the mpi4py
+    ``Comm`` API subset used here works (e.g. ``simulated.SimulatedComm``).
+    ``transport`` moves device arrays to MPI (see ``gpu.Transport``).
+    """
+
+    def __init__(self, mesh, comm=None, transport: Transport | None = None):
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if comm.Get_size() != mesh.size:
+            raise ValueError(
+                f"MeshCommunicator needs one MPI process per mesh device; got {comm.Get_size()} "
+                f"processes for {mesh} with {mesh.size} devices"
+            )
+        self.mesh, self.comm, self.rank = mesh, comm, comm.Get_rank()
+        self.transport = Transport() if transport is None else transport
+        self._subs: dict[tuple[str, ...], object] = {}
+
+    def __repr__(self):
+        return f"MeshCommunicator({self.mesh}, rank={self.rank})"
+
+    def axis_size(self, axes: tuple[str, ...]) -> int:
+        return self.mesh.axis_size(self._check_axes(axes))
+
+    def index_along(self, axes: tuple[str, ...]) -> int:
+        """This rank's shard number (and sub-communicator rank) over ``axes``."""
+        return self.mesh.index_along(self.rank, self._check_axes(axes))
+
+    def sub(self, axes: tuple[str, ...]):
+        """The sub-communicator over ``axes`` holding this rank, ranked by ``index_along``. Collective on first use."""
+        axes = self._check_axes(axes)
+        if axes not in self._subs:
+            color = self.mesh.group_color(self.rank, axes)
+            self._subs[axes] = self.comm.Split(color=color, key=self.mesh.index_along(self.rank, axes))
+        return self._subs[axes]
+
+    def _check_axes(self, axes) -> tuple[str, ...]:
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        unknown = [a for a in axes if a not in self.mesh.axis_names]
+        if unknown or len(set(axes)) != len(axes):
+            raise ValueError(f"collective axes must be distinct axes of {self.mesh}; got {axes}")
+        return axes
+
+    # -- thin buffer primitives -------------------------------------------------------------
+
+    def Allreduce(self, axes, send, recv, op: str) -> None:
+        """``recv`` = elementwise ``op`` ('sum' | 'max' | 'min') of ``send`` over the group along ``axes``."""
+        self.sub(axes).Allreduce(send, recv, mpi_op(op))
+
+    def Allgather(self, axes, send, recv) -> None:
+        """``recv`` = the group's ``send`` buffers concatenated in sub-rank order (k times ``send``'s size)."""
+        self.sub(axes).Allgather(send, recv)
+
+    def Reduce_scatter_block(self, axes, send, recv, op: str) -> None:
+        """``recv`` = block ``index_along(axes)`` of the group's elementwise ``op`` of ``send`` (k equal blocks)."""
+        self.sub(axes).Reduce_scatter_block(send, recv, mpi_op(op))
+
+    def Alltoall(self, axes, send, recv) -> None:
+        """Block j of ``send`` goes to sub-rank j; block i of ``recv`` comes from sub-rank i (k equal blocks)."""
+        self.sub(axes).Alltoall(send, recv)
+
+    def Sendrecv(self, send, dest: int | None, recv, source: int | None) -> None:
+        """Send ``send`` to world rank ``dest`` while receiving ``recv`` from ``source``; None = no partner."""
+        self.comm.Sendrecv(send, _peer(dest), recvbuf=recv, source=_peer(source))
+
+    def Barrier(self) -> None:
+        """Block until every rank of the world communicator arrives."""
+        self.comm.Barrier()
+
+    # -- control ----------------------------------------------------------------------------
+
+    def agree(self, error: str | None) -> None:
+        """Collective check that every rank is ready: raises on EVERY rank if any rank passed an error.
+
+        Call before a run so a rank that failed to prepare (bad input, compile
+        error) does not leave the others blocked in their first collective.
+        """
+        errors = self.comm.allgather(None if error is None else str(error))
+        failed = {rank: message for rank, message in enumerate(errors) if message is not None}
+        if failed:
+            details = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
+            raise RuntimeError(
+                f"every rank must be ready before the run starts; got errors on rank(s) {sorted(failed)}: {details}"
+            )
+
+    def free(self) -> None:
+        """Release the cached sub-communicators (collective: every rank frees the same set)."""
+        for axes in sorted(self._subs):
+            self._subs.pop(axes).Free()
