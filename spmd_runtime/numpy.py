@@ -300,11 +300,17 @@ def matmul(a, b) -> Tensor:
         a = reshape(a, (1,) + a.shape)
     if vb:
         b = reshape(b, b.shape + (1,))
-    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    a = broadcast_to(a, batch + a.shape[-2:])
-    b = broadcast_to(b, batch + b.shape[-2:])
-    letters = string.ascii_letters[:len(batch)]
-    out = einsum(f"{letters}XY,{letters}YZ->{letters}XZ", a, b)
+    if b.ndim == 2 or a.ndim == 2:  # a stack times one matrix: contract directly, never broadcast the matrix
+        letters = string.ascii_letters[:builtins.max(a.ndim, b.ndim) - 2]
+        ta = (letters if a.ndim > 2 else "") + "XY"
+        tb = (letters if b.ndim > 2 else "") + "YZ"
+        out = einsum(f"{ta},{tb}->{letters}XZ", a, b)
+    else:
+        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a = broadcast_to(a, batch + a.shape[-2:])
+        b = broadcast_to(b, batch + b.shape[-2:])
+        letters = string.ascii_letters[:len(batch)]
+        out = einsum(f"{letters}XY,{letters}YZ->{letters}XZ", a, b)
     if va:
         out = reshape(out, out.shape[:-2] + out.shape[-1:])
     if vb:

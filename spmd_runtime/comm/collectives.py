@@ -45,7 +45,7 @@ def all_gather(mc, x, axes, dim: int):
     send = _to_front(xp, x, dim)
     recv = xp.empty((k * send.shape[0],) + send.shape[1:], send.dtype)
     mc.transport.run(lambda s, r: mc.Allgather(axes, s, r), send, recv)
-    return xp.moveaxis(recv, 0, dim)
+    return _move_axis(xp, recv, 0, dim)
 
 
 def reduce_scatter(mc, x, axes, dim: int, op: str = "sum"):
@@ -62,7 +62,7 @@ def reduce_scatter(mc, x, axes, dim: int, op: str = "sum"):
     send = _to_front(xp, x, dim)
     recv = xp.empty((send.shape[0] // k,) + send.shape[1:], send.dtype)
     mc.transport.run(lambda s, r: mc.Reduce_scatter_block(axes, s, r, op), send, recv)
-    return xp.moveaxis(recv, 0, dim)
+    return _move_axis(xp, recv, 0, dim)
 
 
 def all_to_all(mc, x, axes, split_dim: int, concat_dim: int):
@@ -80,12 +80,12 @@ def all_to_all(mc, x, axes, split_dim: int, concat_dim: int):
         return x.copy()
     # (..., k, n/k, ...) with the block index in front: send[j] is block j, contiguous.
     blocked = x.reshape(x.shape[:split_dim] + (k, x.shape[split_dim] // k) + x.shape[split_dim + 1:])
-    send = xp.ascontiguousarray(xp.moveaxis(blocked, split_dim, 0))
+    send = xp.ascontiguousarray(_move_axis(xp, blocked, split_dim, 0))
     recv = xp.empty(send.shape, send.dtype)
     mc.transport.run(lambda s, r: mc.Alltoall(axes, s, r), send, recv)
     # recv[i] came from shard i: merge the source index into concat_dim, major.
     block = recv.shape[1:]
-    merged = xp.moveaxis(recv, 0, concat_dim)
+    merged = _move_axis(xp, recv, 0, concat_dim)
     return merged.reshape(block[:concat_dim] + (k * block[concat_dim],) + block[concat_dim + 1:])
 
 
@@ -126,7 +126,12 @@ def _permute_partners(pairs, rank: int, world_size: int) -> tuple[int | None, in
 
 def _to_front(xp, x, dim: int):
     """``x`` with ``dim`` moved to axis 0, C-contiguous; no copy when that already holds."""
-    return xp.ascontiguousarray(xp.moveaxis(x, dim, 0) if dim else x)
+    return xp.ascontiguousarray(_move_axis(xp, x, dim, 0))
+
+
+def _move_axis(xp, x, source: int, destination: int):
+    # np.moveaxis costs microseconds of argument checking: skip it when it is the identity.
+    return x if source == destination else xp.moveaxis(x, source, destination)
 
 
 def _normalize_dim(dim: int, ndim: int, what: str) -> int:

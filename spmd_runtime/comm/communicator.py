@@ -54,13 +54,20 @@ class MeshCommunicator:
             )
         self.mesh, self.comm, self.rank = mesh, comm, comm.Get_rank()
         self.transport = Transport() if transport is None else transport
+        # Keyed by the axes tuple: the hot path is one dict lookup, validation happens on a miss.
         self._subs: dict[tuple[str, ...], object] = {}
+        self._sizes: dict[tuple[str, ...], int] = {}
 
     def __repr__(self):
         return f"MeshCommunicator({self.mesh}, rank={self.rank})"
 
     def axis_size(self, axes: tuple[str, ...]) -> int:
-        return self.mesh.axis_size(self._check_axes(axes))
+        """Group size k over ``axes`` (validated and cached)."""
+        try:
+            return self._sizes[axes]
+        except (KeyError, TypeError):  # first use, or a str / list spelling of the axes
+            axes = self._check_axes(axes)
+            return self._sizes.setdefault(axes, self.mesh.axis_size(axes))
 
     def index_along(self, axes: tuple[str, ...]) -> int:
         """This rank's shard number (and sub-communicator rank) over ``axes``."""
@@ -68,7 +75,10 @@ class MeshCommunicator:
 
     def sub(self, axes: tuple[str, ...]):
         """The sub-communicator over ``axes`` holding this rank, ranked by ``index_along``. Collective on first use."""
-        axes = self._check_axes(axes)
+        try:
+            return self._subs[axes]
+        except (KeyError, TypeError):
+            axes = self._check_axes(axes)
         if axes not in self._subs:
             color = self.mesh.group_color(self.rank, axes)
             self._subs[axes] = self.comm.Split(color=color, key=self.mesh.index_along(self.rank, axes))

@@ -131,8 +131,7 @@ class Transport:
 
     def run(self, mpi_call, send, recv) -> None:
         """``mpi_call(send_buffer, recv_buffer)`` on MPI-readable buffers; either may be None (no data)."""
-        arrays = [a for a in (send, recv) if a is not None]
-        if not any(is_device_array(a) for a in arrays):
+        if not (is_device_array(send) or is_device_array(recv)):  # None is no device array either
             return mpi_call(send, recv)
         # Kernels producing `send` run asynchronously: MPI must not read before they finish.
         self.device_ops.synchronize()

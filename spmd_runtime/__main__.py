@@ -1,0 +1,74 @@
+"""Command line: ``python -m spmd_runtime {run,show} PROGRAM ...`` (run under mpiexec)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spmd_runtime", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run a saved program on every rank (under mpiexec)")
+    run.add_argument("program")
+    run.add_argument("--inputs", required=True, help=".npz with one array per parameter name")
+    run.add_argument("--out", required=True, help=".npz written by rank 0 with out0, out1, ...")
+    run.add_argument("--backend", default=None, help="numpy | cupy (default: SPMD_BACKEND or auto)")
+    show = sub.add_parser("show", help="print a saved program and its comm summary")
+    show.add_argument("program")
+    args = parser.parse_args(argv)
+    return _run(args) if args.cmd == "run" else _show(args)
+
+
+def _show(args) -> int:
+    from .program import load_program
+    program = load_program(args.program)
+    print(program)
+    print(format_comm_summary(program))
+    return 0
+
+
+def _run(args) -> int:
+    from mpi4py import MPI
+
+    from .exec import run
+    from .program import load_program
+    comm = MPI.COMM_WORLD
+    try:
+        program = load_program(args.program)
+        with np.load(args.inputs) as data:
+            missing = [i.name for i in program.inputs if i.name not in data]
+            if missing:
+                raise KeyError(f"--inputs needs one array per program input {[i.name for i in program.inputs]}; "
+                               f"got keys {sorted(data.keys())}, missing {missing}")
+            inputs = [data[i.name] for i in program.inputs]
+    except Exception:
+        _abort(comm, "could not load the program or inputs")
+    outs = run(program, *inputs, comm=comm, backend=args.backend)
+    if comm.Get_rank() == 0:
+        from .exec.backend import to_host
+        np.savez(args.out, **{f"out{i}": to_host(o) for i, o in enumerate(outs)})
+        print(f"wrote {len(outs)} outputs to {args.out}")
+    return 0
+
+
+def _abort(comm, what: str) -> None:
+    """Print this rank's error and end the whole job: no rank may wait forever in a collective."""
+    sys.stderr.write(f"spmd_runtime: rank {comm.Get_rank()}: {what}:\n{traceback.format_exc()}")
+    sys.stderr.flush()
+    comm.Abort(1)
+
+
+def format_comm_summary(program) -> str:
+    rows = [f"{'#':>3} {'collective':<19} {'axes':<14} {'k':>3} {'bytes in':>12} {'bytes out':>12} {'wire bytes':>12}"]
+    for i, c in enumerate(program.comm_summary()):
+        rows.append(f"{i:>3} {c['kind']:<19} {','.join(c['axes']):<14} {c['group_size']:>3} {c['bytes_in']:>12} "
+                    f"{c['bytes_out']:>12} {c['wire_bytes']:>12.0f}")
+    rows.append(f"    total wire bytes per rank: {program.wire_bytes:.0f}")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
