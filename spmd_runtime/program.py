@@ -84,9 +84,10 @@ class SPMDProgram:
                 for i in self.inputs}
         peak = cur = sum(live.values())
         for ins in self.instrs:
-            live[ins.out] = ins.nbytes
-            cur += ins.nbytes
-            peak = max(peak, cur)
+            if ins.op != "parameter":  # inputs are counted above
+                live[ins.out] = ins.nbytes
+                cur += ins.nbytes
+                peak = max(peak, cur)
             cur -= sum(live.pop(s, 0) for s in ins.free)
         return peak
 

@@ -106,3 +106,28 @@ def make_inputs(case: Case, seed: int = 0):
         return [rng.integers(-5, 6, size=s).astype(case.dtype) for s in case.shapes]
     draw = (lambda s: rng.uniform(0.5, 2.0, size=s)) if case.positive else (lambda s: rng.standard_normal(s))
     return [draw(s).astype(case.dtype) for s in case.shapes]
+
+
+def fits(case: Case, specs, mesh) -> bool:
+    """Whether every annotated input splits evenly on ``mesh`` (uneven splits are refused by design)."""
+    for shape, spec in zip(case.shapes, specs):
+        spec = resolve(spec, mesh)
+        for n, entry in zip(shape, spec or ()):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            if n % mesh.axis_size(axes):
+                return False
+    return True
+
+
+def partition_case(case: Case, specs, mesh):
+    """(graph, program, inputs, expected outputs) for one table entry."""
+    import spmd_runtime as sr
+    import spmd_runtime.numpy as snp
+    args = make_inputs(case)
+    graph = sr.trace(lambda *a: case.fn(snp, *a), *args)
+    program = sr.partition(graph, mesh, in_specs=[resolve(s, mesh) for s in specs])
+    return graph, program, args, sr.evaluate(graph, *args)
+
+
+def tolerance(dtype: str) -> float:
+    return {"float32": 1e-4, "float64": 1e-10}.get(dtype, 0.0)

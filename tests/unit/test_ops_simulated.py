@@ -8,35 +8,30 @@ import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.comm import run_simulated
 
-from op_cases import CASES, make_inputs, resolve
+from op_cases import CASES, fits, make_inputs, partition_case, tolerance
 
 MESHES = [sr.Mesh((n,), ("x",)) for n in (1, 2, 3, 4, 6, 8)] + [
     sr.Mesh(s, ("x", "y")) for s in ((2, 2), (2, 3), (3, 2), (2, 4), (4, 2))] + [
     sr.Mesh((2, 4), ("x", "y"), devices=(7, 6, 5, 4, 3, 2, 1, 0))]
 
-PARAMS = [pytest.param(c, s, id=f"{c.name}-spec{i}") for c in CASES for i, s in enumerate(c.specs)]
-
-
-def tol(dtype):
-    return {"float32": 1e-4, "float64": 1e-10}.get(dtype, 0)
+PARAMS = [pytest.param(c, s, m, id=f"{c.name}-spec{i}-{m}") for c in CASES for i, s in enumerate(c.specs)
+          for m in MESHES if fits(c, s, m)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_reference_matches_numpy(case):
     args = make_inputs(case)
     graph = sr.trace(lambda *a: case.fn(snp, *a), *args)
-    np.testing.assert_allclose(sr.evaluate(graph, *args)[0], case.fn(np, *args), rtol=tol(case.dtype), atol=tol(case.dtype))
+    tol = tolerance(case.dtype)
+    np.testing.assert_allclose(sr.evaluate(graph, *args)[0], case.fn(np, *args), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=str)
-@pytest.mark.parametrize("case,specs", PARAMS)
+@pytest.mark.parametrize("case,specs,mesh", PARAMS)
 def test_partitioned_matches_reference(case, specs, mesh):
-    args = make_inputs(case)
-    graph = sr.trace(lambda *a: case.fn(snp, *a), *args)
-    expected = sr.evaluate(graph, *args)
-    program = sr.partition(graph, mesh, in_specs=[resolve(s, mesh) for s in specs])
+    graph, program, args, expected = partition_case(case, specs, mesh)
     outs = run_simulated(mesh.size, lambda comm: sr.run(program, *args, comm=comm))
+    tol = tolerance(case.dtype)
     for rank, got in enumerate(outs):
         for g, e in zip(got, expected):
             assert g.shape == e.shape and g.dtype == e.dtype, f"rank {rank}"
-            np.testing.assert_allclose(g, e, rtol=tol(case.dtype), atol=tol(case.dtype), err_msg=f"rank {rank}")
+            np.testing.assert_allclose(g, e, rtol=tol, atol=tol, err_msg=f"rank {rank}")

@@ -1,0 +1,148 @@
+"""The communication layer under real MPI, for any world size.
+
+Run: ``mpiexec -n N python -m pytest --with-mpi tests/mpi -p no:cacheprovider``.
+Meshes come from the world size at collection time, so every rank collects the
+same tests in the same order. Each rank computes every rank's local data
+itself (seeded by rank) and checks its own results against NumPy on that
+global data; assertions come after all collectives so a failure on one rank
+cannot leave the others waiting.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from spmd_runtime.comm import (
+    MeshCommunicator,
+    Transport,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    collective_permute,
+    reduce_scatter,
+)
+from spmd_runtime.comm import testing as ref
+from spmd_runtime.comm.testing import HostDeviceArray, HostDeviceOps
+from tests.mesh_cases import axes_choices, meshes_for
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD
+MESHES = meshes_for(WORLD.Get_size())
+CASES = [pytest.param(m, axes, id=f"{m}-{'.'.join(axes) or 'none'}") for m in MESHES for axes in axes_choices(m)]
+DTYPES = (np.float32, np.float64, np.int64)
+
+
+def local_arrays(mesh, shape, dtype, seed=0):
+    # Small integers: float sums are exact whatever order MPI reduces in.
+    return [np.random.default_rng([seed, r]).integers(-50, 50, shape).astype(dtype) for r in range(mesh.size)]
+
+
+def assert_same(actual, expected):
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.fixture
+def make_mc():
+    """MeshCommunicators on COMM_WORLD, freed after the test."""
+    made = []
+
+    def make(mesh, **kwargs):
+        made.append(MeshCommunicator(mesh, **kwargs))
+        return made[-1]
+
+    yield make
+    for mc in made:
+        mc.free()
+
+
+def test_world_meshes_cover_the_world(world_meshes):
+    assert [str(m) for m in world_meshes] == [str(m) for m in MESHES]
+    assert all(m.size == WORLD.Get_size() for m in world_meshes)
+
+
+@pytest.mark.parametrize("mesh, axes", CASES)
+def test_collectives_match_numpy(mesh, axes, make_mc):
+    mc, k, rank = make_mc(mesh), mesh.axis_size(axes), WORLD.Get_rank()
+    checks = []  # (got, expected) pairs, asserted after every collective ran
+    for dtype in DTYPES:
+        xs = local_arrays(mesh, (2 * k, k, 3 * k), dtype)
+        x = xs[rank]
+        for op in ("sum", "max", "min"):
+            checks.append((all_reduce(mc, x, axes, op), ref.reference_all_reduce(mesh, xs, rank, axes, op)))
+        for dim in (0, 1, -1):
+            checks.append((all_gather(mc, x, axes, dim), ref.reference_all_gather(mesh, xs, rank, axes, dim)))
+            checks.append((reduce_scatter(mc, x, axes, dim, "sum"),
+                           ref.reference_reduce_scatter(mesh, xs, rank, axes, dim, "sum")))
+        for split, concat in ((0, 0), (0, 2), (2, 0), (1, 2), (-1, 1)):
+            checks.append((all_to_all(mc, x, axes, split, concat),
+                           ref.reference_all_to_all(mesh, xs, rank, axes, split, concat)))
+    for got, expected in checks:
+        assert_same(got, expected)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+def test_sub_communicators_follow_mesh_groups(mesh, make_mc):
+    mc, rank = make_mc(mesh), WORLD.Get_rank()
+    for axes in axes_choices(mesh):
+        sub = mc.sub(axes)
+        members = ref.group_members(mesh, rank, axes)
+        assert mc.sub(axes) is sub  # cached: a second Split would be a collective every rank must join
+        assert (sub.Get_rank(), sub.Get_size(), sub.allgather(rank)) == (members.index(rank), len(members), members)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+def test_collective_permute(mesh, make_mc):
+    mc, rank, n = make_mc(mesh), WORLD.Get_rank(), mesh.size
+    xs = local_arrays(mesh, (3, 4), np.float64)
+    cases = [[(r, (r + 1) % n) for r in range(n)], [], [(0, 0)], [(n - 1, 0)], [(r, n - 1 - r) for r in range(n // 2)]]
+    cases += [[(g[i], g[(i + 1) % len(g)]) for g in mesh.groups(axes) for i in range(len(g))]
+              for axes in axes_choices(mesh)[1:]]
+    results = [collective_permute(mc, xs[rank], pairs) for pairs in cases]
+    for pairs, got in zip(cases, results):
+        assert_same(got, ref.reference_permute(xs, rank, pairs))
+
+
+def test_agree_raises_on_every_rank(make_mc):
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    mc = make_mc(MESHES[0])
+    mc.agree(None)
+    failing = sorted({0, n - 1})
+    with pytest.raises(RuntimeError, match=re.escape(f"rank(s) {failing}")) as info:
+        mc.agree(f"bad input on {rank}" if rank in failing else None)
+    assert all(f"rank {r}: bad input on {r}" in str(info.value) for r in failing)
+
+
+@pytest.mark.parametrize("cuda_aware", [True, False], ids=["direct", "staged"])
+def test_device_arrays(cuda_aware, make_mc):
+    # HostDeviceArray exposes only __cuda_array_interface__, so in the direct
+    # path mpi4py takes the CUDA array interface route with host memory.
+    mesh, rank = MESHES[-1], WORLD.Get_rank()
+    axes = mesh.axis_names[::-1]
+    k = mesh.axis_size(axes)
+    xs = local_arrays(mesh, (2 * k, 3 * k), np.float32)
+    events = []
+    mc = make_mc(mesh, transport=Transport(cuda_aware=cuda_aware, device_ops=HostDeviceOps(events)))
+    x = HostDeviceArray(xs[rank])
+    pairs = [(r, (r + 1) % mesh.size) for r in range(mesh.size)]
+    got = [all_reduce(mc, x, axes, "sum"), all_gather(mc, x, axes, 1), reduce_scatter(mc, x, axes, 0, "max"),
+           all_to_all(mc, x, axes, 0, 1), collective_permute(mc, x, pairs)]
+    expected = [ref.reference_all_reduce(mesh, xs, rank, axes, "sum"), ref.reference_all_gather(mesh, xs, rank, axes, 1),
+                ref.reference_reduce_scatter(mesh, xs, rank, axes, 0, "max"),
+                ref.reference_all_to_all(mesh, xs, rank, axes, 0, 1), ref.reference_permute(xs, rank, pairs)]
+    for g, e in zip(got, expected):
+        assert isinstance(g, HostDeviceArray)
+        assert_same(g.get(), e)
+    moved = mesh.size > 1
+    assert events.count("sync") == (5 if moved else 0)
+    assert ("to_host" in events) == (moved and not cuda_aware)
+
+
+def test_barrier_and_size_check():
+    MeshCommunicator(MESHES[0]).Barrier()
+    with pytest.raises(ValueError, match="one MPI process per mesh device"):
+        MeshCommunicator(type(MESHES[0])((WORLD.Get_size() + 1,), ("x",)))
