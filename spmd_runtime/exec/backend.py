@@ -10,8 +10,9 @@ Environment:
                      imports and a GPU is visible, else numpy)
     SPMD_DEVICE      GPU id for this rank (default: node-local rank modulo the
                      number of visible GPUs)
-    SPMD_CUDA_AWARE  "1"/"0": whether MPI may be handed GPU buffers directly
-                     (default: ask the MPI library, see cuda_aware_mpi)
+
+Whether MPI may be handed GPU buffers directly (SPMD_CUDA_AWARE) is decided in
+spmd_runtime.comm.gpu.cuda_aware_mpi.
 """
 from __future__ import annotations
 
@@ -24,8 +25,6 @@ import numpy as np
 
 BACKENDS = ("numpy", "cupy")
 _GPU_HINT = "pip install spmd_runtime[gpu]"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 def _normalize(backend: str | None) -> str:
@@ -194,33 +193,10 @@ def select_device(comm: Any = None, device: int | str | None = None) -> int | No
     return device
 
 
-def cuda_aware_mpi() -> bool:
-    """Whether MPI can be given GPU buffers directly.
-
-    ``SPMD_CUDA_AWARE`` (1/0, true/false) decides when set; otherwise ask the
-    library (``MPI.Query_cuda_support()``, MPI 4.1 / Open MPI / MPICH), and
-    assume False when it cannot tell.
-    """
-    env = os.environ.get("SPMD_CUDA_AWARE", "").strip().lower()
-    if env in _TRUE:
-        return True
-    if env in _FALSE:
-        return False
-    if env:
-        raise ValueError(f"SPMD_CUDA_AWARE must be one of 1/0/true/false/yes/no/on/off; got {env!r}")
-    try:
-        from mpi4py import MPI  # noqa: PLC0415
-
-        return bool(MPI.Query_cuda_support())
-    except Exception:
-        return False
-
-
 __all__ = [
     "BACKENDS",
     "array_module_of",
     "backend_name",
-    "cuda_aware_mpi",
     "get_array_module",
     "gpu_available",
     "is_device_array",

@@ -71,7 +71,7 @@ class _FakeComm:
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for var in ("SPMD_BACKEND", "SPMD_DEVICE", "SPMD_CUDA_AWARE"):
+    for var in ("SPMD_BACKEND", "SPMD_DEVICE"):
         monkeypatch.delenv(var, raising=False)
     return monkeypatch
 
@@ -236,18 +236,6 @@ def test_to_device_cupy_uses_xp_asarray(clean_env):
     tag, arr = bk.to_device([1, 2, 3], fake)
     assert tag == "on-device"
     np.testing.assert_array_equal(arr, [1, 2, 3])
-
-
-@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("ON", True), ("0", False), ("no", False)])
-def test_cuda_aware_env_override(clean_env, value, expected):
-    clean_env.setenv("SPMD_CUDA_AWARE", value)
-    assert bk.cuda_aware_mpi() is expected
-
-
-def test_cuda_aware_env_invalid(clean_env):
-    clean_env.setenv("SPMD_CUDA_AWARE", "maybe")
-    with pytest.raises(ValueError, match="SPMD_CUDA_AWARE"):
-        bk.cuda_aware_mpi()
 
 
 def test_backend_module_does_not_import_cupy_or_mpi():
