@@ -11,7 +11,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "coll
 
 def wire_bytes(op: str, k: int, bytes_in: int, bytes_out: int) -> float:
     """Bytes each rank sends for one collective over ``k`` ranks (GSPMD_NOTES.md section 5)."""
-    if k <= 1 or op == "shard_slice":
+    if k <= 1 or op not in COLLECTIVES:
         return 0.0
     return {"all_reduce": 2 * (k - 1) / k * bytes_in, "all_gather": (k - 1) / k * bytes_out,
             "reduce_scatter": (k - 1) / k * bytes_in, "all_to_all": (k - 1) / k * bytes_in,

@@ -68,17 +68,17 @@ class Sharding:
         return tuple(-(-n // mesh.axis_size(d)) for n, d in zip(shape, self.dims))
 
     def check(self, mesh: Mesh, shape: tuple[int, ...], what: str = "tensor") -> None:
-        """Raise unless this sharding fits ``shape`` on ``mesh`` (known axes, one entry per dim, even split)."""
+        """Raise unless this sharding fits ``shape`` on ``mesh`` (known axes, one entry per dim).
+
+        Uneven splits are allowed: each shard holds ceil(n/k) elements, the trailing ones padded."""
         if len(self.dims) != len(shape):
             raise ValueError(f"a sharding needs one entry per dim of {what}; got {len(self.dims)} entries "
                              f"for shape {shape}")
         for a in self.axes + self.partial:
             mesh.axis_index(a)
-        for i, (n, d) in enumerate(zip(shape, self.dims)):
-            k = mesh.axis_size(d)
-            if n % k:
-                raise ValueError(f"dim {i} of {what} (size {n}) must split evenly into {k} shards over mesh "
-                                 f"axes {d}; got size {n} % {k} = {n % k} (uneven splits are not supported yet)")
+
+    def is_even(self, shape: tuple[int, ...], mesh: Mesh, dim: int) -> bool:
+        return shape[dim] % mesh.axis_size(self.dims[dim]) == 0
 
     def to_json(self):
         return {"dims": [list(d) for d in self.dims], "partial": list(self.partial), "reduce_op": self.reduce_op}

@@ -79,6 +79,19 @@ CASES = [
     Case("attention", _attention, ((24, 24, 24), (24, 24), (24, 24), (24, 24), (24, 24)),
          (((("A", None, None)), (None, "B"), (None, "B"), (None, "B"), ("B", None)), (None,) * 5,
           (((None, "A", None)),) + (None,) * 4)),
+    # uneven sizes: 10, 7 and 5 split over up to 8 shards (padding masked before reductions/contractions)
+    Case("uneven_add_bcast", lambda m, x, b: x * 2.0 + b, ((10, 7), (7,)), ((A_, None), (B_, ("A",)),
+                                                                         ((("A", "B"), None), None))),
+    Case("uneven_reduce", lambda m, x: m.sum(x, axis=0) + m.max(x, axis=0) - m.min(x, axis=0) + m.mean(x),
+         ((10, 7),), ((A_,), (B_,), (("A", "B"),))),
+    Case("uneven_matmul", lambda m, x, w: x @ w, ((10, 7), (7, 5)), ((B_, A_), (A_, B_), (("A", "B"), None))),
+    Case("uneven_softmax", _softmax, ((5, 10),), ((B_,), (("A", "B"),))),
+    Case("uneven_log_mask", lambda m, x: m.sum(m.log(x), axis=1) + m.max(-m.log(x)), ((6, 7),), ((B_,),),
+         positive=True),
+    Case("uneven_transpose_reshape", lambda m, x: (x.T * 1.0).reshape(7 * 10) + 1.0, ((10, 7),),
+         ((A_,), (B_,))),
+    Case("uneven_int_max", lambda m, x: m.max(x, axis=1) + m.min(x, axis=0).sum(), ((7, 10),), ((B_,), (A_,)),
+         dtype="int64"),
     Case("mlp_chain", lambda m, x, w1, w2: m.maximum(x @ w1, 0.0) @ w2, ((24, 24), (24, 48), (48, 24)),
          ((A_, (None, "B"), ("B", None)), ((None, None), (None, "A"), ("A", None)))),
 ]
@@ -106,17 +119,6 @@ def make_inputs(case: Case, seed: int = 0):
         return [rng.integers(-5, 6, size=s).astype(case.dtype) for s in case.shapes]
     draw = (lambda s: rng.uniform(0.5, 2.0, size=s)) if case.positive else (lambda s: rng.standard_normal(s))
     return [draw(s).astype(case.dtype) for s in case.shapes]
-
-
-def fits(case: Case, specs, mesh) -> bool:
-    """Whether every annotated input splits evenly on ``mesh`` (uneven splits are refused by design)."""
-    for shape, spec in zip(case.shapes, specs):
-        spec = resolve(spec, mesh)
-        for n, entry in zip(shape, spec or ()):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-            if n % mesh.axis_size(axes):
-                return False
-    return True
 
 
 def partition_case(case: Case, specs, mesh):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from spmd_runtime.comm.communicator import mpi_op
 
+
 def all_reduce(mc, x, axes, op: str = "sum"):
     """Elementwise ``op`` ('sum' | 'max' | 'min') of ``x`` over the group; same shape as ``x``.
 
@@ -27,7 +28,7 @@ def all_reduce(mc, x, axes, op: str = "sum"):
     mpi_op(op)  # reject a bad op even where k == 1 needs no MPI call
     if k == 1:
         return x.copy()
-    send = xp.ascontiguousarray(x)
+    send = _contiguous(xp, x)
     recv = xp.empty(send.shape, send.dtype)
     mc.transport.run(lambda s, r: mc.Allreduce(axes, s, r, op), send, recv)
     return recv
@@ -101,27 +102,38 @@ def collective_permute(mc, x, pairs):
     dest, source = _permute_partners(pairs, mc.rank, mc.mesh.size)
     if source == mc.rank:
         return x.copy()
-    recv = xp.zeros(x.shape, x.dtype)
-    if dest is None and source is None:
-        return recv
-    send = None if dest is None else xp.ascontiguousarray(x)
-    mc.transport.run(
-        lambda s, r: mc.Sendrecv(s, dest, r, source), send, None if source is None else recv
-    )
+    if source is None:
+        recv = xp.zeros(x.shape, x.dtype)
+        if dest is None:
+            return recv
+    else:
+        recv = xp.empty(x.shape, x.dtype)  # fully overwritten: skip the memset
+    send = None if dest is None else _contiguous(xp, x)
+    mc.transport.run(lambda s, r: mc.Sendrecv(s, dest, r, source), send, None if source is None else recv)
     return recv
 
 
 def _permute_partners(pairs, rank: int, world_size: int) -> tuple[int | None, int | None]:
-    """(where this rank sends, where it receives from), None when it has no partner."""
-    pairs = [(int(s), int(d)) for s, d in pairs]
-    sources, dests = [s for s, _ in pairs], [d for _, d in pairs]
-    if len(set(sources)) != len(sources) or len(set(dests)) != len(dests):
-        raise ValueError(f"collective_permute sources and destinations must each be unique; got pairs {pairs}")
-    if any(not 0 <= r < world_size for r in sources + dests):
-        raise ValueError(f"collective_permute ranks must be in [0, {world_size}); got pairs {pairs}")
-    dest = next((d for s, d in pairs if s == rank), None)
-    source = next((s for s, d in pairs if d == rank), None)
+    """(where this rank sends, where it receives from), None when it has no partner. One pass: it runs every call."""
+    dest = source = None
+    sources, dests = set(), set()
+    for s, d in pairs:
+        if s in sources or d in dests or not (0 <= s < world_size and 0 <= d < world_size):
+            raise ValueError(
+                f"collective_permute pairs must have unique sources and unique destinations, all ranks in "
+                f"[0, {world_size}); got pairs {list(pairs)}"
+            )
+        sources.add(s)
+        dests.add(d)
+        dest = d if s == rank else dest
+        source = s if d == rank else source
     return dest, source
+
+
+def _contiguous(xp, x):
+    # ascontiguousarray returns ndim >= 1: a 0-d array would come back with shape (1,).
+    c = xp.ascontiguousarray(x)
+    return c if c.shape == x.shape else c.reshape(x.shape)
 
 
 def _to_front(xp, x, dim: int):

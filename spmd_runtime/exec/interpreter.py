@@ -29,16 +29,27 @@ class Interpreter:
         if ins.op in _COLLECTIVES:
             return partial(_COLLECTIVES[ins.op], self.mc, **ins.attrs)
         if ins.op == "shard_slice":
-            return partial(_take_block, self._block(ins))
+            return partial(_take_block, self.xp, *self._block(ins))
+        if ins.op == "mask_padding":
+            return partial(_fill_tail, *self._valid_prefix(ins), ins.attrs["fill"])
         if ins.op not in KERNELS:
             raise NotImplementedError(f"the interpreter runs ops {sorted(KERNELS)} and collectives; got {ins.op!r}")
         return partial(KERNELS[ins.op], self.xp, **ins.attrs)
 
     def _block(self, ins):
-        """The slice this rank keeps: block index_along(axes) of size local_size on dim."""
+        """(dim, start, stop, pad): this rank keeps [start, stop) of the operand's dim, zero-padded by pad
+        (uneven shards: the tail of the last blocks lies past the true size)."""
+        dim, size = ins.attrs["dim"], ins.shape[ins.attrs["dim"]]
+        have = self.program.instrs[ins.args[0]].shape[dim]
+        start = min(self.program.mesh.index_along(self.mc.rank, ins.attrs["axes"]) * size, have)
+        stop = min(start + size, have)
+        return dim, start, stop, size - (stop - start)
+
+    def _valid_prefix(self, ins):
+        """(dim, count): how many leading entries of this rank's block of dim are real, not padding."""
         dim, size = ins.attrs["dim"], ins.shape[ins.attrs["dim"]]
         start = self.program.mesh.index_along(self.mc.rank, ins.attrs["axes"]) * size
-        return (slice(None),) * dim + (slice(start, start + size),)
+        return dim, max(0, min(size, ins.attrs["size"] - start))
 
     def run(self, local_inputs) -> list:
         """Local output shards for local input shards; each buffer is dropped after its last use."""
@@ -54,6 +65,19 @@ class Interpreter:
         return [env[s] for s in self.output_slots]
 
 
-def _take_block(index, x):
+def _take_block(xp, dim, start, stop, pad, x):
     # copy: a view would keep the whole unsliced buffer alive
-    return x[index].copy()
+    block = x[(slice(None),) * dim + (slice(start, stop),)].copy()
+    if pad:
+        widths = [(0, 0)] * x.ndim
+        widths[dim] = (0, pad)
+        block = xp.pad(block, widths)
+    return block
+
+
+def _fill_tail(dim, count, fill, x):
+    if count == x.shape[dim]:
+        return x
+    x = x.copy()
+    x[(slice(None),) * dim + (slice(count, None),)] = fill
+    return x

@@ -91,3 +91,14 @@ def einsum(xp, a, b, spec):
     r = xp.matmul(a3, b3).reshape([sizes[c] for c in batch + free_a + free_b])
     order = batch + free_a + free_b
     return r.transpose([order.index(c) for c in out])
+
+
+@kernel("resize")
+def resize(xp, x, dim, size):
+    """Trim ``dim`` to ``size``, or pad it with zeros up to ``size`` (uneven shards)."""
+    n = x.shape[dim]
+    if size <= n:
+        return x[(slice(None),) * dim + (slice(0, size),)]
+    pad = [(0, 0)] * x.ndim
+    pad[dim] = (0, size - n)
+    return xp.pad(x, pad)

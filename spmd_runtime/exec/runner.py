@@ -39,34 +39,59 @@ def run(program: SPMDProgram, *inputs, comm=None, backend=None) -> list:
     """Run on every rank with the same global ``inputs``; returns the global outputs (NumPy/CuPy arrays)."""
     mc = _prepare(program, comm, [_check_global(program, inputs)], inputs)
     xp = get_array_module(backend)
-    local = [to_device(shard(x, spec.sharding, program.mesh, mc.rank), xp) for x, spec in zip(inputs, program.inputs)]
+    local = [to_device(shard(x, spec.sharding, program.mesh, mc.rank, pad=True), xp)
+             for x, spec in zip(inputs, program.inputs)]
     outs = _guarded(mc, lambda: _interpreter(program, mc, xp).run(local))
-    return _guarded(mc, lambda: [unshard(o, spec.sharding, mc) for o, spec in zip(outs, program.outputs)])
+    return _guarded(mc, lambda: [unshard(o, spec.sharding, spec.shape, mc) for o, spec in zip(outs, program.outputs)])
 
 
 def run_local(program: SPMDProgram, *local_inputs, comm=None, backend=None) -> list:
-    """Run on this rank's input shards (shapes as ``program.inputs[i].sharding.local_shape``); returns local shards."""
-    mc = _prepare(program, comm, [_check_local(program, local_inputs)], local_inputs)
+    """Run on this rank's true input blocks (``shard(x, sharding, mesh, rank)``: uneven tails are short);
+    returns this rank's true output blocks."""
+    mc = communicator(program.mesh, comm)
+    mc_rank, mesh = mc.rank, program.mesh
+    mc = _prepare(program, comm, [_check_local(program, local_inputs, mc_rank)], local_inputs)
     xp = get_array_module(backend)
-    return _guarded(mc, lambda: _interpreter(program, mc, xp).run([to_device(x, xp) for x in local_inputs]))
+    padded = [_pad_to(to_device(x, xp), s.sharding.local_shape(s.shape, mesh), xp)
+              for x, s in zip(local_inputs, program.inputs)]
+    outs = _guarded(mc, lambda: _interpreter(program, mc, xp).run(padded))
+    return [_trim(o, spec, mesh, mc_rank) for o, spec in zip(outs, program.outputs)]
 
 
-def shard(x, sharding, mesh, rank):
-    """This rank's block of the global array ``x``."""
-    index = []
+def block_bounds(n: int, k: int, i: int) -> tuple[int, int]:
+    """[start, stop) of block i of a dim of size n in k blocks of ceil(n/k) (the tail may be short or empty)."""
+    c = -(-n // k)
+    return min(i * c, n), min((i + 1) * c, n)
+
+
+def shard(x, sharding, mesh, rank, pad=False):
+    """This rank's true block of the global array ``x``; ``pad=True`` zero-pads it to the ceil size."""
+    index, widths = [], []
     for n, axes in zip(x.shape, sharding.dims):
-        size = n // mesh.axis_size(axes)
-        start = mesh.index_along(rank, axes) * size
-        index.append(slice(start, start + size))
-    return x[tuple(index)]
+        k = mesh.axis_size(axes)
+        start, stop = block_bounds(n, k, mesh.index_along(rank, axes))
+        index.append(slice(start, stop))
+        widths.append((0, -(-n // k) - (stop - start)))
+    block = x[tuple(index)]
+    return np.pad(block, widths) if pad and any(w for _, w in widths) else block
 
 
-def unshard(local, sharding, mc):
-    """The global array from every rank's block: all-gathers along each split dim."""
+def unshard(local, sharding, shape, mc):
+    """The global array from every rank's (padded) block: all-gathers along each split dim, then trims."""
     for dim, axes in enumerate(sharding.dims):
         if axes:
-            local = collectives.all_gather(mc, local, axes, dim)
+            local = collectives.all_gather(mc, local, axes, dim)[(slice(None),) * dim + (slice(0, shape[dim]),)]
     return local
+
+
+def _pad_to(x, shape, xp):
+    widths = [(0, want - have) for have, want in zip(x.shape, shape)]
+    return xp.pad(x, widths) if any(w for _, w in widths) else x
+
+
+def _trim(x, spec, mesh, rank):
+    return x[tuple(slice(0, b - a) for a, b in (block_bounds(n, mesh.axis_size(axes), mesh.index_along(rank, axes))
+                                                for n, axes in zip(spec.shape, spec.sharding.dims)))]
 
 
 def _prepare(program, comm, errors, inputs) -> MeshCommunicator:
@@ -84,8 +109,12 @@ def _check_global(program, inputs) -> str | None:
     return _check(program, inputs, lambda spec: spec.shape, "global")
 
 
-def _check_local(program, inputs) -> str | None:
-    return _check(program, inputs, lambda spec: spec.sharding.local_shape(spec.shape, program.mesh), "local")
+def _check_local(program, inputs, rank) -> str | None:
+    def true_block(spec):
+        return tuple(b - a for a, b in (block_bounds(n, program.mesh.axis_size(axes),
+                                                     program.mesh.index_along(rank, axes))
+                                        for n, axes in zip(spec.shape, spec.sharding.dims)))
+    return _check(program, inputs, true_block, "local")
 
 
 def _check(program, inputs, shape_of, kind) -> str | None:

@@ -50,15 +50,26 @@ class PartitionContext:
     def value(self, node_id: int) -> LocalValue:
         return self.values[node_id]
 
-    def emit(self, op, args, attrs, sharding: Sharding, shape, dtype) -> LocalValue:
+    def emit(self, op, args, attrs, sharding: Sharding, shape, dtype, local=None) -> LocalValue:
+        """Append one instruction; its local shape is the sharding's unless ``local`` says otherwise."""
         out = LocalValue(len(self.instrs), sharding, tuple(shape), str(dtype))
-        local = sharding.local_shape(out.shape, self.mesh)
+        local = sharding.local_shape(out.shape, self.mesh) if local is None else tuple(local)
         self.instrs.append(Instr(op, out.slot, tuple(a.slot for a in args), dict(attrs), local, out.dtype,
                                  sharding, out.shape))
         return out
 
     def emit_like(self, node: Node, op, args, attrs, sharding: Sharding) -> LocalValue:
         return self.emit(op, args, attrs, sharding, node.shape, node.dtype)
+
+    def mask_padding(self, value: LocalValue, dims, fill) -> LocalValue:
+        """``value`` with the padding of its unevenly split ``dims`` set to ``fill`` (the identity of the
+        reduction or contraction about to read them)."""
+        for d in dims:
+            axes = value.sharding.dims[d]
+            if axes and not value.sharding.is_even(value.shape, self.mesh, d):
+                value = self.emit("mask_padding", [value], {"dim": d, "axes": axes, "size": value.shape[d],
+                                                            "fill": fill}, value.sharding, value.shape, value.dtype)
+        return value
 
     def cost(self, value: LocalValue, target: Sharding) -> float:
         return plan_cost(value.sharding, target, value.shape, value.dtype, self.mesh)
@@ -73,7 +84,7 @@ class PartitionContext:
             self.notes += plan.notes
             cur = value
             for step in plan.steps:
-                cur = self.emit(step.op, [cur], step.attrs, step.result, value.shape, value.dtype)
+                cur = self.emit(step.op, [cur], step.attrs, step.result, value.shape, value.dtype, step.local)
             self._reshard_cache[key] = cur
         return self._reshard_cache[key]
 

@@ -89,13 +89,14 @@ def _update(vid, cand, graph, mesh, sh, fixed) -> bool:
 
 
 def legalize(s: Sharding, shape, mesh: Mesh) -> Sharding:
-    """Keep, per dim, the longest prefix of axes that splits the dim evenly; drop partials."""
+    """Keep, per dim, the longest prefix of axes with no more shards than elements (uneven splits are
+    fine, empty shards are waste); drop partials."""
     dims = []
     for n, axes in zip(shape, s.dims):
         k, keep = 1, []
         for a in axes:
             k *= mesh.axis_size(a)
-            if n % k:
+            if k > n:
                 break
             keep.append(a)
         dims.append(tuple(keep))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
+
 from ..graph import ELEMENTWISE_OPS
 from ..sharding import Sharding
 from .partitioner import PartitionContext, partition_rule
@@ -93,10 +95,23 @@ def _reduce(ctx, node):
     for i in range(len(x.shape)):
         dims.append(tuple(a for a in x.sharding.dims[i] if a not in target.axes) if i in axes else next(kept))
     need = Sharding(tuple(dims))
-    x = ctx.reshard(x, need)
+    x = ctx.mask_padding(ctx.reshard(x, need), axes, reduce_identity(node.attrs["kind"], x.dtype))
     partial = tuple(a for i in axes for a in need.dims[i])
     result = Sharding(target.dims, partial, node.attrs["kind"] if partial else "sum")
     return ctx.emit_like(node, "reduce", [x], node.attrs, result)
+
+
+def reduce_identity(kind: str, dtype):
+    """The value padding must hold so a ``kind`` reduction ignores it."""
+    dtype = np.dtype(dtype)
+    if kind == "sum":
+        return 0
+    if dtype == np.bool_:
+        return kind == "min"
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return int(info.min if kind == "max" else info.max)
+    return float("-inf") if kind == "max" else float("inf")
 
 
 # ---------------------------------------------------------------- einsum
@@ -125,7 +140,9 @@ def _einsum(ctx, node):
         if best is None or key < best[0]:
             best = (key, shard_a, shard_b, result)
     _, shard_a, shard_b, result = best
-    args = [ctx.reshard(a, shard_a), ctx.reshard(b, shard_b)]
+    contracting = [c for c in lhs_t if c in rhs_t and c not in out_t]
+    args = [ctx.mask_padding(ctx.reshard(v, s), [t.index(c) for c in contracting], 0)
+            for v, s, t in ((a, shard_a, lhs_t), (b, shard_b, rhs_t))]
     return ctx.emit_like(node, "einsum", args, node.attrs, result)
 
 
@@ -134,7 +151,7 @@ def _letter_options(sizes, termed, mesh) -> dict[str, list[tuple[str, ...]]]:
     opts = {c: [()] for c in sizes}
     for term, s in termed:
         for c, axes in zip(term, s.dims):
-            if axes and axes not in opts[c] and sizes[c] % mesh.axis_size(axes) == 0:
+            if axes and axes not in opts[c] and mesh.axis_size(axes) <= sizes[c]:
                 opts[c].append(axes)
     return opts
 

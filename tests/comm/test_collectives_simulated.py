@@ -25,7 +25,7 @@ from spmd_runtime.comm import (
 from spmd_runtime.comm import testing as ref
 from spmd_runtime.comm.testing import HostDeviceArray, HostDeviceOps
 from spmd_runtime.mesh import Mesh
-from tests.mesh_cases import axes_choices
+from mesh_cases import axes_choices
 
 MESHES = [Mesh((n,), ("x",)) for n in (1, 2, 3, 4, 6, 8)] + [
     Mesh(shape, ("x", "y")) for shape in ((2, 2), (2, 3), (2, 4), (4, 2))
@@ -147,6 +147,18 @@ def test_non_contiguous_inputs(mesh, axes):
         assert_same(gat, ref.reference_all_gather(mesh, xs, rank, axes, 1))
         assert_same(rs, ref.reference_reduce_scatter(mesh, xs, rank, axes, 1, "sum"))
         assert_same(a2a, ref.reference_all_to_all(mesh, xs, rank, axes, 0, 1))
+
+
+@pytest.mark.parametrize("mesh", [m for m in MESHES if len(m.shape) == 2], ids=str)
+def test_zero_dim_arrays_keep_their_shape(mesh):
+    xs = [np.array(float(r + 1)) for r in range(mesh.size)]
+    pairs = [(r, (r + 1) % mesh.size) for r in range(mesh.size)]
+    results = on_mesh(mesh, lambda mc: [all_reduce(mc, xs[mc.rank], a, "max") for a in axes_choices(mesh)]
+                      + [collective_permute(mc, xs[mc.rank], pairs)])
+    for rank in range(mesh.size):
+        expected = [ref.reference_all_reduce(mesh, xs, rank, a, "max") for a in axes_choices(mesh)]
+        for got, want in zip(results[rank], expected + [ref.reference_permute(xs, rank, pairs)]):
+            assert got.shape == () and got == want
 
 
 # -- collective_permute -----------------------------------------------------------------------

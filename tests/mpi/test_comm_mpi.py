@@ -26,7 +26,7 @@ from spmd_runtime.comm import (
 )
 from spmd_runtime.comm import testing as ref
 from spmd_runtime.comm.testing import HostDeviceArray, HostDeviceOps
-from tests.mesh_cases import axes_choices, meshes_for
+from mesh_cases import axes_choices, meshes_for
 
 pytestmark = pytest.mark.mpi
 
@@ -81,7 +81,10 @@ def test_collectives_match_numpy(mesh, axes, make_mc):
         for split, concat in ((0, 0), (0, 2), (2, 0), (1, 2), (-1, 1)):
             checks.append((all_to_all(mc, x, axes, split, concat),
                            ref.reference_all_to_all(mesh, xs, rank, axes, split, concat)))
+    scalars = [np.array(float(r + 1)) for r in range(mesh.size)]  # 0-d arrays keep shape ()
+    checks.append((all_reduce(mc, scalars[rank], axes, "max"), ref.reference_all_reduce(mesh, scalars, rank, axes, "max")))
     for got, expected in checks:
+        assert got.shape == expected.shape
         assert_same(got, expected)
 
 
@@ -131,7 +134,8 @@ def test_device_arrays(cuda_aware, make_mc):
     pairs = [(r, (r + 1) % mesh.size) for r in range(mesh.size)]
     got = [all_reduce(mc, x, axes, "sum"), all_gather(mc, x, axes, 1), reduce_scatter(mc, x, axes, 0, "max"),
            all_to_all(mc, x, axes, 0, 1), collective_permute(mc, x, pairs)]
-    expected = [ref.reference_all_reduce(mesh, xs, rank, axes, "sum"), ref.reference_all_gather(mesh, xs, rank, axes, 1),
+    expected = [ref.reference_all_reduce(mesh, xs, rank, axes, "sum"),
+                ref.reference_all_gather(mesh, xs, rank, axes, 1),
                 ref.reference_reduce_scatter(mesh, xs, rank, axes, 0, "max"),
                 ref.reference_all_to_all(mesh, xs, rank, axes, 0, 1), ref.reference_permute(xs, rank, pairs)]
     for g, e in zip(got, expected):

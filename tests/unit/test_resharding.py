@@ -75,8 +75,9 @@ def all_shardings(mesh, ndim=2):
 @pytest.mark.filterwarnings("ignore:spmd_runtime partitioner")
 @pytest.mark.parametrize("mesh", [sr.Mesh((2, 4), ("x", "y")), sr.Mesh((3, 2), ("x", "y")),
                                   sr.Mesh((2, 2), ("x", "y"), devices=(3, 1, 2, 0))], ids=str)
-def test_every_pair_of_shardings_moves_data_correctly(mesh):
-    x = np.arange(24 * 24, dtype=np.float64).reshape(24, 24)
+@pytest.mark.parametrize("shape", [(24, 24), (10, 7), (5, 3)], ids=str)
+def test_every_pair_of_shardings_moves_data_correctly(mesh, shape):
+    x = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
     shardings = list(all_shardings(mesh))
     programs = []
     for src, dst in itertools.product(shardings, shardings):

@@ -1,0 +1,375 @@
+"""Sharded checkpoints in the in-process simulated world: save on a (2,4) mesh,
+restore on other meshes and shardings, one file per distinct block, atomic
+replacement when a rank fails or the job dies mid-commit, and the error messages.
+
+The tests compute every rank's expected block themselves (ceil-size shards,
+trailing ones shorter or empty) rather than with the module's helpers.
+"""
+import json
+import os
+import re
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+from spmd_runtime import Mesh, Sharding, parse_spec
+from spmd_runtime.checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
+from spmd_runtime.comm import run_simulated
+from spmd_runtime.program import IOSpec, SPMDProgram
+
+SAVE_MESH = Mesh((2, 4), ("x", "y"))
+
+
+def _originals():
+    rng = np.random.default_rng(0)
+    return {
+        "w": rng.standard_normal((10, 6)).astype(np.float32),     # 10/2, 6/4 -> 2,2,2,0: one empty column block
+        "v": rng.standard_normal(10),                             # 10/4 -> 3,3,3,1
+        "u": rng.integers(-9, 9, (7, 3)),                         # 7 over (x,y)=8 -> seven of 1, one empty
+        "r": rng.integers(0, 100, (3, 4)).astype(np.int16),       # replicated
+        "s": np.array(2.5),                                        # scalar
+        "mask": rng.integers(0, 2, (4, 5)).astype(bool),
+        "layer.0/bias": rng.standard_normal((8, 8)).astype(np.complex64),
+    }
+
+
+ORIG = _originals()
+SAVE_SPECS = {"w": ("x", "y"), "v": ("y",), "u": (("x", "y"), None), "r": (None, None), "s": (),
+              "mask": (None, "x"), "layer.0/bias": ("y", "x")}
+# distinct non-empty blocks per tensor under SAVE_SPECS on SAVE_MESH
+EXPECTED_FILES = {"w": 6, "v": 4, "u": 7, "r": 1, "s": 1, "mask": 2, "layer.0/bias": 8}
+
+
+def true_slices(shape, spec, mesh, rank):
+    sharding = parse_spec(spec, mesh, len(shape))
+    out = []
+    for n, axes in zip(shape, sharding.dims):
+        k, i = mesh.axis_size(axes), mesh.index_along(rank, axes)
+        c = -(-n // k)
+        out.append(slice(min(i * c, n), min((i + 1) * c, n)))
+    return tuple(out)
+
+
+def local_blocks(rank, mesh=SAVE_MESH, specs=SAVE_SPECS, originals=ORIG):
+    return {n: originals[n][true_slices(originals[n].shape, specs[n], mesh, rank)] for n in originals}
+
+
+def save(path, mesh=SAVE_MESH, specs=SAVE_SPECS, originals=ORIG, step=None, blocks=local_blocks):
+    entries = {n: (originals[n].shape, specs[n]) for n in originals}
+
+    def body(comm):
+        save_checkpoint(path, blocks(comm.Get_rank(), mesh, specs, originals), entries, mesh, comm=comm, step=step)
+
+    run_simulated(mesh.size, body)
+
+
+def load(path, mesh, specs=None):
+    return run_simulated(mesh.size, lambda comm: load_checkpoint(path, mesh, specs, comm=comm))
+
+
+def assemble(results, mesh, specs, originals=ORIG):
+    """The global arrays from every rank's block; each replica must agree and the blocks must cover everything."""
+    out = {}
+    for name, orig in originals.items():
+        spec = (specs or {}).get(name, (None,) * orig.ndim)
+        glob, seen = np.zeros_like(orig), np.zeros(orig.shape, bool)
+        for rank, res in enumerate(results):
+            where = true_slices(orig.shape, spec, mesh, rank)
+            block = res[name]
+            assert block.shape == glob[where].shape and block.dtype == orig.dtype, (name, rank)
+            if seen[where].any():
+                assert block.tobytes() == glob[where].tobytes(), f"replicas of {name} differ on rank {rank}"
+            glob[where], seen[where] = block, True
+        assert seen.all(), name
+        out[name] = glob
+    return out
+
+
+def assert_bit_identical(arrays, originals=ORIG):
+    assert set(arrays) == set(originals)
+    for name, orig in originals.items():
+        got = arrays[name]
+        assert got.dtype == orig.dtype and got.shape == orig.shape, name
+        assert got.tobytes() == orig.tobytes(), name
+
+
+def npy_files(path):
+    return sorted(f for f in os.listdir(path) if f.endswith(".npy"))
+
+
+def siblings(path):
+    return sorted(p for p in os.listdir(os.path.dirname(path)) if p != os.path.basename(path))
+
+
+LOADS = [
+    (Mesh((4,), ("d",)), {"w": ("d", None), "v": ("d",), "u": (None, "d"), "layer.0/bias": (None, "d")}),
+    (Mesh((4,), ("d",)), {}),
+    (Mesh((1,), ("d",)), {"w": ("d", None)}),
+    (Mesh((2, 2), ("a", "b")), {"w": (("b", "a"), None), "v": ("b",), "u": ("a", "b"), "mask": ("a", "b")}),
+    (Mesh((8,), ("d",)), {"w": (None, "d"), "v": ("d",), "u": ("d", None), "r": ("d", None),
+                          "layer.0/bias": ("d", None)}),
+    (Mesh((2, 4), ("x", "y")), SAVE_SPECS),
+    (Mesh((2, 4), ("x", "y"), devices=(7, 6, 5, 4, 3, 2, 1, 0)), {"w": ("y", "x"), "v": (("y", "x"),)}),
+    (Mesh((3, 2), ("p", "q")), {"w": ("p", "q"), "v": (("q", "p"),), "u": ("q", "p"), "r": ("p", "q")}),
+]
+
+
+@pytest.mark.parametrize("mesh,specs", LOADS, ids=[f"{m}-{i}" for i, (m, _) in enumerate(LOADS)])
+def test_restore_on_other_mesh_and_sharding_is_bit_identical(tmp_path, mesh, specs):
+    path = str(tmp_path / "ckpt")
+    save(path, step=7)
+    assert_bit_identical(assemble(load(path, mesh, specs), mesh, specs))
+
+
+def test_padded_local_blocks_are_cut(tmp_path):
+    def padded(rank, mesh, specs, originals):
+        out = {}
+        for name, block in local_blocks(rank, mesh, specs, originals).items():
+            sharding = parse_spec(specs[name], mesh, block.ndim)
+            pad_to = tuple(-(-n // mesh.axis_size(d)) for n, d in zip(originals[name].shape, sharding.dims))
+            out[name] = np.zeros(pad_to, block.dtype)
+            out[name][tuple(slice(0, n) for n in block.shape)] = block
+        return out
+
+    path = str(tmp_path / "ckpt")
+    save(path, blocks=padded)
+    mesh = Mesh((4,), ("d",))
+    assert_bit_identical(assemble(load(path, mesh), mesh, {}))
+
+
+def test_one_file_per_distinct_block_written_by_one_rank(tmp_path, monkeypatch):
+    writes, lock, real_save = [], threading.Lock(), np.save
+
+    def recording_save(file, arr, *args, **kwargs):
+        with lock:
+            writes.append(os.path.basename(file.name))
+        return real_save(file, arr, *args, **kwargs)
+
+    monkeypatch.setattr(np, "save", recording_save)
+    path = str(tmp_path / "ckpt")
+    save(path)
+    files = npy_files(path)
+    assert len(writes) == len(set(writes)) == len(files) == sum(EXPECTED_FILES.values())
+    info = checkpoint_info(path)
+    for name, count in EXPECTED_FILES.items():
+        assert len(info["tensors"][name]["blocks"]) == count, name
+    assert sorted(b["file"] for t in info["tensors"].values() for b in t["blocks"]) == files
+
+
+def test_each_rank_reads_only_overlapping_blocks(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    save(path)
+    reads, real_load = {}, np.load
+    local = threading.local()
+
+    def recording_load(file, *args, **kwargs):
+        assert kwargs.get("mmap_mode") == "r"
+        reads.setdefault(local.rank, []).append(os.path.basename(file))
+        return real_load(file, *args, **kwargs)
+
+    monkeypatch.setattr(np, "load", recording_load)
+    mesh = Mesh((4,), ("d",))
+
+    def body(comm):
+        local.rank = comm.Get_rank()
+        return load_checkpoint(path, mesh, {"v": ("d",), "w": ("d", None)}, comm=comm)
+
+    assemble(run_simulated(4, body), mesh, {"v": ("d",), "w": ("d", None)})
+    # v (10,) saved as 3,3,3,1 and loaded as 3,3,3,1: each rank reads exactly its own block
+    assert [sorted(f for f in reads[r] if f.startswith("v.")) for r in range(4)] == [[f"v.{r}.npy"] for r in range(4)]
+    # w (10,6) saved with rows 0-4 | 5-9 and loaded as rows 0-2 | 3-5 | 6-8 | 9: rank 1 straddles both row blocks
+    w_reads = {r: {f for f in reads[r] if f.startswith("w.")} for r in range(4)}
+    assert w_reads[0] == {"w.0.0.npy", "w.0.1.npy", "w.0.2.npy"}
+    assert w_reads[1] == {f"w.{i}.{j}.npy" for i in (0, 1) for j in range(3)}
+    assert w_reads[3] == {"w.1.0.npy", "w.1.1.npy", "w.1.2.npy"}
+
+
+def test_metadata(tmp_path):
+    path = str(tmp_path / "runs" / "exp" / "ckpt")  # missing parents are made
+    save(path, step=42)
+    info = checkpoint_info(path)
+    assert (info["format"], info["version"], info["step"]) == ("spmd_runtime.checkpoint", 1, 42)
+    assert Mesh.from_json(info["mesh"]) == SAVE_MESH
+    v = info["tensors"]["v"]
+    assert (v["shape"], np.dtype(v["dtype"]), Sharding.from_json(v["sharding"])) == ([10], np.float64, Sharding((("y",),)))
+    assert [(b["offset"], b["shape"]) for b in v["blocks"]] == [([0], [3]), ([3], [3]), ([6], [3]), ([9], [1])]
+    with open(os.path.join(path, "checkpoint.json")) as f:
+        assert json.load(f) == info
+
+
+def test_save_replaces_previous_checkpoint_and_leaves_no_siblings(tmp_path):
+    path = str(tmp_path / "ckpt")
+    save(path, step=1)
+    newer = {n: (a + 1 if a.dtype != bool else ~a) for n, a in ORIG.items()}
+    save(path, originals=newer, step=2)
+    assert checkpoint_info(path)["step"] == 2
+    mesh = Mesh((2,), ("d",))
+    assert_bit_identical(assemble(load(path, mesh), mesh, {}, newer), newer)
+    assert siblings(path) == []
+
+
+def test_failing_rank_makes_every_rank_raise_and_keeps_previous(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    save(path, step=1)
+    before = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
+    local, real_save = threading.local(), np.save
+
+    def failing_save(file, arr, *args, **kwargs):
+        if local.rank == 5:
+            raise OSError("disk full")
+        return real_save(file, arr, *args, **kwargs)
+
+    monkeypatch.setattr(np, "save", failing_save)
+    entries = {n: (a.shape, SAVE_SPECS[n]) for n, a in ORIG.items()}
+
+    def body(comm):
+        local.rank = comm.Get_rank()
+        blocks = {n: b * 0 for n, b in local_blocks(local.rank).items()}
+        try:
+            save_checkpoint(path, blocks, entries, SAVE_MESH, comm=comm, step=2)
+        except CheckpointError as e:
+            return str(e)
+        return None
+
+    errors = run_simulated(8, body)
+    assert all(e is not None and "rank(s) [5]" in e and "disk full" in e for e in errors), errors
+    assert {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)} == before
+    assert siblings(path) == []
+    mesh = Mesh((4,), ("d",))
+    assert_bit_identical(assemble(load(path, mesh), mesh, {}))
+
+
+class Killed(BaseException):
+    """Stands for the job being killed: nothing catches it, so no cleanup runs in the save."""
+
+
+def test_crash_between_the_two_renames_recovers_previous(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    save(path, step=1)
+    real_rename, renames = os.rename, []
+
+    def dying_rename(src, dst):
+        renames.append((str(src), str(dst)))
+        if len(renames) == 2:  # old -> .old-* done, the new one not yet in place
+            raise Killed()
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", dying_rename)
+    with pytest.raises(Killed):
+        save(path, originals={n: a * 0 for n, a in ORIG.items()}, step=2)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert not os.path.exists(path) and [s.split("-")[0] for s in siblings(path)] == ["ckpt.old"]
+    assert checkpoint_info(path)["step"] == 1
+    mesh = Mesh((2, 2), ("a", "b"))
+    specs = {"w": ("a", "b")}
+    assert_bit_identical(assemble(load(path, mesh, specs), mesh, specs))
+    save(path, step=3)  # the next save takes over and clears the leftover
+    assert checkpoint_info(path)["step"] == 3 and siblings(path) == []
+
+
+def test_only_old_directory_left_is_loaded(tmp_path):
+    path = str(tmp_path / "ckpt")
+    save(path, step=5)
+    os.rename(path, path + ".old-0123")
+    os.mkdir(path + ".tmp-4567")  # an unfinished save beside it is ignored
+    mesh = Mesh((8,), ("d",))
+    assert_bit_identical(assemble(load(path, mesh), mesh, {}))
+    assert checkpoint_info(path)["step"] == 5
+
+
+def test_program_gives_shapes_and_shardings(tmp_path):
+    mesh = Mesh((2, 2), ("x", "y"))
+    originals = {"w": ORIG["w"], "v": ORIG["v"]}
+    specs = {"w": ("x", "y"), "v": (("y", "x"),)}
+    io = [IOSpec(n, i, a.shape, a.dtype.name, parse_spec(specs[n], mesh, a.ndim))
+          for i, (n, a) in enumerate(originals.items())]
+    program = SPMDProgram(mesh, [], io[:1], io[1:])  # one input, one output: both are looked up
+    path = str(tmp_path / "ckpt")
+
+    def body(comm):
+        save_checkpoint(path, local_blocks(comm.Get_rank(), mesh, specs, originals), program, comm=comm)
+        return load_checkpoint(path, mesh, program, comm=comm)
+
+    assert_bit_identical(assemble(run_simulated(4, body), mesh, specs, originals), originals)
+
+
+# ---------------------------------------------------------------- errors
+
+def load_error(path, mesh, specs=None):
+    with pytest.raises(CheckpointError) as info:
+        load(path, mesh, specs)
+    return str(info.value)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("saved") / "ckpt")
+    save(path)
+    return path
+
+
+def test_missing_directory(tmp_path):
+    msg = load_error(str(tmp_path / "nope"), Mesh((2,), ("d",)))
+    assert "needs an existing checkpoint directory; got no" in msg and "rank(s) [0, 1]" in msg
+    os.mkdir(tmp_path / "empty")
+    assert "must hold checkpoint.json; got none" in load_error(str(tmp_path / "empty"), Mesh((1,), ("d",)))
+
+
+@pytest.mark.parametrize("specs,match", [
+    ({"nope": ("d",)}, r"must name tensors of the checkpoint .*; got unknown name\(s\) \['nope'\]"),
+    ({"v": ("d", None)}, r"one entry per dim of tensor 'v' .*; got 2 entries"),
+    ({"v": ("zz",)}, r"mesh axis must be one of \('d',\); got 'zz'"),
+    ({"v": Sharding(((),), partial=("d",))}, r"must hold final values .*; got tensor 'v'"),
+])
+def test_bad_load_specs(saved, specs, match):
+    assert re.search(match, load_error(saved, Mesh((2,), ("d",)), specs))
+
+
+def test_version_mismatch(tmp_path, saved):
+    path = str(tmp_path / "copy")
+    shutil.copytree(saved, path)
+    meta = checkpoint_info(path)
+    meta["version"] = 99
+    with open(os.path.join(path, "checkpoint.json"), "w") as f:
+        json.dump(meta, f)
+    assert "version 1; got 'spmd_runtime.checkpoint' version 99" in load_error(path, Mesh((1,), ("d",)))
+    with pytest.raises(ValueError, match="version 99"):
+        checkpoint_info(path)
+
+
+def save_error(path, mesh, tensors_for_rank, entries):
+    def body(comm):
+        try:
+            save_checkpoint(path, tensors_for_rank(comm.Get_rank()), entries, mesh, comm=comm)
+        except CheckpointError as e:
+            return str(e)
+
+    errors = run_simulated(mesh.size, body)
+    assert all(e is not None for e in errors)  # every rank raised
+    assert not os.path.exists(path) and siblings(path) == []
+    return errors[0]
+
+
+def test_save_errors(tmp_path):
+    mesh = Mesh((2,), ("d",))
+    path = str(tmp_path / "ckpt")
+    x = np.arange(5.0)
+    good = lambda r: {"x": x[true_slices((5,), ("d",), mesh, r)]}  # noqa: E731
+    msg = save_error(path, mesh, good, {})
+    assert "got errors on rank(s) [0, 1]: KeyError" in msg and "got none for 'x'" in msg
+    assert "true shard shape (2,) or the padded (3,); got shape (1,)" in save_error(
+        path, mesh, lambda r: {"x": x[:3] if r == 0 else x[4:]}, {"x": ((5,), ("d",))})
+    msg = save_error(path, mesh, lambda r: {"x": x[:3].astype(np.float32 if r else np.float64)}, {"x": ((5,), ("d",))})
+    assert "same tensor names, global shapes, dtypes" in msg and "rank(s) [1]" in msg
+    assert "no Python objects" in save_error(path, mesh, lambda r: {"x": np.array([None] * 3)}, {"x": ((5,), ("d",))})
+
+
+def test_save_refuses_to_replace_a_non_checkpoint_directory(tmp_path):
+    path = tmp_path / "data"
+    path.mkdir()
+    (path / "precious.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="replaces only an earlier checkpoint"):
+        save(str(path))
+    assert (path / "precious.txt").read_text() == "keep me"
