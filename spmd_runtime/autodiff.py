@@ -94,7 +94,7 @@ def backward(out: Tensor, wrt: list[Tensor], start: int) -> list[Tensor]:
         operands = [Tensor(g, i) for i in node.inputs]
         results = rule(node, cts.pop(node.id), operands, Tensor(g, node.id))
         for x, ct in zip(operands, results):
-            if ct is not None and x.id in active:
+            if ct is not None:
                 _accumulate(cts, x, ct() if callable(ct) else ct, node)
     return [cts.get(t.id) if t.id in cts else snp.zeros(t.shape, t.dtype) for t in wrt]
 
@@ -279,7 +279,7 @@ def _reshape(node, g, ops, y):
 
 @vjp("transpose")
 def _transpose(node, g, ops, y):
-    return [snp.transpose(g, node.attrs["perm"])]
+    return [snp.transpose(g, tuple(np.argsort(node.attrs["perm"])))]
 
 
 # ---------------------------------------------------------------- rules: reductions and contractions

@@ -353,3 +353,10 @@ def _bind_operators():
 
 
 _bind_operators()
+
+
+# ---------------------------------------------------------------- op families (spmd_runtime/ops)
+from .ops import *  # noqa: E402,F401,F403  (slicing, gather/scatter, windows, indexing)
+from .ops import __all__ as _family_names  # noqa: E402
+
+__all__ += _family_names

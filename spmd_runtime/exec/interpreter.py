@@ -30,6 +30,9 @@ class Interpreter:
             return partial(_COLLECTIVES[ins.op], self.mc, **ins.attrs)
         if ins.op == "shard_slice":
             return partial(_take_block, self.xp, *self._block(ins))
+        if ins.op == "shard_index":
+            index = self.xp.asarray(self.program.mesh.index_along(self.mc.rank, ins.attrs["axes"]), "int64")
+            return lambda: index
         if ins.op == "mask_padding":
             return partial(_fill_tail, *self._valid_prefix(ins), ins.attrs["fill"])
         if ins.op not in KERNELS:

@@ -71,6 +71,10 @@ class PartitionContext:
                                                             "fill": fill}, value.sharding, value.shape, value.dtype)
         return value
 
+    def shard_index(self, axes) -> LocalValue:
+        """A 0-d int64 value: this rank's shard number along ``axes`` (its block offset / block size)."""
+        return self.emit("shard_index", [], {"axes": tuple(axes)}, Sharding(()), (), "int64")
+
     def cost(self, value: LocalValue, target: Sharding) -> float:
         return plan_cost(value.sharding, target, value.shape, value.dtype, self.mesh)
 
