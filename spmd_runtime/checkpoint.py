@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from .exec.backend import to_host
+from .exec.runner import block_bounds as dim_bounds  # the one layout rule of the project
 from .mesh import Mesh
 from .program import SPMDProgram
 from .sharding import Sharding, parse_spec
@@ -54,20 +55,14 @@ class CheckpointError(RuntimeError):
 
 # ------------------------------------------------------------------ layout
 
-def block_range(n: int, k: int, i: int) -> tuple[int, int]:
-    """Global [start, stop) of shard ``i`` of a dim of size ``n`` split ``k`` ways (ceil-size shards)."""
-    c = -(-n // k)
-    start = min(i * c, n)
-    return start, min(start + c, n)
-
-
 def block_index(sharding: Sharding, mesh: Mesh, rank: int) -> tuple[int, ...]:
     """Shard number of ``rank`` along each dim."""
     return tuple(mesh.index_along(rank, axes) for axes in sharding.dims)
 
 
 def block_bounds(shape, sharding: Sharding, mesh: Mesh, index) -> list[tuple[int, int]]:
-    return [block_range(n, mesh.axis_size(axes), i) for n, axes, i in zip(shape, sharding.dims, index)]
+    """Global [start, stop) along each dim of the block with shard numbers ``index``."""
+    return [dim_bounds(n, mesh.axis_size(axes), i) for n, axes, i in zip(shape, sharding.dims, index)]
 
 
 def local_block_slices(shape, sharding: Sharding, mesh: Mesh, rank: int) -> tuple[slice, ...]:
@@ -427,5 +422,4 @@ def _read_metadata(path: Path) -> dict:
     return meta
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_info", "CheckpointError", "block_range",
-           "local_block_slices"]
+__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_info", "CheckpointError", "local_block_slices"]

@@ -98,18 +98,18 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None) -> SPMDPr
 
     ``in_specs`` / ``out_specs``: one ``mesh_split``-style spec per graph
     input / output (None entries, or None altogether, leave it to propagation).
+    An out spec that disagrees with a value's own annotation reshards at the output.
     """
-    fixed = _user_shardings(graph, mesh, in_specs, out_specs)
+    fixed = _user_shardings(graph, mesh, in_specs)
+    out_targets = _output_shardings(graph, mesh, out_specs, fixed)
     prop = propagate(graph, mesh, fixed)
+    ctx = PartitionContext(graph, mesh, prop.shardings)
     live = _live_nodes(graph)
     for node in graph.nodes:
         if node.id in live:
-            prop.shardings[node.id].check(mesh, node.shape, what=_describe(graph, node))
-    ctx = PartitionContext(graph, mesh, prop.shardings)
-    for node in graph.nodes:
-        if node.id in live:
             ctx.values[node.id] = ctx.reshard(_partition_node(ctx, node), prop.shardings[node.id])
-    return _finish(ctx, graph, prop)
+    outputs = [ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
+    return _finish(ctx, graph, prop, outputs)
 
 
 def _partition_node(ctx: PartitionContext, node: Node) -> LocalValue:
@@ -121,16 +121,11 @@ def _partition_node(ctx: PartitionContext, node: Node) -> LocalValue:
     return fn(ctx, node)
 
 
-def _user_shardings(graph, mesh, in_specs, out_specs) -> dict[int, Sharding]:
+def _user_shardings(graph, mesh, in_specs) -> dict[int, Sharding]:
     fixed: dict[int, Sharding] = {}
-    for what, ids, specs in (("input", graph.params, in_specs), ("output", graph.outputs, out_specs)):
-        if specs is None:
-            continue
-        if len(specs) != len(ids):
-            raise ValueError(f"{what} specs need one entry per graph {what} ({len(ids)}); got {len(specs)}")
-        for k, (vid, spec) in enumerate(zip(ids, specs)):
-            if spec is not None:
-                _fix(fixed, vid, parse_spec(spec, mesh, len(graph[vid].shape), f"{what} {k}"), graph, mesh)
+    for k, (vid, spec) in enumerate(zip(graph.params, _specs(in_specs, graph.params, "input"))):
+        if spec is not None:
+            _fix(fixed, vid, parse_spec(spec, mesh, len(graph[vid].shape), f"input {k}"), graph, mesh)
     for node in graph.nodes:
         if node.op == "mesh_split":
             if node.attrs["mesh"] != mesh:
@@ -138,6 +133,25 @@ def _user_shardings(graph, mesh, in_specs, out_specs) -> dict[int, Sharding]:
                                  f"{node.attrs['mesh']} at %{node.id}")
             _fix(fixed, node.id, node.attrs["sharding"], graph, mesh)
     return fixed
+
+
+def _output_shardings(graph, mesh, out_specs, fixed) -> dict[int, Sharding]:
+    """Out specs by output position; each also annotates its value unless the user already did."""
+    targets = {}
+    for k, (vid, spec) in enumerate(zip(graph.outputs, _specs(out_specs, graph.outputs, "output"))):
+        if spec is not None:
+            targets[k] = parse_spec(spec, mesh, len(graph[vid].shape), f"output {k}")
+            targets[k].check(mesh, graph[vid].shape, what=_describe(graph, graph[vid]))
+            fixed.setdefault(vid, targets[k])
+    return targets
+
+
+def _specs(specs, ids, what):
+    if specs is None:
+        return [None] * len(ids)
+    if len(specs) != len(ids):
+        raise ValueError(f"{what} specs need one entry per graph {what} ({len(ids)}); got {len(specs)}")
+    return list(specs)
 
 
 def _fix(fixed, vid, sharding, graph, mesh):
@@ -162,12 +176,11 @@ def _live_nodes(graph: Graph) -> set[int]:
     return live | set(graph.params)
 
 
-def _finish(ctx: PartitionContext, graph: Graph, prop) -> SPMDProgram:
+def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]) -> SPMDProgram:
     mesh, names = ctx.mesh, graph.param_names
     inputs = [IOSpec(n, ctx.value(p).slot, graph[p].shape, graph[p].dtype, ctx.value(p).sharding)
               for n, p in zip(names, graph.params)]
-    outputs = [IOSpec(f"out{k}", ctx.value(o).slot, graph[o].shape, graph[o].dtype, ctx.value(o).sharding)
-               for k, o in enumerate(graph.outputs)]
+    outputs = [IOSpec(f"out{k}", r.slot, r.shape, r.dtype, r.sharding) for k, r in enumerate(results)]
     _assign_frees(ctx.instrs, {o.slot for o in outputs})
     notes = list(dict.fromkeys(ctx.notes))
     for n in notes:

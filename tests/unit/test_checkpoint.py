@@ -373,3 +373,19 @@ def test_save_refuses_to_replace_a_non_checkpoint_directory(tmp_path):
     with pytest.raises(CheckpointError, match="replaces only an earlier checkpoint"):
         save(str(path))
     assert (path / "precious.txt").read_text() == "keep me"
+
+
+def test_blocks_match_the_runtime_layout(tmp_path):
+    """Blocks from ``exec.shard`` (padded, as run_local takes them) save, and load as ``exec.shard`` would cut them."""
+    from spmd_runtime.exec import shard
+
+    x = ORIG["u"]
+    path = str(tmp_path / "ckpt")
+    saved = parse_spec((("x", "y"), None), SAVE_MESH, 2)
+    run_simulated(8, lambda comm: save_checkpoint(path, {"u": shard(x, saved, SAVE_MESH, comm.Get_rank(), pad=True)},
+                                                  {"u": (x.shape, saved)}, SAVE_MESH, comm=comm))
+    mesh = Mesh((3, 2), ("p", "q"))
+    wanted = parse_spec(("q", "p"), mesh, 2)
+    got = run_simulated(6, lambda comm: load_checkpoint(path, mesh, {"u": wanted}, comm=comm)["u"])
+    for rank, block in enumerate(got):
+        assert block.tobytes() == shard(x, wanted, mesh, rank).tobytes(), rank

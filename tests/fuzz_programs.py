@@ -1,0 +1,202 @@
+"""Random programs for differential fuzzing: partitioned result == reference evaluator.
+
+``random_case(seed)`` is deterministic in the seed, so every MPI rank builds the same
+program, and a failing seed is a complete reproduction (see test_fuzz_regressions.py).
+Programs chain random ops of the op set (elementwise, broadcasting, reductions,
+transpose, reshape, einsum with fresh operands, where, casts) with random mesh_split
+annotations; meshes have 1 to 8 devices, 1-d and 2-d, sometimes reordered; sizes are
+often uneven. Values are kept bounded (tanh squashing) so float64 tolerances stay tight.
+"""
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+import numpy as np
+
+import spmd_runtime as sr
+import spmd_runtime.numpy as snp
+
+MESH_SHAPES = [(1,), (2,), (3,), (4,), (6,), (8,), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (1, 4)]
+SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12]
+
+
+@dataclass
+class FuzzCase:
+    seed: int
+    mesh: sr.Mesh
+    graph: sr.Graph
+    inputs: list
+    in_specs: list
+    out_specs: list
+
+    def __str__(self):
+        return f"seed {self.seed} on {self.mesh}: in_specs {self.in_specs} out_specs {self.out_specs}\n{self.graph}"
+
+
+def random_mesh(rng, max_devices=8) -> sr.Mesh:
+    shapes = [s for s in MESH_SHAPES if int(np.prod(s)) <= max_devices]
+    shape = shapes[rng.integers(len(shapes))]
+    names = ("x", "y")[:len(shape)]
+    n = int(np.prod(shape))
+    devices = tuple(rng.permutation(n).tolist()) if rng.random() < 0.2 else None
+    return sr.Mesh(shape, names, devices)
+
+
+def random_sharding(rng, mesh, ndim):
+    """Each mesh axis goes to a random dim or nowhere; order within a dim random."""
+    dims = [[] for _ in range(ndim)]
+    for a in rng.permutation(mesh.axis_names).tolist():
+        d = rng.integers(ndim + 1)
+        if d < ndim:
+            dims[d].append(a)
+    return tuple(tuple(d) if d else None for d in dims)
+
+
+class _Builder:
+    """Applies random ops to a pool of traced tensors."""
+
+    def __init__(self, rng, mesh, params):
+        self.rng, self.mesh, self.params, self.pool = rng, mesh, params, list(params.values())
+        self.extra_shapes: list = []
+
+    def pick(self):
+        return self.pool[self.rng.integers(len(self.pool))]
+
+    def step(self):
+        ops = [self.unary, self.binary_same, self.binary_broadcast, self.reduce, self.transpose, self.reshape,
+               self.einsum, self.annotate, self.where, self.cast]
+        out = ops[self.rng.integers(len(ops))](self.pick())
+        if out is not None:
+            self.pool.append(out)
+
+    def unary(self, t):
+        f = [lambda v: snp.tanh(v), lambda v: snp.exp(snp.tanh(v)), lambda v: snp.log(snp.abs(v) + 1.0),
+             lambda v: snp.sqrt(snp.abs(v)), lambda v: -v, lambda v: snp.abs(v)]
+        return f[self.rng.integers(len(f))](t)
+
+    def binary_same(self, t):
+        others = [o for o in self.pool if o.shape == t.shape]
+        o = others[self.rng.integers(len(others))]
+        f = [lambda a, b: a + b, lambda a, b: a - b, lambda a, b: a * b, lambda a, b: a / (snp.abs(b) + 1.0),
+             snp.maximum, snp.minimum]
+        return f[self.rng.integers(len(f))](t, o)
+
+    def binary_broadcast(self, t):
+        if t.ndim == 0:
+            return None
+        axis = int(self.rng.integers(t.ndim))
+        return t - snp.max(t, axis=axis, keepdims=True) if self.rng.random() < 0.5 else \
+            t * snp.mean(t, axis=axis, keepdims=True)
+
+    def reduce(self, t):
+        if t.ndim == 0:
+            return None
+        axes = tuple(sorted(set(self.rng.integers(t.ndim, size=self.rng.integers(1, t.ndim + 1)).tolist())))
+        kind = [snp.sum, snp.max, snp.min, snp.mean][self.rng.integers(4)]
+        return snp.tanh(kind(t, axis=axes, keepdims=bool(self.rng.random() < 0.3)))
+
+    def transpose(self, t):
+        return snp.transpose(t, self.rng.permutation(t.ndim).tolist()) if t.ndim > 1 else None
+
+    def reshape(self, t):
+        if t.ndim >= 2 and self.rng.random() < 0.5:
+            i = int(self.rng.integers(t.ndim - 1))
+            return t.reshape(t.shape[:i] + (t.shape[i] * t.shape[i + 1],) + t.shape[i + 2:])
+        splittable = [i for i, n in enumerate(t.shape) if n in (4, 6, 8, 10, 12)]
+        if not splittable or t.ndim >= 4:
+            return None
+        i = splittable[self.rng.integers(len(splittable))]
+        return t.reshape(t.shape[:i] + (2, t.shape[i] // 2) + t.shape[i + 1:])
+
+    def einsum(self, t):
+        """Contract t with a fresh input over some of its dims (batch, contracting and free letters)."""
+        if t.ndim == 0 or t.ndim > 3:
+            return None
+        letters = string.ascii_lowercase[:t.ndim]
+        keep = [c for c in letters if self.rng.random() < 0.5]
+        new = "".join(string.ascii_lowercase[10:10 + int(self.rng.integers(0, 2))])
+        other_term = "".join(c for c in letters if self.rng.random() < 0.7) + new
+        if not other_term:
+            return None
+        sizes = dict(zip(letters, t.shape)) | {c: SIZES[self.rng.integers(len(SIZES))] for c in new}
+        other = self.new_param(tuple(sizes[c] for c in other_term))
+        out = "".join(dict.fromkeys(keep + [c for c in other_term if c not in letters]))
+        out = out if out else ""
+        return snp.tanh(snp.einsum(f"{letters},{other_term}->{out}", t, other))
+
+    def annotate(self, t):
+        return sr.mesh_split(t, self.mesh, random_sharding(self.rng, self.mesh, t.ndim))
+
+    def where(self, t):
+        return snp.where(t > 0.1, t, t * 0.5)
+
+    def cast(self, t):
+        return snp.astype(snp.astype(t, "float32"), "float64") * 1.0
+
+    def new_param(self, shape):
+        self.extra_shapes.append(shape)
+        return self.extra[len(self.extra_shapes) - 1]
+
+
+def random_case(seed: int, max_devices: int = 8, steps=(3, 9)) -> FuzzCase:
+    """A random program, mesh and shardings; deterministic in ``seed``."""
+    rng = np.random.default_rng(seed)
+    mesh = random_mesh(rng, max_devices)
+    n_in = int(rng.integers(1, 3))
+    shapes = [tuple(SIZES[i] for i in rng.integers(len(SIZES), size=rng.integers(1, 4))) for _ in range(n_in)]
+    n_steps = int(rng.integers(*steps))
+    extra_shapes = _extra_shapes(seed, mesh, shapes, n_steps)
+    all_shapes = shapes + extra_shapes
+    fn = _program(seed, mesh, n_in, n_steps)
+    graph = sr.trace(fn, *[sr.TensorSpec(s) for s in all_shapes])
+    spec_rng = np.random.default_rng(seed + 1_000_003)
+    in_specs = [random_sharding(spec_rng, mesh, len(s)) if spec_rng.random() < 0.7 else None for s in all_shapes]
+    out_specs = [random_sharding(spec_rng, mesh, len(graph[o].shape)) if spec_rng.random() < 0.5 else None
+                 for o in graph.outputs]
+    data_rng = np.random.default_rng(seed + 2_000_003)
+    inputs = [data_rng.standard_normal(s) for s in all_shapes]
+    return FuzzCase(seed, mesh, graph, inputs, in_specs, out_specs)
+
+
+def _program(seed, mesh, n_in, n_steps):
+    """The traced function: replays the same random choices on whatever tensors it receives."""
+    def fn(*args):
+        rng = np.random.default_rng(seed + 17)
+        b = _Builder(rng, mesh, {i: a for i, a in enumerate(args[:n_in])})
+        b.extra = list(args[n_in:])
+        for _ in range(n_steps):
+            b.step()
+        outs = b.pool[n_in:] or b.pool
+        return outs[-1], outs[int(rng.integers(len(outs)))]
+    return fn
+
+
+def _extra_shapes(seed, mesh, shapes, n_steps):
+    """Dry-run the builder once to learn the shapes of the fresh einsum operands it asks for."""
+    extra: list = []
+
+    class _Collect(list):
+        def __getitem__(self, i):
+            return snp.zeros(extra[i]) * 1.0
+
+    def fn(*args):
+        rng = np.random.default_rng(seed + 17)
+        b = _Builder(rng, mesh, {i: a for i, a in enumerate(args)})
+        b.extra_shapes = extra
+        b.extra = _Collect()
+        for _ in range(n_steps):
+            b.step()
+        return b.pool[-1]
+    sr.trace(fn, *[sr.TensorSpec(s) for s in shapes])
+    return list(extra)
+
+
+def check_case(case: FuzzCase, run) -> None:
+    """Partition ``case`` and compare ``run(program, inputs)`` (global outputs) with the reference."""
+    program = sr.partition(case.graph, case.mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+    want = sr.evaluate(case.graph, *case.inputs)
+    got = run(program, case.inputs)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape, f"{case}\nshape {g.shape} != {w.shape}"
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9, err_msg=str(case))
