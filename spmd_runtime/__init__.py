@@ -12,10 +12,11 @@ from .reference import evaluate
 from .partition import partition, plan_reshard
 from .program import SPMDProgram, load_program
 from .exec import run, run_local
+from .autodiff import grad, value_and_grad
 from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 
 __version__ = "0.1.0"
 
 __all__ = ["Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
-           "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "save_checkpoint", "load_checkpoint", "checkpoint_info",
+           "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "save_checkpoint", "load_checkpoint", "checkpoint_info",
            "__version__"]

@@ -94,7 +94,7 @@ def backward(out: Tensor, wrt: list[Tensor], start: int) -> list[Tensor]:
         operands = [Tensor(g, i) for i in node.inputs]
         results = rule(node, cts.pop(node.id), operands, Tensor(g, node.id))
         for x, ct in zip(operands, results):
-            if ct is not None:
+            if ct is not None and x.id in active:
                 _accumulate(cts, x, ct() if callable(ct) else ct, node)
     return [cts.get(t.id) if t.id in cts else snp.zeros(t.shape, t.dtype) for t in wrt]
 

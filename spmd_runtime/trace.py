@@ -72,13 +72,20 @@ def trace(fn, *arg_specs) -> Graph:
         result = fn(*args)
     finally:
         _state.graph = prev
-    outs = list(result) if isinstance(result, (tuple, list)) else [result]
+    outs = _flatten(result)
     for i, o in enumerate(outs):
         if not isinstance(o, Tensor) or o.graph is not g:
             raise TypeError(f"a traced function returns tensors computed from its arguments; got output {i} "
                             f"of type {type(o).__name__}")
         g.outputs.append(o.id)
     return g
+
+
+def _flatten(result) -> list:
+    """Outputs in order, nested tuples/lists flattened (e.g. value_and_grad's (loss, (g0, g1)))."""
+    if isinstance(result, (tuple, list)):
+        return [leaf for item in result for leaf in _flatten(item)]
+    return [result]
 
 
 def _param_names(fn, n: int) -> list[str]:

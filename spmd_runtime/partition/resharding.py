@@ -133,7 +133,7 @@ class _Planner:
         for j in range(len(dst.dims)):
             add = _prefix_while(self._appendable(dst, j) or (), lambda a: a in self.cur.partial)
             if add and self._fits(j, self.cur.dims[j], add):
-                if not self.cur.dims[j]:
+                if self.k(self.cur.dims[j]) == 1:
                     self._resize(j, self._padded(j, add))
                 rest = tuple(a for a in self.cur.partial if a not in add)
                 self.emit("reduce_scatter", self._append(j, add), rest, self._scaled(j, 1, self.k(add)),
@@ -156,7 +156,7 @@ class _Planner:
         axes = self.cur.dims[i][len(keep):]
         self.emit("all_gather", [keep if k == i else d for k, d in enumerate(self.cur.dims)],
                   local=self._scaled(i, self.k(axes)), axes=axes, dim=i)
-        if not keep:
+        if self.k(keep) == 1:
             self._resize(i, self.shape[i])
 
     def _removed(self, dst, i):
@@ -179,13 +179,13 @@ class _Planner:
 
     def move(self, i, j, moving):
         """all_to_all: ``moving`` (innermost axes of dim i) go to split dim j instead."""
-        if not self.cur.dims[j]:
+        if self.k(self.cur.dims[j]) == 1:
             self._resize(j, self._padded(j, moving))
         dims = [d[:-len(moving)] if k == i else d + moving if k == j else d for k, d in enumerate(self.cur.dims)]
         local = self._scaled(j, 1, self.k(moving))
         local[i] *= self.k(moving)
         self.emit("all_to_all", dims, local=local, axes=moving, split_dim=j, concat_dim=i)
-        if not self.cur.dims[i]:
+        if self.k(self.cur.dims[i]) == 1:
             self._resize(i, self.shape[i])
 
     def slice(self, dst):
