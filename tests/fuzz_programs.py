@@ -34,8 +34,12 @@ class FuzzCase:
         return f"seed {self.seed} on {self.mesh}: in_specs {self.in_specs} out_specs {self.out_specs}\n{self.graph}"
 
 
-def random_mesh(rng, max_devices=8) -> sr.Mesh:
-    shapes = [s for s in MESH_SHAPES if int(np.prod(s)) <= max_devices]
+def random_mesh(rng, max_devices=8, devices=None) -> sr.Mesh:
+    """A random 1-d or 2-d mesh of at most ``max_devices`` (exactly ``devices`` when given)."""
+    if devices is None:
+        shapes = [s for s in MESH_SHAPES if int(np.prod(s)) <= max_devices]
+    else:
+        shapes = sorted({s for s in MESH_SHAPES + [(devices,)] if int(np.prod(s)) == devices})
     shape = shapes[rng.integers(len(shapes))]
     names = ("x", "y")[:len(shape)]
     n = int(np.prod(shape))
@@ -139,10 +143,10 @@ class _Builder:
         return self.extra[len(self.extra_shapes) - 1]
 
 
-def random_case(seed: int, max_devices: int = 8, steps=(3, 9)) -> FuzzCase:
-    """A random program, mesh and shardings; deterministic in ``seed``."""
+def random_case(seed: int, max_devices: int = 8, steps=(3, 9), devices=None) -> FuzzCase:
+    """A random program, mesh and shardings; deterministic in ``seed`` (and ``devices``, the exact mesh size)."""
     rng = np.random.default_rng(seed)
-    mesh = random_mesh(rng, max_devices)
+    mesh = random_mesh(rng, max_devices, devices)
     n_in = int(rng.integers(1, 3))
     shapes = [tuple(SIZES[i] for i in rng.integers(len(SIZES), size=rng.integers(1, 4))) for _ in range(n_in)]
     n_steps = int(rng.integers(*steps))

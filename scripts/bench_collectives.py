@@ -1,0 +1,182 @@
+"""OSU-style latency table: this project's collectives next to the raw mpi4py buffer calls.
+
+Run under MPI:  mpiexec -n 8 python scripts/bench_collectives.py [--quick]
+
+For each collective (all_reduce, all_gather, reduce_scatter, all_to_all, and
+collective_permute as a ring shift), each message size and each communicator
+(the whole world, then each axis of a 2-d mesh (2, N/2)), the project call and
+the raw mpi4py call on the same cached sub-communicator with preallocated
+buffers alternate iteration by iteration, so both see the same machine state.
+Latency = median over iterations (as many as fit in SECONDS_PER_ROW, 5 to
+200), max over ranks. Both results are compared
+with np.array_equal on every rank.
+
+Size S follows the nccl-tests convention: the output bytes for all_gather, the
+input bytes for reduce_scatter, the local buffer otherwise. Bus bandwidth =
+S / latency * factor, factor = 2(k-1)/k for all_reduce, (k-1)/k for all_gather,
+reduce_scatter and all_to_all, 1 for the permute. Reductions run on float32,
+data movement on uint8; sizes are rounded up so each block holds whole elements.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from spmd_runtime.comm import MeshCommunicator, all_gather, all_reduce, all_to_all, collective_permute, reduce_scatter
+from spmd_runtime.mesh import Mesh
+
+WORLD = MPI.COMM_WORLD
+FULL_SIZES = [8] + [4**i for i in range(2, 13)]  # 8 B, 16 B, 64 B, ... 16 MiB
+QUICK_SIZES = [8, 1024, 65536, 1 << 20]
+SECONDS_PER_ROW = 0.2  # iteration budget: ~200 iterations of small messages, 5 of large ones
+MIN_ITERS, MAX_ITERS = 5, 200
+
+
+def round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def case_all_reduce(mc, axes, nbytes, rng):
+    k, x = mc.axis_size(axes), rng.standard_normal(max(1, nbytes // 4)).astype(np.float32)
+    sub, recv = mc.sub(axes), np.empty_like(x)
+    raw = lambda: (sub.Allreduce(x, recv, MPI.SUM), recv)[1]  # noqa: E731
+    return (lambda: all_reduce(mc, x, axes, "sum")), raw, x.nbytes, 2 * (k - 1) / k
+
+
+def case_all_gather(mc, axes, nbytes, rng):
+    k = mc.axis_size(axes)
+    x = rng.integers(0, 255, round_up(nbytes, k) // k, dtype=np.uint8)
+    sub, recv = mc.sub(axes), np.empty(k * x.size, np.uint8)
+    raw = lambda: (sub.Allgather(x, recv), recv)[1]  # noqa: E731
+    return (lambda: all_gather(mc, x, axes, 0)), raw, recv.nbytes, (k - 1) / k
+
+
+def case_reduce_scatter(mc, axes, nbytes, rng):
+    k = mc.axis_size(axes)
+    x = rng.standard_normal(round_up(nbytes // 4, k)).astype(np.float32)
+    sub, recv = mc.sub(axes), np.empty(x.size // k, np.float32)
+    raw = lambda: (sub.Reduce_scatter_block(x, recv, MPI.SUM), recv)[1]  # noqa: E731
+    return (lambda: reduce_scatter(mc, x, axes, 0, "sum")), raw, x.nbytes, (k - 1) / k
+
+
+def case_all_to_all(mc, axes, nbytes, rng):
+    k = mc.axis_size(axes)
+    x = rng.integers(0, 255, round_up(nbytes, k), dtype=np.uint8)
+    sub, recv = mc.sub(axes), np.empty_like(x)
+    raw = lambda: (sub.Alltoall(x, recv), recv)[1]  # noqa: E731
+    return (lambda: all_to_all(mc, x, axes, 0, 0)), raw, x.nbytes, (k - 1) / k
+
+
+def case_permute(mc, axes, nbytes, rng):
+    # Ring shift inside each group along `axes`, in world ranks.
+    pairs = [(g[i], g[(i + 1) % len(g)]) for g in mc.mesh.groups(axes) for i in range(len(g))]
+    dest = dict(pairs)[mc.rank]
+    source = {d: s for s, d in pairs}[mc.rank]
+    x = rng.integers(0, 255, nbytes, dtype=np.uint8)
+    recv = np.empty_like(x)
+    raw = lambda: (mc.comm.Sendrecv(x, dest, recvbuf=recv, source=source), recv)[1]  # noqa: E731
+    return (lambda: collective_permute(mc, x, pairs)), raw, x.nbytes, 1.0
+
+
+CASES = {"all_reduce": case_all_reduce, "all_gather": case_all_gather, "reduce_scatter": case_reduce_scatter,
+         "all_to_all": case_all_to_all, "permute": case_permute}
+
+
+def iterations_for(ours, raw) -> int:
+    """Iterations filling SECONDS_PER_ROW, from one warm-up round; the same on every rank."""
+    start = time.perf_counter()
+    ours(), raw()
+    pair_seconds = WORLD.allreduce(time.perf_counter() - start, MPI.MAX)
+    return int(min(MAX_ITERS, max(MIN_ITERS, SECONDS_PER_ROW / max(pair_seconds, 1e-9))))
+
+
+def time_side_by_side(ours, raw, iters: int) -> tuple[float, float]:
+    """Median seconds per call of each, alternating calls; the slowest rank's median."""
+    WORLD.Barrier()
+    t_ours, t_raw = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        ours()
+        t1 = time.perf_counter()
+        raw()
+        t_raw.append(time.perf_counter() - t1)
+        t_ours.append(t1 - t0)
+    return WORLD.allreduce(statistics.median(t_ours), MPI.MAX), WORLD.allreduce(statistics.median(t_raw), MPI.MAX)
+
+
+def identical(ours, raw) -> bool:
+    """Same bytes from both on every rank (the raw result is copied: its buffer is reused)."""
+    mine, theirs = np.asarray(ours()), raw().copy()
+    return bool(WORLD.allreduce(mine.shape == theirs.shape and np.array_equal(mine, theirs), MPI.LAND))
+
+
+def bench_mesh(n: int) -> Mesh:
+    a = 2 if n % 2 == 0 else n
+    return Mesh((a, n // a), ("x", "y"))
+
+
+def communicators(mesh: Mesh) -> list[tuple[str, tuple[str, ...]]]:
+    """(label, axes): the whole world, then each mesh axis with more than one device."""
+    out = [(f"world({mesh.size})", mesh.axis_names)]
+    out += [(f"{a}({mesh.axis_size(a)})", (a,)) for a in mesh.axis_names if 1 < mesh.axis_size(a) < mesh.size]
+    return out
+
+
+def fmt_size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+HEADER = (f"{'collective':<15}{'comm':<10}{'size':>10}{'ours us':>12}{'mpi4py us':>12}{'ratio':>8}"
+          f"{'busbw GB/s':>12}  same")
+
+
+def bench_row(name, mc, axes, label, nbytes, rng) -> bool:
+    """Time one (collective, communicator, size) row, print it, return whether both results matched."""
+    ours, raw, size, factor = CASES[name](mc, axes, nbytes, rng)
+    ours(), raw()  # warm-up: first-touch page faults, MPI connection setup
+    t_ours, t_raw = time_side_by_side(ours, raw, iterations_for(ours, raw))
+    same = identical(ours, raw)
+    report(f"{name:<15}{label:<10}{fmt_size(size):>10}{t_ours * 1e6:>12.1f}{t_raw * 1e6:>12.1f}"
+           f"{t_ours / t_raw:>8.2f}{size / t_ours * factor / 1e9:>12.3f}  {'yes' if same else 'NO'}")
+    return same
+
+
+def run(sizes: list[int]) -> bool:
+    mc = MeshCommunicator(bench_mesh(WORLD.Get_size()))
+    rng = np.random.default_rng(WORLD.Get_rank())
+    report(f"# {WORLD.Get_size()} ranks, mesh {mc.mesh}, {MPI.Get_library_version().splitlines()[0]}\n{HEADER}")
+    rows = [(name, axes, label, nbytes) for name in CASES for label, axes in communicators(mc.mesh) for nbytes in sizes]
+    all_same = all([bench_row(name, mc, axes, label, nbytes, rng) for name, axes, label, nbytes in rows])
+    report(f"# results identical to mpi4py on every row: {'yes' if all_same else 'NO'}")
+    mc.free()
+    return all_same
+
+
+def report(line: str) -> None:
+    if WORLD.Get_rank() == 0:
+        print(line, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"only sizes {QUICK_SIZES}")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    ok = run(QUICK_SIZES if args.quick else FULL_SIZES)
+    report(f"# total {time.perf_counter() - start:.1f} s")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
