@@ -17,7 +17,7 @@ import numpy as np
 from ..comm import collectives
 from ..comm.communicator import MeshCommunicator
 from ..program import SPMDProgram
-from .backend import get_array_module, to_device
+from .backend import get_array_module, select_device, to_device
 from .interpreter import Interpreter
 
 _communicators: dict = {}
@@ -38,7 +38,7 @@ def communicator(mesh, comm=None) -> MeshCommunicator:
 def run(program: SPMDProgram, *inputs, comm=None, backend=None) -> list:
     """Run on every rank with the same global ``inputs``; returns the global outputs (NumPy/CuPy arrays)."""
     mc = _prepare(program, comm, [_check_global(program, inputs)], inputs)
-    xp = get_array_module(backend)
+    xp = _array_module(backend, mc)
     local = [to_device(shard(x, spec.sharding, program.mesh, mc.rank, pad=True), xp)
              for x, spec in zip(inputs, program.inputs)]
     outs = _guarded(mc, lambda: _interpreter(program, mc, xp).run(local))
@@ -51,7 +51,7 @@ def run_local(program: SPMDProgram, *local_inputs, comm=None, backend=None) -> l
     mc = communicator(program.mesh, comm)
     mc_rank, mesh = mc.rank, program.mesh
     mc = _prepare(program, comm, [_check_local(program, local_inputs, mc_rank)], local_inputs)
-    xp = get_array_module(backend)
+    xp = _array_module(backend, mc)
     padded = [_pad_to(to_device(x, xp), s.sharding.local_shape(s.shape, mesh), xp)
               for x, s in zip(local_inputs, program.inputs)]
     outs = _guarded(mc, lambda: _interpreter(program, mc, xp).run(padded))
@@ -127,6 +127,15 @@ def _check(program, inputs, shape_of, kind) -> str | None:
             got = f"{np.dtype(x.dtype).name}{list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
             return f"{kind} input {spec.name!r} must be {spec.dtype}{list(want)}; got {got}"
     return None
+
+
+def _array_module(backend, mc):
+    """NumPy or CuPy; with CuPy each rank binds its GPU (node-local rank) once per communicator."""
+    xp = get_array_module(backend)
+    if xp.__name__ == "cupy" and not getattr(mc, "gpu_selected", False):
+        select_device(mc.comm)  # collective on first use: every rank of a CuPy run gets here
+        mc.gpu_selected = True
+    return xp
 
 
 def _interpreter(program, mc, xp) -> Interpreter:
