@@ -42,6 +42,7 @@ class PartitionContext:
         self.values: dict[int, LocalValue] = {}
         self.instrs: list[Instr] = []
         self.notes: list[str] = []
+        self.node: Node | None = None  # the node being partitioned, named in notes
         self._reshard_cache: dict = {}
 
     def sharding(self, node_id: int) -> Sharding:
@@ -85,7 +86,8 @@ class PartitionContext:
         key = (value.slot, target)
         if key not in self._reshard_cache:
             plan = plan_reshard(value.sharding, target, value.shape, self.mesh)
-            self.notes += plan.notes
+            where = f"at {_describe(self.graph, self.node)}: " if self.node is not None else ""
+            self.notes += [where + n for n in plan.notes]
             cur = value
             for step in plan.steps:
                 cur = self.emit(step.op, [cur], step.attrs, step.result, value.shape, value.dtype, step.local)
@@ -107,7 +109,9 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None) -> SPMDPr
     live = _live_nodes(graph)
     for node in graph.nodes:
         if node.id in live:
+            ctx.node = node
             ctx.values[node.id] = ctx.reshard(_partition_node(ctx, node), prop.shardings[node.id])
+    ctx.node = None
     outputs = [ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
     return _finish(ctx, graph, prop, outputs)
 

@@ -63,27 +63,23 @@ def _broadcast(ctx, node):
 
 @partition_rule("reshape")
 def _reshape(ctx, node):
-    """Cheapest of: reshard the operand to match the result, reshape as the operand lies, or replicate."""
+    """Cheapest of: reshard the operand so the result comes out as wanted, reshape the operand as it lies
+    and reshard the result, or (when neither is exact) replicate the operand first."""
     x, target, mesh = ctx.value(node.inputs[0]), ctx.sharding(node.id), ctx.mesh
     options = []
     need = map_reshape_sharding(target, node.shape, x.shape, mesh, exact=True)
     if need is not None:
         options.append((ctx.cost(x, need), need, target))
     got = map_reshape_sharding(x.sharding, x.shape, node.shape, mesh, exact=True)
-    if got is not None and _divides(got, node.shape, mesh):
-        options.append((ctx.cost(x, x.sharding) + plan_cost(got, target, node.shape, node.dtype, ctx.mesh), x.sharding, got))
+    if got is not None:
+        options.append((plan_cost(got, target, node.shape, node.dtype, mesh), x.sharding, got))
     if not options:
-        repl = Sharding.replicated(len(x.shape))
         ctx.notes.append(f"reshape %{node.id} {x.shape}->{node.shape} cannot keep {x.sharding} -> {target} "
                          f"local; it replicates the operand first")
-        options.append((0.0, repl, Sharding.replicated(len(node.shape))))
+        options.append((0.0, Sharding.replicated(len(x.shape)), Sharding.replicated(len(node.shape))))
     _, need, result = min(options, key=lambda o: o[0])
     x = ctx.reshard(x, need)
     return ctx.emit_like(node, "reshape", [x], {"shape": result.local_shape(node.shape, mesh)}, result)
-
-
-def _divides(s: Sharding, shape, mesh) -> bool:
-    return all(n % mesh.axis_size(d) == 0 for n, d in zip(shape, s.dims))
 
 
 @partition_rule("reduce")

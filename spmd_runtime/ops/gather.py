@@ -1,0 +1,307 @@
+"""Gather and scatter-add along one axis: embedding lookup and its gradient (GShard / Megatron style).
+
+Global semantics, as NumPy:
+
+    take(table, indices, axis)                == np.take(table, indices, axis, mode="clip")
+    scatter_add(operand, indices, updates, a) == out = operand.copy(); np.add.at(out, idx along a, updates)
+
+Out-of-range indices, negative ones included, are CLAMPED to [0, n - 1] as by
+``np.take(mode="clip")``, in both ops: a traced program cannot raise on data, and
+clamping the same way keeps scatter_add the exact transpose (gradient) of take.
+
+Partitioning (one masked local op, the planner does the rest):
+- table split on the gathered axis (vocab-split embedding): each rank looks up only the
+  rows of its block (``take_block``: global index minus ``shard_index * block``, rows of
+  other blocks give 0), so the result is a PARTIAL SUM over the table's axes on that
+  dim; the planner all-reduces it, or reduce-scatters it when the result is wanted split.
+  Padding rows of an uneven block are never read: a clamped index is below the true size.
+- indices split on their own dims / table split on other dims: purely local, the result
+  is split alike on the corresponding dims.
+- scatter_add with the operand split on the scattered axis: each rank adds only the
+  updates whose index falls in its block (``scatter_add_block``), no communication.
+- scatter_add with updates (and indices) split on index dims: each rank scatters its
+  updates, the result is a partial sum over those axes (the operand counted on shard 0
+  of them only, ``first_shard_only``) that the planner reduces.
+The per-dim choice is the one moving the fewest bytes (like einsum): e.g. a small table
+is all-gathered rather than all-reducing a larger lookup result.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import string
+
+import numpy as np
+
+from ..autodiff import vjp
+from ..exec.kernels import kernel
+from ..partition.partitioner import partition_rule
+from ..partition.propagation import DOT_LEVEL, combine, rule
+from ..partition.resharding import plan_cost
+from ..partition.rules import _distinct, _letter_options
+from ..sharding import Sharding
+from ..trace import Tensor, emit
+
+__all__ = ["take", "scatter_add"]
+
+
+# ---------------------------------------------------------------- traced API
+def take(table, indices, axis=0, mode="clip") -> Tensor:
+    """``np.take(table, indices, axis, mode="clip")``: rows of ``table`` along ``axis`` picked by integer
+    ``indices`` of any shape; result shape ``table.shape[:axis] + indices.shape + table.shape[axis+1:]``.
+    Out-of-range indices are clamped to [0, n - 1]; ``mode`` exists for NumPy-compatible calls."""
+    from .. import numpy as snp
+    if mode != "clip":
+        raise ValueError(f"take clamps out-of-range indices (a traced program cannot raise on data): mode must "
+                         f"be 'clip'; got mode={mode!r}")
+    table, indices = snp.asarray(table), snp.asarray(indices)
+    axis = _gathered_axis(table, axis, "take")
+    _check_indices(indices, "take")
+    shape = table.shape[:axis] + indices.shape + table.shape[axis + 1:]
+    return emit("take", [table, indices], {"axis": axis}, shape, table.dtype)
+
+
+def scatter_add(operand, indices, updates, axis=0) -> Tensor:
+    """``operand`` plus ``updates`` added at ``indices`` along ``axis``, repeats accumulating (``np.add.at``);
+    the transpose of ``take``. ``updates`` broadcasts to ``operand.shape[:axis] + indices.shape +
+    operand.shape[axis+1:]`` and is cast to the operand's dtype. Out-of-range indices are clamped."""
+    from .. import numpy as snp
+    operand, indices = snp.asarray(operand), snp.asarray(indices)
+    axis = _gathered_axis(operand, axis, "scatter_add")
+    _check_indices(indices, "scatter_add")
+    want = operand.shape[:axis] + indices.shape + operand.shape[axis + 1:]
+    updates = snp.asarray(updates)
+    try:
+        updates = snp.broadcast_to(snp.astype(updates, operand.dtype), want)
+    except ValueError:
+        raise ValueError(f"scatter_add needs updates broadcastable to operand.shape[:axis] + indices.shape + "
+                         f"operand.shape[axis+1:] = {want}; got shape {updates.shape}") from None
+    return emit("scatter_add", [operand, indices, updates], {"axis": axis}, operand.shape, operand.dtype)
+
+
+def _gathered_axis(x: Tensor, axis, what: str) -> int:
+    if not -x.ndim <= int(axis) < x.ndim:
+        raise ValueError(f"{what} needs an axis in [-{x.ndim}, {x.ndim}); got axis {axis} for shape {x.shape}")
+    axis = int(axis) % x.ndim
+    if x.shape[axis] == 0:
+        raise ValueError(f"{what} needs a non-empty axis to index (indices are clamped into it); got size 0 "
+                         f"on axis {axis} of shape {x.shape}")
+    return axis
+
+
+def _check_indices(indices: Tensor, what: str) -> None:
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"{what} needs integer indices; got dtype {indices.dtype.name}")
+
+
+# ---------------------------------------------------------------- kernels
+def _clamped(xp, indices, size: int):
+    return xp.clip(indices, 0, size - 1)
+
+
+def _spread(mask, axis: int, ndim: int):
+    """``mask`` over the index dims, reshaped to broadcast against a result of rank ``ndim`` at ``axis``."""
+    return mask.reshape((1,) * axis + mask.shape + (1,) * (ndim - axis - mask.ndim))
+
+
+@kernel("take")
+def take_kernel(xp, table, indices, axis):
+    return xp.take(table, _clamped(xp, indices, table.shape[axis]), axis=axis)
+
+
+@kernel("take_block")
+def take_block(xp, table, indices, shard, axis, size):
+    """``take`` from block ``shard`` of a gathered axis of true size ``size``: rows in other blocks give 0,
+    so summing over the blocks gives the global take."""
+    block = table.shape[axis]
+    local = _clamped(xp, indices, size) - shard * block
+    hit = (local >= 0) & (local < block)
+    rows = xp.take(table, xp.where(hit, local, 0), axis=axis)
+    return xp.where(_spread(hit, axis, rows.ndim), rows, xp.zeros((), rows.dtype))
+
+
+@kernel("scatter_add")
+def scatter_add_kernel(xp, operand, indices, updates, axis):
+    return _add_rows(xp, operand, _clamped(xp, indices, operand.shape[axis]), updates, axis)
+
+
+@kernel("scatter_add_block")
+def scatter_add_block(xp, operand, indices, updates, shard, axis, size):
+    """``scatter_add`` into block ``shard`` of a scattered axis of true size ``size``: updates aimed at other
+    blocks are dropped (their blocks add them)."""
+    block = operand.shape[axis]
+    local = _clamped(xp, indices, size) - shard * block
+    hit = (local >= 0) & (local < block)
+    updates = xp.where(_spread(hit, axis, updates.ndim), updates, xp.zeros((), updates.dtype))
+    return _add_rows(xp, operand, xp.where(hit, local, 0), updates, axis)
+
+
+@kernel("first_shard_only")
+def first_shard_only(xp, x, shard):
+    """``x`` on shard 0 of some axes, zeros elsewhere: a value counted once in a partial sum over them."""
+    return xp.where(shard == 0, x, xp.zeros((), x.dtype))
+
+
+def _add_rows(xp, operand, rows, updates, axis):
+    """A copy of ``operand`` with ``updates`` added at ``rows`` of ``axis``; repeated rows accumulate."""
+    out = operand.copy()
+    target = xp.moveaxis(out, axis, 0)  # a view: adding into it writes ``out``
+    index_dims = tuple(range(axis, axis + rows.ndim))
+    values = xp.moveaxis(updates, index_dims, tuple(range(rows.ndim))).reshape((rows.size,) + target.shape[1:])
+    if hasattr(xp.add, "at"):
+        xp.add.at(target, rows.reshape(-1), values)
+    else:  # CuPy without ufunc.at
+        import cupyx
+        cupyx.scatter_add(target, rows.reshape(-1), values)
+    return out
+
+
+# ---------------------------------------------------------------- terms: one letter per dim, like einsum
+def take_terms(table_ndim: int, indices_ndim: int, axis: int) -> tuple[str, str, str]:
+    """(table, indices, result) letters; the table's gathered letter is in no other term (it is summed)."""
+    letters = iter(string.ascii_letters)
+    table = "".join(next(letters) for _ in range(table_ndim))
+    indices = "".join(next(letters) for _ in range(indices_ndim))
+    return table, indices, table[:axis] + indices + table[axis + 1:]
+
+
+def scatter_terms(operand_ndim: int, indices_ndim: int, axis: int) -> tuple[str, str, str]:
+    """(operand = result, indices, updates) letters; index letters are summed (not in the result)."""
+    return take_terms(operand_ndim, indices_ndim, axis)  # the updates are shaped like take's result
+
+
+def _map_dims(from_term: str, sharding, to_term: str) -> list:
+    """Dims of ``to_term`` taken from ``sharding`` over ``from_term`` where the letters match, else ()."""
+    known = {} if sharding is None else dict(zip(from_term, sharding.dims))
+    return [known.get(c, ()) for c in to_term]
+
+
+def _first_use(dims) -> Sharding:
+    """Dims as a Sharding where a mesh axis already used by an earlier dim is dropped (one use per axis)."""
+    used, out = set(), []
+    for d in dims:
+        keep = tuple(a for a in d if a not in used)
+        keep = d if keep == d else ()
+        used.update(keep)
+        out.append(keep)
+    return Sharding(tuple(out))
+
+
+# ---------------------------------------------------------------- propagation
+@rule("take", level=DOT_LEVEL)
+def _take_propagation():
+    """Result dims follow the indices' dims and the table's other dims; back the same way (the table's
+    gathered dim never takes a split from the result: it has no counterpart there)."""
+    def fwd(node, ins, g, mesh):
+        table_t, indices_t, out_t = _terms_of(node, g)
+        known = [(t, s) for t, s in ((table_t, ins[0]), (indices_t, ins[1])) if s is not None]
+        return combine([_first_use(_map_dims(t, s, out_t)) for t, s in known]) if known else None
+
+    def bwd(node, out, ins, g, mesh):
+        table_t, indices_t, out_t = _terms_of(node, g)
+        return [_first_use(_map_dims(out_t, out, table_t)), _first_use(_map_dims(out_t, out, indices_t))]
+    return fwd, bwd
+
+
+@rule("scatter_add", level=DOT_LEVEL)
+def _scatter_add_propagation():
+    """The result follows the operand, and the updates' non-index dims; backward, the updates' index dims
+    and the indices' dims copy each other (sideways), their other dims follow the result."""
+    def fwd(node, ins, g, mesh):
+        operand_t, _, updates_t = _terms_of(node, g)
+        known = [ins[0]] if ins[0] is not None else []
+        if ins[2] is not None:
+            known.append(_first_use(_map_dims(updates_t, ins[2], operand_t)))
+        return combine(known) if known else None
+
+    def bwd(node, out, ins, g, mesh):
+        operand_t, indices_t, updates_t = _terms_of(node, g)
+        from_result, from_indices = _map_dims(operand_t, out, updates_t), _map_dims(indices_t, ins[1], updates_t)
+        updates = _first_use([r or i for r, i in zip(from_result, from_indices)])
+        return [out, _first_use(_map_dims(updates_t, ins[2], indices_t)), updates]
+    return fwd, bwd
+
+
+def _terms_of(node, g) -> tuple[str, str, str]:
+    first, indices = g.nodes[node.inputs[0]].shape, g.nodes[node.inputs[1]].shape
+    terms = take_terms if node.op == "take" else scatter_terms
+    return terms(len(first), len(indices), node.attrs["axis"])
+
+
+# ---------------------------------------------------------------- partitioning
+def cheapest_split(ctx, operands, out_term: str, node):
+    """Mesh axes per letter moving the fewest bytes, then doing the least local work, as the einsum rule.
+
+    ``operands``: (term, LocalValue) pairs. Returns (one sharding per operand, result sharding); a split
+    letter absent from ``out_term`` makes the result a partial sum over its axes.
+    """
+    target, mesh = ctx.sharding(node.id), ctx.mesh
+    sizes = {c: n for term, v in operands for c, n in zip(term, v.shape)}
+    options = _letter_options(sizes, [(t, v.sharding) for t, v in operands] + [(out_term, target)], mesh)
+    best = None
+    for choice in itertools.product(*options.values()):
+        split = dict(zip(options, choice))
+        if not _distinct(split):
+            continue
+        shardings = [Sharding(tuple(split[c] for c in term)) for term, _ in operands]
+        summed = {a for c in split if c not in out_term for a in split[c]}
+        result = Sharding(tuple(split[c] for c in out_term), tuple(a for a in mesh.axis_names if a in summed))
+        moved = sum(ctx.cost(v, s) for (_, v), s in zip(operands, shardings))
+        moved += plan_cost(result, target, node.shape, node.dtype, mesh)
+        work = math.prod(-(-sizes[c] // mesh.axis_size(split[c])) for c in sizes)
+        if best is None or (moved, work) < best[0]:
+            best = ((moved, work), shardings, result)
+    return best[1], best[2]
+
+
+@partition_rule("take")
+def _partition_take(ctx, node):
+    """Masked lookup in the local block of a split gathered axis (result partial over its axes), else a
+    plain local take; operands resharded to the cheapest per-dim split."""
+    axis = node.attrs["axis"]
+    table, indices = ctx.value(node.inputs[0]), ctx.value(node.inputs[1])
+    table_t, indices_t, out_t = take_terms(len(table.shape), len(indices.shape), axis)
+    (table_sh, indices_sh), result = cheapest_split(ctx, [(table_t, table), (indices_t, indices)], out_t, node)
+    table, indices = ctx.reshard(table, table_sh), ctx.reshard(indices, indices_sh)
+    vocab_axes = table_sh.dims[axis]
+    if not vocab_axes:
+        return ctx.emit_like(node, "take", [table, indices], {"axis": axis}, result)
+    shard = ctx.shard_index(vocab_axes)
+    return ctx.emit_like(node, "take_block", [table, indices, shard], {"axis": axis, "size": table.shape[axis]},
+                         result)
+
+
+@partition_rule("scatter_add")
+def _partition_scatter_add(ctx, node):
+    """Masked scatter into the local block of a split scattered axis; updates split on index dims give a
+    partial sum (the operand kept on one shard of those axes) that the planner reduces."""
+    axis = node.attrs["axis"]
+    operand, indices, updates = (ctx.value(i) for i in node.inputs)
+    operand_t, indices_t, updates_t = scatter_terms(len(operand.shape), len(indices.shape), axis)
+    shardings, result = cheapest_split(ctx, [(operand_t, operand), (indices_t, indices), (updates_t, updates)],
+                                       operand_t, node)
+    operand, indices, updates = (ctx.reshard(v, s) for v, s in zip((operand, indices, updates), shardings))
+    index_dims = range(axis, axis + len(indices.shape))
+    updates = ctx.mask_padding(updates, index_dims, 0)  # padded updates must add nothing
+    if result.partial:
+        keep = ctx.shard_index(result.partial)
+        operand = ctx.emit("first_shard_only", [operand, keep], {}, result, operand.shape, operand.dtype)
+    rows_axes = shardings[0].dims[axis]
+    if not rows_axes:
+        return ctx.emit_like(node, "scatter_add", [operand, indices, updates], {"axis": axis}, result)
+    shard = ctx.shard_index(rows_axes)
+    return ctx.emit_like(node, "scatter_add_block", [operand, indices, updates, shard],
+                         {"axis": axis, "size": operand.shape[axis]}, result)
+
+
+# ---------------------------------------------------------------- gradients: each op is the other's transpose
+@vjp("take")
+def _take_vjp(node, g, ops, y):
+    from .. import numpy as snp
+    table, indices = ops
+    return [lambda: scatter_add(snp.zeros(table.shape, table.dtype), indices, g, node.attrs["axis"]), None]
+
+
+@vjp("scatter_add")
+def _scatter_add_vjp(node, g, ops, y):
+    return [g, None, lambda: take(g, ops[1], node.attrs["axis"])]

@@ -1,0 +1,505 @@
+"""Windowed ops: convolution, reduce_window (pooling) and cumsum, partitioned with halo exchange.
+
+Global semantics are XLA's (``ConvGeneralDilated``, ``ReduceWindow``) and NumPy's (``cumsum``):
+
+- ``conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, feature_group_count)``: lhs is
+  (N, C, *spatial), rhs is (O, C / groups, *window), the result (N, O, *out_spatial), for 1 to 3 (or
+  more) spatial dims. ``padding`` is one (low, high) pair per spatial dim (negative crops), or
+  "SAME" / "VALID". ``lhs_dilation`` inserts zeros between input elements (transposed convolution),
+  ``rhs_dilation`` between window taps (atrous convolution).
+- ``reduce_window(x, kind, window, strides, padding)``: one window/stride/padding entry per dim of x
+  (pooling over NCHW is window (1, 1, kh, kw)). Padding holds the reduction's identity: -inf for
+  'max', +inf for 'min', 0 for 'sum'. 'avg' is the window sum divided by the full window size,
+  padding included (XLA's ``avg_pool`` default, ``count_include_pad=True`` in PyTorch terms).
+- ``cumsum(x, axis)``: NumPy's, including ``axis=None`` (flattened) and its dtype promotion.
+
+Partitioning (GSPMD section 3, spatial partitioning):
+
+- A split windowed dim keeps its split. Shard i owns the canonical ceil-size block i of the OUTPUT
+  dim; ``halo_plan`` works out which input elements those outputs read. Shard i gets the last
+  ``left`` elements of shard i-1 and the first ``right`` of shard i+1 by two collective-permutes
+  (the edge ranks receive zeros), cuts the window it reads out of that extended block at an offset
+  that may grow linearly with i (stride != 1 or shrinking VALID windows), and sets every element
+  outside the global dim to the padding value (uneven-shard padding, global edges), then runs the
+  op locally with local padding. Where a halo would be wider than a shard, or an lhs dilation puts
+  the window at a different phase on each shard, the dim is resharded to replicated instead and the
+  program's notes say so: never silently wrong.
+- conv: batch and output-feature splits are local; an input-feature split on both operands gives
+  partial sums (like einsum's contracting dims); with feature groups the feature dims may be split
+  together, whole groups per shard. Candidates are ranked by bytes moved, then local work.
+- cumsum along a split dim: local cumsum of the masked block, all-gather of the k block totals (one
+  element per shard along the dim), then each shard adds the sum of the totals before it.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..exec.kernels import kernel
+from ..partition.partitioner import PartitionContext, partition_rule
+from ..partition.propagation import BROADCAST_LEVEL, DOT_LEVEL, combine, rule
+from ..partition.resharding import plan_cost
+from ..partition.rules import reduce_identity
+from ..sharding import Sharding
+from ..trace import Tensor, emit
+
+__all__ = ["conv", "conv_general_dilated", "reduce_window", "cumsum"]
+
+REDUCE_WINDOW_KINDS = ("max", "min", "sum", "avg")
+
+
+# ================================================================ traced API
+def conv(lhs, rhs, window_strides=None, padding="VALID", lhs_dilation=None, rhs_dilation=None,
+         feature_group_count=1) -> Tensor:
+    """XLA's ConvGeneralDilated in (N, C, *spatial) x (O, C / groups, *window) -> (N, O, *out) layout.
+
+    ``window_strides``, ``lhs_dilation`` and ``rhs_dilation`` take an int or one int per spatial dim
+    (default 1); ``padding`` is "VALID", "SAME" or one (low, high) pair per spatial dim.
+    """
+    from .. import numpy as snp
+    lhs, rhs = snp.asarray(lhs), snp.asarray(rhs)
+    if lhs.ndim < 3 or rhs.ndim != lhs.ndim:
+        raise ValueError(f"conv needs lhs (N, C, *spatial) and rhs (O, C / groups, *window) of one rank >= 3; "
+                         f"got shapes {lhs.shape} and {rhs.shape}")
+    nsp, groups = lhs.ndim - 2, int(feature_group_count)
+    (n, c), (o, cg) = lhs.shape[:2], rhs.shape[:2]
+    if groups < 1 or c % groups or o % groups or cg * groups != c:
+        raise ValueError(f"conv needs feature_group_count >= 1 dividing lhs features C and rhs outputs O, and rhs "
+                         f"dim 1 == C / groups; got C={c}, O={o}, rhs dim 1={cg}, feature_group_count={groups}")
+    strides = _per_dim(window_strides, nsp, "window_strides")
+    lhs_dil = _per_dim(lhs_dilation, nsp, "lhs_dilation")
+    rhs_dil = _per_dim(rhs_dilation, nsp, "rhs_dilation")
+    window = rhs.shape[2:]
+    pads = _padding(padding, lhs.shape[2:], window, strides, lhs_dil, rhs_dil, "conv")
+    out = tuple(out_size(*args) for args in zip(lhs.shape[2:], window, strides, pads, lhs_dil, rhs_dil))
+    if any(m < 1 for m in out):
+        raise ValueError(f"conv windows must fit the padded input at least once; got output spatial size {out} for "
+                         f"input {lhs.shape[2:]}, window {window}, padding {pads}, dilations {lhs_dil}/{rhs_dil}")
+    dtype = np.result_type(lhs.dtype, rhs.dtype)
+    attrs = {"strides": strides, "padding": pads, "lhs_dilation": lhs_dil, "rhs_dilation": rhs_dil, "groups": groups}
+    return emit("conv", [snp.astype(lhs, dtype), snp.astype(rhs, dtype)], attrs, (n, o) + out, dtype)
+
+
+conv_general_dilated = conv  # JAX's name for the same op and signature
+
+
+def reduce_window(x, kind, window, strides=None, padding="VALID") -> Tensor:
+    """XLA's ReduceWindow with the identity as padding; ``kind`` is 'max', 'min', 'sum' or 'avg'.
+
+    ``window`` has one entry per dim of x; ``strides`` an int or one per dim (default 1); ``padding``
+    "VALID", "SAME" or one (low, high) pair per dim. 'avg' divides each window sum by the full window
+    size, padded positions included (XLA's default; ``count_include_pad=True``); it is computed in floats.
+    """
+    from .. import numpy as snp
+    x = snp.asarray(x)
+    if kind not in REDUCE_WINDOW_KINDS:
+        raise ValueError(f"reduce_window kind must be one of {REDUCE_WINDOW_KINDS}; got {kind!r}")
+    if isinstance(window, int) or len(window) != x.ndim:
+        raise ValueError(f"reduce_window needs one window size per dim of x (shape {x.shape}); got {window!r}")
+    window = _per_dim(window, x.ndim, "window")
+    strides = _per_dim(strides, x.ndim, "strides")
+    pads = _padding(padding, x.shape, window, strides, (1,) * x.ndim, (1,) * x.ndim, "reduce_window")
+    out = tuple(out_size(n, w, s, p) for n, w, s, p in zip(x.shape, window, strides, pads))
+    if any(m < 1 for m in out):
+        raise ValueError(f"reduce_window windows must fit the padded input at least once; got output shape {out} "
+                         f"for input {x.shape}, window {window}, padding {pads}")
+    if kind == "avg":
+        x = snp.astype(x, np.result_type(x.dtype, 1.0))
+    attrs = {"kind": "sum" if kind == "avg" else kind, "window": window, "strides": strides, "padding": pads}
+    y = emit("reduce_window", [x], attrs, out, x.dtype)
+    return snp.multiply(y, 1.0 / math.prod(window)) if kind == "avg" else y
+
+
+def cumsum(x, axis=None, dtype=None) -> Tensor:
+    """NumPy's cumsum: ``axis=None`` runs over the flattened array; ints and bools accumulate in int64."""
+    from .. import numpy as snp
+    x = snp.asarray(x)
+    if axis is None:
+        x, axis = snp.reshape(x, -1), 0
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"cumsum axis must be in [-{x.ndim}, {x.ndim}) for shape {x.shape}; got {axis}")
+    dtype = np.dtype(dtype) if dtype is not None else np.cumsum(np.zeros(0, x.dtype)).dtype
+    x = snp.astype(x, dtype)
+    return emit("cumsum", [x], {"axis": int(axis) % x.ndim}, x.shape, dtype)
+
+
+def out_size(n, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilation=1) -> int:
+    """Number of window positions along one dim (XLA's ``ConvolutionDimensionNumbers`` arithmetic)."""
+    lo, hi = padding
+    return ((n - 1) * lhs_dilation + 1 + lo + hi - ((window - 1) * rhs_dilation + 1)) // stride + 1
+
+
+def _per_dim(value, ndim, what) -> tuple[int, ...]:
+    if value is None:
+        return (1,) * ndim
+    values = (value,) * ndim if isinstance(value, (int, np.integer)) else tuple(value)
+    if len(values) != ndim or not all(isinstance(v, (int, np.integer)) and v >= 1 for v in values):
+        raise ValueError(f"{what} takes a positive int or one per dim ({ndim}); got {value!r}")
+    return tuple(int(v) for v in values)
+
+
+def _padding(padding, sizes, window, strides, lhs_dil, rhs_dil, what) -> tuple[tuple[int, int], ...]:
+    """(low, high) per dim; 'SAME' gives ceil(n / stride) outputs, the odd element of padding going high."""
+    if isinstance(padding, str):
+        if padding.upper() == "VALID":
+            return ((0, 0),) * len(sizes)
+        if padding.upper() != "SAME":
+            raise ValueError(f"{what} padding is 'SAME', 'VALID' or one (low, high) pair per dim; got {padding!r}")
+        pads = []
+        for n, w, s, ld, rd in zip(sizes, window, strides, lhs_dil, rhs_dil):
+            dilated = (n - 1) * ld + 1
+            total = max((-(-dilated // s) - 1) * s + (w - 1) * rd + 1 - dilated, 0)
+            pads.append((total // 2, total - total // 2))
+        return tuple(pads)
+    try:
+        pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+    except (TypeError, ValueError):
+        pads = ()
+    if len(pads) != len(sizes):
+        raise ValueError(f"{what} padding is 'SAME', 'VALID' or one (low, high) pair per dim ({len(sizes)}); "
+                         f"got {padding!r}")
+    return pads
+
+
+# ================================================================ kernels
+@kernel("conv")
+def conv_kernel(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
+    """im2col through a strided view, then one batched matmul (BLAS) over the feature groups."""
+    nsp, (n, c), o = lhs.ndim - 2, lhs.shape[:2], rhs.shape[0]
+    x = _dilate_and_pad(xp, lhs, 2, lhs_dilation, padding, 0)
+    view = _window_view(xp, x, 2, rhs.shape[2:], strides, rhs_dilation)  # (N, C, *out, *window)
+    out, taps = view.shape[2:2 + nsp], math.prod(rhs.shape[2:])
+    cg, og = c // groups, o // groups
+    cols = view.reshape((n, groups, cg) + view.shape[2:])
+    sp, win = tuple(range(3, 3 + nsp)), tuple(range(3 + nsp, 3 + 2 * nsp))
+    cols = cols.transpose((1, 0) + sp + (2,) + win).reshape(groups, n * math.prod(out), cg * taps)
+    weights = rhs.reshape(groups, og, cg * taps).transpose(0, 2, 1)
+    y = xp.matmul(cols, weights).reshape((groups, n) + out + (og,))
+    return y.transpose((1, 0, 2 + nsp) + tuple(range(2, 2 + nsp))).reshape((n, o) + out)
+
+
+@kernel("reduce_window")
+def reduce_window_kernel(xp, x, kind, window, strides, padding):
+    ones = (1,) * x.ndim
+    padded = _dilate_and_pad(xp, x, 0, ones, padding, reduce_identity(kind, x.dtype))
+    view = _window_view(xp, padded, 0, window, strides, ones)
+    return getattr(xp, kind)(view, axis=tuple(range(x.ndim, 2 * x.ndim))).astype(x.dtype, copy=False)
+
+
+@kernel("cumsum")
+def cumsum_kernel(xp, x, axis):
+    return xp.cumsum(x, axis=axis, dtype=x.dtype)
+
+
+def _dilate_and_pad(xp, x, first, dilation, padding, fill):
+    """Dims ``first``.. of x with (d - 1) zeros between elements, then padded (fill) or cropped (< 0)."""
+    if any(d > 1 for d in dilation):
+        shape = x.shape[:first] + tuple((n - 1) * d + 1 for n, d in zip(x.shape[first:], dilation))
+        spread = xp.zeros(shape, x.dtype)
+        spread[(slice(None),) * first + tuple(slice(None, None, d) for d in dilation)] = x
+        x = spread
+    if any(lo > 0 or hi > 0 for lo, hi in padding):
+        widths = [(0, 0)] * first + [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
+        x = xp.pad(x, widths, constant_values=fill)
+    if any(lo < 0 or hi < 0 for lo, hi in padding):
+        x = x[(slice(None),) * first + tuple(slice(max(-lo, 0), n - max(-hi, 0))
+                                             for n, (lo, hi) in zip(x.shape[first:], padding))]
+    return x
+
+
+def _window_view(xp, x, first, window, strides, dilation):
+    """Read-only view (..., *positions, *window) of dims ``first``..: one strided view, no copy."""
+    sizes, steps = x.shape[first:], x.strides[first:]
+    positions = tuple(max(0, (n - (w - 1) * d - 1) // s + 1) for n, w, s, d in zip(sizes, window, strides, dilation))
+    shape = x.shape[:first] + positions + tuple(window)
+    view_strides = (x.strides[:first] + tuple(b * s for b, s in zip(steps, strides))
+                    + tuple(b * d for b, d in zip(steps, dilation)))
+    return xp.lib.stride_tricks.as_strided(x, shape, view_strides)
+
+
+@kernel("window_edge")
+def window_edge(xp, x, dim, start, stop):
+    """Elements [start, stop) of ``dim``: the edge a shard sends to its neighbour, or its block total."""
+    return x[(slice(None),) * dim + (slice(start, stop),)]
+
+
+@kernel("halo_window")
+def halo_window(xp, x, *halos_and_index, dim, left, right, block, size, start, step, length, fill):
+    """The ``length`` elements of [left halo | block | right halo] along ``dim`` that this shard's window
+    reads, from offset start + step * shard; entries outside the global dim [0, size) (uneven-shard
+    padding, the global edges, past the extended block) hold ``fill``."""
+    *halos, index = halos_and_index
+    i = int(index)
+    parts = halos[:1] * bool(left) + [x] + halos[bool(left):] * bool(right)
+    ext = xp.concatenate(parts, axis=dim) if len(parts) > 1 else x
+    offset = start + step * i
+    origin = i * block - left + offset  # global element index of the window's first entry
+    t0 = max(0, -offset, -origin)
+    t1 = min(length, ext.shape[dim] - offset, size - origin)
+    shape = list(x.shape)
+    shape[dim] = length
+    out = xp.full(shape, fill, dtype=x.dtype)
+    if t1 > t0:
+        lead = (slice(None),) * dim
+        out[lead + (slice(t0, t1),)] = ext[lead + (slice(offset + t0, offset + t1),)]
+    return out
+
+
+@kernel("cumsum_carry")
+def cumsum_carry(xp, local, totals, index, axis):
+    """``local`` plus the sum of the block totals of the shards before this one (an exclusive prefix)."""
+    before = totals[(slice(None),) * axis + (slice(0, int(index)),)]
+    return (local + xp.sum(before, axis=axis, keepdims=True)).astype(local.dtype, copy=False)
+
+
+# ================================================================ halo plans
+@dataclass(frozen=True)
+class HaloPlan:
+    """How every shard of a dim split k ways computes its block of the windowed op's output locally.
+
+    Shard i extends its input block (``block`` elements) by ``left`` elements of shard i-1 and
+    ``right`` of shard i+1, reads ``length`` elements from offset ``start + step * i`` of that
+    extended block, and runs the op with local padding ``pad``: exactly ``out_block`` outputs.
+    """
+    block: int
+    out_block: int
+    left: int
+    right: int
+    start: int
+    step: int
+    length: int
+    pad: tuple[int, int]
+
+    def is_local(self, n: int, k: int) -> bool:
+        """True when the block itself is what the window reads: no exchange, no cut, no padding to mask."""
+        return (self.left == self.right == self.start == self.step == 0 and self.length == self.block
+                and n % k == 0)
+
+
+def halo_plan(n, k, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilation=1) -> HaloPlan | str:
+    """The HaloPlan of a windowed dim of size ``n`` split into k canonical blocks, or why there is none.
+
+    Output block i (ceil(m / k) outputs) reads dilated input positions from i * co * stride - low on;
+    only the shards holding real outputs count (the others compute padding).
+    """
+    lo, hi = padding
+    c, span_w = -(-n // k), (window - 1) * rhs_dilation + 1
+    m = out_size(n, window, stride, padding, lhs_dilation, rhs_dilation)
+    co = -(-m // k)
+    firsts, lasts, phases = {}, {}, set()
+    for i in range(k):
+        if i * co >= m:
+            break
+        begin = i * co * stride - lo  # first dilated position output block i reads
+        end = (min((i + 1) * co, m) - 1) * stride - lo + span_w  # one past its last
+        firsts[i], lasts[i] = -(-begin // lhs_dilation), (end - 1) // lhs_dilation
+        phases.add(firsts[i] * lhs_dilation - begin)
+    if len(phases) > 1:
+        return f"lhs dilation {lhs_dilation} puts the window at a different phase on each shard"
+    left = max(0, max(i * c - f for i, f in firsts.items()))
+    right = max(0, max(last - (i + 1) * c + 1 for i, last in lasts.items()))
+    if left > c or right > c:
+        return f"the halo ({left} left, {right} right) is wider than a shard ({c})"
+    starts = [left + f - i * c for i, f in firsts.items()]
+    step = starts[1] - starts[0] if len(starts) > 1 else 0
+    phase, span = phases.pop(), (co - 1) * stride + span_w
+    length = (span - 1 - phase) // lhs_dilation + 1
+    if length < 1 or any(s != starts[0] + step * i for i, s in enumerate(starts)):
+        return "the window position is not a linear function of the shard"
+    return HaloPlan(c, co, left, right, starts[0], step, length,
+                    (phase, span - phase - (length - 1) * lhs_dilation - 1))
+
+
+def shift_pairs(mesh, axes, shift: int) -> tuple[tuple[int, int], ...]:
+    """(sender, receiver) world ranks: every shard along ``axes`` sends to the shard ``shift`` further
+    on, at the same position on the other axes; nobody sends past the ends (those receive zeros)."""
+    k, pairs = mesh.axis_size(axes), []
+    for rank in mesh.devices:
+        j = mesh.index_along(rank, axes) + shift
+        if 0 <= j < k:
+            coords = mesh.coords(rank)
+            for a in reversed(axes):
+                j, coords[a] = divmod(j, mesh.axis_size(a))
+            pairs.append((rank, mesh.rank_at(coords)))
+    return tuple(sorted(pairs))
+
+
+def _local_shape(ctx: PartitionContext, value) -> list[int]:
+    return list(ctx.instrs[value.slot].shape)
+
+
+def extend_with_halo(ctx: PartitionContext, value, dim, axes, plan: HaloPlan, fill):
+    """``value``'s block of ``dim`` cut to what the shard's window reads: halo exchange + halo_window."""
+    n, k = value.shape[dim], ctx.mesh.axis_size(axes)
+    if plan.is_local(n, k):
+        return value
+    halos = []
+    for width, start, shift in ((plan.left, plan.block - plan.left, 1), (plan.right, 0, -1)):
+        if width:
+            local = _local_shape(ctx, value)
+            local[dim] = width
+            edge = ctx.emit("window_edge", [value], {"dim": dim, "start": start, "stop": start + width},
+                            value.sharding, value.shape, value.dtype, local)
+            halos.append(ctx.emit("collective_permute", [edge], {"pairs": shift_pairs(ctx.mesh, axes, shift)},
+                                  value.sharding, value.shape, value.dtype, local))
+    local = _local_shape(ctx, value)
+    local[dim] = plan.length
+    attrs = {"dim": dim, "left": plan.left, "right": plan.right, "block": plan.block, "size": n,
+             "start": plan.start, "step": plan.step, "length": plan.length, "fill": fill}
+    return ctx.emit("halo_window", [value, *halos, ctx.shard_index(axes)], attrs, value.sharding, value.shape,
+                    value.dtype, local)
+
+
+def _halo_bytes(plan: HaloPlan, local_shape, dim, dtype) -> float:
+    """Bytes the two collective-permutes of a halo exchange put on the wire, per rank."""
+    row = math.prod(local_shape) // max(local_shape[dim], 1)
+    return float((plan.left + plan.right) * row * np.dtype(dtype).itemsize)
+
+
+# ================================================================ propagation
+@rule("reduce_window", "cumsum", level=BROADCAST_LEVEL)
+def _windowed_like_elementwise():
+    """Every dim keeps its split (legalised to the result's sizes)."""
+    forward = lambda node, ins, g, mesh: ins[0]
+    backward = lambda node, out, ins, g, mesh: [out]
+    return forward, backward
+
+
+@rule("conv", level=DOT_LEVEL)
+def _conv_propagation():
+    """Batch and spatial dims map like elementwise, output features to rhs dim 0, input features between
+    the operands (as einsum's contracting letters); with feature groups lhs features map to the output's."""
+    def forward(node, ins, g, mesh):
+        (lhs, rhs), nsp, grouped = ins, len(node.shape) - 2, node.attrs["groups"] > 1
+        cands = []
+        if lhs is not None:
+            cands.append(Sharding((lhs.dims[0], lhs.dims[1] if grouped else ()) + lhs.dims[2:]))
+        if rhs is not None:
+            cands.append(Sharding(((), rhs.dims[0]) + ((),) * nsp))
+        return combine(cands)
+
+    def backward(node, out, ins, g, mesh):
+        (lhs, rhs), nsp, grouped = ins, len(node.shape) - 2, node.attrs["groups"] > 1
+        lhs_c = out.dims[1] if grouped else rhs.dims[1] if rhs is not None else ()
+        rhs_c = () if grouped or lhs is None else lhs.dims[1]
+        return [_distinct_axes((out.dims[0], lhs_c) + out.dims[2:]), _distinct_axes((out.dims[1], rhs_c) + ((),) * nsp)]
+    return forward, backward
+
+
+def _distinct_axes(dims) -> Sharding:
+    """Drop a dim's axes when an earlier dim already uses one of them."""
+    used, out = set(), []
+    for d in dims:
+        keep = d if not used & set(d) else ()
+        used.update(keep)
+        out.append(keep)
+    return Sharding(tuple(out))
+
+
+# ================================================================ partition rules
+@dataclass
+class _Layout:
+    lhs: Sharding
+    rhs: Sharding
+    result: Sharding
+    plans: dict  # spatial index -> HaloPlan, for split spatial dims
+    group_shards: int
+
+
+@partition_rule("conv")
+def _conv(ctx: PartitionContext, node):
+    """Pick per role (batch, features, each spatial dim) the split that moves the fewest bytes, then
+    the least local work; spatial splits need a halo plan, else that dim is replicated (noted)."""
+    lhs, rhs, target = ctx.value(node.inputs[0]), ctx.value(node.inputs[1]), ctx.sharding(node.id)
+    options, plans, refused = _conv_options(ctx, node, lhs, rhs, target)
+    costs, best = {}, None
+    cost = lambda v, s: costs.setdefault((v.slot, s), ctx.cost(v, s))
+    for choice in itertools.product(*options.values()):
+        split = dict(zip(options, choice))
+        used = [a for axes in choice for a in axes]
+        if len(used) != len(set(used)):
+            continue
+        lay = _conv_layout(ctx, node, split, plans)
+        local_lhs = lay.lhs.local_shape(lhs.shape, ctx.mesh)
+        moved = cost(lhs, lay.lhs) + cost(rhs, lay.rhs) + plan_cost(lay.result, target, node.shape, node.dtype,
+                                                                    ctx.mesh)
+        moved += sum(_halo_bytes(p, local_lhs, 2 + j, node.dtype) for j, p in lay.plans.items())
+        work = math.prod(lay.result.local_shape(node.shape, ctx.mesh)) * local_lhs[1]
+        if best is None or (moved, work) < best[0]:
+            best = ((moved, work), lay, split)
+    _, lay, split = best
+    for j, (axes, why) in refused.items():
+        if split[f"s{j}"] != axes:
+            ctx.notes.append(f"conv %{node.id}: lhs spatial dim {2 + j} split over {axes} cannot be computed "
+                             f"locally with a halo exchange ({why}); that dim is resharded to replicated")
+    return _emit_conv(ctx, node, lhs, rhs, lay, split)
+
+
+def _conv_roles(node) -> dict[str, list[tuple[int, int]]]:
+    """Role -> the (operand, dim) places it occupies: operand 0 lhs, 1 rhs, 2 result."""
+    nsp = len(node.shape) - 2
+    roles = {"n": [(0, 0), (2, 0)]}
+    if node.attrs["groups"] > 1:
+        roles["g"] = [(0, 1), (1, 0), (2, 1)]  # whole feature groups per shard
+    else:
+        roles.update(o=[(1, 0), (2, 1)], c=[(0, 1), (1, 1)])
+    roles.update({f"s{j}": [(0, 2 + j), (2, 2 + j)] for j in range(nsp)})
+    return roles
+
+
+def _conv_options(ctx, node, lhs, rhs, target):
+    """Candidate axes per role (unsplit, or as an operand or the result splits it) that can work."""
+    shapes, shardings = (lhs.shape, ctx.graph[node.inputs[1]].shape, node.shape), (lhs.sharding, rhs.sharding, target)
+    options, plans, refused = {}, {}, {}
+    for role, places in _conv_roles(node).items():
+        options[role] = [()]
+        for which, dim in places:
+            axes, size = shardings[which].dims[dim], shapes[which][dim]
+            if not axes or axes in options[role] or ctx.mesh.axis_size(axes) > size:
+                continue
+            k = ctx.mesh.axis_size(axes)
+            if role == "g" and node.attrs["groups"] % k:
+                continue
+            if role.startswith("s"):
+                j = int(role[1:])
+                plan = _conv_plan(node, lhs.shape, shapes[1][2:], j, k)
+                if isinstance(plan, str):
+                    if which == 0:
+                        refused.setdefault(j, (axes, plan))
+                    continue
+                plans[(j, axes)] = plan
+            options[role].append(axes)
+    return options, plans, refused
+
+
+def _conv_plan(node, lhs_shape, window, j, k):
+    a = node.attrs
+    return halo_plan(lhs_shape[2 + j], k, window[j], a["strides"][j], a["padding"][j], a["lhs_dilation"][j],
+                     a["rhs_dilation"][j])
+
+
+def _conv_layout(ctx, node, split, plans) -> _Layout:
+    nsp, grouped = len(node.shape) - 2, "g" in split
+    feat_in, feat_out = (split["g"], split["g"]) if grouped else (split["c"], split["o"])
+    spatial = tuple(split[f"s{j}"] for j in range(nsp))
+    partial = () if grouped else tuple(a for a in ctx.mesh.axis_names if a in split["c"])
+    lhs = Sharding((split["n"], feat_in) + spatial)
+    rhs = Sharding((feat_out, () if grouped else split["c"]) + ((),) * nsp)
+    result = Sharding((split["n"], feat_out) + spatial, partial)
+    chosen = {j: plans[(j, axes)] for j, axes in enumerate(spatial) if axes}
+    return _Layout(lhs, rhs, result, chosen, ctx.mesh.axis_size(split["g"]) if grouped else 1)
+
+
+def _emit_conv(ctx, node, lhs, rhs, lay: _Layout, split):
+    a, b = ctx.reshard(lhs, lay.lhs), ctx.reshard(rhs, lay.rhs)
+    if split.get("c"):  # contracting over a split (maybe uneven) feature dim: padding must add nothing
+        a, b = ctx.mask_padding(a, [1], 0), ctx.mask_padding(b, [1], 0)
+    pads = list(node.attrs["padding"])
+    for j, plan in lay.plans.items():
+        a = extend_with_halo(ctx, a, 2 + j, lay.lhs.dims[2 + j], plan, 0)
+        pads[j] = plan.pad
+    attrs = {**node.attrs, "padding": tuple(pads), "groups": node.attrs["groups"] // lay.group_shards}
+    return ctx.emit_like(node, "conv", [a, b], attrs, lay.result)
