@@ -41,9 +41,7 @@ def main():
     run = (lambda p, x: sr.run(p, *x)) if args.mpi else simulated
     failures, t0 = [], time.perf_counter()
     for seed in range(start, stop):
-        case = random_case(seed, max_devices=world)
-        if args.mpi and case.mesh.size != world:
-            continue
+        case = random_case(seed, devices=world) if args.mpi else random_case(seed)
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 check_case(case, run)

@@ -1,5 +1,7 @@
 """The SPMD program: ONE instruction list that every rank runs on its own shards.
 
+In listings, ``%7!`` marks an operand whose buffer dies there and receives the result in place.
+
 Instructions name local shapes; rank-dependent behaviour (which block to slice,
 which peer to exchange with) is expressed through the mesh and resolved by each
 rank at load time. Saved as versioned, human-readable JSON with a content hash.
@@ -32,6 +34,7 @@ class Instr:
     sharding: Sharding
     global_shape: tuple[int, ...]
     free: tuple[int, ...] = ()  # slots whose last use is this instruction
+    donate: int = -1  # operand position whose dying buffer receives the result (in place), or -1
 
     @property
     def nbytes(self) -> int:
@@ -100,7 +103,7 @@ class SPMDProgram:
             if ins.op == "parameter":
                 continue
             attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in ins.attrs.items())
-            args = ", ".join(f"%{a}" for a in ins.args)
+            args = ", ".join(f"%{a}" + ("!" if k == ins.donate else "") for k, a in enumerate(ins.args))
             sep = ", " if args and attrs else ""
             lines.append(f"  %{ins.out} = {ins.op}({args}{sep}{attrs}) : {_ty(ins.dtype, ins.shape)} {ins.sharding}")
         lines.append("  return " + ", ".join(f"%{o.slot} {o.sharding}" for o in self.outputs))
@@ -162,13 +165,13 @@ def _io_from(d) -> IOSpec:
 def _instr_json(i: Instr):
     return {"op": i.op, "out": i.out, "args": list(i.args), "attrs": {k: _enc(v) for k, v in i.attrs.items()},
             "shape": list(i.shape), "dtype": i.dtype, "sharding": i.sharding.to_json(),
-            "global_shape": list(i.global_shape), "free": list(i.free)}
+            "global_shape": list(i.global_shape), "free": list(i.free), "donate": i.donate}
 
 
 def _instr_from(d) -> Instr:
     return Instr(d["op"], d["out"], tuple(d["args"]), {k: _dec(v) for k, v in d["attrs"].items()},
                  tuple(d["shape"]), d["dtype"], Sharding.from_json(d["sharding"]), tuple(d["global_shape"]),
-                 tuple(d["free"]))
+                 tuple(d["free"]), d["donate"])
 
 
 def _enc(v):

@@ -133,3 +133,14 @@ def partition_case(case: Case, specs, mesh):
 
 def tolerance(dtype: str) -> float:
     return {"float32": 1e-4, "float64": 1e-10}.get(dtype, 0.0)
+
+
+def all_cases() -> list[Case]:
+    """The core table plus every family table ``tests/op_cases_<family>.py`` (its ``CASES`` list)."""
+    import glob
+    import importlib
+    import os
+    cases = list(CASES)
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "op_cases_*.py"))):
+        cases += getattr(importlib.import_module(os.path.basename(path)[:-3]), "CASES", [])
+    return cases

@@ -10,7 +10,7 @@ from functools import partial
 
 from ..comm import collectives
 from ..program import SPMDProgram
-from .kernels import KERNELS
+from .kernels import KERNELS, UFUNC_NAMES
 
 _COLLECTIVES = {"all_reduce": collectives.all_reduce, "all_gather": collectives.all_gather,
                 "reduce_scatter": collectives.reduce_scatter, "all_to_all": collectives.all_to_all,
@@ -35,6 +35,8 @@ class Interpreter:
             return lambda: index
         if ins.op == "mask_padding":
             return partial(_fill_tail, *self._valid_prefix(ins), ins.attrs["fill"])
+        if ins.donate >= 0:
+            return partial(_into_operand, getattr(self.xp, UFUNC_NAMES[ins.op]), ins.donate)
         if ins.op not in KERNELS:
             raise NotImplementedError(f"the interpreter runs ops {sorted(KERNELS)} and collectives; got {ins.op!r}")
         return partial(KERNELS[ins.op], self.xp, **ins.attrs)
@@ -84,3 +86,7 @@ def _fill_tail(dim, count, fill, x):
     x = x.copy()
     x[(slice(None),) * dim + (slice(count, None),)] = fill
     return x
+
+
+def _into_operand(ufunc, position, *args):
+    return ufunc(*args, out=args[position])

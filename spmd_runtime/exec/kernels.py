@@ -18,6 +18,7 @@ _BINARY = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "true_divi
 assert set(_UNARY) == set(UNARY_OPS) and set(_BINARY) == set(BINARY_OPS)
 
 KERNELS = {}
+UFUNC_NAMES = {**_UNARY, **_BINARY}  # elementwise ops: the array-module ufunc, which takes out=
 
 
 def kernel(*names):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from ..graph import Graph, Node
+from ..cost import COLLECTIVES
+from ..graph import BINARY_OPS, UNARY_OPS, Graph, Node
 from ..mesh import Mesh
 from ..program import Instr, IOSpec, SPMDProgram
 from ..sharding import Sharding, parse_spec
@@ -186,6 +187,7 @@ def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]
               for n, p in zip(names, graph.params)]
     outputs = [IOSpec(f"out{k}", r.slot, r.shape, r.dtype, r.sharding) for k, r in enumerate(results)]
     _assign_frees(ctx.instrs, {o.slot for o in outputs})
+    _assign_donations(ctx.instrs, {o.slot for o in outputs})
     notes = list(dict.fromkeys(ctx.notes))
     for n in notes:
         warnings.warn(f"spmd_runtime partitioner: {n}", stacklevel=3)
@@ -205,3 +207,43 @@ def _assign_frees(instrs: list[Instr], keep: set[int]) -> None:
             dying.setdefault(at, []).append(slot)
     for i in instrs:
         i.free = tuple(sorted(dying.get(i.out, ())))
+
+
+# Ops whose kernels return a buffer no other value shares; any other op may return a view of its operands.
+_FRESH_OPS = frozenset(UNARY_OPS + BINARY_OPS + COLLECTIVES + ("select", "convert", "einsum", "reduce", "shard_slice"))
+_READ_ONLY_OPS = frozenset(("parameter", "constant", "shard_index"))  # the caller's or the program's arrays
+
+
+def _assign_donations(instrs: list[Instr], keep: set[int]) -> None:
+    """Let an elementwise op write into an operand whose buffer dies there (``out=``): no allocation.
+
+    Safe only when that buffer is owned by the operand alone: produced by a fresh op, not viewed by any
+    value still alive (outputs, ``keep``, live to the end), of the result's shape and dtype. Decided once
+    here, not per step at run time.
+    """
+    roots: dict[int, frozenset] = {}
+    last = {i.out: i.out for i in instrs}
+    for ins in instrs:
+        for a in ins.args:
+            last[a] = ins.out
+        if ins.op in _READ_ONLY_OPS:
+            roots[ins.out] = frozenset({("read-only", ins.out)})
+        elif ins.op in _FRESH_OPS:
+            roots[ins.out] = frozenset({ins.out})
+        else:
+            roots[ins.out] = frozenset().union(*(roots[a] for a in ins.args)) | {("view", ins.out)}
+    last.update({slot: len(instrs) for slot in keep})
+    viewers: dict[int, list[int]] = {}
+    for slot, rs in roots.items():
+        for r in rs:
+            if isinstance(r, int) and r != slot:
+                viewers.setdefault(r, []).append(slot)
+    for ins in instrs:
+        if ins.op in UNARY_OPS + BINARY_OPS and ins.shape:
+            ins.donate = next((k for k, a in enumerate(ins.args) if _donatable(instrs[a], ins, roots, viewers, last)),
+                              -1)
+
+
+def _donatable(src: Instr, ins: Instr, roots, viewers, last) -> bool:
+    return (roots[src.out] == {src.out} and src.out in ins.free and src.shape == ins.shape
+            and src.dtype == ins.dtype and all(last[v] < ins.out for v in viewers.get(src.out, ())))

@@ -11,7 +11,9 @@ from mpi4py import MPI
 import spmd_runtime as sr
 
 from mesh_cases import meshes_for
-from op_cases import CASES, partition_case, tolerance
+from op_cases import all_cases, partition_case, tolerance
+
+CASES = all_cases()
 
 WORLD = MPI.COMM_WORLD.Get_size()
 PARAMS = [pytest.param(c, s, m, id=f"{c.name}-spec{i}-{m}") for c in CASES for i, s in enumerate(c.specs)
