@@ -20,8 +20,10 @@ Partitioning (one masked local op, the planner does the rest):
 - scatter_add with the operand split on the scattered axis: each rank adds only the
   updates whose index falls in its block (``scatter_add_block``), no communication.
 - scatter_add with updates (and indices) split on index dims: each rank scatters its
-  updates, the result is a partial sum over those axes (the operand counted on shard 0
-  of them only, ``first_shard_only``) that the planner reduces.
+  updates, the result is a partial sum over those axes that the planner reduces. The
+  operand is counted once: on shard 0 of those axes only (``first_shard_only``), or, when
+  it already lies as the result is wanted (a row-split weight gradient), added after the
+  reduction (reduce-scatter, then a local add: no gather of the operand).
 The per-dim choice is the one moving the fewest bytes (like einsum): e.g. a small table
 is all-gathered rather than all-reducing a larger lookup result.
 """
@@ -96,7 +98,8 @@ def _check_indices(indices: Tensor, what: str) -> None:
 
 # ---------------------------------------------------------------- kernels
 def _clamped(xp, indices, size: int):
-    return xp.clip(indices, 0, size - 1)
+    """Indices as int64 in [0, size): int64 so that unsigned or narrow ones can take a shard offset."""
+    return xp.clip(indices.astype("int64", copy=False), 0, size - 1)
 
 
 def _spread(mask, axis: int, ndim: int):
@@ -229,13 +232,15 @@ def _terms_of(node, g) -> tuple[str, str, str]:
 
 
 # ---------------------------------------------------------------- partitioning
-def cheapest_split(ctx, operands, out_term: str, node):
+def cheapest_split(ctx, operands, out_term: str, node, operand_cost=None):
     """Mesh axes per letter moving the fewest bytes, then doing the least local work, as the einsum rule.
 
     ``operands``: (term, LocalValue) pairs. Returns (one sharding per operand, result sharding); a split
-    letter absent from ``out_term`` makes the result a partial sum over its axes.
+    letter absent from ``out_term`` makes the result a partial sum over its axes. ``operand_cost(k, value,
+    sharding, result)`` prices bringing operand k to ``sharding`` (default: the planner's bytes).
     """
     target, mesh = ctx.sharding(node.id), ctx.mesh
+    price = operand_cost or (lambda k, value, sharding, result: ctx.cost(value, sharding))
     sizes = {c: n for term, v in operands for c, n in zip(term, v.shape)}
     options = _letter_options(sizes, [(t, v.sharding) for t, v in operands] + [(out_term, target)], mesh)
     best = None
@@ -246,7 +251,7 @@ def cheapest_split(ctx, operands, out_term: str, node):
         shardings = [Sharding(tuple(split[c] for c in term)) for term, _ in operands]
         summed = {a for c in split if c not in out_term for a in split[c]}
         result = Sharding(tuple(split[c] for c in out_term), tuple(a for a in mesh.axis_names if a in summed))
-        moved = sum(ctx.cost(v, s) for (_, v), s in zip(operands, shardings))
+        moved = sum(price(k, v, s, result) for k, ((_, v), s) in enumerate(zip(operands, shardings)))
         moved += plan_cost(result, target, node.shape, node.dtype, mesh)
         work = math.prod(-(-sizes[c] // mesh.axis_size(split[c])) for c in sizes)
         if best is None or (moved, work) < best[0]:
@@ -274,24 +279,47 @@ def _partition_take(ctx, node):
 @partition_rule("scatter_add")
 def _partition_scatter_add(ctx, node):
     """Masked scatter into the local block of a split scattered axis; updates split on index dims give a
-    partial sum (the operand kept on one shard of those axes) that the planner reduces."""
-    axis = node.attrs["axis"]
+    partial sum that the planner reduces. The operand joins that sum on one shard of its axes
+    (``first_shard_only``), or, when its own layout is cheaper to keep (e.g. already split like the wanted
+    result: the reduce-scatter of a sharded weight update), is added after the reduction."""
+    axis, target = node.attrs["axis"], ctx.sharding(node.id)
     operand, indices, updates = (ctx.value(i) for i in node.inputs)
     operand_t, indices_t, updates_t = scatter_terms(len(operand.shape), len(indices.shape), axis)
+
+    def add_after(sharding, result):  # cheaper to add the operand, laid out as wanted, after the reduction
+        return bool(result.partial) and ctx.cost(operand, target) < ctx.cost(operand, sharding)
+
+    def price(k, value, sharding, result):
+        return ctx.cost(value, target if k == 0 and add_after(sharding, result) else sharding)
     shardings, result = cheapest_split(ctx, [(operand_t, operand), (indices_t, indices), (updates_t, updates)],
-                                       operand_t, node)
-    operand, indices, updates = (ctx.reshard(v, s) for v, s in zip((operand, indices, updates), shardings))
-    index_dims = range(axis, axis + len(indices.shape))
-    updates = ctx.mask_padding(updates, index_dims, 0)  # padded updates must add nothing
+                                       operand_t, node, price)
+    indices, updates = ctx.reshard(indices, shardings[1]), ctx.reshard(updates, shardings[2])
+    updates = ctx.mask_padding(updates, range(axis, axis + len(indices.shape)), 0)  # padding must add nothing
+    if add_after(shardings[0], result):
+        scattered = _scatter_local(ctx, node, _zeros(ctx, node, result), indices, updates, result)
+        return ctx.emit_like(node, "add", [ctx.reshard(scattered, target), ctx.reshard(operand, target)], {}, target)
+    base = ctx.reshard(operand, shardings[0])
     if result.partial:
         keep = ctx.shard_index(result.partial)
-        operand = ctx.emit("first_shard_only", [operand, keep], {}, result, operand.shape, operand.dtype)
-    rows_axes = shardings[0].dims[axis]
+        base = ctx.emit("first_shard_only", [base, keep], {}, result, base.shape, base.dtype)
+    return _scatter_local(ctx, node, base, indices, updates, result)
+
+
+def _scatter_local(ctx, node, base, indices, updates, result):
+    """The local scatter into ``base``: masked to this rank's block when ``result`` splits the scattered axis."""
+    axis = node.attrs["axis"]
+    rows_axes = result.dims[axis]
     if not rows_axes:
-        return ctx.emit_like(node, "scatter_add", [operand, indices, updates], {"axis": axis}, result)
+        return ctx.emit_like(node, "scatter_add", [base, indices, updates], {"axis": axis}, result)
     shard = ctx.shard_index(rows_axes)
-    return ctx.emit_like(node, "scatter_add_block", [operand, indices, updates, shard],
-                         {"axis": axis, "size": operand.shape[axis]}, result)
+    return ctx.emit_like(node, "scatter_add_block", [base, indices, updates, shard],
+                         {"axis": axis, "size": node.shape[axis]}, result)
+
+
+def _zeros(ctx, node, sharding):
+    zero = ctx.emit("constant", [], {"value": np.zeros((), node.dtype)}, Sharding(()), (), node.dtype)
+    local = sharding.local_shape(node.shape, ctx.mesh)
+    return ctx.emit("broadcast_in_dim", [zero], {"shape": local, "dims": ()}, sharding, node.shape, node.dtype)
 
 
 # ---------------------------------------------------------------- gradients: each op is the other's transpose

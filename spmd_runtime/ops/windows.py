@@ -195,7 +195,8 @@ def cumsum_kernel(xp, x, axis):
 
 
 def _dilate_and_pad(xp, x, first, dilation, padding, fill):
-    """Dims ``first``.. of x with (d - 1) zeros between elements, then padded (fill) or cropped (< 0)."""
+    """Dims ``first``.. of x with (d - 1) zeros between elements (lhs dilation: conv only), then padded
+    with ``fill`` or, for negative pads, cropped."""
     if any(d > 1 for d in dilation):
         shape = x.shape[:first] + tuple((n - 1) * d + 1 for n, d in zip(x.shape[first:], dilation))
         spread = xp.zeros(shape, x.dtype)
@@ -233,8 +234,8 @@ def halo_window(xp, x, *halos_and_index, dim, left, right, block, size, start, s
     padding, the global edges, past the extended block) hold ``fill``."""
     *halos, index = halos_and_index
     i = int(index)
-    parts = halos[:1] * bool(left) + [x] + halos[bool(left):] * bool(right)
-    ext = xp.concatenate(parts, axis=dim) if len(parts) > 1 else x
+    before, after = halos[:1] if left else [], halos[-1:] if right else []
+    ext = xp.concatenate(before + [x] + after, axis=dim) if halos else x
     offset = start + step * i
     origin = i * block - left + offset  # global element index of the window's first entry
     t0 = max(0, -offset, -origin)
@@ -303,12 +304,12 @@ def halo_plan(n, k, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilati
     right = max(0, max(last - (i + 1) * c + 1 for i, last in lasts.items()))
     if left > c or right > c:
         return f"the halo ({left} left, {right} right) is wider than a shard ({c})"
+    # one phase: firsts[i] = (i * co * stride - lo + phase) / lhs_dilation, linear in i
     starts = [left + f - i * c for i, f in firsts.items()]
     step = starts[1] - starts[0] if len(starts) > 1 else 0
     phase, span = phases.pop(), (co - 1) * stride + span_w
-    length = (span - 1 - phase) // lhs_dilation + 1
-    if length < 1 or any(s != starts[0] + step * i for i, s in enumerate(starts)):
-        return "the window position is not a linear function of the shard"
+    # a window that reads only dilation holes still takes one element (cropped again by a negative pad)
+    length = max(1, (span - 1 - phase) // lhs_dilation + 1)
     return HaloPlan(c, co, left, right, starts[0], step, length,
                     (phase, span - phase - (length - 1) * lhs_dilation - 1))
 
@@ -371,22 +372,29 @@ def _windowed_like_elementwise():
 @rule("conv", level=DOT_LEVEL)
 def _conv_propagation():
     """Batch and spatial dims map like elementwise, output features to rhs dim 0, input features between
-    the operands (as einsum's contracting letters); with feature groups lhs features map to the output's."""
+    the operands (as einsum's contracting letters); with feature groups, lhs features map to the
+    output's when every shard can hold whole groups."""
     def forward(node, ins, g, mesh):
-        (lhs, rhs), nsp, grouped = ins, len(node.shape) - 2, node.attrs["groups"] > 1
+        (lhs, rhs), nsp = ins, len(node.shape) - 2
         cands = []
         if lhs is not None:
-            cands.append(Sharding((lhs.dims[0], lhs.dims[1] if grouped else ()) + lhs.dims[2:]))
+            cands.append(Sharding((lhs.dims[0], _whole_groups(node, lhs.dims[1], mesh)) + lhs.dims[2:]))
         if rhs is not None:
             cands.append(Sharding(((), rhs.dims[0]) + ((),) * nsp))
         return combine(cands)
 
     def backward(node, out, ins, g, mesh):
         (lhs, rhs), nsp, grouped = ins, len(node.shape) - 2, node.attrs["groups"] > 1
-        lhs_c = out.dims[1] if grouped else rhs.dims[1] if rhs is not None else ()
+        lhs_c = _whole_groups(node, out.dims[1], mesh) if grouped else rhs.dims[1] if rhs is not None else ()
         rhs_c = () if grouped or lhs is None else lhs.dims[1]
         return [_distinct_axes((out.dims[0], lhs_c) + out.dims[2:]), _distinct_axes((out.dims[1], rhs_c) + ((),) * nsp)]
     return forward, backward
+
+
+def _whole_groups(node, axes, mesh) -> tuple[str, ...]:
+    """``axes`` when splitting a grouped conv's features over them keeps whole groups per shard, else ()."""
+    groups = node.attrs["groups"]
+    return axes if groups > 1 and groups % mesh.axis_size(axes) == 0 else ()
 
 
 def _distinct_axes(dims) -> Sharding:
@@ -428,13 +436,16 @@ def _conv(ctx: PartitionContext, node):
                                                                     ctx.mesh)
         moved += sum(_halo_bytes(p, local_lhs, 2 + j, node.dtype) for j, p in lay.plans.items())
         work = math.prod(lay.result.local_shape(node.shape, ctx.mesh)) * local_lhs[1]
-        if best is None or (moved, work) < best[0]:
-            best = ((moved, work), lay, split)
+        # ties (size-1 axes move nothing) go to the layouts the values already have
+        changes = (lay.lhs != lhs.sharding) + (lay.rhs != rhs.sharding) + (lay.result != target)
+        if best is None or (moved, work, changes) < best[0]:
+            best = ((moved, work, changes), lay, split)
     _, lay, split = best
-    for j, (axes, why) in refused.items():
-        if split[f"s{j}"] != axes:
-            ctx.notes.append(f"conv %{node.id}: lhs spatial dim {2 + j} split over {axes} cannot be computed "
-                             f"locally with a halo exchange ({why}); that dim is resharded to replicated")
+    for role, (axes, why) in refused.items():
+        if split[role] != axes:
+            what = "features" if role == "g" else f"spatial dim {2 + int(role[1:])}"
+            ctx.notes.append(f"conv %{node.id}: lhs {what} split over {axes} cannot be computed locally ({why}); "
+                             f"that dim is resharded to replicated")
     return _emit_conv(ctx, node, lhs, rhs, lay, split)
 
 
@@ -451,8 +462,9 @@ def _conv_roles(node) -> dict[str, list[tuple[int, int]]]:
 
 
 def _conv_options(ctx, node, lhs, rhs, target):
-    """Candidate axes per role (unsplit, or as an operand or the result splits it) that can work."""
-    shapes, shardings = (lhs.shape, ctx.graph[node.inputs[1]].shape, node.shape), (lhs.sharding, rhs.sharding, target)
+    """Candidate axes per role (unsplit, or as an operand or the result splits it) that can work; the
+    halo plans of the spatial ones; the lhs splits refused, and why."""
+    shapes, shardings = (lhs.shape, rhs.shape, node.shape), (lhs.sharding, rhs.sharding, target)
     options, plans, refused = {}, {}, {}
     for role, places in _conv_roles(node).items():
         options[role] = [()]
@@ -460,24 +472,26 @@ def _conv_options(ctx, node, lhs, rhs, target):
             axes, size = shardings[which].dims[dim], shapes[which][dim]
             if not axes or axes in options[role] or ctx.mesh.axis_size(axes) > size:
                 continue
-            k = ctx.mesh.axis_size(axes)
-            if role == "g" and node.attrs["groups"] % k:
+            plan = _role_plan(node, role, lhs.shape, rhs.shape, ctx.mesh.axis_size(axes))
+            if isinstance(plan, str):
+                if which == 0:
+                    refused.setdefault(role, (axes, plan))
                 continue
-            if role.startswith("s"):
-                j = int(role[1:])
-                plan = _conv_plan(node, lhs.shape, shapes[1][2:], j, k)
-                if isinstance(plan, str):
-                    if which == 0:
-                        refused.setdefault(j, (axes, plan))
-                    continue
-                plans[(j, axes)] = plan
+            if plan is not None:
+                plans[(role, axes)] = plan
             options[role].append(axes)
     return options, plans, refused
 
 
-def _conv_plan(node, lhs_shape, window, j, k):
+def _role_plan(node, role, lhs_shape, rhs_shape, k) -> HaloPlan | str | None:
+    """A spatial role's halo plan over k shards, None for other roles that can split k ways, or why not."""
     a = node.attrs
-    return halo_plan(lhs_shape[2 + j], k, window[j], a["strides"][j], a["padding"][j], a["lhs_dilation"][j],
+    if role == "g" and a["groups"] % k:
+        return f"{a['groups']} feature groups do not divide into {k} shards"
+    if not role.startswith("s") or k == 1:  # a size-1 axis splits nothing: the op keeps its global padding
+        return None
+    j = int(role[1:])
+    return halo_plan(lhs_shape[2 + j], k, rhs_shape[2 + j], a["strides"][j], a["padding"][j], a["lhs_dilation"][j],
                      a["rhs_dilation"][j])
 
 
@@ -489,7 +503,7 @@ def _conv_layout(ctx, node, split, plans) -> _Layout:
     lhs = Sharding((split["n"], feat_in) + spatial)
     rhs = Sharding((feat_out, () if grouped else split["c"]) + ((),) * nsp)
     result = Sharding((split["n"], feat_out) + spatial, partial)
-    chosen = {j: plans[(j, axes)] for j, axes in enumerate(spatial) if axes}
+    chosen = {j: plans[(f"s{j}", axes)] for j, axes in enumerate(spatial) if (f"s{j}", axes) in plans}
     return _Layout(lhs, rhs, result, chosen, ctx.mesh.axis_size(split["g"]) if grouped else 1)
 
 
@@ -503,3 +517,70 @@ def _emit_conv(ctx, node, lhs, rhs, lay: _Layout, split):
         pads[j] = plan.pad
     attrs = {**node.attrs, "padding": tuple(pads), "groups": node.attrs["groups"] // lay.group_shards}
     return ctx.emit_like(node, "conv", [a, b], attrs, lay.result)
+
+
+@partition_rule("reduce_window")
+def _reduce_window(ctx: PartitionContext, node):
+    """Split dims keep their split where a halo plan exists (else they are replicated, noted); of the
+    operand's and the result's layouts, the one moving fewer bytes (then doing less work) wins."""
+    x, target = ctx.value(node.inputs[0]), ctx.sharding(node.id)
+    best = None
+    for cand in dict.fromkeys((x.sharding, target)):
+        need, plans, refused = _window_layout(ctx, node, x.shape, cand)
+        local = need.local_shape(x.shape, ctx.mesh)
+        moved = ctx.cost(x, need) + plan_cost(need, target, node.shape, node.dtype, ctx.mesh)
+        moved += sum(_halo_bytes(p, local, d, node.dtype) for d, p in plans.items())
+        key = (moved, math.prod(need.local_shape(node.shape, ctx.mesh)), (need != x.sharding) + (need != target))
+        if best is None or key < best[0]:
+            best = (key, need, plans, refused if cand == x.sharding else {})
+    _, need, plans, refused = best
+    for d, (axes, why) in refused.items():
+        ctx.notes.append(f"reduce_window %{node.id}: dim {d} split over {axes} cannot be computed locally with a "
+                         f"halo exchange ({why}); that dim is resharded to replicated")
+    fill = reduce_identity(node.attrs["kind"], node.dtype)
+    value, pads = ctx.reshard(x, need), list(node.attrs["padding"])
+    for d, plan in plans.items():
+        value = extend_with_halo(ctx, value, d, need.dims[d], plan, fill)
+        pads[d] = plan.pad
+    return ctx.emit_like(node, "reduce_window", [value], {**node.attrs, "padding": tuple(pads)}, need)
+
+
+def _window_layout(ctx, node, shape, cand: Sharding):
+    """``cand`` with the dims no halo plan can serve replicated; the plans; the refused dims and why."""
+    a, dims, plans, refused = node.attrs, [], {}, {}
+    for d, axes in enumerate(cand.dims):
+        if ctx.mesh.axis_size(axes) > 1:
+            plan = halo_plan(shape[d], ctx.mesh.axis_size(axes), a["window"][d], a["strides"][d], a["padding"][d])
+            if isinstance(plan, str):
+                refused[d], axes = (axes, plan), ()
+            else:
+                plans[d] = plan
+        dims.append(axes)
+    return Sharding(tuple(dims)), plans, refused
+
+
+@partition_rule("cumsum")
+def _cumsum(ctx: PartitionContext, node):
+    """Along a split axis: cumsum of the masked block, all-gather of the k block totals, then each
+    shard adds the totals of the shards before it. Other dims are local."""
+    x, target, axis = ctx.value(node.inputs[0]), ctx.sharding(node.id), node.attrs["axis"]
+
+    def moved(s: Sharding) -> float:
+        carry = 0.0
+        if ctx.mesh.axis_size(s.dims[axis]) > 1:  # all-gather of one element per shard along the axis
+            row = math.prod(s.local_shape(node.shape, ctx.mesh)) // s.local_shape(node.shape, ctx.mesh)[axis]
+            k = ctx.mesh.axis_size(s.dims[axis])
+            carry = (k - 1) * row * np.dtype(node.dtype).itemsize
+        return ctx.cost(x, s) + plan_cost(s, target, node.shape, node.dtype, ctx.mesh) + carry
+    need = min(dict.fromkeys((target, x.sharding)), key=lambda s: (moved(s), s != x.sharding))
+    value, axes = ctx.reshard(x, need), need.dims[axis]
+    if ctx.mesh.axis_size(axes) == 1:
+        return ctx.emit_like(node, "cumsum", [value], node.attrs, need)
+    local = ctx.emit_like(node, "cumsum", [ctx.mask_padding(value, [axis], 0)], node.attrs, need)
+    block, k = _local_shape(ctx, local)[axis], ctx.mesh.axis_size(axes)
+    shape = node.shape[:axis] + (k,) + node.shape[axis + 1:]
+    totals = ctx.emit("window_edge", [local], {"dim": axis, "start": block - 1, "stop": block}, need, shape,
+                      node.dtype)
+    gathered_layout = need.with_dims(tuple(() if d == axis else s for d, s in enumerate(need.dims)))
+    gathered = ctx.emit("all_gather", [totals], {"axes": axes, "dim": axis}, gathered_layout, shape, node.dtype)
+    return ctx.emit_like(node, "cumsum_carry", [local, gathered, ctx.shard_index(axes)], {"axis": axis}, need)
