@@ -69,7 +69,8 @@ class _Builder:
 
     def step(self):
         ops = [self.unary, self.binary_same, self.binary_broadcast, self.reduce, self.transpose, self.reshape,
-               self.einsum, self.annotate, self.where, self.cast]
+               self.einsum, self.annotate, self.where, self.cast, self.take, self.cumsum, self.arg_reduce,
+               self.logsumexp, self.pooling, self.conv1d]
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
             self.pool.append(out)
@@ -137,6 +138,45 @@ class _Builder:
 
     def cast(self, t):
         return snp.astype(snp.astype(t, "float32"), "float64") * 1.0
+
+    def take(self, t):
+        """Embedding-style lookup of t's rows (any axis) by indices made from a fresh input."""
+        if t.ndim == 0 or t.ndim > 2:
+            return None
+        axis = int(self.rng.integers(t.ndim))
+        u = self.new_param((SIZES[self.rng.integers(len(SIZES))],))
+        indices = snp.astype(snp.abs(u) * t.shape[axis], "int64")  # clamped when out of range
+        return snp.take(t, indices, axis=axis)
+
+    def cumsum(self, t):
+        return snp.tanh(snp.cumsum(t, axis=int(self.rng.integers(t.ndim)))) if t.ndim else None
+
+    def arg_reduce(self, t):
+        if t.ndim == 0:
+            return None
+        fn = snp.argmax if self.rng.random() < 0.5 else snp.argmin
+        return snp.astype(fn(t, axis=int(self.rng.integers(t.ndim))), "float64") * 0.1
+
+    def logsumexp(self, t):
+        return snp.tanh(snp.logsumexp(t, axis=int(self.rng.integers(t.ndim)))) if t.ndim else None
+
+    def pooling(self, t):
+        """Max or average pooling along one dim, window 2 or 3, 'SAME' padding or stride 2."""
+        if t.ndim == 0:
+            return None
+        d, k = int(self.rng.integers(t.ndim)), int(self.rng.integers(2, 4))
+        window = tuple(k if i == d else 1 for i in range(t.ndim))
+        if k > t.shape[d]:
+            return None
+        strides = tuple(2 if i == d and self.rng.random() < 0.5 else 1 for i in range(t.ndim))
+        return snp.reduce_window(t, "max" if self.rng.random() < 0.5 else "avg", window, strides, "SAME")
+
+    def conv1d(self, t):
+        """(N, C, W) convolution with a fresh (O, C, K) kernel, 'SAME' padding."""
+        if t.ndim != 3 or t.shape[2] < 3:
+            return None
+        k = self.new_param((int(self.rng.integers(1, 4)), t.shape[1], 3))
+        return snp.tanh(snp.conv(t, k, (1,), "SAME"))
 
     def new_param(self, shape):
         self.extra_shapes.append(shape)
