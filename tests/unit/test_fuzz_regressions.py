@@ -41,3 +41,31 @@ def test_size_one_mesh_axis_counts_as_unsplit_when_padding():
     x = np.arange(50.0).reshape(10, 5)
     for (out,) in run_everywhere(program, x):
         np.testing.assert_array_equal(out, x)
+
+
+def test_output_that_views_a_buffer_blocks_writing_into_it_in_place():
+    """Fuzz seeds 163, 402: ``y = x * s`` returned as ``y.T`` (a view) while ``y * t`` was written into y's
+    buffer in place, corrupting the transposed output."""
+    def fn(a, s, t):
+        y = a * s
+        return y * t, y.T
+    mesh = sr.Mesh((2,), ("x",))
+    program = sr.partition(sr.trace(fn, *[sr.TensorSpec((4, 4))] * 3), mesh)
+    product = next(i for i in program.instrs if i.op == "mul")
+    assert all(i.donate < 0 for i in program.instrs if product.out in i.args)
+    rng = np.random.default_rng(0)
+    a, s, t = (rng.standard_normal((4, 4)) for _ in range(3))
+    for first, second in run_everywhere(program, a, s, t):
+        np.testing.assert_array_equal(first, a * s * t)
+        np.testing.assert_array_equal(second, (a * s).T)
+
+
+def test_dying_elementwise_buffer_is_reused_in_place():
+    mesh = sr.Mesh((2,), ("x",))
+    program = sr.partition(sr.trace(lambda a: (sr.numpy.exp(a) + 1.0) * 2.0, sr.TensorSpec((8, 4))), mesh,
+                           in_specs=[("x", None)])
+    ops = {i.op: i for i in program.instrs}
+    assert ops["add"].donate == 0 and ops["mul"].donate == 0 and ops["exp"].donate == -1  # a is the caller's
+    x = np.linspace(-1, 1, 32).reshape(8, 4)
+    for (out,) in run_everywhere(program, x):
+        np.testing.assert_allclose(out, (np.exp(x) + 1) * 2, rtol=1e-15)
