@@ -3,7 +3,8 @@
 ``random_case(seed)`` is deterministic in the seed, so every MPI rank builds the same
 program, and a failing seed is a complete reproduction (see test_fuzz_regressions.py).
 Programs chain random ops of the op set (elementwise, broadcasting, reductions,
-transpose, reshape, einsum with fresh operands, where, casts) with random mesh_split
+transpose, reshape, einsum with fresh operands, where, casts, take, cumsum, arg-reductions,
+logsumexp, pooling, 1-d conv, slicing, flip, pad, concatenate, dynamic_slice) with random mesh_split
 annotations; meshes have 1 to 8 devices, 1-d and 2-d, sometimes reordered; sizes are
 often uneven. Values are kept bounded (tanh squashing) so float64 tolerances stay tight.
 """
@@ -70,7 +71,8 @@ class _Builder:
     def step(self):
         ops = [self.unary, self.binary_same, self.binary_broadcast, self.reduce, self.transpose, self.reshape,
                self.einsum, self.annotate, self.where, self.cast, self.take, self.cumsum, self.arg_reduce,
-               self.logsumexp, self.pooling, self.conv1d]
+               self.logsumexp, self.pooling, self.conv1d, self.slice_, self.flip, self.pad, self.concat,
+               self.dynamic_slice]
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
             self.pool.append(out)
@@ -177,6 +179,45 @@ class _Builder:
             return None
         k = self.new_param((int(self.rng.integers(1, 4)), t.shape[1], 3))
         return snp.tanh(snp.conv(t, k, (1,), "SAME"))
+
+    def slice_(self, t):
+        """Basic indexing: a random start/stop/step (negative steps too) on one dim."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        n = t.shape[d]
+        start, stop = sorted(self.rng.integers(0, n + 1, size=2).tolist())
+        step = [1, 1, 2, -1][self.rng.integers(4)]
+        if start == stop:
+            return None
+        index = [slice(None)] * t.ndim
+        index[d] = slice(start, stop, step) if step > 0 else slice(stop - 1, None if start == 0 else start - 1, step)
+        return t[tuple(index)]
+
+    def flip(self, t):
+        return snp.flip(t, axis=int(self.rng.integers(t.ndim))) if t.ndim else None
+
+    def pad(self, t):
+        if t.ndim == 0:
+            return None
+        widths = [(0, 0)] * t.ndim
+        widths[int(self.rng.integers(t.ndim))] = tuple(self.rng.integers(0, 3, size=2).tolist())
+        return snp.pad(t, widths)
+
+    def concat(self, t):
+        if t.ndim == 0:
+            return None
+        return snp.concatenate([t, t * 0.5], axis=int(self.rng.integers(t.ndim)))
+
+    def dynamic_slice(self, t):
+        """A window at a traced start (from data), clamped globally."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        size = int(self.rng.integers(1, t.shape[d] + 1))
+        start = snp.astype(snp.abs(snp.sum(t)) * 3.0, "int64")
+        starts = [start if i == d else 0 for i in range(t.ndim)]
+        return snp.dynamic_slice(t, starts, [size if i == d else n for i, n in enumerate(t.shape)])
 
     def new_param(self, shape):
         self.extra_shapes.append(shape)
