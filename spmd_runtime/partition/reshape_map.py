@@ -45,7 +45,8 @@ def map_reshape_sharding(sharding: Sharding, src: tuple[int, ...], dst: tuple[in
             continue
         axes = sharding.dims[gi[0]]
         k = mesh.axis_size(axes)
-        if sharded == [gi[0]] and dst[gj[0]] % k == 0 and src[gi[0]] % k == 0:
+        one_to_one = len(gi) == 1 and len(gj) == 1  # same size: the local reshape only adds/drops 1s
+        if sharded == [gi[0]] and (one_to_one or (dst[gj[0]] % k == 0 and src[gi[0]] % k == 0)):
             out[gj[0]] = axes
         elif exact:
             return None
