@@ -1,6 +1,6 @@
 """OSU-style latency table: this project's collectives next to the raw mpi4py buffer calls.
 
-Run under MPI:  mpiexec -n 8 python scripts/bench_collectives.py [--quick]
+Run under MPI:  mpiexec -n 8 python scripts/bench_collectives.py [--quick] [--device]
 
 For each collective (all_reduce, all_gather, reduce_scatter, all_to_all, and
 collective_permute as a ring shift), each message size and each communicator
@@ -16,6 +16,14 @@ input bytes for reduce_scatter, the local buffer otherwise. Bus bandwidth =
 S / latency * factor, factor = 2(k-1)/k for all_reduce, (k-1)/k for all_gather,
 reduce_scatter and all_to_all, 1 for the permute. Reductions run on float32,
 data movement on uint8; sizes are rounded up so each block holds whole elements.
+
+--device puts every buffer on the GPU (CuPy; each rank binds its GPU as the
+runner does: SPMD_DEVICE, else node-local rank). The project side moves them
+through its Transport; the raw mpi4py side gets the device buffers themselves
+when MPI is CUDA-aware (spmd_runtime.comm.gpu.cuda_aware_mpi, SPMD_CUDA_AWARE
+overrides), else it stages them by hand through pinned host buffers (cupy
+get/set), as the Transport does, so the two columns stay comparable. Both
+sides wait for the GPU after each call, and the header says which mode ran.
 """
 from __future__ import annotations
 
@@ -30,7 +38,10 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from spmd_runtime.comm import MeshCommunicator, all_gather, all_reduce, all_to_all, collective_permute, reduce_scatter
+from spmd_runtime.comm import (MeshCommunicator, Transport, all_gather, all_reduce, all_to_all, collective_permute,
+                                reduce_scatter)
+from spmd_runtime.comm.gpu import cuda_aware_mpi
+from spmd_runtime.exec.backend import get_array_module, select_device, to_host
 from spmd_runtime.mesh import Mesh
 
 WORLD = MPI.COMM_WORLD
@@ -40,38 +51,104 @@ SECONDS_PER_ROW = 0.2  # iteration budget: ~200 iterations of small messages, 5 
 MIN_ITERS, MAX_ITERS = 5, 200
 
 
+class HostBuffers:
+    """NumPy buffers; the raw side calls MPI on them as they are."""
+
+    mode = "host buffers (numpy)"
+
+    def put(self, host: np.ndarray):
+        return host
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def raw(self, mpi_call, send, recv):
+        """A zero-argument raw call: ``mpi_call(send, recv)``, returning ``recv``."""
+        return lambda: (mpi_call(send, recv), recv)[1]
+
+    def synced(self, fn):
+        return fn
+
+
+class DeviceBuffers:
+    """CuPy buffers on this rank's GPU; the raw side hands them to MPI directly only when MPI is CUDA-aware."""
+
+    def __init__(self, transport: Transport):
+        try:
+            self.cp = get_array_module("cupy")
+            self.gpu = select_device(WORLD)
+        except RuntimeError as e:
+            raise SystemExit(f"--device needs CuPy and a visible GPU on every rank; got: {e}") from None
+        self.cuda_aware = transport.cuda_aware
+        how = ("CUDA-aware MPI: device buffers go to MPI directly" if self.cuda_aware else
+               "MPI is not CUDA-aware: both sides stage through pinned host buffers")
+        self.mode = f"device buffers (cupy, GPU {self.gpu}); {how}"
+
+    def put(self, host: np.ndarray):
+        return self.cp.asarray(host)
+
+    def empty(self, shape, dtype):
+        return self.cp.empty(shape, dtype)
+
+    def sync(self) -> None:
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def raw(self, mpi_call, send, recv):
+        if self.cuda_aware:
+            return lambda: (self.sync(), mpi_call(send, recv), recv)[2]
+        host_send, host_recv = self.pinned_like(send), self.pinned_like(recv)
+
+        def staged():
+            send.get(out=host_send)  # blocking: waits for the kernels that wrote `send`
+            mpi_call(host_send, host_recv)
+            recv.set(host_recv)
+            return recv
+        return staged
+
+    def pinned_like(self, a) -> np.ndarray:
+        memory = self.cp.cuda.alloc_pinned_memory(max(a.nbytes, 1))
+        return np.frombuffer(memory, a.dtype, a.size).reshape(a.shape)
+
+    def synced(self, fn):
+        """``fn`` followed by a wait for the GPU, so each timed call includes its device work."""
+        return lambda: (fn(), self.sync())[0]
+
+
+BUF = HostBuffers()  # main() swaps in DeviceBuffers for --device
+
+
 def round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
 def case_all_reduce(mc, axes, nbytes, rng):
-    k, x = mc.axis_size(axes), rng.standard_normal(max(1, nbytes // 4)).astype(np.float32)
-    sub, recv = mc.sub(axes), np.empty_like(x)
-    raw = lambda: (sub.Allreduce(x, recv, MPI.SUM), recv)[1]  # noqa: E731
+    k, x = mc.axis_size(axes), BUF.put(rng.standard_normal(max(1, nbytes // 4)).astype(np.float32))
+    sub, recv = mc.sub(axes), BUF.empty(x.shape, x.dtype)
+    raw = BUF.raw(lambda s, r: sub.Allreduce(s, r, MPI.SUM), x, recv)
     return (lambda: all_reduce(mc, x, axes, "sum")), raw, x.nbytes, 2 * (k - 1) / k
 
 
 def case_all_gather(mc, axes, nbytes, rng):
     k = mc.axis_size(axes)
-    x = rng.integers(0, 255, round_up(nbytes, k) // k, dtype=np.uint8)
-    sub, recv = mc.sub(axes), np.empty(k * x.size, np.uint8)
-    raw = lambda: (sub.Allgather(x, recv), recv)[1]  # noqa: E731
+    x = BUF.put(rng.integers(0, 255, round_up(nbytes, k) // k, dtype=np.uint8))
+    sub, recv = mc.sub(axes), BUF.empty(k * x.size, np.uint8)
+    raw = BUF.raw(sub.Allgather, x, recv)
     return (lambda: all_gather(mc, x, axes, 0)), raw, recv.nbytes, (k - 1) / k
 
 
 def case_reduce_scatter(mc, axes, nbytes, rng):
     k = mc.axis_size(axes)
-    x = rng.standard_normal(round_up(nbytes // 4, k)).astype(np.float32)
-    sub, recv = mc.sub(axes), np.empty(x.size // k, np.float32)
-    raw = lambda: (sub.Reduce_scatter_block(x, recv, MPI.SUM), recv)[1]  # noqa: E731
+    x = BUF.put(rng.standard_normal(round_up(nbytes // 4, k)).astype(np.float32))
+    sub, recv = mc.sub(axes), BUF.empty(x.size // k, np.float32)
+    raw = BUF.raw(lambda s, r: sub.Reduce_scatter_block(s, r, MPI.SUM), x, recv)
     return (lambda: reduce_scatter(mc, x, axes, 0, "sum")), raw, x.nbytes, (k - 1) / k
 
 
 def case_all_to_all(mc, axes, nbytes, rng):
     k = mc.axis_size(axes)
-    x = rng.integers(0, 255, round_up(nbytes, k), dtype=np.uint8)
-    sub, recv = mc.sub(axes), np.empty_like(x)
-    raw = lambda: (sub.Alltoall(x, recv), recv)[1]  # noqa: E731
+    x = BUF.put(rng.integers(0, 255, round_up(nbytes, k), dtype=np.uint8))
+    sub, recv = mc.sub(axes), BUF.empty(x.shape, x.dtype)
+    raw = BUF.raw(sub.Alltoall, x, recv)
     return (lambda: all_to_all(mc, x, axes, 0, 0)), raw, x.nbytes, (k - 1) / k
 
 
@@ -80,9 +157,9 @@ def case_permute(mc, axes, nbytes, rng):
     pairs = [(g[i], g[(i + 1) % len(g)]) for g in mc.mesh.groups(axes) for i in range(len(g))]
     dest = dict(pairs)[mc.rank]
     source = {d: s for s, d in pairs}[mc.rank]
-    x = rng.integers(0, 255, nbytes, dtype=np.uint8)
-    recv = np.empty_like(x)
-    raw = lambda: (mc.comm.Sendrecv(x, dest, recvbuf=recv, source=source), recv)[1]  # noqa: E731
+    x = BUF.put(rng.integers(0, 255, nbytes, dtype=np.uint8))
+    recv = BUF.empty(x.shape, x.dtype)
+    raw = BUF.raw(lambda s, r: mc.comm.Sendrecv(s, dest, recvbuf=r, source=source), x, recv)
     return (lambda: collective_permute(mc, x, pairs)), raw, x.nbytes, 1.0
 
 
@@ -114,7 +191,7 @@ def time_side_by_side(ours, raw, iters: int) -> tuple[float, float]:
 
 def identical(ours, raw) -> bool:
     """Same bytes from both on every rank (the raw result is copied: its buffer is reused)."""
-    mine, theirs = np.asarray(ours()), raw().copy()
+    mine, theirs = to_host(ours()), to_host(raw()).copy()
     return bool(WORLD.allreduce(mine.shape == theirs.shape and np.array_equal(mine, theirs), MPI.LAND))
 
 
@@ -144,6 +221,7 @@ HEADER = (f"{'collective':<15}{'comm':<10}{'size':>10}{'ours us':>12}{'mpi4py us
 def bench_row(name, mc, axes, label, nbytes, rng) -> bool:
     """Time one (collective, communicator, size) row, print it, return whether both results matched."""
     ours, raw, size, factor = CASES[name](mc, axes, nbytes, rng)
+    ours, raw = BUF.synced(ours), BUF.synced(raw)
     ours(), raw()  # warm-up: first-touch page faults, MPI connection setup
     t_ours, t_raw = time_side_by_side(ours, raw, iterations_for(ours, raw))
     same = identical(ours, raw)
@@ -152,10 +230,15 @@ def bench_row(name, mc, axes, label, nbytes, rng) -> bool:
     return same
 
 
-def run(sizes: list[int]) -> bool:
-    mc = MeshCommunicator(bench_mesh(WORLD.Get_size()))
+def run(sizes: list[int], device: bool = False) -> bool:
+    global BUF
+    # One CUDA-awareness answer for both sides: the Transport's is the one the raw side follows.
+    transport = Transport(cuda_aware=cuda_aware_mpi() if device else None)
+    mc = MeshCommunicator(bench_mesh(WORLD.Get_size()), transport=transport)
+    BUF = DeviceBuffers(transport) if device else HostBuffers()
     rng = np.random.default_rng(WORLD.Get_rank())
-    report(f"# {WORLD.Get_size()} ranks, mesh {mc.mesh}, {MPI.Get_library_version().splitlines()[0]}\n{HEADER}")
+    report(f"# {WORLD.Get_size()} ranks, mesh {mc.mesh}, {MPI.Get_library_version().splitlines()[0]}\n"
+           f"# {BUF.mode}\n{HEADER}")
     rows = [(name, axes, label, nbytes) for name in CASES for label, axes in communicators(mc.mesh) for nbytes in sizes]
     all_same = all([bench_row(name, mc, axes, label, nbytes, rng) for name, axes, label, nbytes in rows])
     report(f"# results identical to mpi4py on every row: {'yes' if all_same else 'NO'}")
@@ -171,9 +254,12 @@ def report(line: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only sizes {QUICK_SIZES}")
+    parser.add_argument("--device", action="store_true",
+                        help="buffers on the GPU (CuPy); the raw side stages through host memory unless MPI is "
+                             "CUDA-aware")
     args = parser.parse_args()
     start = time.perf_counter()
-    ok = run(QUICK_SIZES if args.quick else FULL_SIZES)
+    ok = run(QUICK_SIZES if args.quick else FULL_SIZES, device=args.device)
     report(f"# total {time.perf_counter() - start:.1f} s")
     sys.exit(0 if ok else 1)
 

@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 import spmd_runtime as sr
 from spmd_runtime.__main__ import format_comm_summary
+from spmd_runtime.exec.backend import array_module_of, is_device_array, to_host
 from spmd_runtime.models import BlockConfig, block_params, megatron_specs, transformer_block
 
 
@@ -25,6 +26,8 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="out")
+    ap.add_argument("--backend", default=None, choices=["numpy", "cupy", "auto"],
+                    help="array backend (default: $SPMD_BACKEND, else auto: CuPy when a GPU is visible)")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -39,19 +42,21 @@ def main():
         program.save(path)
     comm.Barrier()
     program = sr.load_program(path)
-    outs = sr.run(program, *inputs)  # also warms up the sub-communicators
-    seconds = time_steps(program, inputs, comm, args.steps)
+    outs = sr.run(program, *inputs, backend=args.backend)  # also warms up the sub-communicators
+    seconds = time_steps(program, inputs, comm, args.steps, args.backend)
     if rank == 0:
-        report(cfg, mesh, graph, program, inputs, outs[0], seconds, path)
+        report(cfg, mesh, graph, program, inputs, to_host(outs[0]), seconds, path)
 
 
-def time_steps(program, inputs, comm, steps) -> float:
+def time_steps(program, inputs, comm, steps, backend=None) -> float:
     """Median seconds per step of sr.run (slice inputs, run, gather outputs), max over ranks."""
     times = []
     for _ in range(steps):
         comm.Barrier()
         t0 = time.perf_counter()
-        sr.run(program, *inputs)
+        outs = sr.run(program, *inputs, backend=backend)
+        if is_device_array(outs[0]):  # the timer must wait for the GPU
+            array_module_of(outs[0]).cuda.get_current_stream().synchronize()
         times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     return float(np.median(times))
 

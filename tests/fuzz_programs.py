@@ -17,6 +17,7 @@ import numpy as np
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
+from spmd_runtime.exec.backend import to_host
 
 MESH_SHAPES = [(1,), (2,), (3,), (4,), (6,), (8,), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (1, 4)]
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12]
@@ -284,4 +285,4 @@ def check_case(case: FuzzCase, run) -> None:
     got = run(program, case.inputs)
     for g, w in zip(got, want):
         assert g.shape == w.shape, f"{case}\nshape {g.shape} != {w.shape}"
-        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9, err_msg=str(case))
+        np.testing.assert_allclose(to_host(g), w, rtol=1e-9, atol=1e-9, err_msg=str(case))

@@ -1,0 +1,511 @@
+"""GPU code paths without a GPU, and the CuPy backend where there is one.
+
+CI has no GPU, so most tests here run the real backend, runner, interpreter and ``gpu.Transport``
+code against ``FakeCupy``: a module installed as ``sys.modules["cupy"]`` whose arrays hold host
+memory but behave like CuPy's where it matters to this project:
+
+* they are not NumPy arrays, and refuse to become one implicitly (``np.asarray`` raises, as
+  CuPy's "Implicit conversion to a NumPy array is not allowed"); ``.get()`` copies to the host;
+* functions and operators refuse NumPy arrays mixed with device arrays (CuPy's "Unsupported type");
+* MPI sees them only through ``__cuda_array_interface__`` (what mpi4py reads of a CuPy array);
+* reductions return 0-d device arrays, not NumPy scalars.
+
+So a kernel, rule or runner step that lets a host array meet a device array fails here, in CI,
+instead of on the first GPU run. ``sr.run`` in the simulated world then covers both transfer
+modes end to end: CUDA-aware (device buffers handed to MPI directly) and staged (through pinned
+host buffers), chosen by ``SPMD_CUDA_AWARE`` as on a cluster.
+
+The tests at the end use the real CuPy and skip, saying why, where it or a GPU is missing.
+``python tests/unit/test_gpu_paths.py`` prints the CuPy-vs-NumPy table of every op case
+(scripts/gpu_check.sh runs it on the GPU machine).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from numpy.lib.mixins import NDArrayOperatorsMixin
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the case tables
+
+import spmd_runtime as sr  # noqa: E402
+import spmd_runtime.numpy as snp  # noqa: E402
+from spmd_runtime.comm import run_simulated  # noqa: E402
+from spmd_runtime.exec import backend  # noqa: E402
+
+# ------------------------------------------------------------------------------------ the fake CuPy
+
+_IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a NumPy "
+             "array explicitly.")
+
+
+class FakeDeviceArray(NDArrayOperatorsMixin):
+    """Host memory posing as a CuPy array (see the module docstring for the CuPy rules it keeps)."""
+
+    __array_priority__ = 100  # NumPy's binary operators defer to ours, as they do to CuPy's
+
+    def __init__(self, host: np.ndarray, module: "FakeCupy"):
+        self._host, self._module = host, module
+
+    def __getattr__(self, name):
+        # Dunders stay unresolved: forwarding __array_interface__ & co. would let NumPy convert silently.
+        if name.startswith("__") or name in ("_host", "_module"):
+            raise AttributeError(name)
+        value = getattr(self._host, name)
+        return functools.partial(self._module.call, value) if callable(value) else self._module.wrap(value)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError(_IMPLICIT)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return self._module.call(getattr(ufunc, method), *inputs, **kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        return self._module.call(func, *args, **kwargs)
+
+    def __getitem__(self, key):
+        return self._module.wrap(self._host[self._module.unwrap(key, allow_host=True)])
+
+    def __setitem__(self, key, value):
+        self._host[self._module.unwrap(key, allow_host=True)] = self._module.unwrap(value, allow_host=True)
+
+    def __len__(self):
+        return len(self._host)
+
+    def __bool__(self):
+        return bool(self._host)
+
+    def __float__(self):
+        return float(self._host)
+
+    def __int__(self):
+        return int(self._host)
+
+    def __repr__(self):
+        return f"FakeDeviceArray({self._host!r})"
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        host = self._host
+        return {"shape": host.shape, "typestr": host.dtype.str, "data": (host.ctypes.data, False),
+                "strides": None if host.flags.c_contiguous else host.strides, "version": 3, "stream": None}
+
+    def get(self, stream=None, order="C", out=None, blocking=True) -> np.ndarray:
+        self._module.events.append("d2h")
+        if out is None:
+            return self._host.copy()
+        if not isinstance(out, np.ndarray) or out.shape != self.shape or out.dtype != self.dtype:
+            raise ValueError(f"get(out=...) needs a NumPy array of shape {self.shape} and dtype {self.dtype}; "
+                             f"got {type(out).__name__} {getattr(out, 'shape', None)} {getattr(out, 'dtype', None)}")
+        np.copyto(out, self._host)
+        return out
+
+    def set(self, arr: np.ndarray, stream=None) -> None:
+        if not isinstance(arr, np.ndarray) or arr.shape != self.shape or arr.dtype != self.dtype:
+            raise ValueError(f"set() needs a NumPy array of shape {self.shape} and dtype {self.dtype}; "
+                             f"got {type(arr).__name__} {getattr(arr, 'shape', None)} {getattr(arr, 'dtype', None)}")
+        self._module.events.append("h2d")
+        np.copyto(self._host, arr)
+
+
+# backend.is_device_array and array_module_of recognise CuPy arrays by their module's name.
+FakeDeviceArray.__module__ = "cupy._fake"
+
+
+class _FakeUfunc:
+    """A NumPy ufunc working on device arrays, methods (``at``, ``reduce``, ...) included, as CuPy's do."""
+
+    def __init__(self, ufunc, module):
+        self._ufunc, self._module = ufunc, module
+
+    def __call__(self, *args, **kwargs):
+        return self._module.call(self._ufunc, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return functools.partial(self._module.call, getattr(self._ufunc, name))
+
+
+class _FakeSubmodule:
+    """A NumPy submodule (``cupy.lib.stride_tricks`` mirrors ``numpy.lib.stride_tricks``) over device arrays."""
+
+    def __init__(self, submodule, module):
+        self._submodule, self._module = submodule, module
+
+    def __getattr__(self, name):
+        return self._module.device_version(getattr(self._submodule, name))
+
+
+class FakeCupy(types.ModuleType):
+    """A module named "cupy": NumPy's functions over ``FakeDeviceArray``, one fake GPU, and the
+    ``cuda`` pieces this project calls. ``events`` records syncs, pinned allocations and copies."""
+
+    def __init__(self):
+        super().__init__("cupy")
+        self.ndarray = FakeDeviceArray
+        self.events: list[str] = []  # list.append is atomic: safe from the simulated ranks' threads
+        stream = types.SimpleNamespace(synchronize=lambda: self.events.append("sync"))
+        self.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+            Device=lambda i=0: types.SimpleNamespace(id=i, use=lambda: self.events.append(f"use{i}")),
+            get_current_stream=lambda: stream,
+            alloc_pinned_memory=self._alloc_pinned)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self.device_version(getattr(np, name))
+
+    def device_version(self, value):
+        """NumPy's ``value`` (function, ufunc, submodule such as ``lib.stride_tricks``) over device arrays."""
+        if isinstance(value, np.ufunc):
+            return _FakeUfunc(value, self)
+        if isinstance(value, types.ModuleType):
+            return _FakeSubmodule(value, self)
+        if callable(value) and not isinstance(value, type):
+            return functools.partial(self.call, value)
+        return value  # dtypes, constants
+
+    def _alloc_pinned(self, nbytes: int) -> bytearray:
+        self.events.append("pin")
+        return bytearray(nbytes)
+
+    # -- host <-> device --------------------------------------------------------------------------
+    def asarray(self, a, dtype=None, order=None):
+        if isinstance(a, FakeDeviceArray):
+            return a if dtype is None or a.dtype == np.dtype(dtype) else a.astype(dtype)
+        self.events.append("h2d")
+        return FakeDeviceArray(np.array(a, dtype=dtype, copy=True), self)
+
+    array = asarray
+
+    def asnumpy(self, a):
+        return a.get() if isinstance(a, FakeDeviceArray) else np.asarray(a)
+
+    def get_array_module(self, *arrays):
+        return self if any(isinstance(a, FakeDeviceArray) for a in arrays) else np
+
+    # -- the CuPy rules ---------------------------------------------------------------------------
+    def call(self, func, *args, **kwargs):
+        return self.wrap(func(*self.unwrap(args), **self.unwrap(kwargs)))
+
+    def unwrap(self, obj, allow_host=False):
+        """Host views of device arrays; a NumPy array of rank >= 1 is refused unless ``allow_host``
+        (indexing and assignment, where CuPy converts it)."""
+        if isinstance(obj, FakeDeviceArray):
+            return obj._host
+        if isinstance(obj, np.ndarray) and obj.ndim > 0 and not allow_host:
+            raise TypeError(f"Unsupported type {type(obj)}: a NumPy array meets device arrays; "
+                            f"move it with xp.asarray first (shape {obj.shape})")
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(self.unwrap(o, allow_host) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self.unwrap(v, allow_host) for k, v in obj.items()}
+        return obj
+
+    def wrap(self, obj):
+        """Device arrays for NumPy results; NumPy scalars become 0-d device arrays, as CuPy returns."""
+        if isinstance(obj, (np.ndarray, np.generic)):
+            return FakeDeviceArray(np.asarray(obj), self)
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(self.wrap(o) for o in obj)
+        return obj
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """``FakeCupy`` installed as ``cupy``, with the backend variables cleared."""
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for var in ("SPMD_BACKEND", "SPMD_DEVICE", "SPMD_CUDA_AWARE"):
+        monkeypatch.delenv(var, raising=False)
+    return fake
+
+
+def test_fake_cupy_keeps_the_cupy_rules(fake_cupy):
+    x = fake_cupy.asarray(np.arange(6.0).reshape(2, 3))
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(x)
+    with pytest.raises(TypeError, match="Unsupported type"):
+        x + np.ones(3)
+    s = fake_cupy.sum(x * 2.0)
+    assert isinstance(s, FakeDeviceArray) and s.shape == () and float(s) == 30.0
+    assert isinstance(x.T, FakeDeviceArray) and backend.is_device_array(x.T) and not isinstance(x, np.ndarray)
+    np.testing.assert_array_equal(backend.to_host(x.reshape(3, 2)[1:]), np.arange(2.0, 6.0).reshape(2, 2))
+    assert backend.get_array_module("cupy") is fake_cupy and backend.array_module_of(x) is fake_cupy
+
+
+# ------------------------------------------------------------------------- MPI buffers as MPI sees them
+
+
+def buffer_kind(buf) -> str:
+    if hasattr(buf, "__cuda_array_interface__"):
+        return "device"
+    return "host" if isinstance(buf, np.ndarray) else type(buf).__name__
+
+
+class RecordingComm:
+    """A simulated communicator that notes, for every MPI buffer call, what kind of buffers it got."""
+
+    def __init__(self, comm, seen: list):
+        self._comm, self._seen = comm, seen
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _note(self, call, *buffers):
+        self._seen.append((call, tuple(buffer_kind(b) for b in buffers if b is not None)))
+
+    def Split(self, *args, **kwargs):
+        return RecordingComm(self._comm.Split(*args, **kwargs), self._seen)
+
+    def Allreduce(self, send, recv, op=MPI.SUM):
+        self._note("Allreduce", send, recv)
+        self._comm.Allreduce(send, recv, op)
+
+    def Allgather(self, send, recv):
+        self._note("Allgather", send, recv)
+        self._comm.Allgather(send, recv)
+
+    def Reduce_scatter_block(self, send, recv, op=MPI.SUM):
+        self._note("Reduce_scatter_block", send, recv)
+        self._comm.Reduce_scatter_block(send, recv, op)
+
+    def Alltoall(self, send, recv):
+        self._note("Alltoall", send, recv)
+        self._comm.Alltoall(send, recv)
+
+    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE, recvtag=MPI.ANY_TAG,
+                 status=None):
+        self._note("Sendrecv", sendbuf, recvbuf)
+        self._comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+
+
+def run_on_fake_gpus(program, inputs, seen_per_rank=None):
+    """``sr.run(..., backend="cupy")`` on every simulated rank; returns each rank's outputs."""
+    def body(comm):
+        if seen_per_rank is not None:
+            comm = RecordingComm(comm, seen_per_rank[comm.Get_rank()])
+        return sr.run(program, *inputs, comm=comm, backend="cupy")
+    return run_simulated(program.mesh.size, body)
+
+
+def megatron_mlp(m, x, w1, w2):
+    h = m.tanh(x @ w1)
+    return m.sum(h @ w2, axis=0), m.transpose(h)
+
+
+# Uneven sizes (10, 7, 6, 5 over 2 or 3 shards): padding and masking run on device arrays too.
+MLP_SHAPES = ((10, 7), (7, 6), (6, 5))
+MLP_MESHES = [(sr.Mesh((2, 2), ("x", "y")), [("x", None), (None, "y"), ("y", None)]),
+              (sr.Mesh((3,), ("x",)), [(None, "x"), ("x", None), (None, None)])]
+
+
+def mlp_program(mesh, specs):
+    inputs = [np.random.default_rng(i).standard_normal(s) for i, s in enumerate(MLP_SHAPES)]
+    graph = sr.trace(lambda *a: megatron_mlp(snp, *a), *inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = sr.partition(graph, mesh, in_specs=specs)
+    return graph, program, inputs
+
+
+@pytest.mark.parametrize("mesh, specs", MLP_MESHES, ids=lambda p: str(p) if isinstance(p, sr.Mesh) else "")
+@pytest.mark.parametrize("cuda_aware", [True, False], ids=["direct", "staged"])
+def test_run_on_device_arrays(fake_cupy, monkeypatch, mesh, specs, cuda_aware):
+    monkeypatch.setenv("SPMD_CUDA_AWARE", "1" if cuda_aware else "0")
+    graph, program, inputs = mlp_program(mesh, specs)
+    seen = [[] for _ in range(mesh.size)]
+    outs = run_on_fake_gpus(program, inputs, seen)
+    expected = sr.evaluate(graph, *inputs)
+    assert {"all_reduce"} <= set(program.collectives())  # the contraction over a split dim sums partials
+    for rank, got in enumerate(outs):
+        for g, e in zip(got, expected):
+            assert backend.is_device_array(g), f"rank {rank} returned {type(g).__name__}, not a device array"
+            np.testing.assert_allclose(backend.to_host(g), e, rtol=1e-12, atol=1e-12, err_msg=f"rank {rank}")
+    calls = [kinds for rank_calls in seen for _, kinds in rank_calls]
+    assert calls, "the program moved no data through MPI"
+    # CUDA-aware MPI gets the device buffers themselves; any other MPI only pinned host copies.
+    assert {k for kinds in calls for k in kinds} == ({"device"} if cuda_aware else {"host"})
+    assert fake_cupy.events.count("sync") >= len(calls)  # kernels finish before MPI reads their output
+    assert ("pin" in fake_cupy.events) == (not cuda_aware)
+    assert fake_cupy.events.count("use0") == mesh.size  # each rank bound its GPU once
+
+
+def test_staged_run_reuses_pinned_buffers(fake_cupy, monkeypatch):
+    monkeypatch.setenv("SPMD_CUDA_AWARE", "0")
+    mesh, specs = MLP_MESHES[0]
+    graph, program, inputs = mlp_program(mesh, specs)
+
+    pins_after_first_run = []
+
+    def body(comm):
+        outs = sr.run(program, *inputs, comm=comm, backend="cupy")
+        comm.Barrier()  # every rank finished run 1 ...
+        if comm.Get_rank() == 0:
+            pins_after_first_run.append(fake_cupy.events.count("pin"))
+        comm.Barrier()  # ... before any starts run 2
+        return [outs] + [sr.run(program, *inputs, comm=comm, backend="cupy") for _ in range(2)]
+    runs = run_simulated(mesh.size, body)
+    assert pins_after_first_run[0] >= mesh.size  # every rank staged something
+    assert fake_cupy.events.count("pin") == pins_after_first_run[0], "later runs pinned new host buffers"
+    expected = sr.evaluate(graph, *inputs)
+    for got in runs[-1][-1]:
+        assert backend.is_device_array(got)
+    np.testing.assert_allclose(backend.to_host(runs[-1][-1][0]), expected[0], rtol=1e-12, atol=1e-12)
+
+
+def test_run_local_keeps_device_blocks(fake_cupy, monkeypatch):
+    monkeypatch.setenv("SPMD_CUDA_AWARE", "0")
+    mesh = sr.Mesh((2,), ("x",))
+    x = np.arange(10 * 3, dtype=np.float64).reshape(10, 3)
+    program = sr.partition(sr.trace(lambda a: snp.tanh(a) * 2.0, x), mesh, in_specs=[("x", None)])
+    outs = run_simulated(2, lambda comm: sr.run_local(program, x[comm.Get_rank() * 5:][:5], comm=comm,
+                                                      backend="cupy"))
+    for rank, (out,) in enumerate(outs):
+        assert backend.is_device_array(out)
+        np.testing.assert_allclose(backend.to_host(out), np.tanh(x[rank * 5:][:5]) * 2.0, rtol=1e-12)
+
+
+# ------------------------------------------------------------------ every op case on device arrays
+
+
+def op_case_table():
+    """Every op case of tests/op_cases.py and its family tables."""
+    import op_cases
+    return op_cases.all_cases() if hasattr(op_cases, "all_cases") else list(op_cases.CASES)
+
+
+def _case_params():
+    return [pytest.param(c, s, id=f"{c.name}-spec{i}") for c in op_case_table() for i, s in enumerate(c.specs)]
+
+
+@pytest.mark.filterwarnings("ignore:spmd_runtime partitioner")
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # log(0) cases: NumPy warns, CuPy does not
+@pytest.mark.parametrize("case, specs", _case_params())
+def test_every_op_case_runs_on_device_arrays(fake_cupy, monkeypatch, case, specs):
+    from op_cases import partition_case, tolerance
+    monkeypatch.setenv("SPMD_CUDA_AWARE", "0")
+    graph, program, args, expected = partition_case(case, specs, sr.Mesh((2, 2), ("x", "y")))
+    got = run_on_fake_gpus(program, args)[3]  # the last rank: its shards are the padded ones
+    tol = tolerance(case.dtype)
+    for g, e in zip(got, expected):
+        assert backend.is_device_array(g)
+        np.testing.assert_allclose(backend.to_host(g), e, rtol=tol, atol=tol)
+
+
+# --------------------------------------------------------- numerics: a device module against NumPy
+
+NUMERIC_TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+
+
+def max_abs_diff(got: np.ndarray, want: np.ndarray) -> float:
+    """Largest |got - want| over entries that differ (equal infinities and NaN pairs count as equal)."""
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    same = (g == w) | (np.isnan(g) & np.isnan(w))
+    with np.errstate(invalid="ignore"):  # inf - inf where they differ in sign: still counted, as nan
+        return float(np.max(np.abs(g - w)[~same], initial=0.0))
+
+
+def op_case_diffs(xp, dtypes=("float32", "float64")):
+    """(case, dtype, max abs diff, tolerance, ok) for every op case evaluated with ``xp`` against NumPy.
+
+    Float cases run once per dtype in ``dtypes`` (inputs cast, graph traced anew); integer cases in
+    their own dtype, where the results must be equal. ok: ``np.allclose`` within the tolerance.
+    """
+    from op_cases import make_inputs
+    rows = []
+    for case in op_case_table():
+        for dtype in (dtypes if case.dtype.startswith("float") else (case.dtype,)):
+            inputs = [x.astype(dtype) for x in make_inputs(case)]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = sr.trace(lambda *a, fn=case.fn: fn(snp, *a), *inputs)
+                want = sr.evaluate(graph, *inputs)
+                got = [backend.to_host(o) for o in sr.evaluate(graph, *inputs, xp=xp)]
+            tol = NUMERIC_TOLERANCE.get(dtype, 0.0)
+            diff = max(max_abs_diff(g, w) for g, w in zip(got, want))
+            ok = all(g.shape == w.shape and g.dtype == w.dtype
+                     and np.allclose(g, w, rtol=tol, atol=tol, equal_nan=True) for g, w in zip(got, want))
+            rows.append((case.name, dtype, diff, tol, ok))
+    return rows
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+def test_op_case_numerics_on_the_fake_device(fake_cupy):
+    rows = op_case_diffs(fake_cupy)
+    assert {dtype for _, dtype, *_ in rows} >= {"float32", "float64"}
+    bad = [r for r in rows if not r[4] or r[2] != 0.0]  # the same NumPy kernels underneath: exact
+    assert not bad, bad
+
+
+# ------------------------------------------------------------------------- the real CuPy, where present
+
+
+@pytest.fixture
+def cupy(monkeypatch):
+    """The real cupy with a GPU, or a skip that says which is missing."""
+    cp = pytest.importorskip("cupy", reason="cupy is not installed (pip install spmd_runtime[gpu]): "
+                                            "the CuPy backend tests need it and a GPU")
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError without a driver or device
+        pytest.skip(f"cupy is installed but CUDA reports no GPU: {type(e).__name__}: {e}")
+    if count < 1:
+        pytest.skip("cupy is installed but no GPU is visible")
+    for var in ("SPMD_BACKEND", "SPMD_CUDA_AWARE"):
+        monkeypatch.delenv(var, raising=False)
+    return cp
+
+
+def test_cupy_matches_numpy_on_every_op_case(cupy):
+    bad = [r for r in op_case_diffs(cupy) if not r[4]]
+    assert not bad, "\n".join(f"{name} {dtype}: max abs diff {diff:.3e} > {tol:.0e}" for name, dtype, diff, tol, _
+                              in bad)
+
+
+def test_cupy_staged_run_in_the_simulated_world(cupy, monkeypatch):
+    # The simulated communicator reads buffers on the host: only the staged path suits a real GPU here.
+    monkeypatch.setenv("SPMD_CUDA_AWARE", "0")
+    mesh, specs = MLP_MESHES[0]
+    graph, program, inputs = mlp_program(mesh, specs)
+    outs = run_simulated(mesh.size, lambda comm: sr.run(program, *inputs, comm=comm, backend="cupy"))
+    for rank, got in enumerate(outs):
+        for g, e in zip(got, sr.evaluate(graph, *inputs)):
+            assert isinstance(g, cupy.ndarray), f"rank {rank} returned {type(g).__name__}"
+            np.testing.assert_allclose(g.get(), e, rtol=1e-12, atol=1e-12, err_msg=f"rank {rank}")
+
+
+def test_cupy_device_ops_stage_through_pinned_memory(cupy):
+    from spmd_runtime.comm.gpu import CupyDeviceOps, Transport
+    transport = Transport(cuda_aware=False, device_ops=CupyDeviceOps())
+    x = cupy.arange(12, dtype=cupy.float32).reshape(3, 4)
+    recv = cupy.empty_like(x)
+    transport.run(lambda s, r: np.copyto(r, s * 2), x, recv)  # an "MPI call" on the host buffers
+    np.testing.assert_array_equal(recv.get(), np.arange(12, dtype=np.float32).reshape(3, 4) * 2)
+    host = transport.pinned("send", (3, 4), np.float32)
+    assert cupy.cuda.runtime.pointerGetAttributes(host.ctypes.data).type == 1  # cudaMemoryTypeHost: page-locked
+
+
+# ------------------------------------------------------------- the table scripts/gpu_check.sh prints
+
+
+def print_numerics_table(xp) -> int:
+    """Print every op case's max abs diff, ``xp`` against NumPy; returns the number of failures."""
+    rows = op_case_diffs(xp)
+    print(f"{'case':<28}{'dtype':<9}{'max abs diff':>14}{'tolerance':>11}  ok")
+    for name, dtype, diff, tol, ok in rows:
+        print(f"{name:<28}{dtype:<9}{diff:>14.3e}{tol:>11.0e}  {'yes' if ok else 'NO'}")
+    failed = sum(not r[4] for r in rows)
+    print(f"# {backend.backend_name(xp)} vs numpy: {len(rows) - failed} of {len(rows)} case/dtype pairs within "
+          f"tolerance, worst diff {max(r[2] for r in rows):.3e}")
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(1 if print_numerics_table(backend.get_array_module(os.environ.get("SPMD_BACKEND") or "cupy")) else 0)
