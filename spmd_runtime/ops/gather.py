@@ -38,7 +38,7 @@ import numpy as np
 from ..autodiff import vjp
 from ..exec.kernels import kernel
 from ..partition.partitioner import partition_rule
-from ..partition.propagation import DOT_LEVEL, combine, rule
+from ..partition.propagation import DOT_LEVEL, combine, dedupe_axes, rule
 from ..partition.resharding import plan_cost
 from ..partition.rules import _distinct, _letter_options
 from ..sharding import Sharding
@@ -179,17 +179,6 @@ def _map_dims(from_term: str, sharding, to_term: str) -> list:
     return [known.get(c, ()) for c in to_term]
 
 
-def _first_use(dims) -> Sharding:
-    """Dims as a Sharding where a mesh axis already used by an earlier dim is dropped (one use per axis)."""
-    used, out = set(), []
-    for d in dims:
-        keep = tuple(a for a in d if a not in used)
-        keep = d if keep == d else ()
-        used.update(keep)
-        out.append(keep)
-    return Sharding(tuple(out))
-
-
 # ---------------------------------------------------------------- propagation
 @rule("take", level=DOT_LEVEL)
 def _take_propagation():
@@ -198,11 +187,11 @@ def _take_propagation():
     def fwd(node, ins, g, mesh):
         table_t, indices_t, out_t = _terms_of(node, g)
         known = [(t, s) for t, s in ((table_t, ins[0]), (indices_t, ins[1])) if s is not None]
-        return combine([_first_use(_map_dims(t, s, out_t)) for t, s in known]) if known else None
+        return combine([dedupe_axes(_map_dims(t, s, out_t)) for t, s in known]) if known else None
 
     def bwd(node, out, ins, g, mesh):
         table_t, indices_t, out_t = _terms_of(node, g)
-        return [_first_use(_map_dims(out_t, out, table_t)), _first_use(_map_dims(out_t, out, indices_t))]
+        return [dedupe_axes(_map_dims(out_t, out, table_t)), dedupe_axes(_map_dims(out_t, out, indices_t))]
     return fwd, bwd
 
 
@@ -214,14 +203,14 @@ def _scatter_add_propagation():
         operand_t, _, updates_t = _terms_of(node, g)
         known = [ins[0]] if ins[0] is not None else []
         if ins[2] is not None:
-            known.append(_first_use(_map_dims(updates_t, ins[2], operand_t)))
+            known.append(dedupe_axes(_map_dims(updates_t, ins[2], operand_t)))
         return combine(known) if known else None
 
     def bwd(node, out, ins, g, mesh):
         operand_t, indices_t, updates_t = _terms_of(node, g)
         from_result, from_indices = _map_dims(operand_t, out, updates_t), _map_dims(indices_t, ins[1], updates_t)
-        updates = _first_use([r or i for r, i in zip(from_result, from_indices)])
-        return [out, _first_use(_map_dims(updates_t, ins[2], indices_t)), updates]
+        updates = dedupe_axes([r or i for r, i in zip(from_result, from_indices)])
+        return [out, dedupe_axes(_map_dims(updates_t, ins[2], indices_t)), updates]
     return fwd, bwd
 
 

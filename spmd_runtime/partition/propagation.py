@@ -229,12 +229,13 @@ def _einsum():
         for term, other_term, other in ((lhs, rhs, ins[1]), (rhs, lhs, ins[0])):
             side = {c: other.dims[other_term.index(c)] for c in other_term} if other is not None else {}
             dims = [from_out[c] if c in out else side.get(c, ()) for c in term]
-            props.append(_dedupe(dims))
+            props.append(dedupe_axes(dims))
         return props
     return fwd, bwd
 
 
-def _dedupe(dims) -> Sharding:
+def dedupe_axes(dims) -> Sharding:
+    """Dims as a Sharding where a dim reusing a mesh axis of an earlier dim is left unsplit."""
     used, out = set(), []
     for d in dims:
         keep = tuple(a for a in d if a not in used)
