@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Run the transformer demo on 8 ranks: scripts/demo.sh [demo args...]
+# The main job on 8 ranks: a Megatron-sharded Transformer block forward pass (scripts/demo_transformer.py),
+# then training a Transformer LM with Megatron + weight-update sharding (scripts/demo_train.py, which gets
+# the extra arguments: scripts/demo.sh --steps 100).
 # (SPMD_DEMO_RANKS overrides the rank count; see scripts/setup_env.sh for the
 # environment knobs.) Relative paths in the arguments are taken from the
 # directory you run it from.
@@ -8,5 +10,11 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 read -r -a MPIEXEC_CMD <<<"$MPIEXEC"
 read -r -a OVERSUB <<<"${SPMD_OVERSUBSCRIBE:-}"
-exec "${MPIEXEC_CMD[@]}" ${OVERSUB[@]+"${OVERSUB[@]}"} -n "${SPMD_DEMO_RANKS:-8}" \
-    python "$SPMD_ROOT/scripts/demo_transformer.py" "$@"
+run_ranks() {
+    "${MPIEXEC_CMD[@]}" ${OVERSUB[@]+"${OVERSUB[@]}"} -n "${SPMD_DEMO_RANKS:-8}" python "$@"
+}
+echo "=== 1/2: Transformer block forward, Megatron on a 2x4 mesh"
+run_ranks "$SPMD_ROOT/scripts/demo_transformer.py" --out "$SPMD_ROOT/out"
+echo
+echo "=== 2/2: training a Transformer LM, Megatron + weight-update sharding on a 2x4 mesh"
+run_ranks "$SPMD_ROOT/scripts/demo_train.py" "$@"

@@ -8,6 +8,15 @@ from .mesh import Mesh
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
 
+# What one local flop costs in bytes on the wire: ~10 GB/s between ranks vs ~100 GFLOP/s per rank.
+# Strategies trade the two: gathering operands to skip an all-reduce replicates the matmul on every rank.
+BYTES_PER_FLOP = 0.1
+
+
+def strategy_cost(wire: float, flops: float) -> float:
+    """Comparable cost of a partitioning strategy: bytes each rank moves plus its local compute."""
+    return wire + BYTES_PER_FLOP * flops
+
 
 def wire_bytes(op: str, k: int, bytes_in: int, bytes_out: int) -> float:
     """Bytes each rank sends for one collective over ``k`` ranks (GSPMD_NOTES.md section 5)."""

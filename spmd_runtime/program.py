@@ -118,7 +118,10 @@ class SPMDProgram:
 
     @property
     def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.body(), sort_keys=True).encode()).hexdigest()
+        """sha256 of the saved body; computed once (a program is not changed after partitioning)."""
+        if "_hash" not in self.__dict__:
+            self.__dict__["_hash"] = hashlib.sha256(json.dumps(self.body(), sort_keys=True).encode()).hexdigest()
+        return self.__dict__["_hash"]
 
     def save(self, path) -> None:
         body = self.body()

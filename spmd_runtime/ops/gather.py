@@ -39,6 +39,7 @@ from ..autodiff import vjp
 from ..exec.kernels import kernel
 from ..partition.partitioner import partition_rule
 from ..partition.propagation import DOT_LEVEL, combine, dedupe_axes, rule
+from ..cost import strategy_cost
 from ..partition.resharding import plan_cost
 from ..partition.rules import _distinct, _letter_options
 from ..sharding import Sharding
@@ -243,8 +244,9 @@ def cheapest_split(ctx, operands, out_term: str, node, operand_cost=None):
         moved = sum(price(k, v, s, result) for k, ((_, v), s) in enumerate(zip(operands, shardings)))
         moved += plan_cost(result, target, node.shape, node.dtype, mesh)
         work = math.prod(-(-sizes[c] // mesh.axis_size(split[c])) for c in sizes)
-        if best is None or (moved, work) < best[0]:
-            best = ((moved, work), shardings, result)
+        key = (strategy_cost(moved, 2 * work), moved, work)
+        if best is None or key < best[0]:
+            best = (key, shardings, result)
     return best[1], best[2]
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cost import strategy_cost
 from ..exec.kernels import kernel
 from ..partition.partitioner import PartitionContext, partition_rule
 from ..partition.propagation import BROADCAST_LEVEL, DOT_LEVEL, combine, rule
@@ -438,8 +439,9 @@ def _conv(ctx: PartitionContext, node):
         work = math.prod(lay.result.local_shape(node.shape, ctx.mesh)) * local_lhs[1]
         # ties (size-1 axes move nothing) go to the layouts the values already have
         changes = (lay.lhs != lhs.sharding) + (lay.rhs != rhs.sharding) + (lay.result != target)
-        if best is None or (moved, work, changes) < best[0]:
-            best = ((moved, work, changes), lay, split)
+        key = (strategy_cost(moved, 2 * work), moved, work, changes)
+        if best is None or key < best[0]:
+            best = (key, lay, split)
     _, lay, split = best
     for role, (axes, why) in refused.items():
         if split[role] != axes:

@@ -16,6 +16,7 @@ from ..sharding import Sharding
 from .partitioner import PartitionContext, partition_rule
 from .propagation import einsum_terms
 from .reshape_map import map_reshape_sharding
+from ..cost import strategy_cost
 from .resharding import plan_cost
 
 
@@ -84,17 +85,32 @@ def _reshape(ctx, node):
 
 @partition_rule("reduce")
 def _reduce(ctx, node):
-    """Reduce locally, keeping the operand's split of reduced dims; the result is a partial reduction
-    over those axes, which the planner turns into an all-reduce or a reduce-scatter."""
+    """Reduce locally; split reduced dims make the result a partial reduction over their axes, which the
+    planner turns into an all-reduce or a reduce-scatter. Of the operand layouts (the one the result asks
+    for, or the operand's own), take the one whose resharding before plus after moves fewest bytes."""
     x, target, axes = ctx.value(node.inputs[0]), ctx.sharding(node.id), node.attrs["axes"]
+    options = []
+    for need in dict.fromkeys((_reduce_operand_for(target, x, axes), x.sharding.without_partial())):
+        result = _reduced(need, axes, node.attrs["kind"])
+        moved = ctx.cost(x, need) + plan_cost(result, target, node.shape, node.dtype, ctx.mesh)
+        options.append((moved, need, result))
+    _, need, result = min(options, key=lambda o: o[0])
+    x = ctx.mask_padding(ctx.reshard(x, need), axes, reduce_identity(node.attrs["kind"], x.dtype))
+    return ctx.emit_like(node, "reduce", [x], node.attrs, result)
+
+
+def _reduce_operand_for(target: Sharding, x, axes) -> Sharding:
+    """Kept dims as the result wants them; reduced dims keep the operand's axes the result does not use."""
     kept, dims = iter(target.dims), []
     for i in range(len(x.shape)):
         dims.append(tuple(a for a in x.sharding.dims[i] if a not in target.axes) if i in axes else next(kept))
-    need = Sharding(tuple(dims))
-    x = ctx.mask_padding(ctx.reshard(x, need), axes, reduce_identity(node.attrs["kind"], x.dtype))
-    partial = tuple(a for i in axes for a in need.dims[i])
-    result = Sharding(target.dims, partial, node.attrs["kind"] if partial else "sum")
-    return ctx.emit_like(node, "reduce", [x], node.attrs, result)
+    return Sharding(tuple(dims))
+
+
+def _reduced(operand: Sharding, axes, kind) -> Sharding:
+    partial = tuple(a for i in axes for a in operand.dims[i])
+    return Sharding(tuple(d for i, d in enumerate(operand.dims) if i not in axes), partial,
+                    kind if partial else "sum")
 
 
 def reduce_identity(kind: str, dtype):
@@ -113,7 +129,7 @@ def reduce_identity(kind: str, dtype):
 # ---------------------------------------------------------------- einsum
 @partition_rule("einsum")
 def _einsum(ctx, node):
-    """Pick the per-letter split (strategy) that moves the fewest bytes, then the least local work.
+    """Pick the per-letter split (strategy) with the least bytes moved plus local compute (cost.py).
 
     A letter split alike on both operands is a batch dim (result split) or a
     contracting dim (result partial: all-reduce, or reduce-scatter when the
@@ -132,7 +148,7 @@ def _einsum(ctx, node):
         shard_a, shard_b, result = _strategy_shardings(split, lhs_t, rhs_t, out_t, ctx.mesh)
         bytes_moved = ctx.cost(a, shard_a) + ctx.cost(b, shard_b) + plan_cost(result, target, node.shape, node.dtype, ctx.mesh)
         work = math.prod(-(-sizes[c] // ctx.mesh.axis_size(split[c])) for c in sizes)
-        key = (bytes_moved, work)
+        key = (strategy_cost(bytes_moved, 2 * work), bytes_moved, work)
         if best is None or key < best[0]:
             best = (key, shard_a, shard_b, result)
     _, shard_a, shard_b, result = best

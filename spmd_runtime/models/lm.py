@@ -1,0 +1,185 @@
+"""A decoder-only Transformer language model (GPT-2 shape) as a traced function.
+
+Token + learned positional embedding, ``layers`` pre-LayerNorm blocks (causal
+multi-head self-attention, GELU MLP, residuals), a final LayerNorm and an output
+layer (tied to the embedding or its own matrix), then softmax cross-entropy
+averaged over every token. Every op is an ordinary traced primitive, so the
+loss, its gradient (``sr.value_and_grad``) and a whole training step partition
+like any other graph; how is decided only by annotations (``spmd_runtime.train``).
+
+Parameters are an ordered dict name -> array (``param_shapes``); the traced
+loss takes them in that order. Names are Python identifiers, so a traced step
+names its inputs after them.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import numpy as snp
+from ..nn import gelu
+
+BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")
+MASKED_SCORE = -1e9  # finite, so a masked score times a zero cotangent never makes a NaN
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    layers: int = 2
+    d: int = 256
+    heads: int = 8
+    ffn: int = 1024
+    vocab: int = 1024
+    seq: int = 128
+    batch: int = 8
+    tied: bool = False
+    dtype: str = "float32"
+    embedding: str = "auto"  # "take" (gather), "onehot" (Mesh-TF contraction), "auto": take when available
+
+    def __post_init__(self):
+        if self.d % self.heads:
+            raise ValueError(f"LMConfig needs d to be a multiple of heads; got d={self.d}, heads={self.heads}")
+        for name in ("layers", "d", "heads", "ffn", "vocab", "seq", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LMConfig sizes must be >= 1; got {name}={getattr(self, name)}")
+        if self.embedding not in ("auto", "take", "onehot"):
+            raise ValueError(f"LMConfig embedding must be 'auto', 'take' or 'onehot'; got {self.embedding!r}")
+        if np.dtype(self.dtype) not in (np.float32, np.float64):
+            raise ValueError(f"LMConfig dtype must be float32 or float64; got {self.dtype!r}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq
+
+
+def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
+    """name -> shape, in the order the traced loss takes them."""
+    d, f = cfg.d, cfg.ffn
+    block = {"ln1_g": (d,), "ln1_b": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
+             "ln2_g": (d,), "ln2_b": (d,), "w1": (d, f), "w2": (f, d)}
+    shapes = OrderedDict(embed=(cfg.vocab, d), pos=(cfg.seq, d))
+    for i in range(cfg.layers):
+        shapes.update((f"l{i}_{k}", block[k]) for k in BLOCK_PARAMS)
+    shapes.update(lnf_g=(d,), lnf_b=(d,))
+    if not cfg.tied:
+        shapes["unembed"] = (d, cfg.vocab)
+    return shapes
+
+
+def param_kind(name: str) -> str:
+    """The role of a parameter regardless of its layer: 'wq', 'ln1_g', 'embed', ..."""
+    return name.split("_", 1)[1] if name[0] == "l" and name.split("_", 1)[0][1:].isdigit() else name
+
+
+def init_params(cfg: LMConfig, seed: int = 0) -> "OrderedDict[str, np.ndarray]":
+    """GPT-2 style initialisation, drawn from ``seed`` in name order: the same arrays on every rank and mesh."""
+    rng = np.random.default_rng(seed)
+    residual_scale = 1.0 / math.sqrt(2 * cfg.layers)  # GPT-2: residual projections shrink with depth
+    out = OrderedDict()
+    for name, shape in param_shapes(cfg).items():
+        kind = param_kind(name)
+        if kind.endswith("_g"):
+            value = np.ones(shape)
+        elif kind.endswith("_b"):
+            value = np.zeros(shape)
+        else:
+            std = 0.02 * (residual_scale if kind in ("wo", "w2") else 1.0)
+            value = rng.standard_normal(shape) * std
+        out[name] = value.astype(cfg.dtype)
+    return out
+
+
+def no_annotation(x, role):
+    return x
+
+
+def lm_loss(cfg: LMConfig, params, tokens, labels, annotate=no_annotation):
+    """Mean next-token cross-entropy of the model with ``params`` (in ``param_shapes`` order) on int
+    ``tokens``/``labels`` of shape (batch, seq).
+
+    ``annotate(x, role)`` may pin the sharding of intermediate values (it returns x, possibly passed
+    through ``mesh_split``); roles: 'residual' (batch, seq, d) between sublayers, 'logits' (batch, seq, vocab).
+    """
+    return cross_entropy(annotate(lm_logits(cfg, params, tokens, annotate), "logits"), labels)
+
+
+def lm_logits(cfg: LMConfig, params, tokens, annotate=no_annotation):
+    """(batch, seq, vocab) next-token logits for int ``tokens`` of shape (any batch, cfg.seq)."""
+    p = dict(zip(param_shapes(cfg), params))
+    x = annotate(embed(cfg, p["embed"], tokens) + positional(p["pos"], tokens.shape[0]), "residual")
+    for i in range(cfg.layers):
+        layer = {k: p[f"l{i}_{k}"] for k in BLOCK_PARAMS}
+        x = annotate(x + attention(cfg, layer, layer_norm(x, layer["ln1_g"], layer["ln1_b"])), "residual")
+        x = annotate(x + gelu(layer_norm(x, layer["ln2_g"], layer["ln2_b"]) @ layer["w1"]) @ layer["w2"],
+                     "residual")
+    h = layer_norm(x, p["lnf_g"], p["lnf_b"])
+    return snp.einsum("bsd,vd->bsv", h, p["embed"]) if cfg.tied else h @ p["unembed"]
+
+
+def embed(cfg: LMConfig, table, tokens):
+    """Rows of ``table`` (vocab, d) for int ``tokens``: a gather (``take``), or Mesh-TensorFlow's one-hot
+    contraction, which partitions over a vocab split like any contraction."""
+    use_take = cfg.embedding == "take" or (cfg.embedding == "auto" and hasattr(snp, "take"))
+    if use_take:
+        return snp.take(table, tokens, axis=0)
+    return snp.einsum("bsv,vd->bsd", one_hot(tokens, table.shape[0], table.dtype), table)
+
+
+# Parameters broadcast over batch and sequence (positional table, LayerNorm gain and bias) are applied as
+# einsums (with a constant of ones for the additive ones) rather than broadcast products/sums. Their gradients
+# are then einsums contracting batch and sequence, which the partitioner reduces locally and reduce-scatters
+# when the gradient is wanted split (weight-update sharding); the VJP of a broadcast is a ``reduce``, whose
+# partition rule instead all-to-alls the whole batch-split cotangent onto the gradient's split first.
+def positional(pos, batch: int):
+    """The (seq, d) positional table broadcast over ``batch``."""
+    return snp.einsum("b,sd->bsd", snp.ones((batch,), pos.dtype), pos)
+
+
+def layer_norm(x, gain, bias, eps=1e-5):
+    """LayerNorm over the last dim of (batch, seq, d) ``x``."""
+    mu = snp.mean(x, axis=-1, keepdims=True)
+    centred = x - mu
+    xhat = centred / snp.sqrt(snp.mean(centred * centred, axis=-1, keepdims=True) + eps)
+    b, s, _ = x.shape
+    return snp.einsum("bsd,d->bsd", xhat, gain) + snp.einsum("bs,d->bsd", snp.ones((b, s), x.dtype), bias)
+
+
+def one_hot(ids, n: int, dtype):
+    """(..., n) float: 1 where the last index equals ``ids``."""
+    return snp.astype(snp.expand_dims(ids, -1) == snp.asarray(np.arange(n, dtype=ids.dtype)), dtype)
+
+
+def attention(cfg: LMConfig, w: dict, a):
+    """Causal multi-head self-attention of the normalised residual ``a`` (batch, seq, d)."""
+    b, s, d = a.shape
+    h, hd = cfg.heads, d // cfg.heads
+    q, k, v = ((a @ w[name]).reshape(b, s, h, hd) for name in ("wq", "wk", "wv"))
+    scores = snp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(hd))
+    causal = snp.asarray(np.tril(np.ones((s, s), dtype=bool)))  # query q sees keys k <= q
+    probs = safe_softmax(snp.where(causal, scores, MASKED_SCORE))
+    return snp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d) @ w["wo"]
+
+
+def safe_softmax(x):
+    e = snp.exp(x - snp.max(x, axis=-1, keepdims=True))
+    return e / snp.sum(e, axis=-1, keepdims=True)
+
+
+def log_softmax(z):
+    """log softmax over the last dim, shifted by the row max so exp never overflows."""
+    shifted = z - snp.max(z, axis=-1, keepdims=True)
+    return shifted - snp.log(snp.sum(snp.exp(shifted), axis=-1, keepdims=True))
+
+
+def cross_entropy(logits, labels):
+    """Mean over tokens of -log p(label); labels picked by a one-hot compare (partitions over a vocab split)."""
+    picked = snp.sum(snp.where(snp.expand_dims(labels, -1) == snp.asarray(np.arange(logits.shape[-1],
+                                                                                    dtype=labels.dtype)),
+                               log_softmax(logits), 0.0), axis=-1)
+    return -snp.mean(picked)
+
+
+__all__ = ["LMConfig", "param_shapes", "param_kind", "init_params", "lm_loss", "lm_logits", "cross_entropy", "embed"]

@@ -1,0 +1,346 @@
+"""Training: ONE traced step (forward, backward, optimizer update) partitioned by a preset.
+
+``build_train_step(cfg, mesh, preset, optimizer)`` traces
+
+    step(*params, *opt_state, tokens, labels) -> (*new_params, *new_opt_state, loss)
+
+with ``value_and_grad`` of the language-model loss (``models.lm``) and the
+optimizer's traced update (``optim``), and partitions it over ``mesh``. A preset
+is nothing but annotations: in_specs for the parameters, optimizer state and
+tokens, and ``mesh_split`` on the residual stream, the logits, the gradients,
+the new optimizer state and the new parameters. Every output is laid out like
+the matching input, so the step iterates on local shards with ``sr.run_local``.
+
+Presets (roles -> mesh axes; an axis the mesh lacks is dropped, so the
+single-role presets use every axis of a 2-d mesh):
+
+- ``dp``: batch on every axis; parameters and optimizer state replicated; one
+  all-reduce per gradient.
+- ``megatron``: batch on "data"; heads (QKV columns, out-projection rows), the
+  MLP hidden dim and the vocab of embedding and output layer on "model".
+- ``wus``: data parallel with weight-update sharding (Xu et al. 2020,
+  "Automatic Cross-Replica Sharding of Weight Update"): gradients are
+  reduce-scattered, the optimizer state and the update live on 1/n of each
+  tensor (its largest dim divisible by n), the new weights are all-gathered.
+- ``seq``: the sequence dim of the tokens and activations on every axis.
+- ``megatron_wus``: megatron, with the update sharded over "data" too.
+- ``dp_seq``: batch on "data", sequence on "model".
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .autodiff import value_and_grad
+from .exec.backend import to_host
+from .exec.runner import communicator, run_local, shard, unshard
+from .mesh import Mesh
+from .models.lm import LMConfig, init_params, lm_loss, param_kind, param_shapes
+from .optim import AdamW, Optimizer
+from .partition import partition
+from .program import SPMDProgram
+from .reference import evaluate
+from .sharding import parse_spec
+from .trace import mesh_split, trace
+
+TOKEN_DTYPE = "int32"
+
+
+# ---------------------------------------------------------------- presets
+@dataclass(frozen=True)
+class Preset:
+    """Mesh axes per role: ``batch``/``seq`` split the tokens and activations, ``model`` splits the
+    Megatron weight dims, ``update`` shards the optimizer state and the weight update."""
+    name: str
+    batch: tuple[str, ...] = ()
+    seq: tuple[str, ...] = ()
+    model: tuple[str, ...] = ()
+    update: tuple[str, ...] = ()
+    doc: str = ""
+
+    def on(self, mesh: Mesh) -> "Preset":
+        """This preset with the axes ``mesh`` lacks dropped."""
+        keep = lambda axes: tuple(a for a in axes if a in mesh.axis_names)
+        return Preset(self.name, keep(self.batch), keep(self.seq), keep(self.model), keep(self.update), self.doc)
+
+
+BOTH = ("data", "model")
+PRESETS = {
+    "dp": Preset("dp", batch=BOTH, doc="batch on every axis; one all-reduce per gradient"),
+    "megatron": Preset("megatron", batch=("data",), model=("model",),
+                       doc="batch on data; heads, MLP hidden and vocab on model"),
+    "wus": Preset("wus", batch=BOTH, update=BOTH,
+                  doc="data parallel; gradients reduce-scattered, optimizer state and update sharded, "
+                      "weights all-gathered"),
+    "seq": Preset("seq", seq=BOTH, doc="sequence dim of tokens and activations on every axis"),
+    "megatron_wus": Preset("megatron_wus", batch=("data",), model=("model",), update=("data",),
+                           doc="megatron, with the weight update sharded over data"),
+    "dp_seq": Preset("dp_seq", batch=("data",), seq=("model",), doc="batch on data, sequence on model"),
+}
+
+
+def train_mesh(shape, preset: str = "dp") -> Mesh:
+    """The mesh a preset expects: 2-d meshes are ("data", "model"); a 1-d mesh is ("model",) for
+    ``megatron`` (pure tensor parallelism) and ("data",) otherwise."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if len(shape) == 2:
+        return Mesh(shape, BOTH)
+    if len(shape) == 1:
+        return Mesh(shape, ("model",) if preset == "megatron" else ("data",))
+    raise ValueError(f"a training mesh is 1-d or 2-d; got shape {shape}")
+
+
+def _preset(preset) -> Preset:
+    if isinstance(preset, Preset):
+        return preset
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)} or a Preset; got {preset!r}")
+    return PRESETS[preset]
+
+
+# ---------------------------------------------------------------- layout: specs per value
+MEGATRON_DIMS = {"embed": 0, "unembed": 1, "wq": 1, "wk": 1, "wv": 1, "w1": 1, "wo": 0, "w2": 0}
+
+
+def param_spec(name: str, shape, preset: Preset) -> tuple:
+    """Megatron splits a weight's head / hidden / vocab dim over the model axes; all else is replicated."""
+    spec = [None] * len(shape)
+    dim = MEGATRON_DIMS.get(param_kind(name))
+    if preset.model and dim is not None:
+        spec[dim] = preset.model
+    return tuple(spec)
+
+
+def update_spec(shape, spec, axes, mesh: Mesh) -> tuple:
+    """``spec`` further split over ``axes`` (minor to what already splits it, so each rank's update block
+    lies inside its parameter block) on the dim with the largest local size that divides evenly; ``spec``
+    itself when there are no axes or no dim divides."""
+    if not axes:
+        return tuple(spec)
+    have = [() if e is None else tuple(e) if isinstance(e, tuple) else (e,) for e in spec]
+    k = mesh.axis_size(axes)
+    fits = [(n // mesh.axis_size(h), -d) for d, (n, h) in enumerate(zip(shape, have))
+            if n % (mesh.axis_size(h) * k) == 0]
+    if not fits:
+        return tuple(spec)
+    dim = -max(fits)[1]
+    return tuple(tuple(h) + tuple(axes) if d == dim else (tuple(h) or None) for d, h in enumerate(have))
+
+
+@dataclass
+class Layout:
+    """Every input's spec by name, and the update spec of each per-parameter value."""
+    mesh: Mesh
+    preset: Preset
+    specs: "OrderedDict[str, tuple]"
+    update: dict  # parameter name -> spec of its gradient, optimizer state and updated block
+
+    def annotate(self, x, spec):
+        """``x`` pinned to ``spec`` with ``mesh_split``; on a one-device mesh there is nothing to say."""
+        return mesh_split(x, self.mesh, spec) if self.mesh.size > 1 else x
+
+    def activation(self, x, role):
+        model = self.preset.model if role == "logits" else None
+        return self.annotate(x, (self.preset.batch or None, self.preset.seq or None, model or None))
+
+
+def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
+    shapes = param_shapes(cfg)
+    specs = OrderedDict((n, param_spec(n, s, preset)) for n, s in shapes.items())
+    update = {n: update_spec(s, specs[n], preset.update, mesh) for n, s in shapes.items()}
+    for slot in optimizer.state_layout(shapes, cfg.dtype):
+        specs[slot.name] = update[slot.param] if slot.param else (None,) * len(slot.shape)
+    specs["tokens"] = specs["labels"] = (preset.batch or None, preset.seq or None)
+    for name, spec in specs.items():
+        parse_spec(spec, mesh, len(spec), name)  # fail early, naming the value
+    return Layout(mesh, preset, specs, update)
+
+
+# ---------------------------------------------------------------- the traced step
+def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout):
+    """``step(*params, *opt_state, tokens, labels) -> (*new_params, *new_opt_state, loss)``, annotated."""
+    names = list(param_shapes(cfg))
+    slots = optimizer.state_layout(param_shapes(cfg), cfg.dtype)
+    n, s = len(names), len(slots)
+
+    def step(*args):
+        params, state, tokens, labels = args[:n], args[n:n + s], args[n + s], args[n + s + 1]
+        loss_fn = lambda *ps: lm_loss(cfg, ps, tokens, labels, layout.activation)
+        loss, grads = value_and_grad(loss_fn, argnums=tuple(range(n)))(*params)
+        grads = [layout.annotate(g, layout.update[name]) for name, g in zip(names, grads)]
+        new_params, new_state = optimizer.update(list(params), grads, list(state))
+        new_params = [layout.annotate(p, layout.update[name]) for name, p in zip(names, new_params)]
+        new_state = [layout.annotate(x, layout.specs[slot.name]) for slot, x in zip(slots, new_state)]
+        return (*new_params, *new_state, loss)
+
+    arg_names = names + [slot.name for slot in slots] + ["tokens", "labels"]
+    step.__signature__ = inspect.Signature([inspect.Parameter(a, inspect.Parameter.POSITIONAL_ONLY)
+                                            for a in arg_names])
+    return step
+
+
+def input_specs(cfg: LMConfig, optimizer: Optimizer) -> list:
+    """Example arrays (shape, dtype) of the step's inputs, in order."""
+    params = OrderedDict((k, np.zeros(v, cfg.dtype)) for k, v in param_shapes(cfg).items())
+    batch = np.zeros((cfg.batch, cfg.seq), TOKEN_DTYPE)
+    return [*params.values(), *optimizer.init_state(params).values(), batch, batch]
+
+
+def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None) -> "TrainStep":
+    """Trace and partition one training step of ``cfg`` over ``mesh`` with ``preset`` (name or Preset)."""
+    optimizer = optimizer or AdamW()
+    preset = _preset(preset).on(mesh)
+    layout = make_layout(cfg, mesh, preset, optimizer)
+    graph = trace(train_step_fn(cfg, optimizer, layout), *input_specs(cfg, optimizer))
+    specs = list(layout.specs.values())
+    program = partition(graph, mesh, in_specs=specs, out_specs=specs[:-2] + [()])
+    return TrainStep(cfg, mesh, preset, optimizer, layout, graph, program)
+
+
+def build_train_step_on_root(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
+                             comm=None) -> "TrainStep":
+    """Collective: rank 0 traces and partitions, every rank receives the same TrainStep (each rank would
+    otherwise repeat the same deterministic work, N times over on shared cores)."""
+    comm = comm if comm is not None else _world()
+    step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer))
+    return comm.bcast(step, root=0)
+
+
+def run_on_root(comm, fn):
+    """Collective: rank 0 runs ``fn`` (its result is returned there, None elsewhere) while the other ranks
+    wait SLEEPING: an MPI wait spins, and with more ranks than cores the spinning ranks would take the
+    cores rank 0 needs."""
+    result = fn() if comm.Get_rank() == 0 else None
+    if not hasattr(comm, "Ibarrier"):
+        comm.Barrier()
+        return result
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.002)
+    return result
+
+
+def _world():
+    from mpi4py import MPI  # lazily: importing it initialises MPI
+    return MPI.COMM_WORLD
+
+
+# ---------------------------------------------------------------- running it
+@dataclass
+class TrainStep:
+    """A partitioned training step. State = parameters then optimizer state, in ``state_names`` order;
+    global state is an OrderedDict name -> array, local state a list of this rank's TRUE blocks."""
+    cfg: LMConfig
+    mesh: Mesh
+    preset: Preset
+    optimizer: Optimizer
+    layout: Layout
+    graph: object  # the unpartitioned traced step (sr.evaluate runs it on global arrays)
+    program: SPMDProgram
+    state_names: list = field(init=False)
+    param_names: list = field(init=False)
+
+    def __post_init__(self):
+        self.param_names = list(param_shapes(self.cfg))
+        self.state_names = [io.name for io in self.program.inputs[:-2]]
+
+    def init(self, seed: int = 0) -> "OrderedDict[str, np.ndarray]":
+        """Global initial state: parameters from ``seed`` (the same on every mesh) and fresh optimizer state."""
+        params = init_params(self.cfg, seed)
+        return OrderedDict(**params, **self.optimizer.init_state(params))
+
+    def shard_state(self, state: dict, rank: int) -> list:
+        """``rank``'s TRUE blocks of the global ``state`` (sliced once; the step then keeps them local)."""
+        return [shard(np.asarray(state[io.name]), io.sharding, self.mesh, rank) for io in self.program.inputs[:-2]]
+
+    def step(self, local_state: list, tokens, labels, comm=None) -> tuple[list, float]:
+        """One step on this rank's blocks; ``tokens``/``labels`` are the global batch (every rank the same).
+        Returns (new local state, loss)."""
+        rank = communicator(self.mesh, comm).rank
+        batch = [shard(np.asarray(x, TOKEN_DTYPE), io.sharding, self.mesh, rank)
+                 for x, io in zip((tokens, labels), self.program.inputs[-2:])]
+        outs = run_local(self.program, *local_state, *batch, comm=comm)
+        return list(outs[:-1]), float(outs[-1])
+
+    def reference_step(self, state: dict, tokens, labels) -> tuple["OrderedDict[str, np.ndarray]", float]:
+        """The same step, unpartitioned, on global arrays (``sr.evaluate`` of the traced graph)."""
+        outs = evaluate(self.graph, *[state[n] for n in self.state_names], np.asarray(tokens, TOKEN_DTYPE),
+                        np.asarray(labels, TOKEN_DTYPE))
+        return OrderedDict(zip(self.state_names, outs[:-1])), float(outs[-1])
+
+    def gather(self, local_state: list, comm=None) -> "OrderedDict[str, np.ndarray]":
+        """Collective: the global state from every rank's blocks."""
+        mc = communicator(self.mesh, comm)
+        out = OrderedDict()
+        for x, io in zip(local_state, self.program.inputs[:-2]):
+            padded = _pad_to(to_host(x), io.sharding.local_shape(io.shape, self.mesh))
+            out[io.name] = np.asarray(unshard(padded, io.sharding, io.shape, mc))
+        return out
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self, directory, local_state: list, step: int | None = None, comm=None) -> None:
+        """Collective: save this rank's blocks of the state (sharded, atomic; see ``checkpoint``)."""
+        from .checkpoint import save_checkpoint
+        save_checkpoint(directory, dict(zip(self.state_names, local_state)), self.program, comm=comm, step=step)
+
+    def load(self, directory, comm=None) -> list:
+        """Collective: this rank's blocks of a saved state, whatever mesh and preset saved it."""
+        from .checkpoint import load_checkpoint
+        blocks = load_checkpoint(directory, self.mesh, self.program, comm=comm)
+        missing = [n for n in self.state_names if n not in blocks]
+        if missing:
+            raise KeyError(f"a training checkpoint must hold every parameter and optimizer state array; got "
+                           f"{directory} without {missing}")
+        return [blocks[n] for n in self.state_names]
+
+    # ------------------------------------------------------------ reports
+    def memory_report(self) -> dict:
+        """Per-rank bytes: parameters, optimizer state and batch held between steps (IOSpec local shapes,
+        padded), the program's peak of live buffers, and the temporaries at that peak (activations,
+        gradients, updates: peak minus inputs). ``*_global`` give the unsharded sizes."""
+        held = {"params": 0, "opt_state": 0, "batch": 0}
+        whole = dict(held)
+        for k, io in enumerate(self.program.inputs):
+            kind = "params" if k < len(self.param_names) else "batch" if io.name in ("tokens", "labels") \
+                else "opt_state"
+            item = np.dtype(io.dtype).itemsize
+            held[kind] += math.prod(io.sharding.local_shape(io.shape, self.mesh)) * item
+            whole[kind] += math.prod(io.shape) * item
+        peak = self.program.peak_bytes()
+        return {**held, "peak": peak, "activations": peak - sum(held.values()),
+                **{f"{k}_global": v for k, v in whole.items()}}
+
+    def comm_summary(self) -> list[dict]:
+        """Collectives per step grouped by (kind, axes): count, bytes in, wire bytes per rank."""
+        groups: "OrderedDict[tuple, dict]" = OrderedDict()
+        for c in self.program.comm_summary():
+            g = groups.setdefault((c["kind"], c["axes"]), {"kind": c["kind"], "axes": c["axes"], "count": 0,
+                                                            "bytes_in": 0, "wire_bytes": 0.0})
+            g["count"] += 1
+            g["bytes_in"] += c["bytes_in"]
+            g["wire_bytes"] += c["wire_bytes"]
+        return list(groups.values())
+
+
+def format_comm(summary: list[dict]) -> str:
+    rows = [f"  {'collective':<19} {'axes':<12} {'count':>5} {'bytes in':>12} {'wire bytes':>12}"]
+    for g in summary:
+        rows.append(f"  {g['kind']:<19} {','.join(g['axes']):<12} {g['count']:>5} {g['bytes_in']:>12} "
+                    f"{g['wire_bytes']:>12.0f}")
+    rows.append(f"  total wire bytes per rank per step: {sum(g['wire_bytes'] for g in summary):.0f}")
+    return "\n".join(rows)
+
+
+def _pad_to(x, shape):
+    widths = [(0, want - have) for have, want in zip(x.shape, shape)]
+    return np.pad(x, widths) if any(w for _, w in widths) else x
+
+
+__all__ = ["Preset", "PRESETS", "TrainStep", "build_train_step", "build_train_step_on_root",
+           "run_on_root", "train_mesh", "param_spec", "update_spec", "format_comm"]
