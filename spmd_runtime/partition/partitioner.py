@@ -91,9 +91,18 @@ class PartitionContext:
             self.notes += [where + n for n in plan.notes]
             cur = value
             for step in plan.steps:
+                if _moves_nothing(step, self.mesh):  # over size-1 axes: same data, new label
+                    cur = LocalValue(cur.slot, step.result, cur.shape, cur.dtype)
+                    continue
                 cur = self.emit(step.op, [cur], step.attrs, step.result, value.shape, value.dtype, step.local)
             self._reshard_cache[key] = cur
         return self._reshard_cache[key]
+
+
+def _moves_nothing(step, mesh: Mesh) -> bool:
+    """A collective or slice over mesh axes of size 1 leaves every local buffer as it is."""
+    return step.op in COLLECTIVES + ("shard_slice",) and step.op != "collective_permute" and \
+        mesh.axis_size(step.attrs["axes"]) == 1
 
 
 def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None) -> SPMDProgram:
