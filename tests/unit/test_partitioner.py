@@ -49,11 +49,14 @@ TABLE = [
     ("gather_for_replicated_out", identity, [(8, 8)], MESH_2x4, [("data", "model")], [(None, None)],
      [("all_gather", ("data",)), ("all_gather", ("model",))]),
     ("reduce_split_dim", row_sum_then_scale, [(8, 8)], MESH_4, [("x", None)], None, [("all_reduce", ("x",))]),
+    ("reshard_xy_to_yx_2x4", identity, [(8, 8)], MESH_2x4, [("data", "model")], [("model", "data")],
+     [("all_gather", ("data",)), ("all_to_all", ("model",))]),
     ("device_order_change", identity, [(8, 8)], MESH_2x4, [(("data", "model"), None)],
      [(("model", "data"), None)], [("collective_permute", ("data", "model"))]),
 ]
 
 
+@pytest.mark.filterwarnings("ignore:spmd_runtime partitioner")  # reshard_xy_to_yx reports its re-slice
 @pytest.mark.parametrize("name,fn,shapes,mesh,in_specs,out_specs,expected", TABLE, ids=[t[0] for t in TABLE])
 def test_collectives_and_numerics(name, fn, shapes, mesh, in_specs, out_specs, expected):
     rng = np.random.default_rng(1)
