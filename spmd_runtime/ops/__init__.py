@@ -7,7 +7,7 @@ and the partition rules (``partition.partitioner.partition_rule``).
 """
 import importlib
 
-FAMILIES = ("slicing", "gather", "windows", "indexing")
+FAMILIES = ("slicing", "gather", "windows", "indexing", "windows_grad")
 
 __all__: list[str] = []
 for _name in FAMILIES:
