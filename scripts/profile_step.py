@@ -1,0 +1,41 @@
+"""Where one training step's time goes: times every interpreter instruction of a 1-rank step, by op.
+
+    python scripts/profile_step.py          # reference config, dp on a (1,) mesh, 1 BLAS thread
+(Set OMP_NUM_THREADS / OPENBLAS_NUM_THREADS before running to change the BLAS threads.)
+"""
+import os
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import collections
+import time
+
+import numpy as np
+import spmd_runtime as sr
+from spmd_runtime.exec.runner import communicator, _interpreter
+cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8)
+ts = sr.build_train_step(cfg, sr.train_mesh((1,), "dp"), "dp", sr.AdamW())
+prog = ts.program
+state = ts.init(0)
+rng = np.random.default_rng(0)
+tok = rng.integers(0, 1024, (8, 128)).astype(prog.inputs[-2].dtype)
+inputs = list(state.values()) + [tok, tok.copy()]
+mc = communicator(prog.mesh)
+it = _interpreter(prog, mc, np)
+it.run(inputs)
+t = collections.Counter(); n = collections.Counter()
+for rep in range(3):
+    env = {}
+    for out, index, free in it.params:
+        env[out] = inputs[index]
+    for (out, fn, args, free), ins in zip(it.steps, [i for i in prog.instrs if i.op != "parameter"]):
+        t0 = time.perf_counter(); env[out] = fn(*[env[a] for a in args]); dt = time.perf_counter() - t0
+        key = ins.op if ins.op != "einsum" else "einsum " + ins.attrs["spec"]
+        t[key] += dt / 3; n[key] += 1
+        for s in free: del env[s]
+total = sum(t.values()); print(f"total {total*1e3:.1f} ms/step")
+for k, v in t.most_common(22): print(f"{v*1e3:8.2f} ms  {n[k]//3:4d}x  {k}")
+groups = collections.Counter()
+for k, v in t.items():
+    g = "einsum (BLAS)" if k.startswith("einsum") else "elementwise" if k in ("mul","add","sub","div","exp","tanh","select","neg","sqrt","log","maximum","minimum","pow","convert","eq","gt","lt","ge","le","ne","abs") else k
+    groups[g] += v
+for k, v in groups.most_common(8): print(f"GROUP {v*1e3:8.1f} ms  {k}")
