@@ -64,15 +64,16 @@ def block_bounds(n: int, k: int, i: int) -> tuple[int, int]:
     return min(i * c, n), min((i + 1) * c, n)
 
 
+def block_slices(shape, sharding, mesh, rank) -> tuple[slice, ...]:
+    """The global index of ``rank``'s true block of a ``shape`` tensor laid out as ``sharding``."""
+    return tuple(slice(*block_bounds(n, mesh.axis_size(axes), mesh.index_along(rank, axes)))
+                 for n, axes in zip(shape, sharding.dims))
+
+
 def shard(x, sharding, mesh, rank, pad=False):
     """This rank's true block of the global array ``x``; ``pad=True`` zero-pads it to the ceil size."""
-    index, widths = [], []
-    for n, axes in zip(x.shape, sharding.dims):
-        k = mesh.axis_size(axes)
-        start, stop = block_bounds(n, k, mesh.index_along(rank, axes))
-        index.append(slice(start, stop))
-        widths.append((0, -(-n // k) - (stop - start)))
-    block = x[tuple(index)]
+    block = x[block_slices(x.shape, sharding, mesh, rank)]
+    widths = [(0, want - have) for have, want in zip(block.shape, sharding.local_shape(x.shape, mesh))]
     return np.pad(block, widths) if pad and any(w for _, w in widths) else block
 
 
@@ -90,8 +91,7 @@ def _pad_to(x, shape, xp):
 
 
 def _trim(x, spec, mesh, rank):
-    return x[tuple(slice(0, b - a) for a, b in (block_bounds(n, mesh.axis_size(axes), mesh.index_along(rank, axes))
-                                                for n, axes in zip(spec.shape, spec.sharding.dims)))]
+    return x[tuple(slice(0, s.stop - s.start) for s in block_slices(spec.shape, spec.sharding, mesh, rank))]
 
 
 def _prepare(program, comm, errors, inputs) -> MeshCommunicator:
@@ -111,9 +111,7 @@ def _check_global(program, inputs) -> str | None:
 
 def _check_local(program, inputs, rank) -> str | None:
     def true_block(spec):
-        return tuple(b - a for a, b in (block_bounds(n, program.mesh.axis_size(axes),
-                                                     program.mesh.index_along(rank, axes))
-                                        for n, axes in zip(spec.shape, spec.sharding.dims)))
+        return tuple(s.stop - s.start for s in block_slices(spec.shape, spec.sharding, program.mesh, rank))
     return _check(program, inputs, true_block, "local")
 
 

@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from spmd_runtime import Mesh, parse_spec
 from spmd_runtime.checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
+from spmd_runtime.exec import block_slices
 
 pytestmark = pytest.mark.mpi
 
@@ -43,13 +44,7 @@ SAVE_SPECS = {"w": (ALL[0], ALL[-1] if len(ALL) > 1 else None), "v": (ALL,), "r"
 
 
 def true_slices(shape, spec, mesh, rank):
-    sharding = parse_spec(spec, mesh, len(shape))
-    out = []
-    for n, axes in zip(shape, sharding.dims):
-        k, i = mesh.axis_size(axes), mesh.index_along(rank, axes)
-        c = -(-n // k)
-        out.append(slice(min(i * c, n), min((i + 1) * c, n)))
-    return tuple(out)
+    return block_slices(shape, parse_spec(spec, mesh, len(shape)), mesh, rank)
 
 
 @pytest.fixture

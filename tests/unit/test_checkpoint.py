@@ -17,6 +17,7 @@ import pytest
 from spmd_runtime import Mesh, Sharding, parse_spec
 from spmd_runtime.checkpoint import CheckpointError, checkpoint_info, load_checkpoint, save_checkpoint
 from spmd_runtime.comm import run_simulated
+from spmd_runtime.exec import block_slices
 from spmd_runtime.program import IOSpec, SPMDProgram
 
 SAVE_MESH = Mesh((2, 4), ("x", "y"))
@@ -43,13 +44,7 @@ EXPECTED_FILES = {"w": 6, "v": 4, "u": 7, "r": 1, "s": 1, "mask": 2, "layer.0/bi
 
 
 def true_slices(shape, spec, mesh, rank):
-    sharding = parse_spec(spec, mesh, len(shape))
-    out = []
-    for n, axes in zip(shape, sharding.dims):
-        k, i = mesh.axis_size(axes), mesh.index_along(rank, axes)
-        c = -(-n // k)
-        out.append(slice(min(i * c, n), min((i + 1) * c, n)))
-    return tuple(out)
+    return block_slices(shape, parse_spec(spec, mesh, len(shape)), mesh, rank)
 
 
 def local_blocks(rank, mesh=SAVE_MESH, specs=SAVE_SPECS, originals=ORIG):
