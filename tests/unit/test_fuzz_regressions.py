@@ -3,11 +3,8 @@ import numpy as np
 import pytest
 
 import spmd_runtime as sr
-from spmd_runtime.comm import run_simulated
 
-
-def run_everywhere(program, *args):
-    return run_simulated(program.mesh.size, lambda comm: sr.run(program, *args, comm=comm))
+from simulated import run_everywhere
 
 
 def test_out_spec_that_disagrees_with_mesh_split_reshards_at_the_output():

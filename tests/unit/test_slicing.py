@@ -11,9 +11,9 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
-from spmd_runtime.comm import run_simulated
 
 from op_cases import make_inputs, partition_case, tolerance
+from simulated import assert_all_ranks, collectives, run_everywhere
 from op_cases_slicing import CASES
 
 MESHES = [sr.Mesh((n,), ("x",)) for n in (1, 2, 3, 4, 6, 8)] + [
@@ -24,22 +24,6 @@ PARAMS = [pytest.param(c, s, m, id=f"{c.name}-spec{i}-{m}") for c in CASES for i
 MESH_4 = sr.Mesh((4,), ("x",))
 MESH_2x4 = sr.Mesh((2, 4), ("x", "y"))
 I64 = sr.TensorSpec((), "int64")
-
-
-def run_all_ranks(program, *args):
-    """Every rank's outputs, from the simulated world."""
-    return run_simulated(program.mesh.size, lambda comm: sr.run(program, *args, comm=comm))
-
-
-def assert_all_ranks(program, args, expected, tol=0.0):
-    for rank, outs in enumerate(run_all_ranks(program, *args)):
-        for got, want in zip(outs, expected):
-            assert got.shape == want.shape and got.dtype == want.dtype, f"rank {rank}"
-            np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"rank {rank}")
-
-
-def collectives(program):
-    return [(c["kind"], c["axes"]) for c in program.comm_summary()]
 
 
 # ---------------------------------------------------------------- the case table
@@ -253,7 +237,7 @@ def test_owned_window_partial_sum_is_bitwise_exact():
     assert collectives(program) == [("all_reduce", ("x",))]
     x = np.ones((16, 4))
     x[1, 0], x[0, 1], x[0, 2] = -0.0, np.nan, -np.inf
-    for (out,) in run_all_ranks(program, x):
+    for (out,) in run_everywhere(program, x):
         np.testing.assert_array_equal(out, x[:2])
         assert np.signbit(out[1, 0])
 

@@ -8,11 +8,12 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
-from spmd_runtime.comm import run_simulated
 from spmd_runtime.exec.kernels import KERNELS
 from spmd_runtime.ops.windows import halo_plan, out_size, shift_pairs
 
+import simulated
 from op_cases import make_inputs, partition_case, tolerance
+from simulated import collectives, run_everywhere
 from op_cases_windows import CASES, loop_conv, loop_cumsum, loop_reduce_window
 
 MESHES = [sr.Mesh((n,), ("x",)) for n in (1, 2, 3, 4, 6, 8)] + [
@@ -22,19 +23,8 @@ MESH_4 = sr.Mesh((4,), ("x",))
 MESH_2x4 = sr.Mesh((2, 4), ("data", "model"))
 
 
-def run_everywhere(program, *args):
-    return run_simulated(program.mesh.size, lambda comm: sr.run(program, *args, comm=comm))
-
-
 def assert_all_ranks(program, args, expected, tol=1e-10):
-    for rank, outs in enumerate(run_everywhere(program, *args)):
-        for got, want in zip(outs, expected):
-            assert got.shape == want.shape and got.dtype == want.dtype, f"rank {rank}"
-            np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"rank {rank}")
-
-
-def collectives(program):
-    return [(c["kind"], c["axes"]) for c in program.comm_summary()]
+    simulated.assert_all_ranks(program, args, expected, tol)
 
 
 # ---------------------------------------------------------------- kernels and API vs explicit loops

@@ -13,9 +13,10 @@ import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 import spmd_runtime.ops.windows_grad  # noqa: F401  (registers the rules until ops/__init__ lists the module)
 from spmd_runtime.autodiff import VJP_RULES
-from spmd_runtime.comm import run_simulated
 
+import simulated
 from op_cases import make_inputs, partition_case, resolve
+from simulated import run_everywhere
 from op_cases_windows_grad import CASES, conv_net, cotangent_pattern, loop_reduce_window_adjoint
 
 MESHES = [sr.Mesh((n,), ("x",)) for n in (2, 3, 4)] + [sr.Mesh(s, ("x", "y")) for s in ((2, 2), (2, 3))]
@@ -23,16 +24,8 @@ TABLE = [pytest.param(c, s, m, id=f"{c.name}-spec{i}-{m}") for c in CASES for i,
          for m in MESHES]
 
 
-def run_everywhere(program, *args):
-    return run_simulated(program.mesh.size, lambda comm: sr.run(program, *args, comm=comm))
-
-
 def assert_all_ranks(program, args, expected, tol=1e-10):
-    for rank, outs in enumerate(run_everywhere(program, *args)):
-        assert len(outs) == len(expected)
-        for got, want in zip(outs, expected):
-            assert got.shape == want.shape and got.dtype == want.dtype, f"rank {rank}"
-            np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"rank {rank}")
+    simulated.assert_all_ranks(program, args, expected, tol)
 
 
 def assert_matches_finite_differences(fn, *args, eps=1e-6, tol=1e-6):

@@ -1,0 +1,24 @@
+"""Helpers for tests in the in-process simulated world (every rank a thread, real data movement)."""
+import numpy as np
+
+import spmd_runtime as sr
+from spmd_runtime.comm import run_simulated
+
+
+def run_everywhere(program, *args):
+    """Every rank's global outputs of ``sr.run(program, *args)``."""
+    return run_simulated(program.mesh.size, lambda comm: sr.run(program, *args, comm=comm))
+
+
+def assert_all_ranks(program, args, expected, tol=0.0):
+    """Every rank returns ``expected`` (same count, shapes and dtypes; values within ``tol``)."""
+    for rank, outs in enumerate(run_everywhere(program, *args)):
+        assert len(outs) == len(expected), f"rank {rank}"
+        for got, want in zip(outs, expected):
+            assert got.shape == want.shape and got.dtype == want.dtype, f"rank {rank}"
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"rank {rank}")
+
+
+def collectives(program):
+    """(kind, axes) of every collective, in program order."""
+    return [(c["kind"], c["axes"]) for c in program.comm_summary()]
