@@ -1,6 +1,6 @@
 """OSU-style latency table: this project's collectives next to the raw mpi4py buffer calls.
 
-Run under MPI:  mpiexec -n 8 python scripts/bench_collectives.py [--quick] [--device]
+Run under MPI:  mpiexec -n 8 python scripts/bench_collectives.py [--quick] [--device] [--unbound]
 
 For each collective (all_reduce, all_gather, reduce_scatter, all_to_all, and
 collective_permute as a ring shift), each message size and each communicator
@@ -8,7 +8,9 @@ collective_permute as a ring shift), each message size and each communicator
 the raw mpi4py call on the same cached sub-communicator with preallocated
 buffers alternate iteration by iteration, so both see the same machine state.
 Latency = median over iterations (as many as fit in SECONDS_PER_ROW, 5 to
-200), max over ranks. Both results are compared
+200), max over ranks. The project side is a collective bound once with
+``collectives.bind`` (receive buffers kept across calls), as the interpreter
+runs it; ``--unbound`` times the one-shot functions instead. Both results are compared
 with np.array_equal on every rank.
 
 Size S follows the nccl-tests convention: the output bytes for all_gather, the
@@ -38,8 +40,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from spmd_runtime.comm import (MeshCommunicator, Transport, all_gather, all_reduce, all_to_all, collective_permute,
-                                reduce_scatter)
+from spmd_runtime.comm import MeshCommunicator, Transport, collectives
 from spmd_runtime.comm.gpu import cuda_aware_mpi
 from spmd_runtime.exec.backend import get_array_module, select_device, to_host
 from spmd_runtime.mesh import Mesh
@@ -55,6 +56,7 @@ class HostBuffers:
     """NumPy buffers; the raw side calls MPI on them as they are."""
 
     mode = "host buffers (numpy)"
+    xp = np
 
     def put(self, host: np.ndarray):
         return host
@@ -83,6 +85,10 @@ class DeviceBuffers:
         how = ("CUDA-aware MPI: device buffers go to MPI directly" if self.cuda_aware else
                "MPI is not CUDA-aware: both sides stage through pinned host buffers")
         self.mode = f"device buffers (cupy, GPU {self.gpu}); {how}"
+
+    @property
+    def xp(self):
+        return self.cp
 
     def put(self, host: np.ndarray):
         return self.cp.asarray(host)
@@ -115,17 +121,28 @@ class DeviceBuffers:
 
 
 BUF = HostBuffers()  # main() swaps in DeviceBuffers for --device
+UNBOUND = False  # main() sets it for --unbound
 
 
 def round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
+def ours(mc, kind, x, **attrs):
+    """The project call as the interpreter makes it: bound once, then called on the step's array.
+    ``--unbound`` times the one-shot function API (``collectives.all_reduce(mc, x, ...)``) instead."""
+    if UNBOUND:
+        fn = getattr(collectives, kind)
+        return lambda: fn(mc, x, **attrs)
+    bound = collectives.bind(mc, kind, BUF.xp, x.shape, x.dtype, **attrs)
+    return lambda: bound(x)
+
+
 def case_all_reduce(mc, axes, nbytes, rng):
     k, x = mc.axis_size(axes), BUF.put(rng.standard_normal(max(1, nbytes // 4)).astype(np.float32))
     sub, recv = mc.sub(axes), BUF.empty(x.shape, x.dtype)
     raw = BUF.raw(lambda s, r: sub.Allreduce(s, r, MPI.SUM), x, recv)
-    return (lambda: all_reduce(mc, x, axes, "sum")), raw, x.nbytes, 2 * (k - 1) / k
+    return ours(mc, "all_reduce", x, axes=axes, op="sum"), raw, x.nbytes, 2 * (k - 1) / k
 
 
 def case_all_gather(mc, axes, nbytes, rng):
@@ -133,7 +150,7 @@ def case_all_gather(mc, axes, nbytes, rng):
     x = BUF.put(rng.integers(0, 255, round_up(nbytes, k) // k, dtype=np.uint8))
     sub, recv = mc.sub(axes), BUF.empty(k * x.size, np.uint8)
     raw = BUF.raw(sub.Allgather, x, recv)
-    return (lambda: all_gather(mc, x, axes, 0)), raw, recv.nbytes, (k - 1) / k
+    return ours(mc, "all_gather", x, axes=axes, dim=0), raw, recv.nbytes, (k - 1) / k
 
 
 def case_reduce_scatter(mc, axes, nbytes, rng):
@@ -141,7 +158,7 @@ def case_reduce_scatter(mc, axes, nbytes, rng):
     x = BUF.put(rng.standard_normal(round_up(nbytes // 4, k)).astype(np.float32))
     sub, recv = mc.sub(axes), BUF.empty(x.size // k, np.float32)
     raw = BUF.raw(lambda s, r: sub.Reduce_scatter_block(s, r, MPI.SUM), x, recv)
-    return (lambda: reduce_scatter(mc, x, axes, 0, "sum")), raw, x.nbytes, (k - 1) / k
+    return ours(mc, "reduce_scatter", x, axes=axes, dim=0, op="sum"), raw, x.nbytes, (k - 1) / k
 
 
 def case_all_to_all(mc, axes, nbytes, rng):
@@ -149,7 +166,7 @@ def case_all_to_all(mc, axes, nbytes, rng):
     x = BUF.put(rng.integers(0, 255, round_up(nbytes, k), dtype=np.uint8))
     sub, recv = mc.sub(axes), BUF.empty(x.shape, x.dtype)
     raw = BUF.raw(sub.Alltoall, x, recv)
-    return (lambda: all_to_all(mc, x, axes, 0, 0)), raw, x.nbytes, (k - 1) / k
+    return ours(mc, "all_to_all", x, axes=axes, split_dim=0, concat_dim=0), raw, x.nbytes, (k - 1) / k
 
 
 def case_permute(mc, axes, nbytes, rng):
@@ -160,7 +177,7 @@ def case_permute(mc, axes, nbytes, rng):
     x = BUF.put(rng.integers(0, 255, nbytes, dtype=np.uint8))
     recv = BUF.empty(x.shape, x.dtype)
     raw = BUF.raw(lambda s, r: mc.comm.Sendrecv(s, dest, recvbuf=r, source=source), x, recv)
-    return (lambda: collective_permute(mc, x, pairs)), raw, x.nbytes, 1.0
+    return ours(mc, "collective_permute", x, pairs=pairs), raw, x.nbytes, 1.0
 
 
 CASES = {"all_reduce": case_all_reduce, "all_gather": case_all_gather, "reduce_scatter": case_reduce_scatter,
@@ -238,7 +255,8 @@ def run(sizes: list[int], device: bool = False) -> bool:
     BUF = DeviceBuffers(transport) if device else HostBuffers()
     rng = np.random.default_rng(WORLD.Get_rank())
     report(f"# {WORLD.Get_size()} ranks, mesh {mc.mesh}, {MPI.Get_library_version().splitlines()[0]}\n"
-           f"# {BUF.mode}\n{HEADER}")
+           f"# {BUF.mode}; ours = {'one-shot functions' if UNBOUND else 'collectives bound once (the interpreter)'}"
+           f"\n{HEADER}")
     rows = [(name, axes, label, nbytes) for name in CASES for label, axes in communicators(mc.mesh) for nbytes in sizes]
     all_same = all([bench_row(name, mc, axes, label, nbytes, rng) for name, axes, label, nbytes in rows])
     report(f"# results identical to mpi4py on every row: {'yes' if all_same else 'NO'}")
@@ -257,7 +275,11 @@ def main() -> None:
     parser.add_argument("--device", action="store_true",
                         help="buffers on the GPU (CuPy); the raw side stages through host memory unless MPI is "
                              "CUDA-aware")
+    parser.add_argument("--unbound", action="store_true",
+                        help="time the one-shot functions (bind + call every time) instead of bound collectives")
     args = parser.parse_args()
+    global UNBOUND
+    UNBOUND = args.unbound
     start = time.perf_counter()
     ok = run(QUICK_SIZES if args.quick else FULL_SIZES, device=args.device)
     report(f"# total {time.perf_counter() - start:.1f} s")

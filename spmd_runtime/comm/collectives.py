@@ -11,10 +11,23 @@ the collective's dim to axis 0 in a contiguous buffer (free when it already is
 there), calls one MPI primitive with a preallocated receive buffer, and moves
 the dim back. With k == 1 the result is computed locally, without MPI.
 
+``bind`` makes every decision once for a collective of known shape and dtype
+(group size, sub-communicator, MPI op, layout moves, host or device path) and
+returns ``f(x) -> result`` whose per-call work is the MPI call itself: the
+interpreter binds each collective instruction once per program, so a step pays
+what raw mpi4py pays. ``reuse=True`` keeps the receive (and staging send)
+buffers across calls, so a result is overwritten by the next call: only for
+values that do not outlive one program run. ``in_place=True`` (all_reduce on
+host buffers) reduces into the dying operand with ``MPI.IN_PLACE``. The
+functions below are ``bind(...)(x)`` with fresh buffers.
+
 Wire bytes (per rank, ring algorithms, S = local bytes) are in each docstring;
 they are the denominators of the cost model and of the bus-bandwidth figures.
 """
 from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
 
 from spmd_runtime.comm.communicator import mpi_op
 
@@ -24,14 +37,7 @@ def all_reduce(mc, x, axes, op: str = "sum"):
 
     Wire bytes: 2 (k-1)/k * S.
     """
-    xp, k = mc.transport.array_module(x), mc.axis_size(axes)
-    mpi_op(op)  # reject a bad op even where k == 1 needs no MPI call
-    if k == 1:
-        return x.copy()
-    send = _contiguous(xp, x)
-    recv = xp.empty(send.shape, send.dtype)
-    mc.transport.run(lambda s, r: mc.Allreduce(axes, s, r, op), send, recv)
-    return recv
+    return _bind_fresh(mc, "all_reduce", x, axes=axes, op=op)(x)
 
 
 def all_gather(mc, x, axes, dim: int):
@@ -39,14 +45,7 @@ def all_gather(mc, x, axes, dim: int):
 
     Wire bytes: (k-1)/k * S_out.
     """
-    xp, k = mc.transport.array_module(x), mc.axis_size(axes)
-    dim = _normalize_dim(dim, x.ndim, "all_gather dim")
-    if k == 1:
-        return x.copy()
-    send = _to_front(xp, x, dim)
-    recv = xp.empty((k * send.shape[0],) + send.shape[1:], send.dtype)
-    mc.transport.run(lambda s, r: mc.Allgather(axes, s, r), send, recv)
-    return _move_axis(xp, recv, 0, dim)
+    return _bind_fresh(mc, "all_gather", x, axes=axes, dim=dim)(x)
 
 
 def reduce_scatter(mc, x, axes, dim: int, op: str = "sum"):
@@ -54,16 +53,7 @@ def reduce_scatter(mc, x, axes, dim: int, op: str = "sum"):
 
     Wire bytes: (k-1)/k * S_in.
     """
-    xp, k = mc.transport.array_module(x), mc.axis_size(axes)
-    dim = _normalize_dim(dim, x.ndim, "reduce_scatter dim")
-    _check_divisible(x.shape, dim, k, "reduce_scatter")
-    mpi_op(op)
-    if k == 1:
-        return x.copy()
-    send = _to_front(xp, x, dim)
-    recv = xp.empty((send.shape[0] // k,) + send.shape[1:], send.dtype)
-    mc.transport.run(lambda s, r: mc.Reduce_scatter_block(axes, s, r, op), send, recv)
-    return _move_axis(xp, recv, 0, dim)
+    return _bind_fresh(mc, "reduce_scatter", x, axes=axes, dim=dim, op=op)(x)
 
 
 def all_to_all(mc, x, axes, split_dim: int, concat_dim: int):
@@ -73,21 +63,7 @@ def all_to_all(mc, x, axes, split_dim: int, concat_dim: int):
     Resharding use: an array sharded on ``concat_dim`` over ``axes`` becomes sharded on ``split_dim``.
     Wire bytes: (k-1)/k * S.
     """
-    xp, k = mc.transport.array_module(x), mc.axis_size(axes)
-    split_dim = _normalize_dim(split_dim, x.ndim, "all_to_all split_dim")
-    concat_dim = _normalize_dim(concat_dim, x.ndim, "all_to_all concat_dim")
-    _check_divisible(x.shape, split_dim, k, "all_to_all")
-    if k == 1:
-        return x.copy()
-    # (..., k, n/k, ...) with the block index in front: send[j] is block j, contiguous.
-    blocked = x.reshape(x.shape[:split_dim] + (k, x.shape[split_dim] // k) + x.shape[split_dim + 1:])
-    send = xp.ascontiguousarray(_move_axis(xp, blocked, split_dim, 0))
-    recv = xp.empty(send.shape, send.dtype)
-    mc.transport.run(lambda s, r: mc.Alltoall(axes, s, r), send, recv)
-    # recv[i] came from shard i: merge the source index into concat_dim, major.
-    block = recv.shape[1:]
-    merged = _move_axis(xp, recv, 0, concat_dim)
-    return merged.reshape(block[:concat_dim] + (k * block[concat_dim],) + block[concat_dim + 1:])
+    return _bind_fresh(mc, "all_to_all", x, axes=axes, split_dim=split_dim, concat_dim=concat_dim)(x)
 
 
 def collective_permute(mc, x, pairs):
@@ -98,19 +74,181 @@ def collective_permute(mc, x, pairs):
     One Sendrecv per rank (MPI_PROC_NULL for a missing partner) cannot deadlock.
     Wire bytes: S.
     """
-    xp = mc.transport.array_module(x)
+    return _bind_fresh(mc, "collective_permute", x, pairs=pairs)(x)
+
+
+def bind(mc, kind: str, xp, shape, dtype, *, reuse: bool = True, in_place: bool = False, **attrs):
+    """``f(x)`` running collective ``kind`` with ``attrs`` on ``xp`` arrays of ``shape``/``dtype``; see the module doc.
+
+    Collective on first use of a new axes tuple (the sub-communicator split), like every collective.
+    """
+    if kind not in _BINDERS:
+        raise ValueError(f"collective kind must be one of {sorted(_BINDERS)}; got {kind!r}")
+    return _BINDERS[kind](_Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse), in_place=in_place, **attrs)
+
+
+def _bind_fresh(mc, kind, x, **attrs):
+    return bind(mc, kind, mc.transport.array_module(x), x.shape, x.dtype, reuse=False, **attrs)
+
+
+class _Plan:
+    """What every binder needs: the array module, the shapes, and buffers made once (reuse) or per call."""
+
+    def __init__(self, mc, xp, shape, dtype, reuse):
+        self.mc, self.xp, self.shape, self.dtype, self.reuse = mc, xp, shape, dtype, reuse
+        self.host = xp is np
+
+    def buffer(self, shape):
+        """A zero-argument maker of a receive buffer: the same one every call when reusing."""
+        xp, dtype = self.xp, self.dtype
+        if self.reuse:
+            held = xp.empty(shape, dtype)
+            return lambda: held
+        return lambda: xp.empty(shape, dtype)
+
+    def mpi(self, call):
+        """``call(send, recv)`` on MPI-readable buffers: direct for host arrays, else through the Transport."""
+        if self.host:
+            return call
+        run = self.mc.transport.run
+        return lambda send, recv: run(call, send, recv)
+
+    def contiguous(self):
+        """``x`` as a C-contiguous array of its shape (F-ordered buffers would pass MPI's buffer check)."""
+        if not self.host:
+            xp = self.xp
+            return lambda x: _contiguous(xp, x)
+        return _host_contiguous
+
+
+def _bind_all_reduce(plan, in_place, axes, op="sum"):
+    mop, k = mpi_op(op), plan.mc.axis_size(axes)  # a bad op is rejected even where k == 1 needs no MPI call
+    if k == 1:
+        return _same if in_place else _copy
+    allreduce, contiguous = plan.mc.sub(axes).Allreduce, plan.contiguous()
+    if in_place and plan.host:
+        def run_in_place(x):
+            x = contiguous(x)  # a strided operand is copied once, then reduced in place
+            allreduce(MPI.IN_PLACE, x, mop)
+            return x
+        return run_in_place
+    call, recv_buffer = plan.mpi(lambda s, r: allreduce(s, r, mop)), plan.buffer(plan.shape)
+
+    def run(x):
+        recv = recv_buffer()
+        call(contiguous(x), recv)
+        return recv
+    return run
+
+
+def _bind_all_gather(plan, in_place, axes, dim):
+    shape, xp, k = plan.shape, plan.xp, plan.mc.axis_size(axes)
+    dim = _normalize_dim(dim, len(shape), "all_gather dim")
+    if k == 1:
+        return _copy
+    front = _front_shape(shape, dim)
+    call, to_front = plan.mpi(plan.mc.sub(axes).Allgather), _to_front_fn(plan, dim, front)
+    recv_buffer = plan.buffer((k * front[0],) + front[1:])
+
+    def run(x):
+        recv = recv_buffer()
+        call(to_front(x), recv)
+        return recv if dim == 0 else xp.moveaxis(recv, 0, dim)
+    return run
+
+
+def _bind_reduce_scatter(plan, in_place, axes, dim, op="sum"):
+    shape, xp, k = plan.shape, plan.xp, plan.mc.axis_size(axes)
+    dim = _normalize_dim(dim, len(shape), "reduce_scatter dim")
+    _check_divisible(shape, dim, k, "reduce_scatter")
+    mop = mpi_op(op)
+    if k == 1:
+        return _copy
+    front = _front_shape(shape, dim)
+    reduce_scatter_block, to_front = plan.mc.sub(axes).Reduce_scatter_block, _to_front_fn(plan, dim, front)
+    call, recv_buffer = plan.mpi(lambda s, r: reduce_scatter_block(s, r, mop)), plan.buffer((front[0] // k,) + front[1:])
+
+    def run(x):
+        recv = recv_buffer()
+        call(to_front(x), recv)
+        return recv if dim == 0 else xp.moveaxis(recv, 0, dim)
+    return run
+
+
+def _bind_all_to_all(plan, in_place, axes, split_dim, concat_dim):
+    shape, xp, k = plan.shape, plan.xp, plan.mc.axis_size(axes)
+    split_dim = _normalize_dim(split_dim, len(shape), "all_to_all split_dim")
+    concat_dim = _normalize_dim(concat_dim, len(shape), "all_to_all concat_dim")
+    _check_divisible(shape, split_dim, k, "all_to_all")
+    if k == 1:
+        return _copy
+    # (..., k, n/k, ...) with the block index in front: send[j] is block j, contiguous (x itself at split_dim 0).
+    blocked = shape[:split_dim] + (k, shape[split_dim] // k) + shape[split_dim + 1:]
+    send_shape = _front_shape(blocked, split_dim)
+    block = send_shape[1:]
+    merged = block[:concat_dim] + (k * block[concat_dim],) + block[concat_dim + 1:]
+    call = plan.mpi(plan.mc.sub(axes).Alltoall)
+    if split_dim == 0:
+        to_send = plan.contiguous()
+    else:
+        blocks_to_front = _to_front_fn(plan, split_dim, send_shape)
+        to_send = lambda x: blocks_to_front(x.reshape(blocked))
+    # recv[i] came from shard i: merge the source index into concat_dim, major (at 0: the buffer's own layout).
+    if concat_dim == 0:
+        recv_buffer, merge = plan.buffer(merged), _same
+    else:
+        recv_buffer = plan.buffer(send_shape)
+        merge = lambda recv: xp.moveaxis(recv, 0, concat_dim).reshape(merged)
+
+    def run(x):
+        recv = recv_buffer()
+        call(to_send(x), recv)
+        return merge(recv)
+    return run
+
+
+def _bind_collective_permute(plan, in_place, pairs):
+    mc, xp, shape, dtype = plan.mc, plan.xp, plan.shape, plan.dtype
     dest, source = _permute_partners(pairs, mc.rank, mc.mesh.size)
     if source == mc.rank:
-        return x.copy()
-    if source is None:
-        recv = xp.zeros(x.shape, x.dtype)
-        if dest is None:
+        return _copy
+    if source is None and dest is None:
+        return lambda x: xp.zeros(shape, dtype)
+    sendrecv, contiguous = mc.comm.Sendrecv, plan.contiguous()
+    to_peer, from_peer = _peer(dest), _peer(source)
+    if source is None:  # nothing arrives: fresh zeros (a reused buffer could have been written in place)
+        call = plan.mpi(lambda s, r: sendrecv(s, to_peer, 0, None, from_peer))
+        return lambda x: (call(contiguous(x), None), xp.zeros(shape, dtype))[1]
+    call, recv_buffer = plan.mpi(lambda s, r: sendrecv(s, to_peer, 0, r, from_peer)), plan.buffer(shape)
+    if dest is None:
+        def receive_only(x):
+            recv = recv_buffer()
+            call(None, recv)
             return recv
-    else:
-        recv = xp.empty(x.shape, x.dtype)  # fully overwritten: skip the memset
-    send = None if dest is None else _contiguous(xp, x)
-    mc.transport.run(lambda s, r: mc.Sendrecv(s, dest, r, source), send, None if source is None else recv)
-    return recv
+        return receive_only
+
+    def run(x):
+        recv = recv_buffer()
+        call(contiguous(x), recv)  # fully overwritten: no memset
+        return recv
+    return run
+
+
+_BINDERS = {"all_reduce": _bind_all_reduce, "all_gather": _bind_all_gather, "reduce_scatter": _bind_reduce_scatter,
+            "all_to_all": _bind_all_to_all, "collective_permute": _bind_collective_permute}
+
+
+def _peer(rank):
+    # MPI_PROC_NULL turns a send or receive into a no-op, so a rank without a partner still takes part.
+    return MPI.PROC_NULL if rank is None else rank
+
+
+def _same(x):
+    return x
+
+
+def _copy(x):
+    return x.copy()
 
 
 def _permute_partners(pairs, rank: int, world_size: int) -> tuple[int | None, int | None]:
@@ -136,14 +274,31 @@ def _contiguous(xp, x):
     return c if c.shape == x.shape else c.reshape(x.shape)
 
 
-def _to_front(xp, x, dim: int):
-    """``x`` with ``dim`` moved to axis 0, C-contiguous; no copy when that already holds."""
-    return xp.ascontiguousarray(_move_axis(xp, x, dim, 0))
+def _host_contiguous(x):
+    if x.flags.c_contiguous:
+        return x
+    return np.ascontiguousarray(x).reshape(x.shape)  # 0-d arrays are contiguous: never reshaped from (1,)
 
 
-def _move_axis(xp, x, source: int, destination: int):
-    # np.moveaxis costs microseconds of argument checking: skip it when it is the identity.
-    return x if source == destination else xp.moveaxis(x, source, destination)
+def _front_shape(shape, dim: int) -> tuple:
+    return (shape[dim],) + shape[:dim] + shape[dim + 1:]
+
+
+def _to_front_fn(plan, dim: int, front):
+    """``x -> x`` with ``dim`` moved to axis 0, C-contiguous: free at dim 0, else one copy into a send buffer
+    (kept across calls when reusing; np.moveaxis's argument checks are paid here, not per call)."""
+    if dim == 0:
+        return plan.contiguous()
+    xp = plan.xp
+    if not plan.host:
+        return lambda x: xp.ascontiguousarray(xp.moveaxis(x, dim, 0))
+    send_buffer, perm = plan.buffer(front), (dim,) + tuple(d for d in range(len(front)) if d != dim)
+
+    def to_front(x):
+        send = send_buffer()
+        xp.copyto(send, x.transpose(perm))
+        return send
+    return to_front
 
 
 def _normalize_dim(dim: int, ndim: int, what: str) -> int:

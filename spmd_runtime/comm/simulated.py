@@ -188,7 +188,8 @@ class SimulatedComm:
         self._step("Barrier", None, lambda payloads: [None] * len(payloads))
 
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM) -> None:
-        send, recv = _buffer(sendbuf), _buffer(recvbuf)
+        recv = _buffer(recvbuf)
+        send = recv.copy() if sendbuf is MPI.IN_PLACE else _buffer(sendbuf)
         _check_sizes("Allreduce", send, recv, send.size)
         ufunc, name = _reduction(op)
         total = self._step(("Allreduce", name), send, lambda ps: [_reduce(ufunc, ps, "Allreduce")] * len(ps))

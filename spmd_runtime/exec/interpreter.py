@@ -10,24 +10,26 @@ from functools import partial
 
 from ..comm import collectives
 from ..program import SPMDProgram
+from .buffers import output_buffers
 from .kernels import KERNELS, UFUNC_NAMES
 
-_COLLECTIVES = {"all_reduce": collectives.all_reduce, "all_gather": collectives.all_gather,
-                "reduce_scatter": collectives.reduce_scatter, "all_to_all": collectives.all_to_all,
-                "collective_permute": collectives.collective_permute}
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
 
 
 class Interpreter:
     def __init__(self, program: SPMDProgram, mc, xp):
         self.program, self.mc, self.xp = program, mc, xp
         instrs = program.instrs
+        self._keep_fresh = output_buffers(program)  # collectives whose result may leave the run: no reuse
         self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == "parameter"]
         self.steps = [(i.out, self._bind(i), i.args, i.free) for i in instrs if i.op != "parameter"]
         self.output_slots = [o.slot for o in program.outputs]
 
     def _bind(self, ins):
         if ins.op in _COLLECTIVES:
-            return partial(_COLLECTIVES[ins.op], self.mc, **ins.attrs)
+            operand = self.program.instrs[ins.args[0]]
+            return collectives.bind(self.mc, ins.op, self.xp, operand.shape, operand.dtype, **ins.attrs,
+                                    reuse=ins.out not in self._keep_fresh, in_place=ins.donate == 0)
         if ins.op == "shard_slice":
             return partial(_take_block, self.xp, *self._block(ins))
         if ins.op == "shard_index":

@@ -221,6 +221,7 @@ def _assign_frees(instrs: list[Instr], keep: set[int]) -> None:
 # Ops whose kernels return a buffer no other value shares; any other op may return a view of its operands.
 _FRESH_OPS = frozenset(UNARY_OPS + BINARY_OPS + COLLECTIVES + ("select", "convert", "einsum", "reduce", "shard_slice"))
 _READ_ONLY_OPS = frozenset(("parameter", "constant", "shard_index"))  # the caller's or the program's arrays
+_IN_PLACE_OPS = frozenset(UNARY_OPS + BINARY_OPS + ("all_reduce",))  # all_reduce: MPI.IN_PLACE
 
 
 def _assign_donations(instrs: list[Instr], keep: set[int]) -> None:
@@ -248,7 +249,7 @@ def _assign_donations(instrs: list[Instr], keep: set[int]) -> None:
             if isinstance(r, int) and r != slot:
                 viewers.setdefault(r, []).append(slot)
     for ins in instrs:
-        if ins.op in UNARY_OPS + BINARY_OPS and ins.shape:
+        if ins.op in _IN_PLACE_OPS and ins.shape:
             ins.donate = next((k for k, a in enumerate(ins.args) if _donatable(instrs[a], ins, roots, viewers, last)),
                               -1)
 

@@ -19,7 +19,8 @@ def mlp_program():
 def test_listing_shows_local_shapes_shardings_and_collectives():
     text = str(mlp_program())
     assert "x: float32[8,16] [data, R]" in text  # inputs: global shape and sharding
-    assert "all_reduce(%5, axes=(model), op=sum) : float32[4,16] [data, R]" in text  # local shape
+    # local shape; "!": the dying partial sum is reduced in place (MPI.IN_PLACE)
+    assert "all_reduce(%5!, axes=(model), op=sum) : float32[4,16] [data, R]" in text
     assert "Psum(model)" in text
 
 
