@@ -70,7 +70,7 @@ class SPMDProgram:
                 b_in = sizes[ins.args[0]]
                 out.append({"kind": ins.op, "axes": tuple(ins.attrs.get("axes", self.mesh.axis_names)),
                             "group_size": k, "bytes_in": b_in, "bytes_out": ins.nbytes,
-                            "wire_bytes": wire_bytes(ins.op, k, b_in, ins.nbytes)})
+                            "wire_bytes": wire_bytes(ins.op, k, b_in, ins.nbytes, ins.attrs.get("wire_bytes"))})
         return out
 
     @property

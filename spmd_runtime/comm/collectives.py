@@ -251,6 +251,30 @@ def _copy(x):
     return x.copy()
 
 
+def all_to_allv(mc, x, sends, recvs, out_shape):
+    """A block exchange: round s sends ``x[slices]`` of ``sends[s]`` to its peer and writes what arrives from the
+    peer of ``recvs[s]`` into its slices of a zero-filled ``out_shape`` array (None slices: nothing that round).
+    Round 0 is this rank itself (a local copy). Both sides of a round know the piece, so a rank skips a partner
+    that has nothing for it; one Sendrecv per round cannot deadlock.
+    Wire bytes: the sum of the pieces sent to other ranks.
+    """
+    xp = mc.transport.array_module(x)
+    out = xp.zeros(tuple(out_shape), x.dtype)
+    (_, mine), (_, here) = sends[0], recvs[0]
+    if mine is not None:
+        out[here] = x[mine]
+    for (dest, send_sl), (source, recv_sl) in zip(sends[1:], recvs[1:]):
+        if send_sl is None and recv_sl is None:
+            continue
+        send = None if send_sl is None else xp.ascontiguousarray(x[send_sl])
+        recv = None if recv_sl is None else xp.empty(out[recv_sl].shape, x.dtype)
+        mc.transport.run(lambda s, r: mc.Sendrecv(s, None if s is None else dest, r, None if r is None else source),
+                         send, recv)
+        if recv is not None:
+            out[recv_sl] = recv
+    return out
+
+
 def _permute_partners(pairs, rank: int, world_size: int) -> tuple[int | None, int | None]:
     """(where this rank sends, where it receives from), None when it has no partner. One pass: it runs every call."""
     dest = source = None
@@ -314,4 +338,4 @@ def _check_divisible(shape, dim: int, k: int, what: str) -> None:
         )
 
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute"]
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute", "all_to_allv"]

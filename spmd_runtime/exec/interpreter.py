@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..comm import collectives
+from ..partition.resharding import exchange_table
 from ..program import SPMDProgram
 from .buffers import output_buffers
 from .kernels import KERNELS, UFUNC_NAMES
@@ -26,6 +27,8 @@ class Interpreter:
         self.output_slots = [o.slot for o in program.outputs]
 
     def _bind(self, ins):
+        if ins.op == "all_to_allv":
+            return self._exchange(ins)
         if ins.op in _COLLECTIVES:
             operand = self.program.instrs[ins.args[0]]
             return collectives.bind(self.mc, ins.op, self.xp, operand.shape, operand.dtype, **ins.attrs,
@@ -42,6 +45,14 @@ class Interpreter:
         if ins.op not in KERNELS:
             raise NotImplementedError(f"the interpreter runs ops {sorted(KERNELS)} and collectives; got {ins.op!r}")
         return partial(KERNELS[ins.op], self.xp, **ins.attrs)
+
+    def _exchange(self, ins):
+        """all_to_allv: this rank's rounds of (peer, slices) from the planner's table, resolved once."""
+        table = exchange_table(ins.attrs["src_dims"], ins.attrs["dst_dims"], ins.global_shape, self.program.mesh,
+                               tuple(ins.attrs["partial_axes"]))
+        rank = self.mc.rank
+        return partial(collectives.all_to_allv, self.mc, sends=table.sends[rank], recvs=table.recvs[rank],
+                       out_shape=ins.shape)
 
     def _block(self, ins):
         """(dim, start, stop, pad): this rank keeps [start, stop) of the operand's dim, zero-padded by pad

@@ -7,6 +7,8 @@ driver reshards the result to the node's propagated sharding.
 from __future__ import annotations
 
 import warnings
+
+import numpy as np
 from dataclasses import dataclass
 
 from ..cost import COLLECTIVES
@@ -86,7 +88,7 @@ class PartitionContext:
             return value
         key = (value.slot, target)
         if key not in self._reshard_cache:
-            plan = plan_reshard(value.sharding, target, value.shape, self.mesh)
+            plan = plan_reshard(value.sharding, target, value.shape, self.mesh, np.dtype(value.dtype).itemsize)
             where = f"at {_describe(self.graph, self.node)}: " if self.node is not None else ""
             self.notes += [where + n for n in plan.notes]
             cur = value
@@ -101,7 +103,7 @@ class PartitionContext:
 
 def _moves_nothing(step, mesh: Mesh) -> bool:
     """A collective or slice over mesh axes of size 1 leaves every local buffer as it is."""
-    return step.op in COLLECTIVES + ("shard_slice",) and step.op != "collective_permute" and \
+    return step.op in COLLECTIVES + ("shard_slice",) and step.op not in ("collective_permute", "all_to_allv") and \
         mesh.axis_size(step.attrs["axes"]) == 1
 
 

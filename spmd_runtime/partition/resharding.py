@@ -1,41 +1,57 @@
 """The one resharding planner: (source sharding, target sharding) -> collectives.
 
-Every change of layout in a partitioned program is planned here. Transition
-table, applied in this order (GSPMD_NOTES.md section 3; cost per rank in
-section 5, ``wire_bytes``):
+Every change of layout in a partitioned program is planned here, as a shortest path
+over sharding states (DTensor's redistribute planner, GSPMD_NOTES.md section 3):
+each state is a Sharding, each edge one step below, weighted by the cost model
+(``cost.CostModel``: ring-formula wire bytes by default, GSPMD_NOTES.md section 5,
+or alpha-beta seconds measured by ``python -m spmd_runtime calibrate``). The
+greedy plan (the fixed order at the bottom of the table) bounds the search and is
+kept whenever the search finds nothing strictly cheaper. Plans are cached per
+(source, target, shape, mesh, itemsize, model).
 
-| step       | when                                                        | emits                      |
-|------------|-------------------------------------------------------------|----------------------------|
-| 1 slice    | target appends to dim j axes the source does not use at all | shard_slice (no traffic)   |
-| 2 reduce   | source partial on axes the target appends to dim j next     | reduce_scatter along them  |
-|            | source partial on other axes                                | all_reduce along them      |
-| 3 permute  | every dim keeps its set of axes, in another order           | collective_permute         |
-| 4 move     | innermost axes of dim i are the next axes target appends to | all_to_all along them      |
-|            | dim j                                                       |   (split j, concat i)      |
-| 5 gather   | target drops axes from dim i and no move applies            | all_gather, innermost axis |
-|            |                                                             |   first; runs merged       |
-| 6 slice    | target appends axes to dim j                                | shard_slice (no traffic)   |
+Transition table (the search's edges; step: when -> emits):
+
+| step        | when                                                          | emits                        |
+|-------------|---------------------------------------------------------------|------------------------------|
+| slice       | an axis the state does not use yet goes innermost on dim j    | shard_slice (no traffic)     |
+| reduce      | partial axes go innermost on dim j                            | reduce_scatter along them    |
+|             | every partial axis at once                                    | all_reduce along them        |
+| gather      | dim i drops its innermost axes                                | all_gather                   |
+| move        | the innermost axes of dim i go innermost on dim j             | all_to_all (split j, concat i)|
+| permute     | every dim keeps its shard count (axes reordered, or the target| collective_permute           |
+|             | itself), nothing to reduce                                    |                              |
+| exchange    | straight to the target, nothing to reduce: each rank sends    | all_to_allv over the joint   |
+|             | every other rank exactly the intersection of their blocks    | group (several dims at once) |
+
+Greedy order (the bound): slice unused axes, reduce (reduce-scatter where the target
+splits next), permute, move or gather innermost-first, slice.
 
 Uneven dims (size n not divisible by the shards k): every shard holds ceil(n/k)
 elements, padding at the end. A step that splits or joins the blocks of an already
 split dim is only taken when the blocks line up (``fits``); otherwise the dim is
-gathered whole and split again. An unsplit dim is padded (``resize``) before a
-collective that cuts it into equal blocks, and trimmed back after a gather.
+gathered whole and split again (or exchanged, which handles any blocks). An unsplit
+dim is padded (``resize``) before a collective that cuts it into equal blocks, and
+trimmed back after a gather.
 
-Slicing early (1) shrinks what later reductions and gathers move; reduce-scatter
-(2) moves half the bytes of all-reduce + slice. A plan that gathers an axis and
-slices it again is a rematerialisation, reported in ``Plan.notes``.
+A plan that gathers an axis and slices it again is a rematerialisation, reported in
+``Plan.notes``.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
+from ..cost import COLLECTIVES, DEFAULT_MODEL, CostModel, group_size
 from ..mesh import Mesh
-from ..cost import COLLECTIVES, group_size, wire_bytes
 from ..sharding import Sharding
 
+# Most states the search expands before it settles for the best plan found (or the greedy one).
+SEARCH_LIMIT = 400
 
 
 @dataclass(frozen=True)
@@ -46,17 +62,54 @@ class Step:
     local: tuple = ()  # the local shape after this step (a gathered uneven dim is longer until trimmed)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    steps: list[Step]
-    notes: list[str]
+    steps: tuple[Step, ...]
+    notes: tuple[str, ...]
+    cost: float = 0.0  # in the cost model's units (wire bytes per rank by default)
 
 
-def plan_reshard(src: Sharding, dst: Sharding, shape: tuple[int, ...], mesh: Mesh) -> Plan:
-    """The steps that turn a tensor of global ``shape`` laid out as ``src`` into ``dst``."""
+def plan_reshard(src: Sharding, dst: Sharding, shape: tuple[int, ...], mesh: Mesh, itemsize: int = 4,
+                 model: CostModel | None = None) -> Plan:
+    """The cheapest steps found that turn a tensor of global ``shape`` laid out as ``src`` into ``dst``."""
     if dst.partial and (dst.partial, dst.reduce_op) != (src.partial, src.reduce_op):
         raise ValueError(f"resharding can only keep partial sums as they are, not create them; got {src} -> {dst}")
-    p = _Planner(src, tuple(shape), mesh)
+    return _plan(src, dst, tuple(shape), mesh, int(itemsize), model or DEFAULT_MODEL)
+
+
+def plan_cost(src: Sharding, dst: Sharding, shape, dtype, mesh: Mesh, model: CostModel | None = None) -> float:
+    """Cost of the plan src -> dst (wire bytes per rank under the default model)."""
+    if src == dst:
+        return 0.0
+    return plan_reshard(src, dst, shape, mesh, np.dtype(dtype).itemsize, model).cost
+
+
+@lru_cache(maxsize=1 << 16)
+def _plan(src, dst, shape, mesh, itemsize, model) -> Plan:
+    greedy = _merge_gathers(_greedy(src, dst, shape, mesh))
+    bound = _steps_cost(greedy, src.local_shape(shape, mesh), mesh, itemsize, model)
+    steps, cost = greedy, bound
+    if _worth_searching(greedy, src, dst, shape, mesh, bound / itemsize, model):
+        found = _Search(src, dst, shape, mesh, itemsize, model).run(bound)
+        if found is not None:
+            steps, cost = tuple(_merge_gathers(found[0])), found[1]
+    steps = tuple(steps)
+    return Plan(steps, tuple(_notes(steps, src, dst, shape)), cost)
+
+
+def _worth_searching(greedy, src, dst, shape, mesh, elements, model) -> bool:
+    """Skip the search where the greedy plan is already the cheapest (most plans, keeping partitioning fast):
+    one collective that slices nothing after it (slicing first is free), or, under the ring model, as few
+    wire elements as the busiest rank must receive anyway (what it needs and does not hold)."""
+    ops = [s.op for s in greedy if s.op != "resize"]
+    colls = [k for k, op in enumerate(ops) if op in COLLECTIVES]
+    if not colls or (len(colls) == 1 and "shard_slice" not in ops[colls[0]:]):
+        return False
+    return src.partial or model != DEFAULT_MODEL or elements > receive_lower_bound(src.dims, dst.dims, shape, mesh)
+
+
+def _greedy(src, dst, shape, mesh) -> list[Step]:
+    p = _Planner(src, shape, mesh)
     p.slice_unused_axes(dst)
     if src.partial and not dst.partial:
         p.reduce(dst)
@@ -66,7 +119,89 @@ def plan_reshard(src: Sharding, dst: Sharding, shape: tuple[int, ...], mesh: Mes
     p.slice(dst)
     if p.cur != dst:
         raise AssertionError(f"internal: resharding plan ended at {p.cur}, not {dst} (from {src})")
-    return Plan(_merge_gathers(p.steps), p.notes(src, dst, shape))
+    return p.steps
+
+
+def _steps_cost(steps, local, mesh, itemsize, model) -> float:
+    total = 0.0
+    for s in steps:
+        if s.op in COLLECTIVES:
+            b_in, b_out = math.prod(local) * itemsize, math.prod(s.local) * itemsize
+            total += model.collective(s.op, group_size(s.op, s.attrs, mesh), b_in, b_out, s.attrs.get("wire_bytes"))
+        local = s.local
+    return total
+
+
+class _Search:
+    """Dijkstra over sharding states from ``src`` to ``dst``; ties go to fewer collectives."""
+
+    def __init__(self, src, dst, shape, mesh, itemsize, model):
+        self.src, self.dst, self.shape, self.mesh, self.itemsize, self.model = src, dst, shape, mesh, itemsize, model
+        self.axes = tuple(a for a in mesh.axis_names if a in set(src.axes + src.partial + dst.axes))
+
+    def run(self, bound):
+        """(steps, cost) of the cheapest plan strictly under ``bound``, or None."""
+        limit = bound * (1 - 1e-9)
+        tie = itertools.count()
+        heap, done, best = [(0.0, 0, next(tie), self.src, [])], set(), {self.src: (0.0, 0)}
+        while heap and len(done) < SEARCH_LIMIT:
+            cost, ncoll, _, cur, steps = heapq.heappop(heap)
+            if cur == self.dst:
+                return steps, cost
+            if cur in done:
+                continue
+            done.add(cur)
+            local = cur.local_shape(self.shape, self.mesh)
+            for edge in self.edges(cur):
+                nxt = edge[-1].result
+                c = cost + _steps_cost(edge, local, self.mesh, self.itemsize, self.model)
+                key = (c, ncoll + sum(s.op in COLLECTIVES for s in edge))
+                if c < limit and nxt not in done and key < best.get(nxt, (math.inf, 0)):
+                    best[nxt] = key
+                    heapq.heappush(heap, (*key, next(tie), nxt, steps + edge))
+        return None
+
+    def edges(self, cur):
+        """Every single step out of ``cur``, each as the list of steps it emits (resizes included)."""
+        p = lambda: _Planner(cur, self.shape, self.mesh)
+        nd, dst = len(self.shape), self.dst
+        if cur.partial and not dst.partial:
+            yield _emitted(p(), lambda q: q.emit("all_reduce", partial=(), axes=cur.partial, op=cur.reduce_op))
+            for n in range(1, len(cur.partial) + 1):
+                for axes, j in itertools.product(itertools.permutations(cur.partial, n), range(nd)):
+                    if p()._fits(j, cur.dims[j], axes):
+                        yield _emitted(p(), lambda q: q.reduce_scatter(j, axes))
+        busy = set(cur.axes + cur.partial)
+        for j, a in itertools.product(range(nd), self.axes):
+            if a not in busy and p()._fits(j, cur.dims[j], (a,)):
+                yield _emitted(p(), lambda q: q.emit("shard_slice", q._append(j, (a,)), dim=j, axes=(a,)))
+        for i in range(nd):
+            for n in range(1, len(cur.dims[i]) + 1):
+                keep, moving = cur.dims[i][:-n], cur.dims[i][-n:]
+                if p()._fits(i, keep, moving):
+                    yield _emitted(p(), lambda q: q.gather(i, keep))
+                for j in range(nd):
+                    if j != i and p()._fits(i, keep, moving) and p()._fits(j, cur.dims[j], moving):
+                        yield _emitted(p(), lambda q: q.move(i, j, moving))
+        if cur.partial == dst.partial or not dst.partial:
+            yield from self.permutes(cur, p)
+        if (cur.partial, cur.reduce_op) == (dst.partial, dst.reduce_op) or not (cur.partial or dst.partial):
+            yield _emitted(p(), lambda q: q.exchange(dst, self.itemsize))
+
+    def permutes(self, cur, p):
+        """Reorder the axes within dims, or jump to a target with the same shard counts per dim."""
+        targets = {Sharding(dims, cur.partial, cur.reduce_op)
+                   for dims in itertools.product(*(itertools.permutations(d) for d in cur.dims))} - {cur}
+        same_counts = [self.mesh.axis_size(c) for c in cur.dims] == [self.mesh.axis_size(d) for d in self.dst.dims]
+        if same_counts and set(self.dst.axes) == set(cur.axes) and self.dst.partial == cur.partial and self.dst != cur:
+            targets.add(self.dst)
+        for t in sorted(targets, key=str):
+            yield _emitted(p(), lambda q: q.permute(t))
+
+
+def _emitted(planner, action) -> list[Step]:
+    action(planner)
+    return planner.steps
 
 
 def fits(n: int, outer: int, inner: int) -> bool:
@@ -129,17 +264,20 @@ class _Planner:
                 self.emit("shard_slice", self._append(j, add), dim=j, axes=add)
 
     def reduce(self, dst):
-        op = self.cur.reduce_op
         for j in range(len(dst.dims)):
             add = _prefix_while(self._appendable(dst, j) or (), lambda a: a in self.cur.partial)
             if add and self._fits(j, self.cur.dims[j], add):
-                if self.k(self.cur.dims[j]) == 1:
-                    self._resize(j, self._padded(j, add))
-                rest = tuple(a for a in self.cur.partial if a not in add)
-                self.emit("reduce_scatter", self._append(j, add), rest, self._scaled(j, 1, self.k(add)),
-                          axes=add, dim=j, op=op)
+                self.reduce_scatter(j, add)
         if self.cur.partial:
-            self.emit("all_reduce", partial=(), axes=self.cur.partial, op=op)
+            self.emit("all_reduce", partial=(), axes=self.cur.partial, op=self.cur.reduce_op)
+
+    def reduce_scatter(self, j, axes):
+        """Partial sums over ``axes`` reduced and scattered innermost on dim j."""
+        if self.k(self.cur.dims[j]) == 1:
+            self._resize(j, self._padded(j, axes))
+        rest = tuple(a for a in self.cur.partial if a not in axes)
+        self.emit("reduce_scatter", self._append(j, axes), rest, self._scaled(j, 1, self.k(axes)),
+                  axes=axes, dim=j, op=self.cur.reduce_op)
 
     def permute(self, dst):
         self.emit("collective_permute", dst.dims, pairs=permute_pairs(self.cur, dst, self.mesh))
@@ -197,12 +335,19 @@ class _Planner:
             if add:
                 self.emit("shard_slice", self._append(j, add), dim=j, axes=add)
 
-    def notes(self, src, dst, shape) -> list[str]:
-        gathered = {a for s in self.steps if s.op == "all_gather" for a in s.attrs["axes"]}
-        sliced = {a for s in self.steps if s.op == "shard_slice" for a in s.attrs["axes"]}
-        again = sorted(gathered & sliced)
-        return [f"resharding {list(shape)} from {src} to {dst} gathers and re-slices mesh axes {again} "
-                f"(a rematerialisation)"] if again else []
+    def exchange(self, dst, itemsize):
+        """all_to_allv: every rank sends each other rank the intersection of their blocks, all dims at once."""
+        table = exchange_table(self.cur.dims, dst.dims, self.shape, self.mesh, self.cur.partial)
+        self.emit("all_to_allv", dst.dims, axes=table.axes, src_dims=self.cur.dims, dst_dims=dst.dims,
+                  partial_axes=self.cur.partial, wire_bytes=table.busiest * itemsize)
+
+
+def _notes(steps, src, dst, shape) -> list[str]:
+    gathered = {a for s in steps if s.op == "all_gather" for a in s.attrs["axes"]}
+    sliced = {a for s in steps if s.op == "shard_slice" for a in s.attrs["axes"]}
+    again = sorted(gathered & sliced)
+    return [f"resharding {list(shape)} from {src} to {dst} gathers and re-slices mesh axes {again} "
+            f"(a rematerialisation)"] if again else []
 
 
 def _prefix_while(axes, keep) -> tuple[str, ...]:
@@ -237,14 +382,113 @@ def permute_pairs(src: Sharding, dst: Sharding, mesh: Mesh) -> list[tuple[int, i
     return [(r, holder[key(r, src)]) for r in sorted(mesh.devices)]
 
 
-def plan_cost(src: Sharding, dst: Sharding, shape, dtype, mesh: Mesh) -> float:
-    """Total wire bytes of the plan src -> dst."""
-    if src == dst:
-        return 0.0
-    itemsize, total, local = np.dtype(dtype).itemsize, 0.0, src.local_shape(shape, mesh)
-    for s in plan_reshard(src, dst, tuple(shape), mesh).steps:
-        if s.op in COLLECTIVES:
-            b_in, b_out = int(np.prod(local)) * itemsize, int(np.prod(s.local)) * itemsize
-            total += wire_bytes(s.op, group_size(s.op, s.attrs, mesh), b_in, b_out)
-        local = s.local
-    return total
+@dataclass(frozen=True)
+class ExchangeTable:
+    """Who sends whom which block of an all_to_allv from ``src_dims`` to ``dst_dims`` (one entry per rank).
+
+    Rank q's target block is cut into its intersections with the source blocks. A piece q holds stays local;
+    any other comes from one of its holders (ranks that match q on the ``partial`` axes), the least loaded so
+    far, biggest pieces first, so partially replicated sources spread the sending. ``sends[r]``: (dest, local
+    source slices), ``recvs[r]``: (source, local target slices), both in round order: round s pairs mesh
+    position p with p + s (send) and p - s (receive); None slices: nothing that round, known to both sides."""
+    axes: tuple[str, ...]  # the axes in which some sender and its receiver differ (the joint group)
+    sends: dict
+    recvs: dict
+    busiest: int  # elements the busiest rank sends to others or receives from them (its time on the wire)
+
+
+@lru_cache(maxsize=1 << 12)
+def exchange_table(src_dims, dst_dims, shape, mesh: Mesh, partial=()) -> ExchangeTable:
+    src_dims, dst_dims = tuple(map(tuple, src_dims)), tuple(map(tuple, dst_dims))
+    split = {a for d in src_dims for a in d}
+    free = [a for a in mesh.axis_names if a not in split and a not in partial]
+    pieces = {r: {} for r in mesh.devices}  # holder -> {receiver: (source slices, target slices)}
+    remote = []
+    for q in mesh.devices:
+        coords = mesh.coords(q)
+        want = [_block(n, d, mesh, q) for n, d in zip(shape, dst_dims)]
+        per_dim = [_overlaps(n, d, mesh, lo, hi) for n, d, (lo, hi) in zip(shape, src_dims, want)]
+        for combo in itertools.product(*per_dim):
+            fixed = dict(coords)
+            for d, (index, _, _) in zip(src_dims, combo):
+                fixed.update(_split_index(index, d, mesh))
+            piece = (tuple(slice(a - start, b - start) for _, (a, b), start in combo),
+                     tuple(slice(a - lo, b - lo) for (_, (a, b), _), (lo, _) in zip(combo, want)))
+            if fixed == coords:
+                pieces[q][q] = piece
+                continue
+            holders = [mesh.rank_at({**fixed, **dict(zip(free, f))})
+                       for f in itertools.product(*(range(mesh.axis_size(a)) for a in free))]
+            remote.append((-_count(piece[0]), mesh.devices.index(q), q, mesh.rank_at(fixed), holders, piece))
+    load, received = dict.fromkeys(mesh.devices, 0), dict.fromkeys(mesh.devices, 0)
+    differ = set()
+    for size, _, q, default, holders, piece in sorted(remote, key=lambda t: t[:2]):
+        h = min(holders, key=lambda c: (load[c], c != default, mesh.devices.index(c)))
+        load[h] -= size
+        received[q] -= size
+        pieces[h][q] = piece
+        cq, ch = mesh.coords(q), mesh.coords(h)
+        differ |= {a for a in mesh.axis_names if cq[a] != ch[a]}
+    order, sends, recvs = mesh.devices, {}, {}
+    for me, r in enumerate(order):
+        ahead = [order[(me + s) % len(order)] for s in range(len(order))]
+        behind = [order[(me - s) % len(order)] for s in range(len(order))]
+        sends[r] = [(d, pieces[r].get(d, (None, None))[0]) for d in ahead]
+        recvs[r] = [(src, pieces[src].get(r, (None, None))[1]) for src in behind]
+    busiest = max(max(load.values()), max(received.values()))
+    return ExchangeTable(tuple(a for a in mesh.axis_names if a in differ), sends, recvs, busiest)
+
+
+@lru_cache(maxsize=1 << 14)
+def receive_lower_bound(src_dims, dst_dims, shape, mesh: Mesh) -> int:
+    """Elements the busiest rank must receive to go from src_dims to dst_dims: its target block less what of
+    it it already holds. No plan moves less (a ring collective sends what it receives)."""
+    coords = _coord_matrix(mesh)
+    need, have = np.ones(mesh.size, dtype=np.int64), np.ones(mesh.size, dtype=np.int64)
+    for n, s, d in zip(shape, src_dims, dst_dims):
+        (s_lo, s_hi), (d_lo, d_hi) = _bounds(n, s, mesh, coords), _bounds(n, d, mesh, coords)
+        need *= d_hi - d_lo
+        have *= np.clip(np.minimum(s_hi, d_hi) - np.maximum(s_lo, d_lo), 0, None)
+    return int((need - have).max())
+
+
+@lru_cache(maxsize=64)
+def _coord_matrix(mesh: Mesh) -> np.ndarray:
+    """Row p: the mesh coordinates of the device at position p (row-major over the mesh shape)."""
+    return np.array(list(np.ndindex(*mesh.shape)), dtype=np.int64).reshape(mesh.size, len(mesh.shape))
+
+
+def _bounds(n, axes, mesh, coords):
+    """[start, stop) of every position's block of a dim of size n split over ``axes``."""
+    index = np.zeros(len(coords), dtype=np.int64)
+    for a in axes:
+        index = index * mesh.axis_size(a) + coords[:, mesh.axis_index(a)]
+    c = -(-n // mesh.axis_size(axes))
+    return np.minimum(index * c, n), np.minimum(index * c + c, n)
+
+
+def _block(n, axes, mesh, rank):
+    c = -(-n // mesh.axis_size(axes))
+    i = mesh.index_along(rank, axes)
+    return min(i * c, n), min((i + 1) * c, n)
+
+
+def _overlaps(n, axes, mesh, lo, hi):
+    """(block index, (start, stop) of the overlap, block start) of each ``axes`` block meeting [lo, hi)."""
+    k = mesh.axis_size(axes)
+    c = -(-n // k)
+    if hi <= lo:
+        return []
+    return [(i, (max(lo, i * c), min(hi, (i + 1) * c)), i * c) for i in range(lo // c, min(k, -(-hi // c)))]
+
+
+def _split_index(index, axes, mesh) -> dict:
+    """Mesh coordinates along ``axes`` (major first) of linear shard number ``index``."""
+    out = {}
+    for a in reversed(axes):
+        index, out[a] = divmod(index, mesh.axis_size(a))
+    return out
+
+
+def _count(slices) -> int:
+    return math.prod(s.stop - s.start for s in slices)

@@ -50,13 +50,13 @@ TABLE = [
      [("all_gather", ("data",)), ("all_gather", ("model",))]),
     ("reduce_split_dim", row_sum_then_scale, [(8, 8)], MESH_4, [("x", None)], None, [("all_reduce", ("x",))]),
     ("reshard_xy_to_yx_2x4", identity, [(8, 8)], MESH_2x4, [("data", "model")], [("model", "data")],
-     [("all_gather", ("data",)), ("all_to_all", ("model",))]),
+     [("all_to_allv", ("data", "model"))]),  # both dims change axes: one exchange (was gather + all-to-all)
     ("device_order_change", identity, [(8, 8)], MESH_2x4, [(("data", "model"), None)],
      [(("model", "data"), None)], [("collective_permute", ("data", "model"))]),
 ]
 
 
-@pytest.mark.filterwarnings("ignore:spmd_runtime partitioner")  # reshard_xy_to_yx reports its re-slice
+@pytest.mark.filterwarnings("ignore:spmd_runtime partitioner")
 @pytest.mark.parametrize("name,fn,shapes,mesh,in_specs,out_specs,expected", TABLE, ids=[t[0] for t in TABLE])
 def test_collectives_and_numerics(name, fn, shapes, mesh, in_specs, out_specs, expected):
     rng = np.random.default_rng(1)
