@@ -25,6 +25,10 @@ single-role presets use every axis of a 2-d mesh):
 - ``seq``: the sequence dim of the tokens and activations on every axis.
 - ``megatron_wus``: megatron, with the update sharded over "data" too.
 - ``dp_seq``: batch on "data", sequence on "model".
+- ``moe`` (GShard, for configs with MoE blocks): experts on "data", batch on ("model", "data") (the expert
+  axis minor, so tokens reach their experts by one all-to-all over it), experts replicated over "model".
+- ``moe_megatron``: experts on "data", each expert's hidden dim (and the dense blocks) Megatron-split on
+  "model", batch on "data".
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from .autodiff import value_and_grad
 from .exec.backend import to_host
 from .exec.runner import communicator, run_local, shard, unshard
 from .mesh import Mesh
-from .models.lm import LMConfig, init_params, lm_loss, param_kind, param_shapes
+from .models.lm import LMConfig, init_params, lm_loss_and_metrics, param_kind, param_shapes
 from .optim import AdamW, Optimizer
 from .partition import partition
 from .program import SPMDProgram
@@ -56,18 +60,21 @@ TOKEN_DTYPE = "int32"
 @dataclass(frozen=True)
 class Preset:
     """Mesh axes per role: ``batch``/``seq`` split the tokens and activations, ``model`` splits the
-    Megatron weight dims, ``update`` shards the optimizer state and the weight update."""
+    Megatron weight dims, ``update`` shards the optimizer state and the weight update, ``experts`` splits
+    the expert dim of MoE blocks."""
     name: str
     batch: tuple[str, ...] = ()
     seq: tuple[str, ...] = ()
     model: tuple[str, ...] = ()
     update: tuple[str, ...] = ()
     doc: str = ""
+    experts: tuple[str, ...] = ()
 
     def on(self, mesh: Mesh) -> "Preset":
         """This preset with the axes ``mesh`` lacks dropped."""
         keep = lambda axes: tuple(a for a in axes if a in mesh.axis_names)
-        return Preset(self.name, keep(self.batch), keep(self.seq), keep(self.model), keep(self.update), self.doc)
+        return Preset(self.name, keep(self.batch), keep(self.seq), keep(self.model), keep(self.update), self.doc,
+                      keep(self.experts))
 
 
 BOTH = ("data", "model")
@@ -82,6 +89,10 @@ PRESETS = {
     "megatron_wus": Preset("megatron_wus", batch=("data",), model=("model",), update=("data",),
                            doc="megatron, with the weight update sharded over data"),
     "dp_seq": Preset("dp_seq", batch=("data",), seq=("model",), doc="batch on data, sequence on model"),
+    "moe": Preset("moe", batch=("model", "data"), experts=("data",),
+                  doc="GShard: experts on data (one all-to-all each way per MoE block), batch on every axis"),
+    "moe_megatron": Preset("moe_megatron", batch=("data",), model=("model",), experts=("data",),
+                           doc="experts on data; expert hidden dim, heads, MLP hidden and vocab on model"),
 }
 
 
@@ -105,15 +116,19 @@ def _preset(preset) -> Preset:
 
 
 # ---------------------------------------------------------------- layout: specs per value
-MEGATRON_DIMS = {"embed": 0, "unembed": 1, "wq": 1, "wk": 1, "wv": 1, "w1": 1, "wo": 0, "w2": 0}
+MEGATRON_DIMS = {"embed": 0, "unembed": 1, "wq": 1, "wk": 1, "wv": 1, "w1": 1, "wo": 0, "w2": 0, "we1": 2, "we2": 1}
+EXPERT_PARAMS = ("we1", "we2")  # (experts, ...): dim 0 on the expert axes
 
 
 def param_spec(name: str, shape, preset: Preset) -> tuple:
-    """Megatron splits a weight's head / hidden / vocab dim over the model axes; all else is replicated."""
+    """Megatron splits a weight's head / hidden / vocab dim over the model axes, expert weights their expert
+    dim over the expert axes; all else is replicated."""
     spec = [None] * len(shape)
     dim = MEGATRON_DIMS.get(param_kind(name))
     if preset.model and dim is not None:
         spec[dim] = preset.model
+    if preset.experts and param_kind(name) in EXPERT_PARAMS:
+        spec[0] = preset.experts
     return tuple(spec)
 
 
@@ -146,8 +161,24 @@ class Layout:
         return mesh_split(x, self.mesh, spec) if self.mesh.size > 1 else x
 
     def activation(self, x, role):
-        model = self.preset.model if role == "logits" else None
-        return self.annotate(x, (self.preset.batch or None, self.preset.seq or None, model or None))
+        p = self.preset
+        if role in MOE_ROLES:
+            return self.annotate(x, moe_activation_spec(p, role, x.ndim))
+        model = p.model if role == "logits" else None
+        return self.annotate(x, (p.batch or None, p.seq or None, model or None))
+
+
+MOE_ROLES = ("groups", "expert_in", "expert_hidden")
+
+
+def moe_activation_spec(preset: Preset, role: str, ndim: int) -> tuple:
+    """'groups' (G, ...): groups split like the batch; 'expert_in' (E, G, C, M) and 'expert_hidden'
+    (E, G, C, H): experts on the expert axes, groups on the rest of the batch axes, H on the model axes."""
+    if role == "groups":
+        return (preset.batch or None,) + (None,) * (ndim - 1)
+    rest = tuple(a for a in preset.batch if a not in preset.experts) or None
+    hidden = (preset.model or None) if role == "expert_hidden" else None
+    return (preset.experts or None, rest, None, hidden)
 
 
 def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
@@ -171,13 +202,13 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout):
 
     def step(*args):
         params, state, tokens, labels = args[:n], args[n:n + s], args[n + s], args[n + s + 1]
-        loss_fn = lambda *ps: lm_loss(cfg, ps, tokens, labels, layout.activation)
-        loss, grads = value_and_grad(loss_fn, argnums=tuple(range(n)))(*params)
+        loss_fn = lambda *ps: lm_loss_and_metrics(cfg, ps, tokens, labels, layout.activation)
+        (loss, metrics), grads = value_and_grad(loss_fn, argnums=tuple(range(n)), has_aux=True)(*params)
         grads = [layout.annotate(g, layout.update[name]) for name, g in zip(names, grads)]
         new_params, new_state = optimizer.update(list(params), grads, list(state))
         new_params = [layout.annotate(p, layout.update[name]) for name, p in zip(names, new_params)]
         new_state = [layout.annotate(x, layout.specs[slot.name]) for slot, x in zip(slots, new_state)]
-        return (*new_params, *new_state, loss)
+        return (*new_params, *new_state, *(metrics[k] for k in metric_names(cfg)), loss)
 
     arg_names = names + [slot.name for slot in slots] + ["tokens", "labels"]
     step.__signature__ = inspect.Signature([inspect.Parameter(a, inspect.Parameter.POSITIONAL_ONLY)
@@ -199,8 +230,13 @@ def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimize
     layout = make_layout(cfg, mesh, preset, optimizer)
     graph = trace(train_step_fn(cfg, optimizer, layout), *input_specs(cfg, optimizer))
     specs = list(layout.specs.values())
-    program = partition(graph, mesh, in_specs=specs, out_specs=specs[:-2] + [()])
+    program = partition(graph, mesh, in_specs=specs, out_specs=specs[:-2] + [()] * (len(metric_names(cfg)) + 1))
     return TrainStep(cfg, mesh, preset, optimizer, layout, graph, program)
+
+
+def metric_names(cfg: LMConfig) -> tuple[str, ...]:
+    """Scalars the step returns before the loss: the MoE gating statistics of ``lm_loss_and_metrics``."""
+    return ("aux_loss", "dropped_fraction") if cfg.moe_every else ()
 
 
 def build_train_step_on_root(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
@@ -235,7 +271,8 @@ def _world():
 @dataclass
 class TrainStep:
     """A partitioned training step. State = parameters then optimizer state, in ``state_names`` order;
-    global state is an OrderedDict name -> array, local state a list of this rank's TRUE blocks."""
+    global state is an OrderedDict name -> array, local state a list of this rank's TRUE blocks.
+    ``metrics`` holds the last step's extra scalars (MoE: 'aux_loss', 'dropped_fraction')."""
     cfg: LMConfig
     mesh: Mesh
     preset: Preset
@@ -245,10 +282,16 @@ class TrainStep:
     program: SPMDProgram
     state_names: list = field(init=False)
     param_names: list = field(init=False)
+    metrics: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self):
         self.param_names = list(param_shapes(self.cfg))
         self.state_names = [io.name for io in self.program.inputs[:-2]]
+
+    def _metrics(self, outs) -> dict:
+        names = metric_names(self.cfg)
+        self.metrics = {k: float(v) for k, v in zip(names, outs[len(outs) - 1 - len(names):-1])}
+        return self.metrics
 
     def init(self, seed: int = 0) -> "OrderedDict[str, np.ndarray]":
         """Global initial state: parameters from ``seed`` (the same on every mesh) and fresh optimizer state."""
@@ -266,13 +309,15 @@ class TrainStep:
         batch = [shard(np.asarray(x, TOKEN_DTYPE), io.sharding, self.mesh, rank)
                  for x, io in zip((tokens, labels), self.program.inputs[-2:])]
         outs = run_local(self.program, *local_state, *batch, comm=comm)
-        return list(outs[:-1]), float(outs[-1])
+        self._metrics(outs)
+        return list(outs[:len(self.state_names)]), float(outs[-1])
 
     def reference_step(self, state: dict, tokens, labels) -> tuple["OrderedDict[str, np.ndarray]", float]:
         """The same step, unpartitioned, on global arrays (``sr.evaluate`` of the traced graph)."""
         outs = evaluate(self.graph, *[state[n] for n in self.state_names], np.asarray(tokens, TOKEN_DTYPE),
                         np.asarray(labels, TOKEN_DTYPE))
-        return OrderedDict(zip(self.state_names, outs[:-1])), float(outs[-1])
+        self._metrics(outs)
+        return OrderedDict(zip(self.state_names, outs[:len(self.state_names)])), float(outs[-1])
 
     def gather(self, local_state: list, comm=None) -> "OrderedDict[str, np.ndarray]":
         """Collective: the global state from every rank's blocks."""

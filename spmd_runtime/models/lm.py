@@ -21,8 +21,10 @@ import numpy as np
 
 from .. import numpy as snp
 from ..nn import gelu
+from .moe import MoEConfig, check_moe, moe_ffn
 
 BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")
+MOE_BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "wg", "we1", "we2")
 MASKED_SCORE = -1e9  # finite, so a masked score times a zero cotangent never makes a NaN
 
 
@@ -38,6 +40,13 @@ class LMConfig:
     tied: bool = False
     dtype: str = "float32"
     embedding: str = "auto"  # "take" (gather), "onehot" (Mesh-TF contraction), "auto": take when available
+    # GShard mixture of experts: every ``moe_every``-th block (0: none) has an MoE feed-forward of ``experts``
+    # experts (hidden dim ``ffn`` each), groups = sequences; ``aux_coef`` weighs the load-balancing loss
+    moe_every: int = 0
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 2.0
+    aux_coef: float = 0.01
 
     def __post_init__(self):
         if self.d % self.heads:
@@ -49,6 +58,22 @@ class LMConfig:
             raise ValueError(f"LMConfig embedding must be 'auto', 'take' or 'onehot'; got {self.embedding!r}")
         if np.dtype(self.dtype) not in (np.float32, np.float64):
             raise ValueError(f"LMConfig dtype must be float32 or float64; got {self.dtype!r}")
+        if self.moe_every or self.experts:
+            if not 1 <= self.moe_every <= self.layers:
+                raise ValueError(f"LMConfig moe_every must be in [1, layers] for a mixture of experts (every "
+                                 f"moe_every-th block is MoE); got moe_every={self.moe_every}, layers={self.layers}")
+            check_moe(self.experts, self.top_k, self.capacity_factor)
+
+    @property
+    def moe(self) -> "MoEConfig | None":
+        return MoEConfig(self.experts, self.top_k, self.capacity_factor) if self.moe_every else None
+
+    def is_moe_block(self, i: int) -> bool:
+        """GShard: the second block of every ``moe_every`` (every other block for moe_every=2) is MoE."""
+        return bool(self.moe_every) and (i + 1) % self.moe_every == 0
+
+    def block_params(self, i: int) -> tuple[str, ...]:
+        return MOE_BLOCK_PARAMS if self.is_moe_block(i) else BLOCK_PARAMS
 
     @property
     def tokens_per_step(self) -> int:
@@ -57,12 +82,13 @@ class LMConfig:
 
 def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
     """name -> shape, in the order the traced loss takes them."""
-    d, f = cfg.d, cfg.ffn
+    d, f, e = cfg.d, cfg.ffn, cfg.experts
     block = {"ln1_g": (d,), "ln1_b": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
-             "ln2_g": (d,), "ln2_b": (d,), "w1": (d, f), "w2": (f, d)}
+             "ln2_g": (d,), "ln2_b": (d,), "w1": (d, f), "w2": (f, d), "wg": (d, e), "we1": (e, d, f),
+             "we2": (e, f, d)}
     shapes = OrderedDict(embed=(cfg.vocab, d), pos=(cfg.seq, d))
     for i in range(cfg.layers):
-        shapes.update((f"l{i}_{k}", block[k]) for k in BLOCK_PARAMS)
+        shapes.update((f"l{i}_{k}", block[k]) for k in cfg.block_params(i))
     shapes.update(lnf_g=(d,), lnf_b=(d,))
     if not cfg.tied:
         shapes["unembed"] = (d, cfg.vocab)
@@ -86,7 +112,7 @@ def init_params(cfg: LMConfig, seed: int = 0) -> "OrderedDict[str, np.ndarray]":
         elif kind.endswith("_b"):
             value = np.zeros(shape)
         else:
-            std = 0.02 * (residual_scale if kind in ("wo", "w2") else 1.0)
+            std = 0.02 * (residual_scale if kind in ("wo", "w2", "we2") else 1.0)
             value = rng.standard_normal(shape) * std
         out[name] = value.astype(cfg.dtype)
     return out
@@ -101,22 +127,52 @@ def lm_loss(cfg: LMConfig, params, tokens, labels, annotate=no_annotation):
     ``tokens``/``labels`` of shape (batch, seq).
 
     ``annotate(x, role)`` may pin the sharding of intermediate values (it returns x, possibly passed
-    through ``mesh_split``); roles: 'residual' (batch, seq, d) between sublayers, 'logits' (batch, seq, vocab).
+    through ``mesh_split``); roles: 'residual' (batch, seq, d) between sublayers, 'logits' (batch, seq, vocab),
+    and in MoE blocks the roles of ``models.moe`` ('groups', 'expert_in', 'expert_hidden').
+    With MoE blocks the loss includes ``aux_coef`` times the summed load-balancing losses.
     """
-    return cross_entropy(annotate(lm_logits(cfg, params, tokens, annotate), "logits"), labels)
+    return lm_loss_and_metrics(cfg, params, tokens, labels, annotate)[0]
+
+
+def lm_loss_and_metrics(cfg: LMConfig, params, tokens, labels, annotate=no_annotation):
+    """(loss, metrics): metrics is {} for a dense model, else {'aux_loss', 'dropped_fraction'} (traced
+    scalars: the summed load-balancing losses, and the fraction of routed token-expert assignments dropped
+    at full experts, over all MoE blocks)."""
+    logits, gatings = _forward(cfg, params, tokens, annotate)
+    loss = cross_entropy(annotate(logits, "logits"), labels)
+    if not gatings:
+        return loss, {}
+    aux = gatings[0].aux_loss
+    dropped, routed = gatings[0].dropped, gatings[0].routed
+    for g in gatings[1:]:
+        aux, dropped, routed = aux + g.aux_loss, dropped + g.dropped, routed + g.routed
+    loss = loss + snp.astype(aux * cfg.aux_coef, loss.dtype)
+    return loss, {"aux_loss": aux, "dropped_fraction": dropped / routed}
 
 
 def lm_logits(cfg: LMConfig, params, tokens, annotate=no_annotation):
     """(batch, seq, vocab) next-token logits for int ``tokens`` of shape (any batch, cfg.seq)."""
+    return _forward(cfg, params, tokens, annotate)[0]
+
+
+def _forward(cfg: LMConfig, params, tokens, annotate):
+    """Logits and the Gating of every MoE block."""
     p = dict(zip(param_shapes(cfg), params))
     x = annotate(embed(cfg, p["embed"], tokens) + positional(p["pos"], tokens.shape[0]), "residual")
+    gatings = []
     for i in range(cfg.layers):
-        layer = {k: p[f"l{i}_{k}"] for k in BLOCK_PARAMS}
+        layer = {k: p[f"l{i}_{k}"] for k in cfg.block_params(i)}
         x = annotate(x + attention(cfg, layer, layer_norm(x, layer["ln1_g"], layer["ln1_b"])), "residual")
-        x = annotate(x + gelu(layer_norm(x, layer["ln2_g"], layer["ln2_b"]) @ layer["w1"]) @ layer["w2"],
-                     "residual")
+        a = layer_norm(x, layer["ln2_g"], layer["ln2_b"])
+        if cfg.is_moe_block(i):  # groups = sequences: (batch, seq, d) is already (G, S, M)
+            y, gating = moe_ffn(a, layer["wg"], layer["we1"], layer["we2"], cfg.moe, annotate)
+            gatings.append(gating)
+        else:
+            y = gelu(a @ layer["w1"]) @ layer["w2"]
+        x = annotate(x + y, "residual")
     h = layer_norm(x, p["lnf_g"], p["lnf_b"])
-    return snp.einsum("bsd,vd->bsv", h, p["embed"]) if cfg.tied else h @ p["unembed"]
+    logits = snp.einsum("bsd,vd->bsv", h, p["embed"]) if cfg.tied else h @ p["unembed"]
+    return logits, gatings
 
 
 def embed(cfg: LMConfig, table, tokens):
@@ -182,4 +238,5 @@ def cross_entropy(logits, labels):
     return -snp.mean(picked)
 
 
-__all__ = ["LMConfig", "param_shapes", "param_kind", "init_params", "lm_loss", "lm_logits", "cross_entropy", "embed"]
+__all__ = ["LMConfig", "param_shapes", "param_kind", "init_params", "lm_loss", "lm_loss_and_metrics", "lm_logits",
+           "cross_entropy", "embed"]
