@@ -8,6 +8,13 @@ BLAS threads per rank default to (cores / ranks); they are set through threadpoo
 it is installed, else through the environment before NumPy is imported. Reported: median
 step seconds (max over ranks per step), tokens/s, comm wire bytes per step (cost model),
 peak memory per rank (measured max RSS, and the program's peak of live local buffers).
+
+``--moe``: every ``--moe-every``-th block is a GShard mixture of ``--experts`` experts (top-``--top-k``,
+hidden ``--ffn`` each); use ``--preset moe`` or ``moe_megatron``. The line then adds the all-to-all wire
+bytes, the expert weights held per rank (and globally) and the dropped-token fraction. A dense LM with the
+same active parameters per token has ``--ffn`` = top_k x the expert hidden dim:
+    mpiexec -n 8 python scripts/bench_train.py --mesh 4,2 --preset moe --moe --experts 8 --ffn 512
+    mpiexec -n 8 python scripts/bench_train.py --mesh 4,2 --preset dp --ffn 1024
 """
 from __future__ import annotations
 
@@ -29,12 +36,17 @@ def parse_args(argv=None):
                           ("batch", 8), ("steps", 10), ("warmup", 2)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--mesh", default=None, help="mesh shape, e.g. 8 or 2,4 (default: one axis of all ranks)")
-    ap.add_argument("--preset", default="dp", help="dp, megatron, wus, seq, megatron_wus, dp_seq")
+    ap.add_argument("--preset", default="dp", help="dp, megatron, wus, seq, megatron_wus, dp_seq, moe, moe_megatron")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--embedding", default="auto", choices=["auto", "take", "onehot"])
     ap.add_argument("--threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")
+    ap.add_argument("--moe", action="store_true", help="a GShard mixture-of-experts LM")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--moe-every", type=int, default=2)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--capacity-factor", type=float, default=2.0)
     return ap.parse_args(argv)
 
 
@@ -71,8 +83,10 @@ from spmd_runtime.train import build_train_step, run_on_root, train_mesh  # noqa
 
 def build(args, comm):
     """Rank 0 traces and partitions (the others wait sleeping); the step is broadcast."""
+    moe = dict(moe_every=args.moe_every, experts=args.experts, top_k=args.top_k,
+               capacity_factor=args.capacity_factor) if args.moe else {}
     cfg = LMConfig(args.layers, args.d, args.heads, args.ffn, args.vocab, args.seq, args.batch, tied=args.tied,
-                   dtype=args.dtype, embedding=args.embedding)
+                   dtype=args.dtype, embedding=args.embedding, **moe)
     shape = tuple(int(s) for s in args.mesh.split(",")) if args.mesh else (comm.Get_size(),)
 
     def build_timed():
@@ -124,7 +138,25 @@ def main():
             "memory_per_rank": ts.memory_report(), "instructions": len(ts.program.instrs),
             "build_s": build_seconds, "loss_first": losses[0], "loss_last": losses[-1],
             "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg()),
+            **({"moe": moe_report(ts)} if cfg.moe_every else {}),
         }))
+
+
+def moe_report(ts) -> dict:
+    """All-to-all wire bytes per step, expert weight bytes per rank vs in all, the last dropped fraction."""
+    cfg, held, whole = ts.cfg, 0, 0
+    for io in ts.program.inputs[:len(ts.param_names)]:
+        if io.name.endswith(("_we1", "_we2")):
+            item = np.dtype(io.dtype).itemsize
+            held += int(np.prod(io.sharding.local_shape(io.shape, ts.mesh))) * item
+            whole += int(np.prod(io.shape)) * item
+    return {"experts": cfg.experts, "top_k": cfg.top_k, "capacity_factor": cfg.capacity_factor,
+            "moe_every": cfg.moe_every,
+            "all_to_all_wire_bytes_per_step": sum(g["wire_bytes"] for g in ts.comm_summary()
+                                                  if g["kind"] == "all_to_all"),
+            "all_to_alls_per_step": sum(g["count"] for g in ts.comm_summary() if g["kind"] == "all_to_all"),
+            "expert_weight_bytes_per_rank": held, "expert_weight_bytes_global": whole,
+            "dropped_fraction_last": ts.metrics.get("dropped_fraction")}
 
 
 if __name__ == "__main__":

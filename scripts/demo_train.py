@@ -9,7 +9,11 @@ the loss curve against a 1-process run of the SAME traced step (the unpartitione
 onto a different mesh and sharding and checks it holds the same state and continues the
 same curve, and samples some text.
 
-Run: mpiexec -n 8 python scripts/demo_train.py   (scripts/demo.sh runs it)
+With ``--experts E`` every ``--moe-every``-th block is a GShard mixture of experts (top-2 gating with
+capacity ``--capacity-factor``); use ``--preset moe`` or ``moe_megatron``. The progress line then also shows
+the fraction of routed tokens dropped at full experts and the load-balancing loss.
+
+Run: mpiexec -n 8 python scripts/demo_train.py   (scripts/demo.sh runs it, then an MoE run)
 """
 from __future__ import annotations
 
@@ -43,6 +47,10 @@ def parse_args():
     ap.add_argument("--log-every", type=int, default=25)
     for name, default in (("layers", 2), ("d", 64), ("heads", 4), ("ffn", 256), ("seq", 32), ("batch", 8)):
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--experts", type=int, default=0, help="experts per MoE block (0: a dense model)")
+    ap.add_argument("--moe-every", type=int, default=2, help="every n-th block is MoE (with --experts)")
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--capacity-factor", type=float, default=2.0)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--check-steps", type=int, default=None,
@@ -58,8 +66,10 @@ def main():
     args = parse_args()
     comm = MPI.COMM_WORLD
     rank, root = comm.Get_rank(), comm.Get_rank() == 0
+    moe = dict(moe_every=args.moe_every, experts=args.experts, top_k=args.top_k,
+               capacity_factor=args.capacity_factor) if args.experts else {}
     cfg = LMConfig(args.layers, args.d, args.heads, args.ffn, len(ALPHABET) + 1, args.seq, args.batch,
-                   dtype=args.dtype)
+                   dtype=args.dtype, **moe)
     optimizer = AdamW(lr=args.lr, warmup=20)
     mesh = train_mesh(tuple(int(s) for s in args.mesh.split(",")), args.preset)
     t0 = time.perf_counter()
@@ -96,7 +106,8 @@ def train(ts, local, feed, comm, log_every):
             now = time.perf_counter()
             rate = (i - n_last) * ts.cfg.tokens_per_step / (now - t_last)
             t_last, n_last = now, i
-            print(f"{bar(i, len(feed))} step {i:>4}/{len(feed)}  loss {loss:.4f}  {rate:>6.0f} tok/s  per rank: "
+            moe = "".join(f"  {k.replace('_fraction', '')} {v:.3f}" for k, v in ts.metrics.items())
+            print(f"{bar(i, len(feed))} step {i:>4}/{len(feed)}  loss {loss:.4f}{moe}  {rate:>6.0f} tok/s  per rank: "
                   f"params {kib(mem['params'])}, opt {kib(mem['opt_state'])}, peak buffers {kib(mem['peak'])}, "
                   f"max RSS {kib(rss)}", flush=True)
     return local, losses, seconds

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import numpy as snp
 from ..nn import gelu
-from .moe import MoEConfig, check_moe, moe_ffn
+from .moe import MoEConfig, check_moe, moe_ffn, one_hot
 
 BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")
 MOE_BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "wg", "we1", "we2")
@@ -201,11 +201,6 @@ def layer_norm(x, gain, bias, eps=1e-5):
     xhat = centred / snp.sqrt(snp.mean(centred * centred, axis=-1, keepdims=True) + eps)
     b, s, _ = x.shape
     return snp.einsum("bsd,d->bsd", xhat, gain) + snp.einsum("bs,d->bsd", snp.ones((b, s), x.dtype), bias)
-
-
-def one_hot(ids, n: int, dtype):
-    """(..., n) float: 1 where the last index equals ``ids``."""
-    return snp.astype(snp.expand_dims(ids, -1) == snp.asarray(np.arange(n, dtype=ids.dtype)), dtype)
 
 
 def attention(cfg: LMConfig, w: dict, a):

@@ -86,8 +86,11 @@ def no_annotation(x, role):
 def top2_gating(logits, cfg: MoEConfig, noise=None) -> Gating:
     """GShard top-k gating of (G, S, E) ``logits``; ``noise`` (G, S) uniform in [0, 1) drives random routing."""
     g, s, e = logits.shape
+    if cfg.top_k == 2 and cfg.second_policy == "random" and (noise is None or tuple(noise.shape) != (g, s)):
+        raise ValueError(f"random routing of the second expert needs uniform noise of shape (G, S) = {(g, s)}; "
+                         f"got {None if noise is None else tuple(noise.shape)}")
     capacity = cfg.capacity(s)
-    probs = _softmax(snp.astype(logits, GATE_DTYPE))
+    probs = snp.softmax(snp.astype(logits, GATE_DTYPE), axis=-1)
     index1, index2 = _top_indices(probs, cfg.top_k)
     mask1 = one_hot(index1, e)
     gate1 = snp.sum(probs * mask1, axis=-1)
@@ -96,21 +99,21 @@ def top2_gating(logits, cfg: MoEConfig, noise=None) -> Gating:
     pos1 = _exclusive_cumsum(mask1)
     kept1 = mask1 * snp.astype(pos1 < capacity, GATE_DTYPE)
     routed, kept = snp.sum(mask1), snp.sum(kept1)
-    slots = [(kept1, _position(pos1, kept1), gate1 * snp.sum(kept1, axis=-1))]
+    choices = [(kept1, _position(pos1, kept1), gate1 * snp.sum(kept1, axis=-1))]  # top-1 (Switch): unnormalised
     if cfg.top_k == 2:
         mask2 = one_hot(index2, e)
         gate2 = snp.sum(probs * mask2, axis=-1)
         if cfg.second_policy == "random":
             share = gate2 / _nonzero(gate1 + gate2)
             mask2 = mask2 * snp.expand_dims(snp.astype(noise < share * (1.0 / cfg.second_threshold), GATE_DTYPE), -1)
-        pos2 = _exclusive_cumsum(mask2) + snp.expand_dims(snp.sum(kept1, axis=1), 1)
+        pos2 = _exclusive_cumsum(mask2) + snp.expand_dims(snp.sum(kept1, axis=1), 1)  # behind every first choice
         kept2 = mask2 * snp.astype(pos2 < capacity, GATE_DTYPE)
         routed, kept = routed + snp.sum(mask2), kept + snp.sum(kept2)
-        gate2 = gate2 * snp.sum(kept2, axis=-1)
-        denom = _nonzero(slots[0][2] + gate2)
-        slots = [(slots[0][0], slots[0][1], slots[0][2] / denom), (kept2, _position(pos2, kept2), gate2 / denom)]
+        gate1, gate2 = choices[0][2], gate2 * snp.sum(kept2, axis=-1)
+        denom = _nonzero(gate1 + gate2)
+        choices = [(kept1, choices[0][1], gate1 / denom), (kept2, _position(pos2, kept2), gate2 / denom)]
     combine = dispatch = None
-    for kept_mask, position, gate in slots:
+    for kept_mask, position, gate in choices:
         where = snp.expand_dims(kept_mask, -1) * snp.expand_dims(one_hot(position, capacity), 2)  # GSEC
         weighted = where * snp.expand_dims(snp.expand_dims(gate, -1), -1)
         combine = weighted if combine is None else combine + weighted
@@ -128,11 +131,6 @@ def _top_indices(probs, k: int):
     if k == 1:
         return index1, None
     return index1, snp.argmax(probs * (1.0 - one_hot(index1, probs.shape[-1])), axis=-1)
-
-
-def _softmax(x):
-    e = snp.exp(x - snp.max(x, axis=-1, keepdims=True))
-    return e / snp.sum(e, axis=-1, keepdims=True)
 
 
 def _exclusive_cumsum(mask):
