@@ -21,5 +21,5 @@ echo "=== 2/3: training a Transformer LM, Megatron + weight-update sharding on a
 run_ranks "$SPMD_ROOT/scripts/demo_train.py" "$@"
 echo
 echo "=== 3/3: training a mixture-of-experts LM (GShard: 8 experts on data, top-2 gating) on a 4x2 mesh"
-run_ranks "$SPMD_ROOT/scripts/demo_train.py" --mesh 4,2 --preset moe --experts 8 --capacity-factor 1.0 --steps 60 \
+run_ranks "$SPMD_ROOT/scripts/demo_train.py" --mesh 4,2 --preset moe --experts 8 --capacity-factor 1.25 --steps 60 \
     --log-every 10 --check-steps 10 --reload-mesh 2,4 --reload-preset moe_megatron --out "$SPMD_ROOT/out/moe"
