@@ -137,4 +137,4 @@ def test_moe_two_steps_match_the_reference(shape, preset):
         np.testing.assert_allclose(got[name], want[0][name], rtol=1e-8, atol=1e-10, err_msg=name)
     for rank_losses in all_losses:
         np.testing.assert_allclose(rank_losses, want[1], rtol=1e-7)  # gating (aux loss) runs in float32
-    assert [g["count"] for g in ts.comm_summary() if g["kind"] == "all_to_all"] == [4]
+    assert sum(g["count"] for g in ts.comm_summary() if g["kind"].startswith("all_to_all")) == 4

@@ -147,13 +147,13 @@ def partition_layer(mesh, g, e, grad, roles=None, s=8):
     return graph, program, args
 
 
-LAYER_MESHES = [  # (mesh shape, axis names, groups, experts): 1, 2, 4 and 8 ranks, uneven groups on 1-d meshes
+LAYER_MESHES = [  # (mesh shape, axis names, groups, experts): 1, 2, 4 and 8 ranks, uneven groups
     ((1,), ("data",), 3, 4),
     ((2,), ("data",), 3, 4),
     ((4,), ("data",), 6, 8),
-    ((2, 2), ("model", "data"), 8, 4),
+    ((2, 2), ("model", "data"), 6, 4),
     ((8,), ("data",), 10, 8),
-    ((2, 4), ("model", "data"), 16, 4),
+    ((2, 4), ("model", "data"), 12, 4),
 ]
 
 
@@ -171,11 +171,14 @@ def collectives_of(program, min_bytes=8):
 
 
 A2A = ("all_to_all", ("data",))
+A2AV = ("all_to_allv", ("model", "data"))  # uneven groups: (model, data) -> model is a block exchange
 EXPERT_PARTITION_CASES = [  # mesh, groups, experts, roles -> forward collectives, backward collectives
     ((4,), ("data",), 8, 4, None, [A2A, A2A], [A2A, A2A, ("all_reduce", ("data",))]),
     ((4,), ("data",), 6, 8, None, [A2A, A2A], [A2A, A2A, ("all_reduce", ("data",))]),
     ((2, 4), ("model", "data"), 8, 4, None, [A2A, A2A],
      [A2A, ("all_reduce", ("model",)), ("all_reduce", ("model",)), A2A, ("all_reduce", ("model", "data"))]),
+    ((2, 2), ("model", "data"), 6, 4, None, [A2AV, A2AV],
+     [A2AV, ("all_reduce", ("model",)), ("all_reduce", ("model",)), A2AV, ("all_reduce", ("model", "data"))]),
     # Megatron experts: hidden dim on model; the second expert einsum's partial sum is all-reduced over it
     ((2, 2), ("data", "model"), 4, 4,
      {"groups": ("data",), "expert_in": ("data", None), "expert_hidden": ("data", None, None, "model")},
@@ -200,9 +203,7 @@ MOE_CFG = LMConfig(layers=2, d=16, heads=4, ffn=64, vocab=24, seq=8, batch=8, dt
                    experts=4, capacity_factor=1.0)
 
 
-# uneven groups (batch 6 on 4 ranks) on the 1-d mesh; on a 2-d mesh they would make the planner gather
-# (an uneven (model, data) -> model split is not one all-to-all), see test_layer_matches_reference
-@pytest.mark.parametrize("preset,shape,batch", [("moe", (2, 2), 8), ("moe_megatron", (2, 2), 8), ("moe", (4,), 6)])
+@pytest.mark.parametrize("preset,shape,batch", [("moe", (2, 2), 6), ("moe_megatron", (2, 2), 8), ("moe", (4,), 6)])
 def test_moe_lm_two_steps_match_reference(preset, shape, batch):
     cfg = dataclasses.replace(MOE_CFG, batch=batch)
     ts = build_train_step(cfg, train_mesh(shape, preset), preset, sr.AdamW(lr=1e-2))
@@ -226,8 +227,8 @@ def test_moe_lm_two_steps_match_reference(preset, shape, batch):
     assert any(d > 0 for _, d in want), "capacity 1.0 drops some tokens"
     for name in ref:
         np.testing.assert_allclose(gathered[name], ref[name], rtol=1e-8, atol=1e-10, err_msg=name)
-    a2a = [g for g in ts.comm_summary() if g["kind"] == "all_to_all"]
-    assert [(g["axes"], g["count"]) for g in a2a] == [(("data",), 4)]  # one MoE block: 2 forward, 2 backward
+    a2a = [g for g in ts.comm_summary() if g["kind"].startswith("all_to_all")]  # all_to_allv: uneven groups
+    assert sum(g["count"] for g in a2a) == 4  # one MoE block: 2 forward, 2 backward
 
 
 # The einsum chooser weighs bytes: with expert weights smaller than the expert activations (ffn <= d at
