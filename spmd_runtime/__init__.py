@@ -3,6 +3,7 @@
 Annotate a few tensors of a traced function with ``mesh_split``, ``partition``
 it into ONE SPMD program, and ``run`` that program on every MPI rank.
 """
+from . import dtypes  # noqa: F401  (registers "bfloat16" with NumPy when ml_dtypes is installed)
 from .graph import Graph, TensorSpec
 from .mesh import Mesh
 from .sharding import Sharding, parse_spec

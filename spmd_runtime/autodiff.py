@@ -28,6 +28,7 @@ import inspect
 
 import numpy as np
 
+from .dtypes import is_floating
 from . import numpy as snp
 from .graph import COMPARISONS, Node
 from .trace import Tensor, current_graph, emit
@@ -117,7 +118,7 @@ def _prepare_args(args, nums) -> list:
         x = args[i] if isinstance(args[i], Tensor) else snp.asarray(args[i])
         if x.graph is not current_graph():
             raise ValueError(f"grad differentiates tensors of the current trace; got argument {i} from another one")
-        if not np.issubdtype(x.dtype, np.floating):
+        if not is_floating(x.dtype):
             raise TypeError(f"grad requires floating-point inputs; got argument {i} of dtype {x.dtype.name}")
         if x.id in seen:  # f(x, x): each position is its own variable, as in JAX
             x = emit("convert", [x], {"dtype": x.dtype.name}, x.shape, x.dtype)
@@ -140,7 +141,7 @@ def _check_output(out):
         raise TypeError(f"grad requires the function to return a traced scalar Tensor; got {type(out).__name__}")
     if out.shape != ():
         raise TypeError(f"grad requires a scalar (shape ()) output; got output of shape {out.shape}")
-    if not np.issubdtype(out.dtype, np.floating):
+    if not is_floating(out.dtype):
         raise TypeError(f"grad requires a floating-point output; got dtype {out.dtype.name}")
 
 
@@ -148,7 +149,7 @@ def _active_nodes(g, wrt: set[int], start: int, stop: int) -> set[int]:
     """Floating nodes in ``start..stop`` that depend on ``wrt``, plus ``wrt``: the ones that carry gradients."""
     active = set(wrt)
     for node in g.nodes[start:stop + 1]:
-        if any(i in active for i in node.inputs) and np.issubdtype(np.dtype(node.dtype), np.floating):
+        if any(i in active for i in node.inputs) and is_floating(node.dtype):
             active.add(node.id)
     return active
 
@@ -253,7 +254,7 @@ def _select(node, g, ops, y):
 
 @vjp("convert")
 def _convert(node, g, ops, y):
-    return [snp.astype(g, ops[0].dtype) if np.issubdtype(ops[0].dtype, np.floating) else None]
+    return [snp.astype(g, ops[0].dtype) if is_floating(ops[0].dtype) else None]
 
 
 @vjp("mesh_split")

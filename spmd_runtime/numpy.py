@@ -11,6 +11,7 @@ import string
 
 import numpy as np
 
+from .dtypes import result_type
 from .trace import Tensor, current_graph, emit
 
 __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "multiply", "divide", "true_divide",
@@ -49,7 +50,7 @@ def ones(shape, dtype="float64") -> Tensor:
 # ---------------------------------------------------------------- elementwise
 def _operands(*xs):
     """Turn operands into tensors of one dtype and one broadcast shape; Python scalars are weak."""
-    dtype = np.result_type(*[x.dtype if isinstance(x, Tensor) else x for x in xs])
+    dtype = result_type(*xs)
     if not any(isinstance(x, Tensor) for x in xs):
         current_graph()
     ts = [astype(x, dtype) if isinstance(x, Tensor) else asarray(np.asarray(x, dtype=dtype)) for x in xs]
@@ -68,7 +69,7 @@ def _binary(op, a, b, out_dtype=None):
 
 
 def _float(x):
-    return astype(x, np.result_type(x.dtype, 1.0)) if isinstance(x, Tensor) else x
+    return astype(x, result_type(x, 1.0)) if isinstance(x, Tensor) else x
 
 
 def add(a, b): return _binary("add", a, b)

@@ -47,6 +47,10 @@ class Optimizer:
         """Traced: (new params, new state) from params, their gradients and the state (layout order)."""
         raise NotImplementedError
 
+    def loss_scale(self, state: list):
+        """Traced: the factor the loss is multiplied by before differentiation (1: none)."""
+        return 1.0
+
 
 def _per_param(prefix: str, shapes, dtype) -> list[StateSlot]:
     return [StateSlot(f"{prefix}_{name}", tuple(shape), dtype, name) for name, shape in shapes.items()]
@@ -118,6 +122,53 @@ class AdamW(Optimizer):
         return self.lr * snp.minimum(t * (1.0 / self.warmup), 1.0)
 
 
+@dataclass(frozen=True)
+class DynamicLossScale(Optimizer):
+    """Dynamic loss scaling around ``inner`` (for float16 gradients, Micikevicius et al. 2018): the loss is
+    multiplied by ``loss_scale`` before differentiation and the gradients divided by it; when any gradient
+    holds an inf or NaN the step is skipped (parameters and inner state unchanged) and the scale divided
+    by ``factor``; after ``interval`` finite steps in a row it is multiplied by ``factor``.
+
+    The finiteness test is one traced global reduction over every gradient, so all ranks agree on it even
+    when the gradients are sharded (the partitioner all-reduces the partial flags).
+    State: the inner state, then ``loss_scale`` and ``good_steps`` (float32 0-d)."""
+    inner: Optimizer = AdamW()
+    initial: float = 2.0 ** 15
+    interval: int = 200
+    factor: float = 2.0
+    min_scale: float = 1.0
+
+    def _slots(self, shapes, dtype):
+        return self.inner._slots(shapes, dtype) + [StateSlot("loss_scale", (), "float32", None),
+                                                   StateSlot("good_steps", (), "float32", None)]
+
+    def init_state(self, params):
+        state = self.inner.init_state(params)
+        state["loss_scale"] = np.asarray(self.initial, np.float32)
+        state["good_steps"] = np.zeros((), np.float32)
+        return state
+
+    def loss_scale(self, state):
+        return state[-2]
+
+    def update(self, params, grads, state):
+        scale, good = state[-2], state[-1]
+        inv = 1.0 / scale
+        grads = [g * snp.astype(inv, g.dtype) for g in grads]
+        # g * 0 is 0 for a finite g and NaN for inf/NaN: one sum per gradient flags any non-finite value.
+        flags = [snp.sum(snp.astype(g, "float32") * 0.0) for g in grads]
+        finite = sum(flags[1:], flags[0]) == 0.0
+        new_params, new_inner = self.inner.update(params, grads, state[:-2])
+        keep = lambda new, old: snp.where(finite, new, old)
+        new_params = [keep(n, p) for n, p in zip(new_params, params)]
+        new_inner = [keep(n, o) for n, o in zip(new_inner, state[:-2])]
+        good = snp.where(finite, good + 1.0, 0.0)
+        grow = good >= float(self.interval)
+        scale = snp.where(finite, snp.where(grow, scale * self.factor, scale),
+                          snp.maximum(scale * (1.0 / self.factor), self.min_scale))
+        return new_params, new_inner + [scale, snp.where(grow, 0.0, good)]
+
+
 OPTIMIZERS = {"sgd": SGD, "adamw": AdamW}
 
 
@@ -127,4 +178,4 @@ def make_optimizer(name: str, **hyper) -> Optimizer:
     return OPTIMIZERS[name](**hyper)
 
 
-__all__ = ["Optimizer", "SGD", "AdamW", "StateSlot", "OPTIMIZERS", "make_optimizer"]
+__all__ = ["Optimizer", "SGD", "AdamW", "DynamicLossScale", "StateSlot", "OPTIMIZERS", "make_optimizer"]

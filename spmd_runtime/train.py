@@ -46,7 +46,8 @@ from .exec.backend import to_host
 from .exec.runner import communicator, run_local, shard, unshard
 from .mesh import Mesh
 from .models.lm import LMConfig, init_params, lm_loss_and_metrics, param_kind, param_shapes
-from .optim import AdamW, Optimizer
+from . import numpy as snp
+from .optim import AdamW, DynamicLossScale, Optimizer
 from .partition import partition
 from .program import SPMDProgram
 from .reference import evaluate
@@ -69,12 +70,13 @@ class Preset:
     update: tuple[str, ...] = ()
     doc: str = ""
     experts: tuple[str, ...] = ()
+    shard_params: bool = False  # FSDP: weights held in their update layout, all-gathered before use
 
     def on(self, mesh: Mesh) -> "Preset":
         """This preset with the axes ``mesh`` lacks dropped."""
         keep = lambda axes: tuple(a for a in axes if a in mesh.axis_names)
-        return Preset(self.name, keep(self.batch), keep(self.seq), keep(self.model), keep(self.update), self.doc,
-                      keep(self.experts))
+        return dataclasses.replace(self, batch=keep(self.batch), seq=keep(self.seq), model=keep(self.model),
+                                   update=keep(self.update), experts=keep(self.experts))
 
 
 BOTH = ("data", "model")
@@ -93,6 +95,11 @@ PRESETS = {
                   doc="GShard: experts on data (one all-to-all each way per MoE block), batch on every axis"),
     "moe_megatron": Preset("moe_megatron", batch=("data",), model=("model",), experts=("data",),
                            doc="experts on data; expert hidden dim, heads, MLP hidden and vocab on model"),
+    "fsdp": Preset("fsdp", batch=BOTH, update=BOTH, shard_params=True,
+                   doc="fully sharded data parallel (ZeRO-3): weights, gradients and optimizer state sharded; "
+                       "weights all-gathered before use"),
+    "fsdp_megatron": Preset("fsdp_megatron", batch=("data",), model=("model",), update=("data",), shard_params=True,
+                            doc="megatron, with weights, gradients and optimizer state also sharded over data"),
 }
 
 
@@ -155,6 +162,7 @@ class Layout:
     preset: Preset
     specs: "OrderedDict[str, tuple]"
     update: dict  # parameter name -> spec of its gradient, optimizer state and updated block
+    use: dict  # parameter name -> spec of the weight where the model uses it (FSDP: gathered to this)
 
     def annotate(self, x, spec):
         """``x`` pinned to ``spec`` with ``mesh_split``; on a one-device mesh there is nothing to say."""
@@ -183,28 +191,41 @@ def moe_activation_spec(preset: Preset, role: str, ndim: int) -> tuple:
 
 def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
     shapes = param_shapes(cfg)
-    specs = OrderedDict((n, param_spec(n, s, preset)) for n, s in shapes.items())
-    update = {n: update_spec(s, specs[n], preset.update, mesh) for n, s in shapes.items()}
-    for slot in optimizer.state_layout(shapes, cfg.dtype):
+    use = OrderedDict((n, param_spec(n, s, preset)) for n, s in shapes.items())
+    update = {n: update_spec(s, use[n], preset.update, mesh) for n, s in shapes.items()}
+    specs = OrderedDict((n, update[n] if preset.shard_params else use[n]) for n in shapes)
+    for slot in optimizer.state_layout(shapes, cfg.master_dtype):
         specs[slot.name] = update[slot.param] if slot.param else (None,) * len(slot.shape)
     specs["tokens"] = specs["labels"] = (preset.batch or None, preset.seq or None)
     for name, spec in specs.items():
         parse_spec(spec, mesh, len(spec), name)  # fail early, naming the value
-    return Layout(mesh, preset, specs, update)
+    return Layout(mesh, preset, specs, update, use)
 
 
 # ---------------------------------------------------------------- the traced step
 def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout):
     """``step(*params, *opt_state, tokens, labels) -> (*new_params, *new_opt_state, loss)``, annotated."""
     names = list(param_shapes(cfg))
-    slots = optimizer.state_layout(param_shapes(cfg), cfg.dtype)
+    slots = optimizer.state_layout(param_shapes(cfg), cfg.master_dtype)
     n, s = len(names), len(slots)
 
     def step(*args):
         params, state, tokens, labels = args[:n], args[n:n + s], args[n + s], args[n + s + 1]
-        loss_fn = lambda *ps: lm_loss_and_metrics(cfg, ps, tokens, labels, layout.activation)
-        (loss, metrics), grads = value_and_grad(loss_fn, argnums=tuple(range(n)), has_aux=True)(*params)
+        # Mixed precision: the model runs on 16-bit copies, so activations, gradients and the collectives
+        # on them are 16-bit; FSDP gathers the (16-bit) copy of each sharded weight where it is used.
+        compute = [snp.astype(p, cfg.dtype) for p in params]
+        if layout.preset.shard_params:
+            compute = [layout.annotate(p, layout.use[name]) for name, p in zip(names, compute)]
+        scale = optimizer.loss_scale(list(state))
+        scaled = isinstance(optimizer, DynamicLossScale)
+
+        def loss_fn(*ps):
+            loss, metrics = lm_loss_and_metrics(cfg, ps, tokens, labels, layout.activation)
+            return (loss * scale, metrics) if scaled else (loss, metrics)
+        (loss, metrics), grads = value_and_grad(loss_fn, argnums=tuple(range(n)), has_aux=True)(*compute)
+        loss = loss / scale if scaled else loss
         grads = [layout.annotate(g, layout.update[name]) for name, g in zip(names, grads)]
+        grads = [snp.astype(g, p.dtype) for g, p in zip(grads, params)]  # reduced in 16 bits, updated in master
         new_params, new_state = optimizer.update(list(params), grads, list(state))
         new_params = [layout.annotate(p, layout.update[name]) for name, p in zip(names, new_params)]
         new_state = [layout.annotate(x, layout.specs[slot.name]) for slot, x in zip(slots, new_state)]
@@ -218,7 +239,7 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout):
 
 def input_specs(cfg: LMConfig, optimizer: Optimizer) -> list:
     """Example arrays (shape, dtype) of the step's inputs, in order."""
-    params = OrderedDict((k, np.zeros(v, cfg.dtype)) for k, v in param_shapes(cfg).items())
+    params = OrderedDict((k, np.zeros(v, cfg.master_dtype)) for k, v in param_shapes(cfg).items())
     batch = np.zeros((cfg.batch, cfg.seq), TOKEN_DTYPE)
     return [*params.values(), *optimizer.init_state(params).values(), batch, batch]
 
@@ -226,6 +247,8 @@ def input_specs(cfg: LMConfig, optimizer: Optimizer) -> list:
 def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None) -> "TrainStep":
     """Trace and partition one training step of ``cfg`` over ``mesh`` with ``preset`` (name or Preset)."""
     optimizer = optimizer or AdamW()
+    if np.dtype(cfg.dtype) == np.float16 and not isinstance(optimizer, DynamicLossScale):
+        optimizer = DynamicLossScale(optimizer)  # float16 gradients underflow without it
     preset = _preset(preset).on(mesh)
     layout = make_layout(cfg, mesh, preset, optimizer)
     graph = trace(train_step_fn(cfg, optimizer, layout), *input_specs(cfg, optimizer))

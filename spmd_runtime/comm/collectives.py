@@ -23,13 +23,16 @@ functions below are ``bind(...)(x)`` with fresh buffers.
 
 Wire bytes (per rank, ring algorithms, S = local bytes) are in each docstring;
 they are the denominators of the cost model and of the bus-bandwidth figures.
+16-bit floats travel as 16 bits and are reduced in float32 (``low_precision.py``).
 """
 from __future__ import annotations
 
 import numpy as np
 from mpi4py import MPI
 
+from spmd_runtime.comm import low_precision
 from spmd_runtime.comm.communicator import mpi_op
+from spmd_runtime.dtypes import is_low_precision
 
 
 def all_reduce(mc, x, axes, op: str = "sum"):
@@ -84,6 +87,8 @@ def bind(mc, kind: str, xp, shape, dtype, *, reuse: bool = True, in_place: bool 
     """
     if kind not in _BINDERS:
         raise ValueError(f"collective kind must be one of {sorted(_BINDERS)}; got {kind!r}")
+    if is_low_precision(dtype):  # 16-bit floats: moved as uint16, reduced in float32 (low_precision.py)
+        return low_precision.bind(bind, mc, kind, xp, tuple(shape), np.dtype(dtype), reuse=reuse, **attrs)
     return _BINDERS[kind](_Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse), in_place=in_place, **attrs)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..dtypes import ACCUMULATE, is_low_precision
 from ..graph import BINARY_OPS, UNARY_OPS
 
 _UNARY = {"neg": "negative", "exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "abs": "absolute",
@@ -72,6 +73,8 @@ def transpose(xp, x, perm):
 
 @kernel("reduce")
 def reduce(xp, x, kind, axes):
+    if kind == "sum" and is_low_precision(x.dtype):  # accumulate 16-bit sums in float32 (dtypes.py)
+        return xp.sum(x, axis=tuple(axes), dtype=ACCUMULATE).astype(x.dtype)
     return getattr(xp, kind)(x, axis=tuple(axes))
 
 
@@ -89,9 +92,17 @@ def einsum(xp, a, b, spec):
         prod(batch), prod(free_a), prod(contract))
     b3 = b.transpose([tb.index(c) for c in batch + contract + free_b]).reshape(
         prod(batch), prod(contract), prod(free_b))
-    r = xp.matmul(a3, b3).reshape([sizes[c] for c in batch + free_a + free_b])
+    r = _matmul(xp, a3, b3).reshape([sizes[c] for c in batch + free_a + free_b])
     order = batch + free_a + free_b
     return r.transpose([order.index(c) for c in out])
+
+
+def _matmul(xp, a, b):
+    """16-bit operands are multiplied with float32 accumulation and rounded once (dtypes.py); NumPy has no
+    16-bit BLAS and returns float32 for bfloat16."""
+    if not is_low_precision(a.dtype):
+        return xp.matmul(a, b)
+    return xp.matmul(a.astype(ACCUMULATE), b.astype(ACCUMULATE)).astype(a.dtype)
 
 
 @kernel("resize")

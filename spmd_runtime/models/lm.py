@@ -19,13 +19,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import dtypes
 from .. import numpy as snp
+from ..dtypes import FLOATING
 from ..nn import gelu
 from .moe import MoEConfig, check_moe, moe_ffn, one_hot
 
 BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")
 MOE_BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "wg", "we1", "we2")
-MASKED_SCORE = -1e9  # finite, so a masked score times a zero cotangent never makes a NaN
+MASKED_SCORE = -1e9  # finite, so a masked score times a zero cotangent never makes a NaN (float16: -max/2)
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,8 @@ class LMConfig:
     seq: int = 128
     batch: int = 8
     tied: bool = False
-    dtype: str = "float32"
+    dtype: str = "float32"  # compute: activations, gradients and their communication
+    param_dtype: str | None = None  # master weights and optimizer state; None: float32 for 16-bit dtype, else dtype
     embedding: str = "auto"  # "take" (gather), "onehot" (Mesh-TF contraction), "auto": take when available
     # GShard mixture of experts: every ``moe_every``-th block (0: none) has an MoE feed-forward of ``experts``
     # experts (hidden dim ``ffn`` each), groups = sequences; ``aux_coef`` weighs the load-balancing loss
@@ -56,13 +59,22 @@ class LMConfig:
                 raise ValueError(f"LMConfig sizes must be >= 1; got {name}={getattr(self, name)}")
         if self.embedding not in ("auto", "take", "onehot"):
             raise ValueError(f"LMConfig embedding must be 'auto', 'take' or 'onehot'; got {self.embedding!r}")
-        if np.dtype(self.dtype) not in (np.float32, np.float64):
-            raise ValueError(f"LMConfig dtype must be float32 or float64; got {self.dtype!r}")
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or value not in FLOATING):
+                raise ValueError(f"LMConfig {name} must be one of {FLOATING}; got {value!r}")
+            if value is not None:
+                dtypes.dtype(value)  # bfloat16 without ml_dtypes: say which package is missing
         if self.moe_every or self.experts:
             if not 1 <= self.moe_every <= self.layers:
                 raise ValueError(f"LMConfig moe_every must be in [1, layers] for a mixture of experts (every "
                                  f"moe_every-th block is MoE); got moe_every={self.moe_every}, layers={self.layers}")
             check_moe(self.experts, self.top_k, self.capacity_factor)
+
+    @property
+    def master_dtype(self) -> str:
+        """The dtype of the parameters and optimizer state held between steps (mixed precision: float32)."""
+        return self.param_dtype or ("float32" if dtypes.is_low_precision(self.dtype) else self.dtype)
 
     @property
     def moe(self) -> "MoEConfig | None":
@@ -114,7 +126,7 @@ def init_params(cfg: LMConfig, seed: int = 0) -> "OrderedDict[str, np.ndarray]":
         else:
             std = 0.02 * (residual_scale if kind in ("wo", "w2", "we2") else 1.0)
             value = rng.standard_normal(shape) * std
-        out[name] = value.astype(cfg.dtype)
+        out[name] = value.astype(cfg.master_dtype)
     return out
 
 
@@ -139,7 +151,10 @@ def lm_loss_and_metrics(cfg: LMConfig, params, tokens, labels, annotate=no_annot
     scalars: the summed load-balancing losses, and the fraction of routed token-expert assignments dropped
     at full experts, over all MoE blocks)."""
     logits, gatings = _forward(cfg, params, tokens, annotate)
-    loss = cross_entropy(annotate(logits, "logits"), labels)
+    logits = annotate(logits, "logits")
+    if dtypes.is_low_precision(logits.dtype):  # the softmax cross-entropy in float32, as mixed precision does
+        logits = snp.astype(logits, "float32")
+    loss = cross_entropy(logits, labels)
     if not gatings:
         return loss, {}
     aux = gatings[0].aux_loss
@@ -210,7 +225,8 @@ def attention(cfg: LMConfig, w: dict, a):
     q, k, v = ((a @ w[name]).reshape(b, s, h, hd) for name in ("wq", "wk", "wv"))
     scores = snp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(hd))
     causal = snp.asarray(np.tril(np.ones((s, s), dtype=bool)))  # query q sees keys k <= q
-    probs = safe_softmax(snp.where(causal, scores, MASKED_SCORE))
+    masked = max(MASKED_SCORE, -float(dtypes.finfo(scores.dtype).max) / 2)
+    probs = safe_softmax(snp.where(causal, scores, masked))
     return snp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d) @ w["wo"]
 
 

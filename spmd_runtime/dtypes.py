@@ -1,0 +1,81 @@
+"""Floating-point dtypes, including the 16-bit ones.
+
+- ``float16``: NumPy's IEEE half. CuPy supports it natively (cuBLAS matmuls with
+  float32 accumulation).
+- ``bfloat16``: from the optional ``ml_dtypes`` package (the one JAX uses; install
+  the ``bf16`` extra). Importing this module registers the name with NumPy so
+  ``np.dtype("bfloat16")`` resolves everywhere a dtype travels as a string (graph
+  nodes, saved programs, checkpoints). NumPy sees it as kind ``'V'``, not a
+  subtype of ``np.floating``: use ``is_floating`` instead of ``np.issubdtype``.
+  CuPy has no bfloat16 dtype, so bfloat16 runs on the NumPy backend only; the CuPy
+  backend refuses it with an error (``check_backend``) rather than emulating it.
+
+Numerics of 16-bit values (decided here once, used by kernels and collectives):
+matmuls/einsums and sum reductions read 16-bit operands, accumulate in float32
+and round the result to 16 bits once (what GPU tensor cores do); collectives move
+16-bit buffers and reduce in float32 (``comm/low_precision.py``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import ml_dtypes
+except ImportError:  # optional: float16 works without it
+    ml_dtypes = None
+
+if ml_dtypes is not None and "bfloat16" not in np.sctypeDict:
+    np.sctypeDict["bfloat16"] = ml_dtypes.bfloat16
+
+FLOAT16 = np.dtype(np.float16)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16) if ml_dtypes is not None else None
+LOW_PRECISION = tuple(d for d in (FLOAT16, BFLOAT16) if d is not None)
+ACCUMULATE = np.dtype(np.float32)  # what 16-bit matmuls, sums and collective reductions accumulate in
+FLOATING = ("float16", "bfloat16", "float32", "float64")
+
+
+def dtype(name) -> np.dtype:
+    """``np.dtype(name)``, with a clear error for bfloat16 when ml_dtypes is missing."""
+    if isinstance(name, str) and name == "bfloat16" and BFLOAT16 is None:
+        raise TypeError("dtype 'bfloat16' needs the ml_dtypes package; got it missing "
+                        "(pip install -e '.[bf16]', or pip install ml_dtypes)")
+    return np.dtype(name)
+
+
+def is_floating(dt) -> bool:
+    """True for float16/32/64 and bfloat16 (which NumPy does not count as np.floating)."""
+    dt = np.dtype(dt)
+    return np.issubdtype(dt, np.floating) or dt == BFLOAT16
+
+
+def is_low_precision(dt) -> bool:
+    """True for the 16-bit floating dtypes (float16, bfloat16)."""
+    return np.dtype(dt) in LOW_PRECISION
+
+
+def result_type(*xs) -> np.dtype:
+    """``np.result_type`` with Python scalars weak (NEP 50) for bfloat16 too: ml_dtypes promotes
+    ``bfloat16`` with a Python float to float64, JAX's rule keeps bfloat16."""
+    strong = [x.dtype if hasattr(x, "dtype") else x for x in xs if not isinstance(x, (bool, int, float))]
+    if strong and any(np.dtype(d) == BFLOAT16 for d in strong):
+        out = np.result_type(*strong)
+        if is_floating(out):
+            return out
+    return np.result_type(*[x.dtype if hasattr(x, "dtype") else x for x in xs])
+
+
+def finfo(dt):
+    """``np.finfo`` that also knows bfloat16."""
+    dt = np.dtype(dt)
+    return ml_dtypes.finfo(dt) if dt == BFLOAT16 else np.finfo(dt)
+
+
+def check_backend(xp, dt) -> None:
+    """Refuse a dtype the array module ``xp`` cannot hold (CuPy has no bfloat16)."""
+    if np.dtype(dt) == BFLOAT16 and getattr(xp, "__name__", "") == "cupy":
+        raise TypeError("the CuPy backend has no bfloat16 dtype (float16 is native); got a bfloat16 value: "
+                        "use float16 on GPUs or SPMD_BACKEND=numpy")
+
+
+__all__ = ["FLOAT16", "BFLOAT16", "LOW_PRECISION", "ACCUMULATE", "FLOATING", "dtype", "is_floating",
+           "is_low_precision", "result_type", "finfo", "check_backend"]
