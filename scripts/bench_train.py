@@ -36,9 +36,11 @@ def parse_args(argv=None):
                           ("batch", 8), ("steps", 10), ("warmup", 2)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--mesh", default=None, help="mesh shape, e.g. 8 or 2,4 (default: one axis of all ranks)")
-    ap.add_argument("--preset", default="dp", help="dp, megatron, wus, seq, megatron_wus, dp_seq, moe, moe_megatron")
+    ap.add_argument("--preset", default="dp",
+                    help="dp, megatron, wus, seq, megatron_wus, dp_seq, moe, moe_megatron, fsdp, fsdp_megatron")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"],
+                    help="compute dtype; 16-bit ones keep float32 master weights and optimizer state")
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--embedding", default="auto", choices=["auto", "take", "onehot"])
     ap.add_argument("--threads", type=int, default=None, help="BLAS threads per rank (default: cores / ranks)")

@@ -52,7 +52,8 @@ def parse_args():
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--capacity-factor", type=float, default=2.0)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"],
+                    help="compute dtype; 16-bit ones keep float32 master weights and optimizer state")
     ap.add_argument("--check-steps", type=int, default=None,
                     help="steps of the 1-process reference run to compare (default: all)")
     ap.add_argument("--reload-mesh", default=None, help="mesh to reload the checkpoint on (default: all ranks "
@@ -121,7 +122,7 @@ def report(ts, args, losses, seconds, feed, comm) -> bool:
     if comm.Get_rank() != 0:
         return True
     diff = float(np.max(np.abs(np.array(losses[:n]) - np.array(ref))))
-    bound = 2e-3 if ts.cfg.dtype == "float32" else 1e-9
+    bound = {"float64": 1e-9, "float32": 2e-3}.get(ts.cfg.dtype, 5e-2)  # 16-bit: reduction order rounds
     mem = ts.memory_report()
     print(f"\nloss: {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {len(losses)}); uniform guess would be "
           f"{np.log(ts.cfg.vocab):.4f}")

@@ -16,12 +16,12 @@ from .exec import run, run_local
 from .autodiff import grad, value_and_grad
 from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .models.lm import LMConfig
-from .optim import SGD, AdamW
+from .optim import SGD, AdamW, DynamicLossScale
 from .train import PRESETS, Preset, TrainStep, build_train_step, build_train_step_on_root, train_mesh
 
 __version__ = "0.1.0"
 
 __all__ = ["Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "save_checkpoint", "load_checkpoint", "checkpoint_info",
-           "LMConfig", "SGD", "AdamW", "PRESETS", "Preset", "TrainStep", "build_train_step",
+           "LMConfig", "SGD", "AdamW", "DynamicLossScale", "PRESETS", "Preset", "TrainStep", "build_train_step",
            "build_train_step_on_root", "train_mesh", "__version__"]

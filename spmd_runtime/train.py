@@ -29,6 +29,15 @@ single-role presets use every axis of a 2-d mesh):
   axis minor, so tokens reach their experts by one all-to-all over it), experts replicated over "model".
 - ``moe_megatron``: experts on "data", each expert's hidden dim (and the dense blocks) Megatron-split on
   "model", batch on "data".
+- ``fsdp``: fully sharded data parallel (ZeRO-3): like ``wus``, but the weights themselves are held in
+  the update layout between steps and all-gathered where the model uses them (kept live from the forward
+  to their last backward use: one all-gather per weight per step).
+- ``fsdp_megatron``: megatron, with weights, gradients and optimizer state also sharded over "data".
+
+Mixed precision (``LMConfig(dtype="bfloat16" | "float16")``): the inputs (master weights, optimizer
+state) are ``cfg.master_dtype`` (float32); the step casts the weights to ``cfg.dtype`` before use, so
+activations, gradients and their collectives are 16-bit, and casts the reduced gradients back for the
+update. float16 steps use ``DynamicLossScale``.
 """
 from __future__ import annotations
 

@@ -19,6 +19,21 @@ def assert_all_ranks(program, args, expected, tol=0.0):
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"rank {rank}")
 
 
+def train_simulated(ts, state, batches):
+    """Every rank: slice the global state once, step a TrainStep on local blocks, gather; returns rank 0's
+    (global state, losses) after checking every rank saw the same losses."""
+    def body(comm):
+        local, losses = ts.shard_state(state, comm.Get_rank()), []
+        for x, y in batches:
+            local, loss = ts.step(local, x, y, comm=comm)
+            losses.append(loss)
+        return ts.gather(local, comm), losses
+    results = run_simulated(ts.mesh.size, body)
+    for _, losses in results[1:]:
+        assert losses == results[0][1], "every rank must see the same loss"
+    return results[0]
+
+
 def collectives(program):
     """(kind, axes) of every collective, in program order."""
     return [(c["kind"], c["axes"]) for c in program.comm_summary()]

@@ -98,9 +98,10 @@ def einsum(xp, a, b, spec):
 
 
 def _matmul(xp, a, b):
-    """16-bit operands are multiplied with float32 accumulation and rounded once (dtypes.py); NumPy has no
-    16-bit BLAS and returns float32 for bfloat16."""
-    if not is_low_precision(a.dtype):
+    """16-bit operands are multiplied with float32 accumulation and rounded once (dtypes.py). NumPy has no
+    16-bit BLAS (and returns float32 for bfloat16): it multiplies float32 copies; CuPy's float16 matmul is
+    cuBLAS with float32 accumulation already."""
+    if not is_low_precision(a.dtype) or xp is not np:
         return xp.matmul(a, b)
     return xp.matmul(a.astype(ACCUMULATE), b.astype(ACCUMULATE)).astype(a.dtype)
 

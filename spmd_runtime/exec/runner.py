@@ -15,6 +15,7 @@ import traceback
 import numpy as np
 
 from ..comm import collectives
+from ..dtypes import check_backend
 from ..comm.communicator import MeshCommunicator
 from ..program import SPMDProgram
 from .backend import get_array_module, select_device, to_device
@@ -140,6 +141,8 @@ def _interpreter(program, mc, xp) -> Interpreter:
     cache = program.__dict__.setdefault("_interpreters", {})
     key = (id(mc), xp.__name__)
     if key not in cache or cache[key].mc is not mc:
+        for dtype in {v.dtype for v in (*program.inputs, *program.instrs)}:
+            check_backend(xp, dtype)  # CuPy has no bfloat16: refused, not emulated
         cache[key] = Interpreter(program, mc, xp)
     return cache[key]
 

@@ -31,10 +31,10 @@ OPT = AdamW(lr=1e-2, weight_decay=0.1)
 
 def cases() -> list[tuple[tuple, str, bool]]:
     """(mesh shape, preset, reversed devices): 1-d meshes with the 1-d presets, 2-d ones with the 2-d."""
-    out = [((N,), p, False) for p in ("dp", "wus", "seq", "megatron")]
+    out = [((N,), p, False) for p in ("dp", "wus", "seq", "megatron", "fsdp")]
     pairs = [(a, N // a) for a in range(2, N) if N % a == 0]
     for shape in pairs:
-        out += [(shape, p, False) for p in ("megatron_wus", "dp_seq", "megatron")]
+        out += [(shape, p, False) for p in ("megatron_wus", "dp_seq", "megatron", "fsdp_megatron")]
     if pairs:
         out.append((pairs[len(pairs) // 2], "megatron_wus", True))
     return out

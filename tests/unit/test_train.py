@@ -20,6 +20,8 @@ from spmd_runtime.models.lm import LMConfig, init_params, lm_loss, param_shapes
 from spmd_runtime.optim import SGD, AdamW
 from spmd_runtime.train import PRESETS, build_train_step, train_mesh, update_spec
 
+from simulated import train_simulated
+
 CFG = LMConfig(layers=1, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, dtype="float64")
 OPT = AdamW(lr=1e-2, weight_decay=0.1, warmup=3)
 SHAPES = [(1,), (2,), (4,), (2, 2), (2, 4)]
@@ -38,21 +40,6 @@ def reference(ts, state, batches_):
         state, loss = ts.reference_step(state, x, y)
         losses.append(loss)
     return state, losses
-
-
-def train_simulated(ts, state, batches_):
-    """Every rank: slice the global state once, step on local blocks, gather; returns rank 0's view and
-    every rank's losses."""
-    def body(comm):
-        local, losses = ts.shard_state(state, comm.Get_rank()), []
-        for x, y in batches_:
-            local, loss = ts.step(local, x, y, comm=comm)
-            losses.append(loss)
-        return ts.gather(local, comm), losses
-    results = run_simulated(ts.mesh.size, body)
-    for _, losses in results[1:]:
-        assert losses == results[0][1], "every rank must see the same loss"
-    return results[0]
 
 
 _steps: dict = {}
