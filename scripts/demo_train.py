@@ -157,7 +157,8 @@ def checkpoint_and_reload(ts, local, next_batch, args, comm) -> bool:
                                                     other.gather(reloaded, comm).values()))
     _, loss_here = ts.step(local, *next_batch, comm=comm)
     _, loss_there = other.step(reloaded, *next_batch, comm=comm)
-    ok = same and abs(loss_here - loss_there) <= 1e-4
+    tol = 1e-4 if ts.cfg.dtype in ("float32", "float64") else 1e-2  # 16-bit sums round in mesh order
+    ok = same and abs(loss_here - loss_there) <= tol
     if comm.Get_rank() == 0:
         info = sr.checkpoint_info(path)
         print(f"\ncheckpoint (step {info['step']}, {len(info['tensors'])} tensors, sharded as on {ts.mesh}) saved "
