@@ -8,7 +8,8 @@ from .graph import Graph, TensorSpec
 from .mesh import Mesh
 from .sharding import Sharding, parse_spec
 from .trace import Tensor, mesh_split, trace
-from . import numpy  # noqa: E402  (defines the Tensor operators)
+from . import ops  # every op's record; binds the Tensor operators
+from . import numpy
 from .reference import evaluate
 from .partition import partition, plan_reshard
 from .program import SPMDProgram, load_program

@@ -7,6 +7,10 @@ import traceback
 
 import numpy as np
 
+from .exec import run as run_program
+from .exec.backend import to_host
+from .program import load_program
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spmd_runtime", description=__doc__)
@@ -23,7 +27,6 @@ def main(argv=None) -> int:
 
 
 def _show(args) -> int:
-    from .program import load_program
     program = load_program(args.program)
     print(program)
     print(format_comm_summary(program))
@@ -31,10 +34,8 @@ def _show(args) -> int:
 
 
 def _run(args) -> int:
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at the top: importing it initialises MPI, which `show` does not need
 
-    from .exec import run
-    from .program import load_program
     comm = MPI.COMM_WORLD
     try:
         program = load_program(args.program)
@@ -46,9 +47,8 @@ def _run(args) -> int:
             inputs = [data[i.name] for i in program.inputs]
     except Exception:
         _abort(comm, "could not load the program or inputs")
-    outs = run(program, *inputs, comm=comm, backend=args.backend)
+    outs = run_program(program, *inputs, comm=comm, backend=args.backend)
     if comm.Get_rank() == 0:
-        from .exec.backend import to_host
         np.savez(args.out, **{f"out{i}": to_host(o) for i, o in enumerate(outs)})
         print(f"wrote {len(outs)} outputs to {args.out}")
     return 0

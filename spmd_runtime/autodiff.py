@@ -6,8 +6,8 @@ one into the SAME graph: ``trace(value_and_grad(loss), *specs)`` is one graph
 whose outputs are ``(loss, grads)``, which partitions like any other.
 
 The backward pass walks the nodes recorded while ``fn`` ran in reverse order,
-accumulating cotangents with one VJP rule per op family (``VJP_RULES``). Rules
-emit ordinary traced ops through ``spmd_runtime.numpy``; a ``mesh_split`` in the
+accumulating cotangents with each op's VJP rule (``OpDef.vjp``, defined with the op in
+``spmd_runtime/ops/``). Rules emit ordinary traced ops; a ``mesh_split`` in the
 forward pass puts a ``mesh_split`` with the same sharding on the cotangent, so
 gradient shardings follow their primal values through propagation.
 
@@ -26,23 +26,12 @@ from __future__ import annotations
 
 import inspect
 
-import numpy as np
 
 from .dtypes import is_floating
-from . import numpy as snp
-from .graph import COMPARISONS, Node
+from .graph import Node
+from .opdef import OPS
+from .ops.core import CONVERT, asarray, ones, zeros
 from .trace import Tensor, current_graph, emit
-
-VJP_RULES: dict = {}
-
-
-def vjp(*ops):
-    """Register ``fn(node, cotangent, operands, result) -> [cotangent | None | thunk]`` as the VJP of ``ops``."""
-    def register(fn):
-        for op in ops:
-            VJP_RULES[op] = fn
-        return fn
-    return register
 
 
 # ---------------------------------------------------------------- public API
@@ -84,11 +73,11 @@ def backward(out: Tensor, wrt: list[Tensor], start: int) -> list[Tensor]:
     """Emit the gradients of scalar ``out`` with respect to ``wrt``, walking nodes ``start..out`` in reverse."""
     g = current_graph()
     active = _active_nodes(g, {t.id for t in wrt}, start, out.id)
-    cts = {out.id: snp.ones((), out.dtype)}
+    cts = {out.id: ones((), out.dtype)}
     for node in reversed(g.nodes[start:out.id + 1]):
         if node.id not in cts or node.id not in active:
             continue
-        rule = VJP_RULES.get(node.op)
+        rule = OPS[node.op].vjp if node.op in OPS else None
         if rule is None:
             raise NotImplementedError(f"reverse-mode differentiation needs a VJP rule for every op on the path "
                                       f"to the output; got none for op {node.op!r} (%{node.id} {node.spec})")
@@ -97,7 +86,7 @@ def backward(out: Tensor, wrt: list[Tensor], start: int) -> list[Tensor]:
         for x, ct in zip(operands, results):
             if ct is not None and x.id in active:
                 _accumulate(cts, x, ct() if callable(ct) else ct, node)
-    return [cts.get(t.id) if t.id in cts else snp.zeros(t.shape, t.dtype) for t in wrt]
+    return [cts.get(t.id) if t.id in cts else zeros(t.shape, t.dtype) for t in wrt]
 
 
 # ---------------------------------------------------------------- driver helpers
@@ -115,13 +104,13 @@ def _prepare_args(args, nums) -> list:
         raise ValueError(f"argnums {nums} refers past the {len(args)} positional arguments")
     args, seen = list(args), set()
     for i in nums:
-        x = args[i] if isinstance(args[i], Tensor) else snp.asarray(args[i])
+        x = args[i] if isinstance(args[i], Tensor) else asarray(args[i])
         if x.graph is not current_graph():
             raise ValueError(f"grad differentiates tensors of the current trace; got argument {i} from another one")
         if not is_floating(x.dtype):
             raise TypeError(f"grad requires floating-point inputs; got argument {i} of dtype {x.dtype.name}")
         if x.id in seen:  # f(x, x): each position is its own variable, as in JAX
-            x = emit("convert", [x], {"dtype": x.dtype.name}, x.shape, x.dtype)
+            x = emit(CONVERT, [x], {"dtype": x.dtype.name}, x.shape, x.dtype)
         seen.add(x.id)
         args[i] = x
     return args
@@ -168,138 +157,3 @@ def _copy_signature(wrapper, fn):
         wrapper.__signature__ = inspect.signature(fn)
     except (TypeError, ValueError):
         pass
-
-
-# ---------------------------------------------------------------- rules: leaves and no-gradient ops
-@vjp("parameter", "constant")
-def _leaf(node, g, ops, y):
-    return []
-
-
-@vjp(*COMPARISONS, "and", "or", "not")
-def _no_gradient(node, g, ops, y):
-    return [None] * len(ops)
-
-
-# ---------------------------------------------------------------- rules: elementwise
-@vjp("neg")
-def _neg(node, g, ops, y):
-    return [-g]
-
-
-@vjp("exp")
-def _exp(node, g, ops, y):
-    return [g * y]
-
-
-@vjp("log")
-def _log(node, g, ops, y):
-    return [g / ops[0]]
-
-
-@vjp("tanh")
-def _tanh(node, g, ops, y):
-    return [g * (1.0 - y * y)]
-
-
-@vjp("sqrt")
-def _sqrt(node, g, ops, y):
-    return [g / (2.0 * y)]
-
-
-@vjp("abs")
-def _abs(node, g, ops, y):
-    return [snp.where(ops[0] >= 0.0, g, -g)]  # JAX: d|x|/dx = 1 at 0
-
-
-@vjp("add", "sub")
-def _add_sub(node, g, ops, y):
-    return [g, (lambda: -g) if node.op == "sub" else g]
-
-
-@vjp("mul")
-def _mul(node, g, ops, y):
-    a, b = ops
-    return [lambda: g * b, lambda: g * a]
-
-
-@vjp("div")
-def _div(node, g, ops, y):
-    a, b = ops
-    return [lambda: g / b, lambda: -(g * y) / b]
-
-
-@vjp("pow")
-def _pow(node, g, ops, y):
-    """d/da a^b = b a^(b-1) (0 where b == 0, even at a == 0); d/db a^b = log(a) a^b (0 where a == 0), as JAX."""
-    a, b = ops
-    da = lambda: g * b * snp.power(a, snp.where(b == 0.0, 1.0, b) - 1.0)
-    db = lambda: g * y * snp.log(snp.where(a == 0.0, 1.0, a))
-    return [da, db]
-
-
-@vjp("maximum", "minimum")
-def _max_min(node, g, ops, y):
-    """The cotangent goes to the operand that was chosen; ties split it equally (JAX's balanced rule)."""
-    a, b = ops
-    pick = lambda this, other: snp.where(this == y, snp.where(other == y, g * 0.5, g), 0.0)
-    return [lambda: pick(a, b), lambda: pick(b, a)]
-
-
-@vjp("select")
-def _select(node, g, ops, y):
-    cond = ops[0]
-    return [None, lambda: snp.where(cond, g, 0.0), lambda: snp.where(cond, 0.0, g)]
-
-
-@vjp("convert")
-def _convert(node, g, ops, y):
-    return [snp.astype(g, ops[0].dtype) if is_floating(ops[0].dtype) else None]
-
-
-@vjp("mesh_split")
-def _mesh_split(node, g, ops, y):
-    """The cotangent of an annotated value carries the same annotation."""
-    return [emit("mesh_split", [g], dict(node.attrs), g.shape, g.dtype)]
-
-
-# ---------------------------------------------------------------- rules: shapes
-@vjp("broadcast_in_dim")
-def _broadcast(node, g, ops, y):
-    """Sum over the new dims and the dims expanded from size 1, then restore the operand's shape."""
-    x, dims = ops[0], node.attrs["dims"]
-    expanded = {d for i, d in enumerate(dims) if x.shape[i] != node.shape[d]}
-    summed = tuple(d for d in range(len(node.shape)) if d not in dims or d in expanded)
-    return [snp.reshape(snp.sum(g, axis=summed), x.shape)]
-
-
-@vjp("reshape")
-def _reshape(node, g, ops, y):
-    return [snp.reshape(g, ops[0].shape)]
-
-
-@vjp("transpose")
-def _transpose(node, g, ops, y):
-    return [snp.transpose(g, tuple(np.argsort(node.attrs["perm"])))]
-
-
-# ---------------------------------------------------------------- rules: reductions and contractions
-@vjp("reduce")
-def _reduce(node, g, ops, y):
-    x, axes = ops[0], node.attrs["axes"]
-    kept = tuple(i for i in range(x.ndim) if i not in axes)
-    back = lambda t: snp.broadcast_in_dim(t, x.shape, kept)
-    if node.attrs["kind"] == "sum":
-        return [back(g)]
-    # max / min: the cotangent goes to the positions holding the result, split equally among ties
-    hit = x == back(y)
-    count = snp.sum(snp.astype(hit, x.dtype), axis=axes)
-    return [snp.where(hit, back(g / count), 0.0)]
-
-
-@vjp("einsum")
-def _einsum(node, g, ops, y):
-    """d(a.b)/da: the cotangent contracted with b over b's letters not in a (b's free letters are summed)."""
-    (ta, tb), to = node.attrs["spec"].split("->")[0].split(","), node.attrs["spec"].split("->")[1]
-    a, b = ops
-    return [lambda: snp.einsum(f"{to},{tb}->{ta}", g, b), lambda: snp.einsum(f"{ta},{to}->{tb}", a, g)]

@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 
 from .exec.backend import to_host
-from .exec.runner import block_bounds as dim_bounds  # the one layout rule of the project
 from .mesh import Mesh
 from .program import SPMDProgram
 from .sharding import Sharding, parse_spec
@@ -55,19 +54,9 @@ class CheckpointError(RuntimeError):
 
 # ------------------------------------------------------------------ layout
 
-def block_index(sharding: Sharding, mesh: Mesh, rank: int) -> tuple[int, ...]:
-    """Shard number of ``rank`` along each dim."""
-    return tuple(mesh.index_along(rank, axes) for axes in sharding.dims)
-
-
-def block_bounds(shape, sharding: Sharding, mesh: Mesh, index) -> list[tuple[int, int]]:
-    """Global [start, stop) along each dim of the block with shard numbers ``index``."""
-    return [dim_bounds(n, mesh.axis_size(axes), i) for n, axes, i in zip(shape, sharding.dims, index)]
-
-
 def local_block_slices(shape, sharding: Sharding, mesh: Mesh, rank: int) -> tuple[slice, ...]:
-    """Where ``rank``'s TRUE block lies in the global array."""
-    return tuple(slice(a, b) for a, b in block_bounds(shape, sharding, mesh, block_index(sharding, mesh, rank)))
+    """Where ``rank``'s TRUE block lies in the global array (the layout rule: ``Sharding.block_slices``)."""
+    return sharding.block_slices(shape, mesh, rank)
 
 
 def _is_writer(sharding: Sharding, mesh: Mesh, rank: int) -> bool:
@@ -80,7 +69,7 @@ def _all_blocks(shape, sharding: Sharding, mesh: Mesh):
     """Every non-empty block: (shard index per dim, bounds)."""
     counts = [mesh.axis_size(axes) for axes in sharding.dims]
     for index in product(*(range(k) for k in counts)):
-        bounds = block_bounds(shape, sharding, mesh, index)
+        bounds = sharding.block_bounds(shape, mesh, index)
         if all(b > a for a, b in bounds):
             yield index, bounds
 
@@ -232,9 +221,9 @@ def _true_block(x, shape, sharding: Sharding, mesh: Mesh, rank: int, name: str) 
     if x.dtype.hasobject:
         raise TypeError(f"a checkpointed tensor must have a plain dtype (no Python objects); got {x.dtype} for "
                         f"{name!r}")
-    bounds = block_bounds(shape, sharding, mesh, block_index(sharding, mesh, rank))
+    bounds = sharding.block_bounds(shape, mesh, sharding.block_index(mesh, rank))
     true = tuple(b - a for a, b in bounds)
-    padded = tuple(-(-n // mesh.axis_size(d)) for n, d in zip(shape, sharding.dims))
+    padded = sharding.local_shape(shape, mesh)
     if x.shape == true:
         return x
     if x.shape == padded:
@@ -268,7 +257,7 @@ def _write_blocks(plan, mesh: Mesh, rank: int, where: Path, step) -> None:
     stems = _file_names(plan["tensors"])
     for name, (block, shape, sharding) in plan["tensors"].items():
         if block.size and _is_writer(sharding, mesh, rank):
-            _write_npy(where / _block_file(stems[name], block_index(sharding, mesh, rank)), block)
+            _write_npy(where / _block_file(stems[name], sharding.block_index(mesh, rank)), block)
     if rank == 0:
         _write_json(where / METADATA, _metadata(plan, mesh, stems, step))
 
@@ -371,7 +360,7 @@ def _load_local(directory, mesh: Mesh, shardings, rank: int) -> dict:
 
 def _assemble(path: Path, name: str, entry: dict, shape, sharding: Sharding, mesh: Mesh, rank: int) -> np.ndarray:
     """This rank's block, copied from the overlapping parts of the stored blocks."""
-    mine = block_bounds(shape, sharding, mesh, block_index(sharding, mesh, rank))
+    mine = sharding.block_bounds(shape, mesh, sharding.block_index(mesh, rank))
     out = np.empty([b - a for a, b in mine], dtype=np.dtype(entry["dtype"]))
     filled = 0
     for blk in entry["blocks"]:

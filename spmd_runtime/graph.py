@@ -3,20 +3,14 @@
 Every node has one result with a static global shape and dtype. Operands are
 node ids. Binary elementwise ops always see equal shapes: tracing inserts
 explicit ``broadcast_in_dim`` nodes, as XLA does, so no partitioning rule has to
-reason about implicit broadcasting.
+reason about implicit broadcasting. A node's ``op`` is the name of its record in
+``spmd_runtime.opdef``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
-
-UNARY_OPS = ("neg", "exp", "log", "tanh", "sqrt", "abs", "not")
-BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum",
-              "eq", "ne", "lt", "le", "gt", "ge", "and", "or")
-COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
-ELEMENTWISE_OPS = UNARY_OPS + BINARY_OPS + ("select", "convert")
-
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .mesh import Mesh
-from .cost import COLLECTIVES, group_size, wire_bytes
+from .cost import group_size, wire_bytes
+from .opdef import lookup
 from .sharding import Sharding
 
 FORMAT_VERSION = 1
@@ -65,7 +66,7 @@ class SPMDProgram:
         sizes = {i.out: i.nbytes for i in self.instrs}
         out = []
         for ins in self.instrs:
-            if ins.op in COLLECTIVES:
+            if lookup(ins.op).collective:
                 k = group_size(ins.op, ins.attrs, self.mesh)
                 b_in = sizes[ins.args[0]]
                 out.append({"kind": ins.op, "axes": tuple(ins.attrs.get("axes", self.mesh.axis_names)),

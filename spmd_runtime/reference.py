@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .exec.kernels import KERNELS
 from .graph import Graph
+from .opdef import lookup
 
 
 def evaluate(graph: Graph, *inputs, xp=np):
@@ -22,11 +22,6 @@ def evaluate(graph: Graph, *inputs, xp=np):
                              f"{x.dtype.name}{list(x.shape)}")
         env[pid] = x
     for node in graph.nodes:
-        if node.op == "parameter":
-            continue
-        if node.op == "mesh_split":
-            env[node.id] = env[node.inputs[0]]
-            continue
-        attrs = {k: v for k, v in node.attrs.items()}
-        env[node.id] = KERNELS[node.op](xp, *[env[i] for i in node.inputs], **attrs)
+        if node.id not in env:  # parameters are the inputs
+            env[node.id] = lookup(node.op).kernel(xp, *[env[i] for i in node.inputs], **node.attrs)
     return [xp.asarray(env[o]) for o in graph.outputs]

@@ -16,6 +16,26 @@ from .mesh import Mesh
 REDUCE_OPS = ("sum", "max", "min")
 
 
+# ---------------------------------------------------------------- the layout rule
+# A dim of n elements split k ways is held in k blocks of ceil(n/k): block i covers global indices
+# [i*c, i*c + c), its entries past n are padding. Every module asks these three functions.
+def block_size(n: int, k: int) -> int:
+    """Elements per block of a dim of ``n`` split ``k`` ways: ceil(n / k) (trailing blocks padded)."""
+    return -(-n // k)
+
+
+def block_span(n: int, block: int, i: int) -> tuple[int, int]:
+    """[start, stop) of the true entries of block ``i`` (blocks of ``block``) of a dim of size ``n``;
+    stop - start is short or zero for the trailing blocks."""
+    start = min(i * block, n)
+    return start, min(start + block, n)
+
+
+def block_bounds(n: int, k: int, i: int) -> tuple[int, int]:
+    """[start, stop) of block ``i`` of a dim of size ``n`` in ``k`` blocks (the tail may be short or empty)."""
+    return block_span(n, block_size(n, k), i)
+
+
 @dataclass(frozen=True)
 class Sharding:
     dims: tuple[tuple[str, ...], ...]
@@ -65,7 +85,19 @@ class Sharding:
 
     def local_shape(self, shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
         """Shape of one shard (ceil division: trailing shards are padded)."""
-        return tuple(-(-n // mesh.axis_size(d)) for n, d in zip(shape, self.dims))
+        return tuple(block_size(n, mesh.axis_size(d)) for n, d in zip(shape, self.dims))
+
+    def block_index(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
+        """``rank``'s shard number along each dim (0 on unsplit dims)."""
+        return tuple(mesh.index_along(rank, axes) for axes in self.dims)
+
+    def block_bounds(self, shape: tuple[int, ...], mesh: Mesh, index) -> list[tuple[int, int]]:
+        """Global [start, stop) along each dim of the TRUE block with shard numbers ``index``."""
+        return [block_bounds(n, mesh.axis_size(axes), i) for n, axes, i in zip(shape, self.dims, index)]
+
+    def block_slices(self, shape: tuple[int, ...], mesh: Mesh, rank: int) -> tuple[slice, ...]:
+        """Where ``rank``'s TRUE block (uneven tails short, no padding) lies in the global array."""
+        return tuple(slice(a, b) for a, b in self.block_bounds(shape, mesh, self.block_index(mesh, rank)))
 
     def check(self, mesh: Mesh, shape: tuple[int, ...], what: str = "tensor") -> None:
         """Raise unless this sharding fits ``shape`` on ``mesh`` (known axes, one entry per dim).

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 
 from .graph import Graph, TensorSpec
+from .sharding import parse_spec
 
 _state = threading.local()
 
@@ -45,12 +46,13 @@ class Tensor:
         raise TypeError("a traced Tensor has no truth value: Python control flow cannot depend on traced data; "
                         "use snp.where")
 
-    # Operators are bound at the end of spmd_runtime.numpy, which defines the functions.
+    # Operators (+, @, [], .sum, ...) are bound by spmd_runtime.ops, which defines the op functions.
 
 
-def emit(op: str, inputs, attrs, shape, dtype) -> Tensor:
+def emit(op, inputs, attrs, shape, dtype) -> Tensor:
+    """Record one node of ``op`` (an ``opdef.OpDef`` record, or its name) in the active trace."""
     g = current_graph()
-    return Tensor(g, g.add(op, [t.id for t in inputs], attrs, shape, dtype).id)
+    return Tensor(g, g.add(getattr(op, "name", op), [t.id for t in inputs], attrs, shape, dtype).id)
 
 
 def trace(fn, *arg_specs) -> Graph:
@@ -105,10 +107,8 @@ def mesh_split(x: Tensor, mesh, spec) -> Tensor:
     name, a tuple of names (split over several axes, major first), or an int
     mesh dim. Returns the annotated tensor; propagation completes the rest.
     """
-    from .sharding import parse_spec  # local: sharding does not depend on tracing
-
     if not isinstance(x, Tensor):
         raise TypeError(f"mesh_split annotates a traced tensor; got {type(x).__name__}")
     sharding = parse_spec(spec, mesh, x.ndim, what=f"tensor %{x.id} {x.node.spec}")
     sharding.check(mesh, x.shape, what=f"tensor %{x.id} {x.node.spec}")
-    return emit("mesh_split", [x], {"sharding": sharding, "mesh": mesh}, x.shape, x.dtype)
+    return emit("mesh_split", [x], {"sharding": sharding, "mesh": mesh}, x.shape, x.dtype)  # ops.core.MESH_SPLIT

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .autodiff import value_and_grad
+from .checkpoint import load_checkpoint, save_checkpoint
 from .exec.backend import to_host
 from .exec.runner import communicator, run_local, shard, unshard
 from .mesh import Mesh
@@ -363,12 +364,10 @@ class TrainStep:
     # ------------------------------------------------------------ checkpoints
     def save(self, directory, local_state: list, step: int | None = None, comm=None) -> None:
         """Collective: save this rank's blocks of the state (sharded, atomic; see ``checkpoint``)."""
-        from .checkpoint import save_checkpoint
         save_checkpoint(directory, dict(zip(self.state_names, local_state)), self.program, comm=comm, step=step)
 
     def load(self, directory, comm=None) -> list:
         """Collective: this rank's blocks of a saved state, whatever mesh and preset saved it."""
-        from .checkpoint import load_checkpoint
         blocks = load_checkpoint(directory, self.mesh, self.program, comm=comm)
         missing = [n for n in self.state_names if n not in blocks]
         if missing:

@@ -73,7 +73,7 @@ class _Builder:
         ops = [self.unary, self.binary_same, self.binary_broadcast, self.reduce, self.transpose, self.reshape,
                self.einsum, self.annotate, self.where, self.cast, self.take, self.cumsum, self.arg_reduce,
                self.logsumexp, self.pooling, self.conv1d, self.slice_, self.flip, self.pad, self.concat,
-               self.dynamic_slice]
+               self.dynamic_slice, self.top_k]
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
             self.pool.append(out)
@@ -159,6 +159,14 @@ class _Builder:
             return None
         fn = snp.argmax if self.rng.random() < 0.5 else snp.argmin
         return snp.astype(fn(t, axis=int(self.rng.integers(t.ndim))), "float64") * 0.1
+
+    def top_k(self, t):
+        """The k largest along the last axis (values and indices joined back into one float tensor)."""
+        if t.ndim == 0:
+            return None
+        k = int(self.rng.integers(1, t.shape[-1] + 1))
+        values, indices = snp.top_k(t, k)
+        return snp.tanh(values) + snp.astype(indices, "float64") * 0.01
 
     def logsumexp(self, t):
         return snp.tanh(snp.logsumexp(t, axis=int(self.rng.integers(t.ndim)))) if t.ndim else None

@@ -15,7 +15,6 @@ import math
 
 import numpy as np
 
-import spmd_runtime.ops.windows_grad  # noqa: F401  (registers the VJP rules until ops/__init__ lists it)
 from op_cases import Case
 from op_cases_windows import _pads, _per_dim, _source_index, loop_conv, loop_reduce_window, windows
 

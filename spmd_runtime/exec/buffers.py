@@ -9,18 +9,19 @@ buffer, and any other op may return a view of its operands.
 """
 from __future__ import annotations
 
-from ..partition.partitioner import _FRESH_OPS, _READ_ONLY_OPS
+from ..opdef import lookup
 
 
 def output_buffers(program) -> frozenset[int]:
     """Slots of the instructions that made a buffer some program output may be, or view."""
     owners: dict[int, frozenset] = {}
     for ins in program.instrs:
-        if ins.op in _READ_ONLY_OPS:
+        record = lookup(ins.op)
+        if record.read_only:
             owners[ins.out] = frozenset()
         elif ins.donate >= 0:
             owners[ins.out] = owners[ins.args[ins.donate]]
-        elif ins.op in _FRESH_OPS:
+        elif record.fresh:
             owners[ins.out] = frozenset({ins.out})
         else:
             owners[ins.out] = frozenset().union(*(owners[a] for a in ins.args))

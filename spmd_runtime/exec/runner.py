@@ -59,16 +59,9 @@ def run_local(program: SPMDProgram, *local_inputs, comm=None, backend=None) -> l
     return [_trim(o, spec, mesh, mc_rank) for o, spec in zip(outs, program.outputs)]
 
 
-def block_bounds(n: int, k: int, i: int) -> tuple[int, int]:
-    """[start, stop) of block i of a dim of size n in k blocks of ceil(n/k) (the tail may be short or empty)."""
-    c = -(-n // k)
-    return min(i * c, n), min((i + 1) * c, n)
-
-
 def block_slices(shape, sharding, mesh, rank) -> tuple[slice, ...]:
     """The global index of ``rank``'s true block of a ``shape`` tensor laid out as ``sharding``."""
-    return tuple(slice(*block_bounds(n, mesh.axis_size(axes), mesh.index_along(rank, axes)))
-                 for n, axes in zip(shape, sharding.dims))
+    return sharding.block_slices(shape, mesh, rank)
 
 
 def shard(x, sharding, mesh, rank, pad=False):

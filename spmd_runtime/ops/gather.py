@@ -29,23 +29,26 @@ is all-gathered rather than all-reducing a larger lookup result.
 """
 from __future__ import annotations
 
-import itertools
-import math
 import string
 
 import numpy as np
 
-from ..autodiff import vjp
-from ..exec.kernels import kernel
-from ..partition.partitioner import partition_rule
-from ..partition.propagation import DOT_LEVEL, combine, dedupe_axes, rule
-from ..cost import strategy_cost
-from ..partition.resharding import plan_cost
-from ..partition.rules import _distinct, _letter_options
+from .. import opdef
+from ..opdef import DOT_LEVEL, define
+from ..partition.propagation import combine, dedupe_axes
 from ..sharding import Sharding
 from ..trace import Tensor, emit
+from ..partition.strategy import choose, letter_strategies
+from . import core
 
 __all__ = ["take", "scatter_add"]
+
+TAKE = define("take")
+TAKE_BLOCK = define("take_block", "program")  # take from one block of a split gathered axis
+SCATTER_ADD = define("scatter_add")
+SCATTER_ADD_BLOCK = define("scatter_add_block", "program")  # scatter_add into one block of the scattered axis
+FIRST_SHARD_ONLY = define("first_shard_only", "program")  # a value counted once in a partial sum
+
 
 
 # ---------------------------------------------------------------- traced API
@@ -53,33 +56,31 @@ def take(table, indices, axis=0, mode="clip") -> Tensor:
     """``np.take(table, indices, axis, mode="clip")``: rows of ``table`` along ``axis`` picked by integer
     ``indices`` of any shape; result shape ``table.shape[:axis] + indices.shape + table.shape[axis+1:]``.
     Out-of-range indices are clamped to [0, n - 1]; ``mode`` exists for NumPy-compatible calls."""
-    from .. import numpy as snp
     if mode != "clip":
         raise ValueError(f"take clamps out-of-range indices (a traced program cannot raise on data): mode must "
                          f"be 'clip'; got mode={mode!r}")
-    table, indices = snp.asarray(table), snp.asarray(indices)
+    table, indices = core.asarray(table), core.asarray(indices)
     axis = _gathered_axis(table, axis, "take")
     _check_indices(indices, "take")
     shape = table.shape[:axis] + indices.shape + table.shape[axis + 1:]
-    return emit("take", [table, indices], {"axis": axis}, shape, table.dtype)
+    return emit(TAKE, [table, indices], {"axis": axis}, shape, table.dtype)
 
 
 def scatter_add(operand, indices, updates, axis=0) -> Tensor:
     """``operand`` plus ``updates`` added at ``indices`` along ``axis``, repeats accumulating (``np.add.at``);
     the transpose of ``take``. ``updates`` broadcasts to ``operand.shape[:axis] + indices.shape +
     operand.shape[axis+1:]`` and is cast to the operand's dtype. Out-of-range indices are clamped."""
-    from .. import numpy as snp
-    operand, indices = snp.asarray(operand), snp.asarray(indices)
+    operand, indices = core.asarray(operand), core.asarray(indices)
     axis = _gathered_axis(operand, axis, "scatter_add")
     _check_indices(indices, "scatter_add")
     want = operand.shape[:axis] + indices.shape + operand.shape[axis + 1:]
-    updates = snp.asarray(updates)
+    updates = core.asarray(updates)
     try:
-        updates = snp.broadcast_to(snp.astype(updates, operand.dtype), want)
+        updates = core.broadcast_to(core.astype(updates, operand.dtype), want)
     except ValueError:
         raise ValueError(f"scatter_add needs updates broadcastable to operand.shape[:axis] + indices.shape + "
                          f"operand.shape[axis+1:] = {want}; got shape {updates.shape}") from None
-    return emit("scatter_add", [operand, indices, updates], {"axis": axis}, operand.shape, operand.dtype)
+    return emit(SCATTER_ADD, [operand, indices, updates], {"axis": axis}, operand.shape, operand.dtype)
 
 
 def _gathered_axis(x: Tensor, axis, what: str) -> int:
@@ -108,12 +109,12 @@ def _spread(mask, axis: int, ndim: int):
     return mask.reshape((1,) * axis + mask.shape + (1,) * (ndim - axis - mask.ndim))
 
 
-@kernel("take")
+@opdef.kernel(TAKE)
 def take_kernel(xp, table, indices, axis):
     return xp.take(table, _clamped(xp, indices, table.shape[axis]), axis=axis)
 
 
-@kernel("take_block")
+@opdef.kernel(TAKE_BLOCK)
 def take_block(xp, table, indices, shard, axis, size):
     """``take`` from block ``shard`` of a gathered axis of true size ``size``: rows in other blocks give 0,
     so summing over the blocks gives the global take."""
@@ -124,12 +125,12 @@ def take_block(xp, table, indices, shard, axis, size):
     return xp.where(_spread(hit, axis, rows.ndim), rows, xp.zeros((), rows.dtype))
 
 
-@kernel("scatter_add")
+@opdef.kernel(SCATTER_ADD)
 def scatter_add_kernel(xp, operand, indices, updates, axis):
     return _add_rows(xp, operand, _clamped(xp, indices, operand.shape[axis]), updates, axis)
 
 
-@kernel("scatter_add_block")
+@opdef.kernel(SCATTER_ADD_BLOCK)
 def scatter_add_block(xp, operand, indices, updates, shard, axis, size):
     """``scatter_add`` into block ``shard`` of a scattered axis of true size ``size``: updates aimed at other
     blocks are dropped (their blocks add them)."""
@@ -140,7 +141,7 @@ def scatter_add_block(xp, operand, indices, updates, shard, axis, size):
     return _add_rows(xp, operand, xp.where(hit, local, 0), updates, axis)
 
 
-@kernel("first_shard_only")
+@opdef.kernel(FIRST_SHARD_ONLY)
 def first_shard_only(xp, x, shard):
     """``x`` on shard 0 of some axes, zeros elsewhere: a value counted once in a partial sum over them."""
     return xp.where(shard == 0, x, xp.zeros((), x.dtype))
@@ -155,7 +156,7 @@ def _add_rows(xp, operand, rows, updates, axis):
     if hasattr(xp.add, "at"):
         xp.add.at(target, rows.reshape(-1), values)
     else:  # CuPy without ufunc.at
-        import cupyx
+        import cupyx  # here, not at the top: cupy is an optional dependency
         cupyx.scatter_add(target, rows.reshape(-1), values)
     return out
 
@@ -181,7 +182,7 @@ def _map_dims(from_term: str, sharding, to_term: str) -> list:
 
 
 # ---------------------------------------------------------------- propagation
-@rule("take", level=DOT_LEVEL)
+@opdef.propagation(TAKE, level=DOT_LEVEL)
 def _take_propagation():
     """Result dims follow the indices' dims and the table's other dims; back the same way (the table's
     gathered dim never takes a split from the result: it has no counterpart there)."""
@@ -196,7 +197,7 @@ def _take_propagation():
     return fwd, bwd
 
 
-@rule("scatter_add", level=DOT_LEVEL)
+@opdef.propagation(SCATTER_ADD, level=DOT_LEVEL)
 def _scatter_add_propagation():
     """The result follows the operand, and the updates' non-index dims; backward, the updates' index dims
     and the indices' dims copy each other (sideways), their other dims follow the result."""
@@ -222,52 +223,25 @@ def _terms_of(node, g) -> tuple[str, str, str]:
 
 
 # ---------------------------------------------------------------- partitioning
-def cheapest_split(ctx, operands, out_term: str, node, operand_cost=None):
-    """Mesh axes per letter moving the fewest bytes, then doing the least local work, as the einsum rule.
-
-    ``operands``: (term, LocalValue) pairs. Returns (one sharding per operand, result sharding); a split
-    letter absent from ``out_term`` makes the result a partial sum over its axes. ``operand_cost(k, value,
-    sharding, result)`` prices bringing operand k to ``sharding`` (default: the planner's bytes).
-    """
-    target, mesh = ctx.sharding(node.id), ctx.mesh
-    price = operand_cost or (lambda k, value, sharding, result: ctx.cost(value, sharding))
-    sizes = {c: n for term, v in operands for c, n in zip(term, v.shape)}
-    options = _letter_options(sizes, [(t, v.sharding) for t, v in operands] + [(out_term, target)], mesh)
-    best = None
-    for choice in itertools.product(*options.values()):
-        split = dict(zip(options, choice))
-        if not _distinct(split):
-            continue
-        shardings = [Sharding(tuple(split[c] for c in term)) for term, _ in operands]
-        summed = {a for c in split if c not in out_term for a in split[c]}
-        result = Sharding(tuple(split[c] for c in out_term), tuple(a for a in mesh.axis_names if a in summed))
-        moved = sum(price(k, v, s, result) for k, ((_, v), s) in enumerate(zip(operands, shardings)))
-        moved += plan_cost(result, target, node.shape, node.dtype, mesh)
-        work = math.prod(-(-sizes[c] // mesh.axis_size(split[c])) for c in sizes)
-        key = (strategy_cost(moved, 2 * work), moved, work)
-        if best is None or key < best[0]:
-            best = (key, shardings, result)
-    return best[1], best[2]
-
-
-@partition_rule("take")
+@opdef.partition(TAKE)
 def _partition_take(ctx, node):
     """Masked lookup in the local block of a split gathered axis (result partial over its axes), else a
     plain local take; operands resharded to the cheapest per-dim split."""
     axis = node.attrs["axis"]
     table, indices = ctx.value(node.inputs[0]), ctx.value(node.inputs[1])
     table_t, indices_t, out_t = take_terms(len(table.shape), len(indices.shape), axis)
-    (table_sh, indices_sh), result = cheapest_split(ctx, [(table_t, table), (indices_t, indices)], out_t, node)
+    best = choose(letter_strategies(ctx, [(table_t, table), (indices_t, indices)], out_t, node))
+    (table_sh, indices_sh), result = best.operands, best.result
     table, indices = ctx.reshard(table, table_sh), ctx.reshard(indices, indices_sh)
     vocab_axes = table_sh.dims[axis]
     if not vocab_axes:
-        return ctx.emit_like(node, "take", [table, indices], {"axis": axis}, result)
+        return ctx.emit_like(node, TAKE, [table, indices], {"axis": axis}, result)
     shard = ctx.shard_index(vocab_axes)
-    return ctx.emit_like(node, "take_block", [table, indices, shard], {"axis": axis, "size": table.shape[axis]},
+    return ctx.emit_like(node, TAKE_BLOCK, [table, indices, shard], {"axis": axis, "size": table.shape[axis]},
                          result)
 
 
-@partition_rule("scatter_add")
+@opdef.partition(SCATTER_ADD)
 def _partition_scatter_add(ctx, node):
     """Masked scatter into the local block of a split scattered axis; updates split on index dims give a
     partial sum that the planner reduces. The operand joins that sum on one shard of its axes
@@ -282,8 +256,9 @@ def _partition_scatter_add(ctx, node):
 
     def price(k, value, sharding, result):
         return ctx.cost(value, target if k == 0 and add_after(sharding, result) else sharding)
-    shardings, result = cheapest_split(ctx, [(operand_t, operand), (indices_t, indices), (updates_t, updates)],
-                                       operand_t, node, price)
+    best = choose(letter_strategies(ctx, [(operand_t, operand), (indices_t, indices), (updates_t, updates)],
+                                    operand_t, node, price))
+    shardings, result = best.operands, best.result
     indices, updates = ctx.reshard(indices, shardings[1]), ctx.reshard(updates, shardings[2])
     updates = ctx.mask_padding(updates, range(axis, axis + len(indices.shape)), 0)  # padding must add nothing
     if add_after(shardings[0], result):
@@ -292,7 +267,7 @@ def _partition_scatter_add(ctx, node):
     base = ctx.reshard(operand, shardings[0])
     if result.partial:
         keep = ctx.shard_index(result.partial)
-        base = ctx.emit("first_shard_only", [base, keep], {}, result, base.shape, base.dtype)
+        base = ctx.emit(FIRST_SHARD_ONLY, [base, keep], {}, result, base.shape, base.dtype)
     return _scatter_local(ctx, node, base, indices, updates, result)
 
 
@@ -301,9 +276,9 @@ def _scatter_local(ctx, node, base, indices, updates, result):
     axis = node.attrs["axis"]
     rows_axes = result.dims[axis]
     if not rows_axes:
-        return ctx.emit_like(node, "scatter_add", [base, indices, updates], {"axis": axis}, result)
+        return ctx.emit_like(node, SCATTER_ADD, [base, indices, updates], {"axis": axis}, result)
     shard = ctx.shard_index(rows_axes)
-    return ctx.emit_like(node, "scatter_add_block", [base, indices, updates, shard],
+    return ctx.emit_like(node, SCATTER_ADD_BLOCK, [base, indices, updates, shard],
                          {"axis": axis, "size": node.shape[axis]}, result)
 
 
@@ -314,13 +289,12 @@ def _zeros(ctx, node, sharding):
 
 
 # ---------------------------------------------------------------- gradients: each op is the other's transpose
-@vjp("take")
+@opdef.vjp(TAKE)
 def _take_vjp(node, g, ops, y):
-    from .. import numpy as snp
     table, indices = ops
-    return [lambda: scatter_add(snp.zeros(table.shape, table.dtype), indices, g, node.attrs["axis"]), None]
+    return [lambda: scatter_add(core.zeros(table.shape, table.dtype), indices, g, node.attrs["axis"]), None]
 
 
-@vjp("scatter_add")
+@opdef.vjp(SCATTER_ADD)
 def _scatter_add_vjp(node, g, ops, y):
     return [g, None, lambda: take(g, ops[1], node.attrs["axis"])]

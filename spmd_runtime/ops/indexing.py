@@ -23,14 +23,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..exec.kernels import kernel
-from ..partition.partitioner import partition_rule
-from ..partition.propagation import BROADCAST_LEVEL, RULES, rule
-from ..partition.rules import reduce_identity
+from .. import opdef
+from ..opdef import BROADCAST_LEVEL, define
 from ..sharding import Sharding
 from ..trace import Tensor, emit
+from . import core
+from .core import reduce_identity, reduce_propagation
 
 __all__ = ["argmax", "argmin", "logsumexp", "softmax"]
+
+ARGMAX = define("argmax")
+ARGMIN = define("argmin")
+ARG_IN_BLOCK = define("arg_in_block", "program")  # global position of a block's first extreme
+ARG_CANDIDATE = define("arg_candidate", "program")  # a block's index where it holds the best value
+
 
 _KIND = {"argmax": "max", "argmin": "min"}
 _NO_INDEX = np.iinfo(np.int64).max  # loses every MIN against a real index
@@ -48,13 +54,12 @@ def argmin(x, axis=None, keepdims=False) -> Tensor:
 
 
 def _arg_reduce(op, x, axis, keepdims) -> Tensor:
-    from .. import numpy as snp
-    x = snp.asarray(x)
+    x = core.asarray(x)
     if x.dtype == np.bool_:  # MPI has no max/min on booleans; False < True holds in int8 too
-        x = snp.astype(x, "int8")
+        x = core.astype(x, "int8")
     flat, ndim = axis is None, x.ndim
     if flat:
-        x, axis = snp.reshape(x, (x.size,)), 0
+        x, axis = core.reshape(x, (x.size,)), 0
     if not -x.ndim <= int(axis) < x.ndim:
         raise ValueError(f"{op} needs an axis in [-{x.ndim}, {x.ndim}); got axis {axis} for shape {x.shape}")
     axis = int(axis) % x.ndim
@@ -63,7 +68,7 @@ def _arg_reduce(op, x, axis, keepdims) -> Tensor:
     shape = x.shape[:axis] + x.shape[axis + 1:]
     out = emit(op, [x], {"axes": (axis,)}, shape, "int64")
     if keepdims:
-        out = snp.reshape(out, (1,) * ndim if flat else x.shape[:axis] + (1,) + x.shape[axis + 1:])
+        out = core.reshape(out, (1,) * ndim if flat else x.shape[:axis] + (1,) + x.shape[axis + 1:])
     return out
 
 
@@ -72,23 +77,21 @@ def logsumexp(x, axis=None, keepdims=False) -> Tensor:
 
     A slice whose max is infinite (all -inf, or some +inf) is not shifted, as in SciPy: its result is
     -inf (or +inf) instead of the NaN that ``-inf - -inf`` would give."""
-    from .. import numpy as snp
-    x = snp.asarray(x)
-    x = snp.astype(x, np.result_type(x.dtype, 1.0))
+    x = core.asarray(x)
+    x = core.astype(x, np.result_type(x.dtype, 1.0))
     axes = tuple(range(x.ndim)) if axis is None else tuple(int(a) % x.ndim for a in _tuple(axis))
-    peak = snp.max(x, axis=axes, keepdims=True)
-    shift = snp.where(snp.abs(peak) < np.inf, peak, 0.0)
-    out = snp.log(snp.sum(snp.exp(x - shift), axis=axes, keepdims=True)) + shift
-    return out if keepdims else snp.squeeze(out, axis=axes)
+    peak = core.max(x, axis=axes, keepdims=True)
+    shift = core.where(core.abs(peak) < np.inf, peak, 0.0)
+    out = core.log(core.sum(core.exp(x - shift), axis=axes, keepdims=True)) + shift
+    return out if keepdims else core.squeeze(out, axis=axes)
 
 
 def softmax(x, axis=-1) -> Tensor:
     """``exp(x) / sum(exp(x))`` along ``axis``, computed as exp(x - max) / sum(exp(x - max)) (no overflow)."""
-    from .. import numpy as snp
-    x = snp.asarray(x)
-    x = snp.astype(x, np.result_type(x.dtype, 1.0))
-    e = snp.exp(x - snp.max(x, axis=axis, keepdims=True))
-    return e / snp.sum(e, axis=axis, keepdims=True)
+    x = core.asarray(x)
+    x = core.astype(x, np.result_type(x.dtype, 1.0))
+    e = core.exp(x - core.max(x, axis=axis, keepdims=True))
+    return e / core.sum(e, axis=axis, keepdims=True)
 
 
 def _tuple(a):
@@ -96,37 +99,37 @@ def _tuple(a):
 
 
 # ---------------------------------------------------------------- kernels
-@kernel("argmax")
+@opdef.kernel(ARGMAX)
 def argmax_kernel(xp, x, axes):
     return xp.argmax(x, axis=axes[0]).astype("int64", copy=False)
 
 
-@kernel("argmin")
+@opdef.kernel(ARGMIN)
 def argmin_kernel(xp, x, axes):
     return xp.argmin(x, axis=axes[0]).astype("int64", copy=False)
 
 
-@kernel("arg_in_block")
+@opdef.kernel(ARG_IN_BLOCK)
 def arg_in_block(xp, x, shard, kind, axes):
     """Global position of the first max (or min) of ``x``, block ``shard`` of the split axis ``axes[0]``."""
     local = xp.argmax(x, axis=axes[0]) if kind == "max" else xp.argmin(x, axis=axes[0])
     return local.astype("int64", copy=False) + shard * x.shape[axes[0]]
 
 
-@kernel("arg_candidate")
+@opdef.kernel(ARG_CANDIDATE)
 def arg_candidate(xp, value, best, index):
     """``index`` where this block holds the best value, else the largest int64 (so a MIN ignores it)."""
     return xp.where(value == best, index, xp.asarray(_NO_INDEX, dtype="int64"))
 
 
 # ---------------------------------------------------------------- propagation and partitioning
-@rule("argmax", "argmin", level=BROADCAST_LEVEL)
+@opdef.propagation(ARGMAX, ARGMIN, level=BROADCAST_LEVEL)
 def _arg_reduce_propagation():
     """Exactly a reduce over the same axis: kept dims keep their split, the searched one is dropped."""
-    return RULES["reduce"].forward, RULES["reduce"].backward
+    return reduce_propagation()
 
 
-@partition_rule("argmax", "argmin")
+@opdef.partition(ARGMAX, ARGMIN)
 def _partition_arg_reduce(ctx, node):
     """Local arg-reduction, or, along a split axis, value all-reduce then index all-reduce (module doc)."""
     kind, axes, target = _KIND[node.op], node.attrs["axes"], ctx.sharding(node.id)
@@ -141,10 +144,10 @@ def _partition_arg_reduce(ctx, node):
     best = ctx.reshard(value, Sharding(target.dims))  # planner: all-reduce max (min) over the split axes
     # the per-block index is only read locally, next line; labelled partial 'min' like the candidate
     candidates = Sharding(target.dims, split, "min")
-    index = ctx.emit("arg_in_block", [x, ctx.shard_index(split)], {"kind": kind, "axes": axes}, candidates,
+    index = ctx.emit(ARG_IN_BLOCK, [x, ctx.shard_index(split)], {"kind": kind, "axes": axes}, candidates,
                      node.shape, "int64")
     # returned partial 'min': the driver's reshard to ``target`` is the all-reduce min over the split axes
-    return ctx.emit("arg_candidate", [value, best, index], {}, candidates, node.shape, "int64")
+    return ctx.emit(ARG_CANDIDATE, [value, best, index], {}, candidates, node.shape, "int64")
 
 
 def _operand_sharding(x: Sharding, target: Sharding, axis: int) -> Sharding:
@@ -154,3 +157,9 @@ def _operand_sharding(x: Sharding, target: Sharding, axis: int) -> Sharding:
     for i, d in enumerate(x.dims):
         dims.append(tuple(a for a in d if a not in target.axes) if i == axis else next(kept))
     return Sharding(tuple(dims))
+
+
+@opdef.vjp(ARGMAX, ARGMIN)
+def _arg_reduce_vjp(node, g, ops, y):
+    """An index result carries no gradient (it is piecewise constant in x)."""
+    return [None]

@@ -6,8 +6,8 @@ API (re-exported as ``spmd_runtime.numpy.<name>``): ``static_slice`` (XLA Slice:
 positive stride; defined here as ``lax_slice`` so the builtin ``slice`` stays usable) and
 ``slice_in_dim`` (one dim, JAX-style), ``pad`` (NumPy, constant mode) and ``lax_pad`` ((low, high,
 interior) per dim), ``concatenate``, ``stack``, ``reverse`` / ``flip``, ``arange``, ``iota``,
-``broadcasted_iota``, ``dynamic_slice``, ``dynamic_update_slice``. ``Tensor.__getitem__`` is bound
-to ``getitem``: NumPy basic indexing (ints, slices with any step, None, Ellipsis) plus 0-d traced
+``broadcasted_iota``, ``dynamic_slice``, ``dynamic_update_slice``. ``Tensor.__getitem__`` is
+``getitem``: NumPy basic indexing (ints, slices with any step, None, Ellipsis) plus 0-d traced
 integer indices (a size-1 dynamic slice, negative values wrapping once as in JAX).
 
 Dynamic starts follow XLA: each is clamped to [0, n - size] of the GLOBAL dim (never per shard), and
@@ -38,23 +38,36 @@ import operator
 
 import numpy as np
 
-from ..autodiff import vjp
-from ..exec.kernels import kernel
-from ..partition.partitioner import partition_rule
-from ..partition.propagation import ELEMENTWISE_LEVEL, combine, rule
+from .. import opdef
+from ..opdef import ELEMENTWISE_LEVEL, define
+from ..partition.propagation import combine
 from ..partition.resharding import plan_cost
-from ..sharding import Sharding
+from ..partition.strategy import Strategy, choose
+from ..sharding import Sharding, block_size
 from ..trace import Tensor, emit
+from . import core
 
 __all__ = ["static_slice", "slice_in_dim", "pad", "lax_pad", "concatenate", "stack", "reverse", "flip",
            "arange", "iota", "broadcasted_iota", "dynamic_slice", "dynamic_update_slice"]
+
+SLICE = define("slice")
+PAD = define("pad")
+CONCATENATE = define("concatenate")
+REVERSE = define("reverse")
+IOTA = define("iota")
+DYNAMIC_SLICE = define("dynamic_slice")
+DYNAMIC_UPDATE_SLICE = define("dynamic_update_slice")
+OWNED_SLICE = define("owned_slice", "program")  # the result entries a shard's block holds, zeros elsewhere
+OWNED_DYNAMIC_SLICE = define("owned_dynamic_slice", "program")
+OWNED_DYNAMIC_UPDATE_SLICE = define("owned_dynamic_update_slice", "program")
+FILL_OUTSIDE = define("fill_outside", "program")  # entries outside a global range set to a value
+
 
 
 # ================================================================ traced API
 def lax_slice(x, start_indices, limit_indices, strides=None) -> Tensor:
     """XLA Slice: dim d keeps x[start:limit:stride] (static, 0 <= start <= limit <= n, stride >= 1)."""
-    from .. import numpy as snp
-    x = snp.asarray(x)
+    x = core.asarray(x)
     start, limit = _ints(start_indices), _ints(limit_indices)
     strides = (1,) * x.ndim if strides is None else _ints(strides)
     ok = len(start) == len(limit) == len(strides) == x.ndim and all(
@@ -65,7 +78,7 @@ def lax_slice(x, start_indices, limit_indices, strides=None) -> Tensor:
     shape = tuple(_count(a, b, s) for a, b, s in zip(start, limit, strides))
     if shape == x.shape:  # start 0 and all of every dim
         return x
-    return emit("slice", [x], {"start": start, "limit": limit, "strides": strides}, shape, x.dtype)
+    return emit(SLICE, [x], {"start": start, "limit": limit, "strides": strides}, shape, x.dtype)
 
 
 static_slice = lax_slice
@@ -73,9 +86,8 @@ static_slice = lax_slice
 
 def slice_in_dim(x, start_index, limit_index, stride=1, axis=0) -> Tensor:
     """JAX's slice_in_dim: x[start:limit:stride] along ``axis`` (None and negative bounds as in Python)."""
-    from .. import numpy as snp
-    x = snp.asarray(x)
-    axis = snp._axis(axis, x.ndim)
+    x = core.asarray(x)
+    axis = core.normalize_axis(axis, x.ndim)
     n = x.shape[axis]
     bound = lambda v, default: default if v is None else int(v) + n if int(v) < 0 else int(v)
     start, limit = [0] * x.ndim, list(x.shape)
@@ -88,7 +100,6 @@ def getitem(x, key) -> Tensor:
     """NumPy basic indexing: ints, slices (any step), None, Ellipsis; a 0-d traced integer index is a
     size-1 dynamic slice (clamped, negatives wrapped once). One static slice, then dynamic slices,
     then one reverse for negative steps, then the int-indexed dims are dropped and None dims added."""
-    from .. import numpy as snp
     key = _expand_ellipsis(key if isinstance(key, tuple) else (key,), x.ndim)
     start, limit, strides, flips, dynamic, dropped, shape = [], [], [], [], {}, [], []
     dim = 0
@@ -114,15 +125,14 @@ def getitem(x, key) -> Tensor:
     if dynamic:
         y = dynamic_slice(y, [dynamic.get(d, 0) for d in range(y.ndim)],
                           [1 if d in dynamic else y.shape[d] for d in range(y.ndim)])
-    y = snp.reshape(reverse(y, flips), [y.shape[d] for d in range(y.ndim) if d not in dropped])
+    y = core.reshape(reverse(y, flips), [y.shape[d] for d in range(y.ndim) if d not in dropped])
     new_axes = [i for i, s in enumerate(shape) if s is None]
-    return snp.expand_dims(y, new_axes) if new_axes else y
+    return core.expand_dims(y, new_axes) if new_axes else y
 
 
 def lax_pad(x, padding_value, padding_config) -> Tensor:
     """XLA Pad: per dim (low, high, interior); low/high may be negative (they crop), interior >= 0."""
-    from .. import numpy as snp
-    x = snp.asarray(x)
+    x = core.asarray(x)
     value = _scalar_attr(padding_value, x.dtype, "lax_pad padding_value")
     config = [tuple(int(v) for v in c) for c in padding_config]
     sizes = [_padded_size(n, *c) if len(c) == 3 else -1 for n, c in zip(x.shape, config)]
@@ -132,13 +142,12 @@ def lax_pad(x, padding_value, padding_config) -> Tensor:
     if all(c == (0, 0, 0) for c in config):
         return x
     low, high, interior = (tuple(c[i] for c in config) for i in range(3))
-    return emit("pad", [x], {"low": low, "high": high, "interior": interior, "value": value}, sizes, x.dtype)
+    return emit(PAD, [x], {"low": low, "high": high, "interior": interior, "value": value}, sizes, x.dtype)
 
 
 def pad(array, pad_width, mode="constant", constant_values=0) -> Tensor:
     """NumPy pad, constant mode with one scalar value: ``pad_width`` as NumPy takes it."""
-    from .. import numpy as snp
-    x = snp.asarray(array)
+    x = core.asarray(array)
     if mode != "constant":
         raise NotImplementedError(f"pad supports mode='constant'; got mode={mode!r}")
     widths = np.broadcast_to(np.asarray(pad_width, dtype=np.int64), (x.ndim, 2))
@@ -151,17 +160,16 @@ def pad(array, pad_width, mode="constant", constant_values=0) -> Tensor:
 
 def concatenate(arrays, axis=0) -> Tensor:
     """NumPy concatenate (axis=None flattens first); dtypes promote as NumPy does."""
-    from .. import numpy as snp
-    xs = [snp.asarray(a) for a in arrays]
+    xs = [core.asarray(a) for a in arrays]
     if not xs:
         raise ValueError("concatenate needs at least one array; got none")
     if axis is None:
-        xs, axis = [snp.reshape(x, -1) for x in xs], 0
+        xs, axis = [core.reshape(x, -1) for x in xs], 0
     dtype = np.result_type(*[x.dtype for x in xs])
-    xs = [snp.astype(x, dtype) for x in xs]
+    xs = [core.astype(x, dtype) for x in xs]
     if xs[0].ndim == 0:
         raise ValueError("concatenate joins arrays of rank >= 1; got zero-dimensional arrays")
-    axis = snp._axis(axis, xs[0].ndim)
+    axis = core.normalize_axis(axis, xs[0].ndim)
     other = lambda s: s[:axis] + s[axis + 1:]
     if any(x.ndim != xs[0].ndim or other(x.shape) != other(xs[0].shape) for x in xs):
         raise ValueError(f"concatenate needs equal shapes except along axis {axis}; got {[x.shape for x in xs]}")
@@ -169,34 +177,31 @@ def concatenate(arrays, axis=0) -> Tensor:
     xs = [x for x in xs if x.shape[axis]] or xs[:1]  # empty operands add nothing
     if len(xs) == 1:
         return xs[0]
-    return emit("concatenate", xs, {"axis": axis}, shape, dtype)
+    return emit(CONCATENATE, xs, {"axis": axis}, shape, dtype)
 
 
 def stack(arrays, axis=0) -> Tensor:
     """NumPy stack: each array gets a new size-1 dim at ``axis``, then they are concatenated."""
-    from .. import numpy as snp
-    xs = [snp.asarray(a) for a in arrays]
+    xs = [core.asarray(a) for a in arrays]
     if not xs or any(x.shape != xs[0].shape for x in xs):
         raise ValueError(f"stack needs one or more arrays of one shape; got {[x.shape for x in xs]}")
-    axis = snp._axis(axis, xs[0].ndim + 1)
-    return concatenate([snp.expand_dims(x, axis) for x in xs], axis)
+    axis = core.normalize_axis(axis, xs[0].ndim + 1)
+    return concatenate([core.expand_dims(x, axis) for x in xs], axis)
 
 
 def reverse(x, axes) -> Tensor:
     """XLA Rev: x with the order of each dim in ``axes`` reversed (np.flip)."""
-    from .. import numpy as snp
-    x = snp.asarray(x)
-    dims = sorted({snp._axis(a, x.ndim) for a in snp._tuple(axes)})
+    x = core.asarray(x)
+    dims = sorted({core.normalize_axis(a, x.ndim) for a in core.as_tuple(axes)})
     dims = tuple(d for d in dims if x.shape[d] > 1)
     if not dims:
         return x
-    return emit("reverse", [x], {"axes": dims}, x.shape, x.dtype)
+    return emit(REVERSE, [x], {"axes": dims}, x.shape, x.dtype)
 
 
 def flip(m, axis=None) -> Tensor:
     """NumPy flip: reverse ``axis`` (all dims when None)."""
-    from .. import numpy as snp
-    x = snp.asarray(m)
+    x = core.asarray(m)
     return reverse(x, tuple(range(x.ndim)) if axis is None else axis)
 
 
@@ -229,8 +234,7 @@ def arange(start, stop=None, step=1, dtype=None) -> Tensor:
 def dynamic_slice(x, start_indices, slice_sizes) -> Tensor:
     """XLA DynamicSlice: x[s:s+size] per dim, each start (traced 0-d integer or int) clamped to
     [0, n - size]. With only Python ints this is a static slice."""
-    from .. import numpy as snp
-    x = snp.asarray(x)
+    x = core.asarray(x)
     starts, sizes = _start_list(start_indices, x.ndim, "dynamic_slice"), _ints(slice_sizes)
     if len(sizes) != x.ndim or any(not 0 <= m <= n for m, n in zip(sizes, x.shape)):
         raise ValueError(f"dynamic_slice needs one size per dim with 0 <= size <= dim; got {sizes} for "
@@ -238,22 +242,21 @@ def dynamic_slice(x, start_indices, slice_sizes) -> Tensor:
     if not any(isinstance(s, Tensor) for s in starts):
         start = [min(max(int(s), 0), n - m) for s, n, m in zip(starts, x.shape, sizes)]
         return lax_slice(x, start, [a + m for a, m in zip(start, sizes)])
-    return emit("dynamic_slice", [x] + [_index_operand(s) for s in starts], {"sizes": sizes}, sizes, x.dtype)
+    return emit(DYNAMIC_SLICE, [x] + [_index_operand(s) for s in starts], {"sizes": sizes}, sizes, x.dtype)
 
 
 def dynamic_update_slice(x, update, start_indices) -> Tensor:
     """XLA DynamicUpdateSlice: x with update written at the starts, each clamped to [0, n - m]
     (update is cast to x's dtype)."""
-    from .. import numpy as snp
-    x = snp.asarray(x)
-    update = snp.astype(snp.asarray(update), x.dtype)
+    x = core.asarray(x)
+    update = core.astype(core.asarray(update), x.dtype)
     starts = _start_list(start_indices, x.ndim, "dynamic_update_slice")
     if update.ndim != x.ndim or any(m > n for m, n in zip(update.shape, x.shape)):
         raise ValueError(f"dynamic_update_slice needs an update of x's rank no larger than x in any dim; got "
                          f"update {update.shape} for x {x.shape}")
     if update.size == 0:
         return x
-    return emit("dynamic_update_slice", [x, update] + [_index_operand(s) for s in starts], {}, x.shape, x.dtype)
+    return emit(DYNAMIC_UPDATE_SLICE, [x, update] + [_index_operand(s) for s in starts], {}, x.shape, x.dtype)
 
 
 # ---------------------------------------------------------------- API helpers
@@ -264,7 +267,7 @@ def _iota(shape, dim, dtype, start, step) -> Tensor:
                          f"{dim} for shape {shape}")
     attrs = {"shape": shape, "dim": dim, "dtype": dtype.name, "start": np.asarray(start).item(),
              "step": np.asarray(step).item()}
-    return emit("iota", [], attrs, shape, dtype)
+    return emit(IOTA, [], attrs, shape, dtype)
 
 
 def _ints(values) -> tuple[int, ...]:
@@ -334,8 +337,7 @@ def _basic_slice(k: slice, n):
 
 
 def _wrapped_index(i: Tensor, n):
-    from .. import numpy as snp
-    return snp.where(i < 0, i + n, i)
+    return core.where(i < 0, i + n, i)
 
 
 def _start_list(starts, ndim, what):
@@ -350,22 +352,21 @@ def _start_list(starts, ndim, what):
 
 
 def _index_operand(s) -> Tensor:
-    from .. import numpy as snp
     if isinstance(s, Tensor):
         if s.ndim != 0 or s.dtype.kind not in "iu":
             raise TypeError(f"a dynamic start index is a 0-d integer tensor or an int; got {s}")
         return s
-    return snp.asarray(np.int64(operator.index(s)))
+    return core.asarray(np.int64(operator.index(s)))
 
 
 # ================================================================ kernels
-@kernel("slice")
+@opdef.kernel(SLICE)
 def slice_kernel(xp, x, start, limit, strides):
     # copy: a view would keep the whole unsliced buffer alive
     return x[tuple(slice(a, b, s) for a, b, s in zip(start, limit, strides))].copy()
 
 
-@kernel("pad")
+@opdef.kernel(PAD)
 def pad_kernel(xp, x, low, high, interior, value):
     """Fill, place x every interior+1 entries after max(low, 0), then crop negative low/high."""
     inner = [n + max(n - 1, 0) * it for n, it in zip(x.shape, interior)]
@@ -375,17 +376,17 @@ def pad_kernel(xp, x, low, high, interior, value):
     return out[tuple(slice(max(-lo, 0), g - max(-hi, 0)) for lo, hi, g in zip(low, high, grown))]
 
 
-@kernel("concatenate")
+@opdef.kernel(CONCATENATE)
 def concatenate_kernel(xp, *xs, axis):
     return xp.concatenate(xs, axis=axis)
 
 
-@kernel("reverse")
+@opdef.kernel(REVERSE)
 def reverse_kernel(xp, x, axes):
     return xp.flip(x, axis=tuple(axes))
 
 
-@kernel("iota")
+@opdef.kernel(IOTA)
 def iota_kernel(xp, *shard, shape, dim, dtype, start=0, step=1, block=0):
     """start + step * index along ``dim``; given a shard operand, indices start at shard * block."""
     dtype, first = np.dtype(dtype), int(shard[0]) * block if shard else 0
@@ -398,13 +399,13 @@ def iota_kernel(xp, *shard, shape, dim, dtype, start=0, step=1, block=0):
     return xp.broadcast_to(values, tuple(shape))
 
 
-@kernel("dynamic_slice")
+@opdef.kernel(DYNAMIC_SLICE)
 def dynamic_slice_kernel(xp, x, *starts, sizes):
     window = tuple(slice(s, s + m) for s, m in zip(_clamp(starts, x.shape, sizes), sizes))
     return x[window].copy()
 
 
-@kernel("dynamic_update_slice")
+@opdef.kernel(DYNAMIC_UPDATE_SLICE)
 def dynamic_update_slice_kernel(xp, x, update, *starts):
     out = x.copy()
     out[tuple(slice(s, s + m) for s, m in zip(_clamp(starts, x.shape, update.shape), update.shape))] = update
@@ -417,7 +418,7 @@ def _clamp(starts, shape, sizes) -> list[int]:
 
 
 # ---------------------------------------------------------------- rank-dependent local kernels
-@kernel("owned_slice")
+@opdef.kernel(OWNED_SLICE)
 def owned_slice_kernel(xp, x, *shards, blocks, shape, start, strides, sizes):
     """Static slice of this shard's block: see ``_owned_window``; shards: one per dim with blocks[d] > 0."""
     shards = iter(shards)
@@ -425,7 +426,7 @@ def owned_slice_kernel(xp, x, *shards, blocks, shape, start, strides, sizes):
     return _owned_window(xp, x, spans)
 
 
-@kernel("owned_dynamic_slice")
+@opdef.kernel(OWNED_DYNAMIC_SLICE)
 def owned_dynamic_slice_kernel(xp, x, *operands, blocks, shape, sizes):
     """Dynamic slice of this shard's block; operands: one start per dim, then the shard indices."""
     starts, shards = _clamp(operands[:x.ndim], shape, sizes), iter(operands[x.ndim:])
@@ -433,7 +434,7 @@ def owned_dynamic_slice_kernel(xp, x, *operands, blocks, shape, sizes):
     return _owned_window(xp, x, spans)
 
 
-@kernel("owned_dynamic_update_slice")
+@opdef.kernel(OWNED_DYNAMIC_UPDATE_SLICE)
 def owned_dynamic_update_slice_kernel(xp, x, update, *operands, blocks, shape, sizes):
     """Write the part of the update that falls in this shard's block (starts clamped globally)."""
     starts, shards = _clamp(operands[:x.ndim], shape, sizes), iter(operands[x.ndim:])
@@ -450,7 +451,7 @@ def owned_dynamic_update_slice_kernel(xp, x, update, *operands, blocks, shape, s
     return out
 
 
-@kernel("fill_outside")
+@opdef.kernel(FILL_OUTSIDE)
 def fill_outside_kernel(xp, x, shard, dim, block, lo, hi, value):
     """x with the entries of ``dim`` whose global index (shard * block + local) is outside [lo, hi) set to value."""
     first, n = int(shard) * block, x.shape[dim]
@@ -511,7 +512,7 @@ def _on_kept_dims(s: Sharding, src_shape, dst_shape) -> Sharding:
     return Sharding(tuple(a if n == m else () for a, n, m in zip(s.dims, src_shape, dst_shape)))
 
 
-@rule("slice", "pad", "dynamic_slice", level=ELEMENTWISE_LEVEL)
+@opdef.propagation(SLICE, PAD, DYNAMIC_SLICE, level=ELEMENTWISE_LEVEL)
 def _sized_rule():
     def fwd(node, ins, g, mesh):
         return None if ins[0] is None else _on_kept_dims(ins[0], g.nodes[node.inputs[0]].shape, node.shape)
@@ -521,12 +522,12 @@ def _sized_rule():
     return fwd, bwd
 
 
-@rule("reverse", level=ELEMENTWISE_LEVEL)
+@opdef.propagation(REVERSE, level=ELEMENTWISE_LEVEL)
 def _reverse_rule():
     return (lambda node, ins, g, mesh: ins[0]), (lambda node, out, ins, g, mesh: [out])
 
 
-@rule("concatenate", level=ELEMENTWISE_LEVEL)
+@opdef.propagation(CONCATENATE, level=ELEMENTWISE_LEVEL)
 def _concatenate_rule():
     def fwd(node, ins, g, mesh):
         return combine([_without_dim(s, node.attrs["axis"]) for s in ins if s is not None])
@@ -536,7 +537,7 @@ def _concatenate_rule():
     return fwd, bwd
 
 
-@rule("dynamic_update_slice", level=ELEMENTWISE_LEVEL)
+@opdef.propagation(DYNAMIC_UPDATE_SLICE, level=ELEMENTWISE_LEVEL)
 def _dynamic_update_slice_rule():
     def fwd(node, ins, g, mesh):
         update = g.nodes[node.inputs[1]].shape
@@ -548,7 +549,7 @@ def _dynamic_update_slice_rule():
     return fwd, bwd
 
 
-@rule("iota", level=ELEMENTWISE_LEVEL)
+@opdef.propagation(IOTA, level=ELEMENTWISE_LEVEL)
 def _iota_rule():
     return (lambda *a: None), (lambda *a: [])
 
@@ -559,29 +560,29 @@ def _without_dim(s: Sharding, dim) -> Sharding:
 
 # ================================================================ partitioning
 # ---------------------------------------------------------------- iota
-@partition_rule("iota")
+@opdef.partition(IOTA)
 def _iota_partition(ctx, node):
     """Each shard computes its own block: indices along the split dim start at shard_index * block."""
     target, dim = ctx.sharding(node.id), node.attrs["dim"]
     axes, local = target.dims[dim], target.local_shape(node.shape, ctx.mesh)
     attrs = {**node.attrs, "shape": local}
     if ctx.mesh.axis_size(axes) == 1:
-        return ctx.emit_like(node, "iota", [], attrs, target)
-    return ctx.emit_like(node, "iota", [ctx.shard_index(axes)], {**attrs, "block": local[dim]}, target)
+        return ctx.emit_like(node, IOTA, [], attrs, target)
+    return ctx.emit_like(node, IOTA, [ctx.shard_index(axes)], {**attrs, "block": local[dim]}, target)
 
 
 # ---------------------------------------------------------------- reverse
-@partition_rule("reverse")
+@opdef.partition(REVERSE)
 def _reverse_partition(ctx, node):
     """Local reverse; a split dim then takes, for result block j, the tail of reversed block k-1-j-q and
     the head of block k-2-j-q (q, r = divmod(padding, c)): one block's bytes per rank."""
     target = ctx.sharding(node.id)
     x = ctx.reshard(ctx.value(node.inputs[0]), target)
-    y = ctx.emit_like(node, "reverse", [x], node.attrs, target)
+    y = ctx.emit_like(node, REVERSE, [x], node.attrs, target)
     for d in node.attrs["axes"]:
         k = ctx.mesh.axis_size(target.dims[d])
         if k > 1:
-            c = -(-node.shape[d] // k)
+            c = block_size(node.shape[d], k)
             q, r = divmod(k * c - node.shape[d], c)
             pieces = [(r, c, -1, k - 1 - q)] + ([(0, r, -1, k - 2 - q)] if r else [])
             y = _assemble(ctx, y, d, pieces, target, node.shape)
@@ -589,7 +590,7 @@ def _reverse_partition(ctx, node):
 
 
 # ---------------------------------------------------------------- concatenate
-@partition_rule("concatenate")
+@opdef.partition(CONCATENATE)
 def _concatenate_partition(ctx, node):
     """Operands take the result's split on every other dim; along ``axis`` they are joined whole, so a
     split axis is gathered first (an expensive fallback, noted)."""
@@ -602,11 +603,11 @@ def _concatenate_partition(ctx, node):
         ctx.notes.append(f"concatenate %{node.id} {list(node.shape)} along split dim {axis}: gathers operands "
                          + ", ".join(f"%{i} {s}" for i, s in split) + f" to {need} and joins locally")
     args = [ctx.reshard(v, need) for v in values]
-    return ctx.emit_like(node, "concatenate", args, node.attrs, need)
+    return ctx.emit_like(node, CONCATENATE, args, node.attrs, need)
 
 
 # ---------------------------------------------------------------- slice
-@partition_rule("slice")
+@opdef.partition(SLICE)
 def _slice_partition(ctx, node):
     """Stages, each on the dims it names: local slice of unsplit dims; gather + local slice (noted);
     owned slice (partial sum); shift (collective_permutes). Slices are separable per dim."""
@@ -626,7 +627,7 @@ def _slice_partition(ctx, node):
     if by_mode("gather"):
         y = _local_slice(ctx, _gather_dims(ctx, node, y, by_mode("gather")), by_mode("gather"), node.attrs)
     if by_mode("owned"):
-        y = _owned(ctx, y, "owned_slice", [], by_mode("owned"), node.shape,
+        y = _owned(ctx, y, OWNED_SLICE, [], by_mode("owned"), node.shape,
                    {"start": start, "strides": strides})
     for d in by_mode("shift"):
         y = _assemble(ctx, y, d, shift_pieces(d), y.sharding, y.shape[:d] + node.shape[d:d + 1] + y.shape[d + 1:])
@@ -644,7 +645,7 @@ def _local_slice(ctx, v, dims, attrs):
                    "strides": tuple(pick("strides", d, 1) for d in range(len(local)))}
     shape = tuple(_count(a, b, s) if d in dims else n for d, (a, b, s, n) in
                   enumerate(zip(local_attrs["start"], local_attrs["limit"], local_attrs["strides"], v.shape)))
-    return ctx.emit("slice", [v], local_attrs, v.sharding, shape, v.dtype)
+    return ctx.emit(SLICE, [v], local_attrs, v.sharding, shape, v.dtype)
 
 
 def _owned(ctx, v, op, operands, dims, sizes, attrs):
@@ -662,7 +663,7 @@ def _owned(ctx, v, op, operands, dims, sizes, attrs):
 
 
 # ---------------------------------------------------------------- pad
-@partition_rule("pad")
+@opdef.partition(PAD)
 def _pad_partition(ctx, node):
     """Unsplit dims pad locally; a split dim shifts blocks (no interior padding, result blocks of the
     same size) and fills what lies outside the operand, else it is gathered (noted)."""
@@ -684,17 +685,17 @@ def _pad_partition(ctx, node):
         attrs = {"low": tuple(c[0] for c in local), "high": tuple(c[1] for c in local),
                  "interior": tuple(c[2] for c in local), "value": value}
         shape = tuple(x.shape[d] if d in shift else node.shape[d] for d in range(len(x.shape)))
-        y = ctx.emit("pad", [y], attrs, y.sharding, shape, node.dtype)
+        y = ctx.emit(PAD, [y], attrs, y.sharding, shape, node.dtype)
     for d in shift:
         y = _assemble(ctx, y, d, shift_pieces(d), y.sharding, y.shape[:d] + node.shape[d:d + 1] + y.shape[d + 1:])
         c = y.sharding.local_shape(y.shape, ctx.mesh)[d]
         attrs = {"dim": d, "block": c, "lo": low[d], "hi": low[d] + x.shape[d], "value": value}
-        y = ctx.emit("fill_outside", [y, ctx.shard_index(y.sharding.dims[d])], attrs, y.sharding, y.shape, y.dtype)
+        y = ctx.emit(FILL_OUTSIDE, [y, ctx.shard_index(y.sharding.dims[d])], attrs, y.sharding, y.shape, y.dtype)
     return dataclasses.replace(y, sharding=_result_sharding(need, target, kept, modes))
 
 
 # ---------------------------------------------------------------- dynamic slice / update
-@partition_rule("dynamic_slice")
+@opdef.partition(DYNAMIC_SLICE)
 def _dynamic_slice_partition(ctx, node):
     """Split dims that change size: owned window (partial sum: all-reduce / reduce-scatter of the
     result) or gather, whichever moves fewer bytes; starts are clamped to the global dims either way.
@@ -712,7 +713,7 @@ def _dynamic_slice_partition(ctx, node):
     if by_mode("gather"):
         y = _window(ctx, _gather_dims(ctx, node, y, by_mode("gather")), starts, by_mode("gather"), sizes)
     if by_mode("owned"):
-        y = _owned(ctx, y, "owned_dynamic_slice", starts, by_mode("owned"), sizes, {})
+        y = _owned(ctx, y, OWNED_DYNAMIC_SLICE, starts, by_mode("owned"), sizes, {})
     return dataclasses.replace(y, sharding=_result_sharding(need, target, kept, modes))
 
 
@@ -723,10 +724,10 @@ def _window(ctx, v, starts, dims, sizes):
     local = v.sharding.local_shape(v.shape, ctx.mesh)
     shape = tuple(sizes[d] if d in dims else n for d, n in enumerate(v.shape))
     local_sizes = tuple(sizes[d] if d in dims else n for d, n in enumerate(local))
-    return ctx.emit("dynamic_slice", [v] + starts, {"sizes": local_sizes}, v.sharding, shape, v.dtype)
+    return ctx.emit(DYNAMIC_SLICE, [v] + starts, {"sizes": local_sizes}, v.sharding, shape, v.dtype)
 
 
-@partition_rule("dynamic_update_slice")
+@opdef.partition(DYNAMIC_UPDATE_SLICE)
 def _dynamic_update_slice_partition(ctx, node):
     """x keeps its split; the update is replicated on the dims it does not cover whole, and each shard
     writes the part of it that falls in its block: no communication beyond the update's resharding."""
@@ -742,12 +743,12 @@ def _dynamic_update_slice_partition(ctx, node):
     update = ctx.reshard(update, need)
     split = [d for d in range(len(x.shape)) if d not in kept and ctx.mesh.axis_size(target.dims[d]) > 1]
     if not split:
-        return ctx.emit_like(node, "dynamic_update_slice", [x, update] + starts, {}, target)
+        return ctx.emit_like(node, DYNAMIC_UPDATE_SLICE, [x, update] + starts, {}, target)
     local = target.local_shape(x.shape, ctx.mesh)
     blocks = tuple(-1 if d in kept else local[d] if d in split else 0 for d in range(len(x.shape)))
     shards = [ctx.shard_index(target.dims[d]) for d in split]
     attrs = {"blocks": blocks, "shape": x.shape, "sizes": update.shape}
-    return ctx.emit_like(node, "owned_dynamic_update_slice", [x, update] + starts + shards, attrs, target)
+    return ctx.emit_like(node, OWNED_DYNAMIC_UPDATE_SLICE, [x, update] + starts + shards, attrs, target)
 
 
 # ---------------------------------------------------------------- planning helpers
@@ -772,16 +773,16 @@ def _choose_modes(ctx, node, x, need, target, kept, shift_pieces, owned_ok) -> d
         rows = math.prod(local[e] if mesh.axis_size(need.dims[e]) > 1 else node.shape[e]
                          for e in range(len(local)) if e != d)
         options = []
-        pieces = shift_pieces(d) if tgt == axes and -(-m // k) == -(-n // k) else None
+        pieces = shift_pieces(d) if tgt == axes and block_size(m, k) == block_size(n, k) else None
         if pieces is not None:
             moved = sum(hi - lo for lo, hi, sign, shift in pieces if (sign, shift) != (1, 0))
-            options.append((moved * rows * np.dtype(x.dtype).itemsize, "shift"))
+            options.append(Strategy(moved * rows * np.dtype(x.dtype).itemsize, plan="shift"))
         one_dim = lambda src, dst, size: plan_cost(src, dst, (size,), x.dtype, mesh) * rows
         to_target = Sharding((tgt,)) if tgt and mesh.axis_size(tgt) <= m else Sharding(((),))
         if owned_ok and np.dtype(x.dtype) != np.bool_:
-            options.append((one_dim(Sharding(((),), axes), to_target, m), "owned"))
-        options.append((one_dim(Sharding((axes,)), Sharding(((),)), n), "gather"))
-        modes[d] = min(options, key=lambda o: o[0])[1]
+            options.append(Strategy(one_dim(Sharding(((),), axes), to_target, m), plan="owned"))
+        options.append(Strategy(one_dim(Sharding((axes,)), Sharding(((),)), n), plan="gather"))
+        modes[d] = choose(options).plan
     return modes
 
 
@@ -807,8 +808,9 @@ def _shift_pieces(offset, n, k):
     """Result block j when result entry p reads operand entry p + offset, both in blocks of c: the tail
     [r, c) of block j+q, then the head [0, r) of block j+q+1. A piece is (lo, hi, sign, shift): it comes
     from block sign*j + shift."""
-    q, r = divmod(offset, -(-n // k))
-    return [(r, -(-n // k), 1, q)] + ([(0, r, 1, q + 1)] if r else [])
+    c = block_size(n, k)
+    q, r = divmod(offset, c)
+    return [(r, c, 1, q)] + ([(0, r, 1, q + 1)] if r else [])
 
 
 def _assemble(ctx, v, d, pieces, sharding, shape):
@@ -821,14 +823,14 @@ def _assemble(ctx, v, d, pieces, sharding, shape):
         if (lo, hi) != (0, local[d]):
             attrs = {"start": tuple(lo if e == d else 0 for e in range(len(local))),
                      "limit": tuple(hi if e == d else s for e, s in enumerate(local)), "strides": (1,) * len(local)}
-            part = ctx.emit("slice", [v], attrs, v.sharding, v.shape, v.dtype, part_local)
+            part = ctx.emit(SLICE, [v], attrs, v.sharding, v.shape, v.dtype, part_local)
         if (sign, shift) != (1, 0):
             pairs = _pairs(ctx.mesh, axes, sign, shift)
             part = ctx.emit("collective_permute", [part], {"pairs": pairs}, v.sharding, v.shape, v.dtype, part_local)
         parts.append(part)
     if len(parts) == 1:
         return dataclasses.replace(parts[0], sharding=sharding, shape=tuple(shape))
-    return ctx.emit("concatenate", parts, {"axis": d}, sharding, shape, v.dtype)
+    return ctx.emit(CONCATENATE, parts, {"axis": d}, sharding, shape, v.dtype)
 
 
 def _pairs(mesh, axes, sign, shift) -> list[tuple[int, int]]:
@@ -852,7 +854,7 @@ def _empty(ctx, node):
 
 
 # ================================================================ gradients: each linear op's transpose
-@vjp("slice")
+@opdef.vjp(SLICE)
 def _slice_vjp(node, g, ops, y):
     """Scatter the cotangent back with zeros between strided entries (low = start, interior = stride - 1)."""
     x, a = ops[0], node.attrs
@@ -863,7 +865,7 @@ def _slice_vjp(node, g, ops, y):
     return [lambda: lax_pad(g, 0, config)]
 
 
-@vjp("pad")
+@opdef.vjp(PAD)
 def _pad_vjp(node, g, ops, y):
     """Undo low/high (crop what was added, zeros where it cropped), then keep every (interior+1)-th entry."""
     a = node.attrs
@@ -874,36 +876,32 @@ def _pad_vjp(node, g, ops, y):
     return [transpose]
 
 
-@vjp("concatenate")
+@opdef.vjp(CONCATENATE)
 def _concatenate_vjp(node, g, ops, y):
     axis, offsets = node.attrs["axis"], np.cumsum([0] + [x.shape[node.attrs["axis"]] for x in ops])
     return [lambda a=a, b=b: slice_in_dim(g, int(a), int(b), axis=axis) for a, b in zip(offsets[:-1], offsets[1:])]
 
 
-@vjp("reverse")
+@opdef.vjp(REVERSE)
 def _reverse_vjp(node, g, ops, y):
     return [lambda: reverse(g, node.attrs["axes"])]
 
 
-@vjp("iota")
+@opdef.vjp(IOTA)
 def _iota_vjp(node, g, ops, y):
     return []
 
 
-@vjp("dynamic_slice")
+@opdef.vjp(DYNAMIC_SLICE)
 def _dynamic_slice_vjp(node, g, ops, y):
-    from .. import numpy as snp
     x, starts = ops[0], ops[1:]
-    return [lambda: dynamic_update_slice(snp.zeros(x.shape, x.dtype), g, starts)] + [None] * len(starts)
+    return [lambda: dynamic_update_slice(core.zeros(x.shape, x.dtype), g, starts)] + [None] * len(starts)
 
 
-@vjp("dynamic_update_slice")
+@opdef.vjp(DYNAMIC_UPDATE_SLICE)
 def _dynamic_update_slice_vjp(node, g, ops, y):
     """x's cotangent is g with the written window zeroed; the update's is that window of g."""
-    from .. import numpy as snp
-    x, update, starts = ops[0], ops[1], ops[2:]
-    return [lambda: dynamic_update_slice(g, snp.zeros(update.shape, update.dtype), starts),
+    update, starts = ops[1], ops[2:]
+    return [lambda: dynamic_update_slice(g, core.zeros(update.shape, update.dtype), starts),
             lambda: dynamic_slice(g, starts, update.shape)] + [None] * len(starts)
 
-
-Tensor.__getitem__ = getitem

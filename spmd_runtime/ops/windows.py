@@ -38,16 +38,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost import strategy_cost
-from ..exec.kernels import kernel
-from ..partition.partitioner import PartitionContext, partition_rule
-from ..partition.propagation import BROADCAST_LEVEL, DOT_LEVEL, combine, rule
+from .. import opdef
+from ..opdef import BROADCAST_LEVEL, DOT_LEVEL, define
+from ..partition.propagation import combine
 from ..partition.resharding import plan_cost
-from ..partition.rules import reduce_identity
-from ..sharding import Sharding
+from ..partition.strategy import Strategy, choose, distinct
+from ..sharding import Sharding, block_size
 from ..trace import Tensor, emit
+from . import core
+from .core import reduce_identity
+from .slicing import flip
 
 __all__ = ["conv", "conv_general_dilated", "reduce_window", "cumsum"]
+
+CONV = define("conv")
+REDUCE_WINDOW = define("reduce_window")
+CUMSUM = define("cumsum")
+WINDOW_EDGE = define("window_edge", "program")  # a range of one dim: the edge sent to a neighbour
+HALO_WINDOW = define("halo_window", "program")  # the window a shard reads from its block and halos
+CUMSUM_CARRY = define("cumsum_carry", "program")  # a block's cumsum plus the totals of the blocks before
+
 
 REDUCE_WINDOW_KINDS = ("max", "min", "sum", "avg")
 
@@ -60,8 +70,7 @@ def conv(lhs, rhs, window_strides=None, padding="VALID", lhs_dilation=None, rhs_
     ``window_strides``, ``lhs_dilation`` and ``rhs_dilation`` take an int or one int per spatial dim
     (default 1); ``padding`` is "VALID", "SAME" or one (low, high) pair per spatial dim.
     """
-    from .. import numpy as snp
-    lhs, rhs = snp.asarray(lhs), snp.asarray(rhs)
+    lhs, rhs = core.asarray(lhs), core.asarray(rhs)
     if lhs.ndim < 3 or rhs.ndim != lhs.ndim:
         raise ValueError(f"conv needs lhs (N, C, *spatial) and rhs (O, C / groups, *window) of one rank >= 3; "
                          f"got shapes {lhs.shape} and {rhs.shape}")
@@ -81,7 +90,7 @@ def conv(lhs, rhs, window_strides=None, padding="VALID", lhs_dilation=None, rhs_
                          f"input {lhs.shape[2:]}, window {window}, padding {pads}, dilations {lhs_dil}/{rhs_dil}")
     dtype = np.result_type(lhs.dtype, rhs.dtype)
     attrs = {"strides": strides, "padding": pads, "lhs_dilation": lhs_dil, "rhs_dilation": rhs_dil, "groups": groups}
-    return emit("conv", [snp.astype(lhs, dtype), snp.astype(rhs, dtype)], attrs, (n, o) + out, dtype)
+    return emit(CONV, [core.astype(lhs, dtype), core.astype(rhs, dtype)], attrs, (n, o) + out, dtype)
 
 
 conv_general_dilated = conv  # JAX's name for the same op and signature
@@ -94,8 +103,7 @@ def reduce_window(x, kind, window, strides=None, padding="VALID") -> Tensor:
     "VALID", "SAME" or one (low, high) pair per dim. 'avg' divides each window sum by the full window
     size, padded positions included (XLA's default; ``count_include_pad=True``); it is computed in floats.
     """
-    from .. import numpy as snp
-    x = snp.asarray(x)
+    x = core.asarray(x)
     if kind not in REDUCE_WINDOW_KINDS:
         raise ValueError(f"reduce_window kind must be one of {REDUCE_WINDOW_KINDS}; got {kind!r}")
     if isinstance(window, int) or len(window) != x.ndim:
@@ -108,23 +116,22 @@ def reduce_window(x, kind, window, strides=None, padding="VALID") -> Tensor:
         raise ValueError(f"reduce_window windows must fit the padded input at least once; got output shape {out} "
                          f"for input {x.shape}, window {window}, padding {pads}")
     if kind == "avg":
-        x = snp.astype(x, np.result_type(x.dtype, 1.0))
+        x = core.astype(x, np.result_type(x.dtype, 1.0))
     attrs = {"kind": "sum" if kind == "avg" else kind, "window": window, "strides": strides, "padding": pads}
-    y = emit("reduce_window", [x], attrs, out, x.dtype)
-    return snp.multiply(y, 1.0 / math.prod(window)) if kind == "avg" else y
+    y = emit(REDUCE_WINDOW, [x], attrs, out, x.dtype)
+    return core.multiply(y, 1.0 / math.prod(window)) if kind == "avg" else y
 
 
 def cumsum(x, axis=None, dtype=None) -> Tensor:
     """NumPy's cumsum: ``axis=None`` runs over the flattened array; ints and bools accumulate in int64."""
-    from .. import numpy as snp
-    x = snp.asarray(x)
+    x = core.asarray(x)
     if axis is None:
-        x, axis = snp.reshape(x, -1), 0
+        x, axis = core.reshape(x, -1), 0
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"cumsum axis must be in [-{x.ndim}, {x.ndim}) for shape {x.shape}; got {axis}")
     dtype = np.dtype(dtype) if dtype is not None else np.cumsum(np.zeros(0, x.dtype)).dtype
-    x = snp.astype(x, dtype)
-    return emit("cumsum", [x], {"axis": int(axis) % x.ndim}, x.shape, dtype)
+    x = core.astype(x, dtype)
+    return emit(CUMSUM, [x], {"axis": int(axis) % x.ndim}, x.shape, dtype)
 
 
 def out_size(n, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilation=1) -> int:
@@ -166,7 +173,7 @@ def _padding(padding, sizes, window, strides, lhs_dil, rhs_dil, what) -> tuple[t
 
 
 # ================================================================ kernels
-@kernel("conv")
+@opdef.kernel(CONV)
 def conv_kernel(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
     """im2col through a strided view, then one batched matmul (BLAS) over the feature groups."""
     nsp, (n, c), o = lhs.ndim - 2, lhs.shape[:2], rhs.shape[0]
@@ -182,7 +189,7 @@ def conv_kernel(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, grou
     return y.transpose((1, 0, 2 + nsp) + tuple(range(2, 2 + nsp))).reshape((n, o) + out)
 
 
-@kernel("reduce_window")
+@opdef.kernel(REDUCE_WINDOW)
 def reduce_window_kernel(xp, x, kind, window, strides, padding):
     ones = (1,) * x.ndim
     padded = _dilate_and_pad(xp, x, 0, ones, padding, reduce_identity(kind, x.dtype))
@@ -190,7 +197,7 @@ def reduce_window_kernel(xp, x, kind, window, strides, padding):
     return getattr(xp, kind)(view, axis=tuple(range(x.ndim, 2 * x.ndim))).astype(x.dtype, copy=False)
 
 
-@kernel("cumsum")
+@opdef.kernel(CUMSUM)
 def cumsum_kernel(xp, x, axis):
     return xp.cumsum(x, axis=axis, dtype=x.dtype)
 
@@ -222,13 +229,13 @@ def _window_view(xp, x, first, window, strides, dilation):
     return xp.lib.stride_tricks.as_strided(x, shape, view_strides)
 
 
-@kernel("window_edge")
+@opdef.kernel(WINDOW_EDGE)
 def window_edge(xp, x, dim, start, stop):
     """Elements [start, stop) of ``dim``: the edge a shard sends to its neighbour, or its block total."""
     return x[(slice(None),) * dim + (slice(start, stop),)]
 
 
-@kernel("halo_window")
+@opdef.kernel(HALO_WINDOW)
 def halo_window(xp, x, *halos_and_index, dim, left, right, block, size, start, step, length, fill):
     """The ``length`` elements of [left halo | block | right halo] along ``dim`` that this shard's window
     reads, from offset start + step * shard; entries outside the global dim [0, size) (uneven-shard
@@ -250,7 +257,7 @@ def halo_window(xp, x, *halos_and_index, dim, left, right, block, size, start, s
     return out
 
 
-@kernel("cumsum_carry")
+@opdef.kernel(CUMSUM_CARRY)
 def cumsum_carry(xp, local, totals, index, axis):
     """``local`` plus the sum of the block totals of the shards before this one (an exclusive prefix)."""
     before = totals[(slice(None),) * axis + (slice(0, int(index)),)]
@@ -288,9 +295,9 @@ def halo_plan(n, k, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilati
     only the shards holding real outputs count (the others compute padding).
     """
     lo, hi = padding
-    c, span_w = -(-n // k), (window - 1) * rhs_dilation + 1
+    c, span_w = block_size(n, k), (window - 1) * rhs_dilation + 1
     m = out_size(n, window, stride, padding, lhs_dilation, rhs_dilation)
-    co = -(-m // k)
+    co = block_size(m, k)
     firsts, lasts, phases = {}, {}, set()
     for i in range(k):
         if i * co >= m:
@@ -329,11 +336,7 @@ def shift_pairs(mesh, axes, shift: int) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(pairs))
 
 
-def _local_shape(ctx: PartitionContext, value) -> list[int]:
-    return list(ctx.instrs[value.slot].shape)
-
-
-def extend_with_halo(ctx: PartitionContext, value, dim, axes, plan: HaloPlan, fill):
+def extend_with_halo(ctx, value, dim, axes, plan: HaloPlan, fill):
     """``value``'s block of ``dim`` cut to what the shard's window reads: halo exchange + halo_window."""
     n, k = value.shape[dim], ctx.mesh.axis_size(axes)
     if plan.is_local(n, k):
@@ -341,17 +344,17 @@ def extend_with_halo(ctx: PartitionContext, value, dim, axes, plan: HaloPlan, fi
     halos = []
     for width, start, shift in ((plan.left, plan.block - plan.left, 1), (plan.right, 0, -1)):
         if width:
-            local = _local_shape(ctx, value)
+            local = ctx.local_shape(value)
             local[dim] = width
-            edge = ctx.emit("window_edge", [value], {"dim": dim, "start": start, "stop": start + width},
+            edge = ctx.emit(WINDOW_EDGE, [value], {"dim": dim, "start": start, "stop": start + width},
                             value.sharding, value.shape, value.dtype, local)
             halos.append(ctx.emit("collective_permute", [edge], {"pairs": shift_pairs(ctx.mesh, axes, shift)},
                                   value.sharding, value.shape, value.dtype, local))
-    local = _local_shape(ctx, value)
+    local = ctx.local_shape(value)
     local[dim] = plan.length
     attrs = {"dim": dim, "left": plan.left, "right": plan.right, "block": plan.block, "size": n,
              "start": plan.start, "step": plan.step, "length": plan.length, "fill": fill}
-    return ctx.emit("halo_window", [value, *halos, ctx.shard_index(axes)], attrs, value.sharding, value.shape,
+    return ctx.emit(HALO_WINDOW, [value, *halos, ctx.shard_index(axes)], attrs, value.sharding, value.shape,
                     value.dtype, local)
 
 
@@ -362,7 +365,7 @@ def _halo_bytes(plan: HaloPlan, local_shape, dim, dtype) -> float:
 
 
 # ================================================================ propagation
-@rule("reduce_window", "cumsum", level=BROADCAST_LEVEL)
+@opdef.propagation(REDUCE_WINDOW, CUMSUM, level=BROADCAST_LEVEL)
 def _windowed_like_elementwise():
     """Every dim keeps its split (legalised to the result's sizes)."""
     forward = lambda node, ins, g, mesh: ins[0]
@@ -370,7 +373,7 @@ def _windowed_like_elementwise():
     return forward, backward
 
 
-@rule("conv", level=DOT_LEVEL)
+@opdef.propagation(CONV, level=DOT_LEVEL)
 def _conv_propagation():
     """Batch and spatial dims map like elementwise, output features to rhs dim 0, input features between
     the operands (as einsum's contracting letters); with feature groups, lhs features map to the
@@ -418,31 +421,30 @@ class _Layout:
     group_shards: int
 
 
-@partition_rule("conv")
-def _conv(ctx: PartitionContext, node):
+@opdef.partition(CONV)
+def _conv(ctx, node):
     """Pick per role (batch, features, each spatial dim) the split that moves the fewest bytes, then
     the least local work; spatial splits need a halo plan, else that dim is replicated (noted)."""
     lhs, rhs, target = ctx.value(node.inputs[0]), ctx.value(node.inputs[1]), ctx.sharding(node.id)
     options, plans, refused = _conv_options(ctx, node, lhs, rhs, target)
-    costs, best = {}, None
+    costs = {}
     cost = lambda v, s: costs.setdefault((v.slot, s), ctx.cost(v, s))
-    for choice in itertools.product(*options.values()):
-        split = dict(zip(options, choice))
-        used = [a for axes in choice for a in axes]
-        if len(used) != len(set(used)):
-            continue
-        lay = _conv_layout(ctx, node, split, plans)
-        local_lhs = lay.lhs.local_shape(lhs.shape, ctx.mesh)
-        moved = cost(lhs, lay.lhs) + cost(rhs, lay.rhs) + plan_cost(lay.result, target, node.shape, node.dtype,
-                                                                    ctx.mesh)
-        moved += sum(_halo_bytes(p, local_lhs, 2 + j, node.dtype) for j, p in lay.plans.items())
-        work = math.prod(lay.result.local_shape(node.shape, ctx.mesh)) * local_lhs[1]
-        # ties (size-1 axes move nothing) go to the layouts the values already have
-        changes = (lay.lhs != lhs.sharding) + (lay.rhs != rhs.sharding) + (lay.result != target)
-        key = (strategy_cost(moved, 2 * work), moved, work, changes)
-        if best is None or key < best[0]:
-            best = (key, lay, split)
-    _, lay, split = best
+
+    def strategies():
+        for choice in itertools.product(*options.values()):
+            split = dict(zip(options, choice))
+            if not distinct(split):
+                continue
+            lay = _conv_layout(ctx, node, split, plans)
+            local_lhs = lay.lhs.local_shape(lhs.shape, ctx.mesh)
+            moved = cost(lhs, lay.lhs) + cost(rhs, lay.rhs) + plan_cost(lay.result, target, node.shape, node.dtype,
+                                                                        ctx.mesh)
+            moved += sum(_halo_bytes(p, local_lhs, 2 + j, node.dtype) for j, p in lay.plans.items())
+            work = math.prod(lay.result.local_shape(node.shape, ctx.mesh)) * local_lhs[1]
+            # ties (size-1 axes move nothing) go to the layouts the values already have
+            changes = (lay.lhs != lhs.sharding) + (lay.rhs != rhs.sharding) + (lay.result != target)
+            yield Strategy(moved, 2 * work, (lay.lhs, lay.rhs), lay.result, plan=(lay, split), tiebreak=changes)
+    lay, split = choose(strategies()).plan
     for role, (axes, why) in refused.items():
         if split[role] != axes:
             what = "features" if role == "g" else f"spatial dim {2 + int(role[1:])}"
@@ -518,24 +520,26 @@ def _emit_conv(ctx, node, lhs, rhs, lay: _Layout, split):
         a = extend_with_halo(ctx, a, 2 + j, lay.lhs.dims[2 + j], plan, 0)
         pads[j] = plan.pad
     attrs = {**node.attrs, "padding": tuple(pads), "groups": node.attrs["groups"] // lay.group_shards}
-    return ctx.emit_like(node, "conv", [a, b], attrs, lay.result)
+    return ctx.emit_like(node, CONV, [a, b], attrs, lay.result)
 
 
-@partition_rule("reduce_window")
-def _reduce_window(ctx: PartitionContext, node):
+@opdef.partition(REDUCE_WINDOW)
+def _reduce_window(ctx, node):
     """Split dims keep their split where a halo plan exists (else they are replicated, noted); of the
     operand's and the result's layouts, the one moving fewer bytes (then doing less work) wins."""
     x, target = ctx.value(node.inputs[0]), ctx.sharding(node.id)
-    best = None
+    candidates = []
     for cand in dict.fromkeys((x.sharding, target)):
         need, plans, refused = _window_layout(ctx, node, x.shape, cand)
         local = need.local_shape(x.shape, ctx.mesh)
         moved = ctx.cost(x, need) + plan_cost(need, target, node.shape, node.dtype, ctx.mesh)
         moved += sum(_halo_bytes(p, local, d, node.dtype) for d, p in plans.items())
-        key = (moved, math.prod(need.local_shape(node.shape, ctx.mesh)), (need != x.sharding) + (need != target))
-        if best is None or key < best[0]:
-            best = (key, need, plans, refused if cand == x.sharding else {})
-    _, need, plans, refused = best
+        # the window work is the same whatever the split: ties go to less local output, then fewer changes
+        work, changes = math.prod(need.local_shape(node.shape, ctx.mesh)), (need != x.sharding) + (need != target)
+        candidates.append(Strategy(moved, operands=(need,), result=need, tiebreak=(work, changes),
+                                   plan=(plans, refused if cand == x.sharding else {})))
+    best = choose(candidates)
+    need, (plans, refused) = best.result, best.plan
     for d, (axes, why) in refused.items():
         ctx.notes.append(f"reduce_window %{node.id}: dim {d} split over {axes} cannot be computed locally with a "
                          f"halo exchange ({why}); that dim is resharded to replicated")
@@ -544,7 +548,7 @@ def _reduce_window(ctx: PartitionContext, node):
     for d, plan in plans.items():
         value = extend_with_halo(ctx, value, d, need.dims[d], plan, fill)
         pads[d] = plan.pad
-    return ctx.emit_like(node, "reduce_window", [value], {**node.attrs, "padding": tuple(pads)}, need)
+    return ctx.emit_like(node, REDUCE_WINDOW, [value], {**node.attrs, "padding": tuple(pads)}, need)
 
 
 def _window_layout(ctx, node, shape, cand: Sharding):
@@ -561,8 +565,8 @@ def _window_layout(ctx, node, shape, cand: Sharding):
     return Sharding(tuple(dims)), plans, refused
 
 
-@partition_rule("cumsum")
-def _cumsum(ctx: PartitionContext, node):
+@opdef.partition(CUMSUM)
+def _cumsum(ctx, node):
     """Along a split axis: cumsum of the masked block, all-gather of the k block totals, then each
     shard adds the totals of the shards before it. Other dims are local."""
     x, target, axis = ctx.value(node.inputs[0]), ctx.sharding(node.id), node.attrs["axis"]
@@ -574,15 +578,185 @@ def _cumsum(ctx: PartitionContext, node):
             k = ctx.mesh.axis_size(s.dims[axis])
             carry = (k - 1) * row * np.dtype(node.dtype).itemsize
         return ctx.cost(x, s) + plan_cost(s, target, node.shape, node.dtype, ctx.mesh) + carry
-    need = min(dict.fromkeys((target, x.sharding)), key=lambda s: (moved(s), s != x.sharding))
+    need = choose(Strategy(moved(s), operands=(s,), result=s, tiebreak=s != x.sharding)
+                  for s in dict.fromkeys((target, x.sharding))).result
     value, axes = ctx.reshard(x, need), need.dims[axis]
     if ctx.mesh.axis_size(axes) == 1:
-        return ctx.emit_like(node, "cumsum", [value], node.attrs, need)
-    local = ctx.emit_like(node, "cumsum", [ctx.mask_padding(value, [axis], 0)], node.attrs, need)
-    block, k = _local_shape(ctx, local)[axis], ctx.mesh.axis_size(axes)
+        return ctx.emit_like(node, CUMSUM, [value], node.attrs, need)
+    local = ctx.emit_like(node, CUMSUM, [ctx.mask_padding(value, [axis], 0)], node.attrs, need)
+    block, k = ctx.local_shape(local)[axis], ctx.mesh.axis_size(axes)
     shape = node.shape[:axis] + (k,) + node.shape[axis + 1:]
-    totals = ctx.emit("window_edge", [local], {"dim": axis, "start": block - 1, "stop": block}, need, shape,
+    totals = ctx.emit(WINDOW_EDGE, [local], {"dim": axis, "start": block - 1, "stop": block}, need, shape,
                       node.dtype)
     gathered_layout = need.with_dims(tuple(() if d == axis else s for d, s in enumerate(need.dims)))
     gathered = ctx.emit("all_gather", [totals], {"axes": axes, "dim": axis}, gathered_layout, shape, node.dtype)
-    return ctx.emit_like(node, "cumsum_carry", [local, gathered, ctx.shard_index(axes)], {"axis": axis}, need)
+    return ctx.emit_like(node, CUMSUM_CARRY, [local, gathered, ctx.shard_index(axes)], {"axis": axis}, need)
+
+
+# ================================================================ VJPs
+# Reverse-mode rules (VJPs) of the windowed ops: conv, reduce_window and cumsum.
+#
+# Every rule is written with traced ops that already exist and partition (conv, reduce_window, cumsum,
+# reverse, transpose, reshape, select), so a gradient graph partitions like any other.
+#
+# - conv (JAX's ``_conv_general_dilated_transpose_lhs`` / ``_rhs``): the input cotangent is a conv of
+#   the cotangent with the spatially flipped kernel whose input and output features trade places in
+#   every group, with ``lhs_dilation`` = the forward strides, stride = the forward ``lhs_dilation``,
+#   and padding that puts each input element under exactly the outputs that read it. The kernel
+#   cotangent is a conv of the input (features as batch) with the cotangent (batch as features):
+#   the batch is contracted, window taps come out as output positions (stride = forward
+#   ``rhs_dilation``, rhs dilation = forward strides). Feature groups are folded into the contracted
+#   dim, which does what XLA's ``batch_group_count`` would.
+# - reduce_window, seen as a conv with one input feature (``PoolAsConv``: the windowed dims become
+#   spatial dims, the others fold into the batch), so its gradient partitions with the conv's halo
+#   exchange. 'sum' (and 'avg': a window sum times a constant whose ``mul`` has its own rule): the
+#   transpose of a window sum is the input cotangent of a conv with a ones kernel.
+# - reduce_window 'max' / 'min': each window's cotangent goes to the FIRST in-bounds tap, in row-major
+#   window order, that holds the window's result, as XLA's SelectAndScatter with a ``>=`` (``<=``)
+#   select does (JAX's gradient of max pooling): ties inside a window never split the cotangent, and
+#   padding is never chosen (a window of padding only, or whose result is NaN, routes nothing). An
+#   element chosen by several overlapping windows collects all their cotangents. A conv with a one-hot
+#   kernel lays every window's taps out along the feature dim (exactly), equality with the result and
+#   a cumsum over the taps pick the first hit, and the transposed conv scatters the cotangents back.
+# - cumsum: the reverse cumulative sum, ``flip(cumsum(flip(g)))``.
+
+
+# ================================================================ conv
+@opdef.vjp(CONV)
+def _conv_vjp(node, g, ops, y):
+    lhs, rhs = ops
+    return [lambda: conv_lhs_cotangent(g, rhs, node.attrs, lhs.shape),
+            lambda: conv_rhs_cotangent(lhs, g, node.attrs, rhs.shape)]
+
+
+def conv_lhs_cotangent(g, rhs, attrs, lhs_shape):
+    """d conv / d lhs applied to ``g``: conv of g with the flipped, feature-swapped kernel."""
+    nsp, a = g.ndim - 2, attrs
+    kernel = flip(_swap_kernel_features(rhs, a["groups"]), tuple(range(2, 2 + nsp)))
+    pads = []
+    for n, w, m, s, (lo, _), ld, rd in zip(lhs_shape[2:], rhs.shape[2:], g.shape[2:], a["strides"], a["padding"],
+                                           a["lhs_dilation"], a["rhs_dilation"]):
+        lhs_span, rhs_span, out_span = (n - 1) * ld + 1, (w - 1) * rd + 1, (m - 1) * s + 1
+        before = rhs_span - 1 - lo
+        pads.append((before, lhs_span + rhs_span - 1 - out_span - before))  # exactly n outputs
+    return conv(g, kernel, window_strides=a["lhs_dilation"], padding=pads, lhs_dilation=a["strides"],
+                rhs_dilation=a["rhs_dilation"], feature_group_count=a["groups"])
+
+
+def conv_rhs_cotangent(lhs, g, attrs, rhs_shape):
+    """d conv / d rhs applied to ``g``: lhs (features as batch) convolved with g (batch as features)."""
+    a, groups, spatial = attrs, attrs["groups"], tuple(range(2, g.ndim))
+    pads = []
+    for n, w, m, s, (lo, _), ld, rd in zip(lhs.shape[2:], rhs_shape[2:], g.shape[2:], a["strides"], a["padding"],
+                                           a["lhs_dilation"], a["rhs_dilation"]):
+        lhs_span, rhs_span, out_span = (n - 1) * ld + 1, (w - 1) * rd + 1, (m - 1) * s + 1
+        pads.append((lo, out_span - lhs_span + rhs_span - 1 - lo))  # exactly w outputs: one per window tap
+    taps = conv(_features_as_batch(lhs, groups), core.transpose(g, (1, 0) + spatial),
+                window_strides=a["rhs_dilation"], padding=pads, lhs_dilation=a["lhs_dilation"],
+                rhs_dilation=a["strides"], feature_group_count=groups)
+    return core.transpose(taps, (1, 0) + spatial)  # (C / G, O, *window) -> (O, C / G, *window)
+
+
+def _swap_kernel_features(rhs, groups):
+    """(O, C / G, *window) -> (C, O / G, *window): inside each group, input and output features swap."""
+    window = rhs.shape[2:]
+    spatial = tuple(range(2, 2 + len(window)))
+    if groups == 1:
+        return core.transpose(rhs, (1, 0) + spatial)
+    cg, og = rhs.shape[1], rhs.shape[0] // groups
+    grouped = core.reshape(rhs, (groups, og, cg) + window)
+    swapped = core.transpose(grouped, (0, 2, 1) + tuple(d + 1 for d in spatial))
+    return core.reshape(swapped, (groups * cg, og) + window)
+
+
+def _features_as_batch(lhs, groups):
+    """(N, C, *spatial) -> (C / G, G * N, *spatial): a group-g feature sits in contracted block g, which
+    the kernel-gradient conv (feature_group_count = G) pairs with group g's output features."""
+    (n, c), spatial = lhs.shape[:2], lhs.shape[2:]
+    dims = tuple(range(2, 2 + len(spatial)))
+    if groups == 1:
+        return core.transpose(lhs, (1, 0) + dims)
+    grouped = core.reshape(lhs, (n, groups, c // groups) + spatial)
+    moved = core.transpose(grouped, (2, 1, 0) + tuple(d + 1 for d in dims))
+    return core.reshape(moved, (c // groups, groups * n) + spatial)
+
+
+# ================================================================ reduce_window
+@opdef.vjp(REDUCE_WINDOW)
+def _reduce_window_vjp(node, g, ops, y):
+    x, attrs = ops[0], node.attrs
+    pool = PoolAsConv.of(attrs, x.shape)
+    if pool is None:  # every window is one element: the identity
+        return [g]
+    if attrs["kind"] == "sum":
+        return [lambda: window_sum_transpose(g, pool, x.shape)]
+    return [lambda: route_to_first_chosen(g, x, y, pool)]
+
+
+@dataclass(frozen=True)
+class PoolAsConv:
+    """A reduce_window seen as a conv with one input feature, so its gradient rides on the conv's halo
+    exchange (a strided static slice of a split dim would gather it): the windowed dims become the
+    spatial dims of an (N, 1, *spatial) lhs; the other dims (window 1, stride 1, no padding) fold into N."""
+    perm: tuple[int, ...]  # x's dims, folded ones first, then the windowed ones
+    lhs_shape: tuple[int, ...]  # (N, 1, *spatial)
+    window: tuple[int, ...]
+    attrs: dict  # the conv's attributes: strides, padding, dilations 1, one group
+
+    @classmethod
+    def of(cls, attrs, shape) -> PoolAsConv | None:
+        w, s, p = attrs["window"], attrs["strides"], attrs["padding"]
+        windowed = [d for d in range(len(shape)) if (w[d], s[d], tuple(p[d])) != (1, 1, (0, 0))]
+        if not windowed:
+            return None
+        folded = [d for d in range(len(shape)) if d not in windowed]
+        ones = (1,) * len(windowed)
+        conv_attrs = {"strides": tuple(s[d] for d in windowed), "padding": tuple(tuple(p[d]) for d in windowed),
+                      "lhs_dilation": ones, "rhs_dilation": ones, "groups": 1}
+        lhs_shape = (math.prod(shape[d] for d in folded), 1) + tuple(shape[d] for d in windowed)
+        return cls(tuple(folded + windowed), lhs_shape, tuple(w[d] for d in windowed), conv_attrs)
+
+    def to_conv(self, t):
+        """x-shaped (or result-shaped) t in conv layout (N, 1, *spatial)."""
+        moved = core.transpose(t, self.perm)
+        return core.reshape(moved, self.lhs_shape[:2] + moved.shape[moved.ndim - len(self.window):])
+
+    def from_conv(self, t, shape):
+        moved = core.reshape(t, tuple(shape[d] for d in self.perm))
+        return core.transpose(moved, tuple(int(d) for d in np.argsort(self.perm)))
+
+    def windows(self, t, kernel):
+        return conv(t, kernel, self.attrs["strides"], self.attrs["padding"])
+
+
+def window_sum_transpose(g, pool: PoolAsConv, shape):
+    """Each input element gets the sum of the cotangents of the windows that read it: the input
+    cotangent of a conv with a ones kernel."""
+    ones = core.asarray(np.ones((1, 1) + pool.window, g.dtype))
+    return pool.from_conv(conv_lhs_cotangent(pool.to_conv(g), ones, pool.attrs, pool.lhs_shape), shape)
+
+
+def route_to_first_chosen(g, x, y, pool: PoolAsConv):
+    """Max / min pooling's input cotangent: every window's cotangent lands on its first (row-major)
+    in-bounds tap equal to the window's result. A conv with a one-hot kernel lays each window's taps
+    along the feature dim (exact: one product by 1, the others by 0), a cumsum over the taps finds
+    the first hit, and the transposed conv scatters the routed cotangents back."""
+    taps = math.prod(pool.window)
+    one_hot = core.asarray(np.eye(taps, dtype=x.dtype).reshape((taps, 1) + pool.window))
+    xc = pool.to_conv(x)
+    # 0 * inf is NaN, so infinities travel as codes: 1 finite, 2 +inf, 3 -inf, 0 NaN or padding (never chosen)
+    code = core.astype(core.where(xc == np.inf, 2.0, core.where(xc == -np.inf, 3.0, core.where(xc == xc, 1.0, 0.0))),
+                      x.dtype)
+    codes, values = pool.windows(code, one_hot), pool.windows(core.where(code == 1.0, xc, 0.0), one_hot)
+    values = core.where(codes == 2.0, np.inf, core.where(codes == 3.0, -np.inf, values))
+    hit = (codes != 0.0) & (values == pool.to_conv(y))  # (N, taps, *out)
+    first = hit & (cumsum(core.astype(hit, "int64"), axis=1) == 1)
+    routed = core.where(first, pool.to_conv(g), 0.0)
+    return pool.from_conv(conv_lhs_cotangent(routed, one_hot, pool.attrs, pool.lhs_shape), x.shape)
+
+
+# ================================================================ cumsum
+@opdef.vjp(CUMSUM)
+def _cumsum_vjp(node, g, ops, y):
+    axis = node.attrs["axis"]
+    return [lambda: flip(cumsum(flip(g, axis), axis), axis)]

@@ -7,29 +7,17 @@ driver reshards the result to the node's propagated sharding.
 from __future__ import annotations
 
 import warnings
-
-import numpy as np
 from dataclasses import dataclass
 
-from ..cost import COLLECTIVES
-from ..graph import BINARY_OPS, UNARY_OPS, Graph, Node
+import numpy as np
+
+from ..graph import Graph, Node
 from ..mesh import Mesh
+from ..opdef import OPS, lookup
 from ..program import Instr, IOSpec, SPMDProgram
 from ..sharding import Sharding, parse_spec
 from .propagation import propagate
 from .resharding import plan_cost, plan_reshard
-
-PARTITION_RULES: dict = {}
-
-
-def partition_rule(*ops):
-    """Register ``fn(ctx, node) -> LocalValue`` as the partitioning of ``ops``."""
-    def register(fn):
-        for op in ops:
-            PARTITION_RULES[op] = fn
-        return fn
-    return register
-
 
 @dataclass(frozen=True)
 class LocalValue:
@@ -47,6 +35,7 @@ class PartitionContext:
         self.notes: list[str] = []
         self.node: Node | None = None  # the node being partitioned, named in notes
         self._reshard_cache: dict = {}
+        self._shared: dict = {}
 
     def sharding(self, node_id: int) -> Sharding:
         return self.shardings[node_id]
@@ -55,10 +44,11 @@ class PartitionContext:
         return self.values[node_id]
 
     def emit(self, op, args, attrs, sharding: Sharding, shape, dtype, local=None) -> LocalValue:
-        """Append one instruction; its local shape is the sharding's unless ``local`` says otherwise."""
+        """Append one instruction of ``op`` (a record or its name); its local shape is the sharding's unless
+        ``local`` says otherwise."""
         out = LocalValue(len(self.instrs), sharding, tuple(shape), str(dtype))
         local = sharding.local_shape(out.shape, self.mesh) if local is None else tuple(local)
-        self.instrs.append(Instr(op, out.slot, tuple(a.slot for a in args), dict(attrs), local, out.dtype,
+        self.instrs.append(Instr(lookup(op).name, out.slot, tuple(a.slot for a in args), dict(attrs), local, out.dtype,
                                  sharding, out.shape))
         return out
 
@@ -74,6 +64,16 @@ class PartitionContext:
                 value = self.emit("mask_padding", [value], {"dim": d, "axes": axes, "size": value.shape[d],
                                                             "fill": fill}, value.sharding, value.shape, value.dtype)
         return value
+
+    def shared(self, key, build):
+        """``build()`` once per ``key``: work that sibling nodes share (e.g. top_k's values and indices)."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
+
+    def local_shape(self, value: LocalValue) -> list[int]:
+        """The shape of ``value``'s buffer on every rank, as emitted."""
+        return list(self.instrs[value.slot].shape)
 
     def shard_index(self, axes) -> LocalValue:
         """A 0-d int64 value: this rank's shard number along ``axes`` (its block offset / block size)."""
@@ -103,7 +103,8 @@ class PartitionContext:
 
 def _moves_nothing(step, mesh: Mesh) -> bool:
     """A collective or slice over mesh axes of size 1 leaves every local buffer as it is."""
-    return step.op in COLLECTIVES + ("shard_slice",) and step.op not in ("collective_permute", "all_to_allv") and \
+    return (lookup(step.op).collective or step.op == "shard_slice") and \
+        step.op not in ("collective_permute", "all_to_allv") and \
         mesh.axis_size(step.attrs["axes"]) == 1
 
 
@@ -129,7 +130,7 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None) -> SPMDPr
 
 
 def _partition_node(ctx: PartitionContext, node: Node) -> LocalValue:
-    fn = PARTITION_RULES.get(node.op)
+    fn = OPS[node.op].partition if node.op in OPS else None
     if fn is None:
         shardings = [str(ctx.value(i).sharding) for i in node.inputs]
         raise NotImplementedError(f"every op needs a partition rule; got none for op {node.op!r} "
@@ -220,27 +221,25 @@ def _assign_frees(instrs: list[Instr], keep: set[int]) -> None:
         i.free = tuple(sorted(dying.get(i.out, ())))
 
 
-# Ops whose kernels return a buffer no other value shares; any other op may return a view of its operands.
-_FRESH_OPS = frozenset(UNARY_OPS + BINARY_OPS + COLLECTIVES + ("select", "convert", "einsum", "reduce", "shard_slice"))
-_READ_ONLY_OPS = frozenset(("parameter", "constant", "shard_index"))  # the caller's or the program's arrays
-_IN_PLACE_OPS = frozenset(UNARY_OPS + BINARY_OPS + ("all_reduce",))  # all_reduce: MPI.IN_PLACE
-
-
 def _assign_donations(instrs: list[Instr], keep: set[int]) -> None:
-    """Let an elementwise op write into an operand whose buffer dies there (``out=``): no allocation.
+    """Let an op write into an operand whose buffer dies there (a ufunc's ``out=``, an all-reduce's
+    ``MPI.IN_PLACE``): no allocation.
 
     Safe only when that buffer is owned by the operand alone: produced by a fresh op, not viewed by any
     value still alive (outputs, ``keep``, live to the end), of the result's shape and dtype. Decided once
-    here, not per step at run time.
+    here, not per step at run time. Which ops return fresh buffers, read-only arrays or views, and which
+    may write in place, their records say (``OpDef.fresh``, ``read_only``, ``in_place``; any other op may
+    return a view of its operands).
     """
     roots: dict[int, frozenset] = {}
     last = {i.out: i.out for i in instrs}
     for ins in instrs:
         for a in ins.args:
             last[a] = ins.out
-        if ins.op in _READ_ONLY_OPS:
+        record = lookup(ins.op)
+        if record.read_only:
             roots[ins.out] = frozenset({("read-only", ins.out)})
-        elif ins.op in _FRESH_OPS:
+        elif record.fresh:
             roots[ins.out] = frozenset({ins.out})
         else:
             roots[ins.out] = frozenset().union(*(roots[a] for a in ins.args)) | {("view", ins.out)}
@@ -251,7 +250,7 @@ def _assign_donations(instrs: list[Instr], keep: set[int]) -> None:
             if isinstance(r, int) and r != slot:
                 viewers.setdefault(r, []).append(slot)
     for ins in instrs:
-        if ins.op in _IN_PLACE_OPS and ins.shape:
+        if lookup(ins.op).in_place and ins.shape:
             ins.donate = next((k for k, a in enumerate(ins.args) if _donatable(instrs[a], ins, roots, viewers, last)),
                               -1)
 

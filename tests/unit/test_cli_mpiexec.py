@@ -61,13 +61,13 @@ def test_failure_on_one_rank_mid_run_aborts_the_whole_job(tmp_path):
         import numpy as np
         from mpi4py import MPI
         import spmd_runtime as sr
-        from spmd_runtime.exec import kernels
+        from spmd_runtime.opdef import OPS
         mesh = sr.Mesh((3,), ("x",))
         program = sr.partition(sr.trace(lambda a: (a * 2.0).sum(), sr.TensorSpec((6,))), mesh, in_specs=[("x",)])
         if MPI.COMM_WORLD.Get_rank() == 1:
             def broken(xp, *args):
                 raise FloatingPointError("kernel exploded on purpose")
-            kernels.KERNELS["mul"] = broken
+            OPS["mul"].kernel = broken
         sr.run(program, np.ones(6))  # ranks 0 and 2 wait in the all-reduce: the abort must end them
         print("unreachable")
     """))

@@ -8,7 +8,7 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
-from spmd_runtime.exec.kernels import KERNELS
+from spmd_runtime.opdef import OPS
 from spmd_runtime.ops.windows import halo_plan, out_size, shift_pairs
 
 import simulated
@@ -112,7 +112,7 @@ def _emulate_shards(x, k, plan, kernel, local_pad, fill):
             halos.append(blocks[i - 1, c - plan.left:] if i > 0 else np.zeros(plan.left))
         if plan.right:
             halos.append(blocks[i + 1, :plan.right] if i < k - 1 else np.zeros(plan.right))
-        window = KERNELS["halo_window"](np, blocks[i], *halos, np.asarray(i), dim=0, left=plan.left,
+        window = OPS["halo_window"].kernel(np, blocks[i], *halos, np.asarray(i), dim=0, left=plan.left,
                                         right=plan.right, block=c, size=n, start=plan.start, step=plan.step,
                                         length=plan.length, fill=fill)
         outs.append(kernel(window, local_pad))
@@ -122,13 +122,13 @@ def _emulate_shards(x, k, plan, kernel, local_pad, fill):
 
 def _conv_1d(w, stride, ld, rd):
     def run(x, pad):
-        return KERNELS["conv"](np, x[None, None], w[None, None], strides=(stride,), padding=(pad,),
+        return OPS["conv"].kernel(np, x[None, None], w[None, None], strides=(stride,), padding=(pad,),
                                lhs_dilation=(ld,), rhs_dilation=(rd,), groups=1)[0, 0]
     return run
 
 
 def _max_1d(window, stride):
-    return lambda x, pad: KERNELS["reduce_window"](np, x, kind="max", window=(window,), strides=(stride,),
+    return lambda x, pad: OPS["reduce_window"].kernel(np, x, kind="max", window=(window,), strides=(stride,),
                                                    padding=(pad,))
 
 

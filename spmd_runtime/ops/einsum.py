@@ -1,0 +1,209 @@
+"""Contractions: ``einsum`` (two operands per node) and ``matmul``, ONE record.
+
+A letter split alike on both operands is a batch dim (result split) or a contracting dim (result
+partial: all-reduce, or reduce-scatter when the result is wanted split); a free letter split on one
+side needs the other operand replicated over that axis. The partition rule proposes every per-letter
+split (``partition.strategy.letter_strategies``) and the one chooser picks.
+"""
+from __future__ import annotations
+
+import builtins
+import string
+
+import numpy as np
+
+from .. import opdef
+from ..dtypes import ACCUMULATE, is_low_precision
+from ..graph import Node
+from ..opdef import DOT_LEVEL, define
+from ..partition.propagation import combine, dedupe_axes
+from ..partition.strategy import choose, letter_strategies
+from ..sharding import Sharding
+from ..trace import Tensor, emit
+from .core import asarray, astype, broadcast_to, reshape, sum, transpose
+
+EINSUM = define("einsum", fresh=True)
+
+
+# ================================================================ traced API
+def einsum(spec: str, *operands) -> Tensor:
+    """Einstein summation over letters; two-operand steps become ``einsum`` nodes."""
+    spec = spec.replace(" ", "")
+    ins, out = spec.split("->") if "->" in spec else (spec, None)
+    terms = ins.split(",")
+    if len(terms) != len(operands):
+        raise ValueError(f"einsum needs one operand per input term; got {len(terms)} terms in {spec!r} and "
+                         f"{len(operands)} operands")
+    ops = [asarray(o) for o in operands]
+    for t, o in zip(terms, ops):
+        if len(t) != o.ndim or not builtins.all(c in string.ascii_letters for c in t):
+            raise ValueError(f"einsum terms name each operand dim with one letter; got term {t!r} for shape {o.shape}")
+    if out is None:
+        letters = "".join(terms)
+        out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    dtype = np.result_type(*[o.dtype for o in ops])
+    ops = [astype(o, dtype) for o in ops]
+    sizes = _letter_sizes(terms, ops)
+    acc, acc_term = ops[0], terms[0]
+    for i in range(1, len(ops)):
+        rest = "".join(terms[i + 1:]) + out
+        acc, acc_term = _einsum2(acc, acc_term, ops[i], terms[i], rest, sizes)
+    return _einsum1(acc, acc_term, out)
+
+
+def _letter_sizes(terms, ops) -> dict:
+    sizes = {}
+    for t, o in zip(terms, ops):
+        for c, n in zip(t, o.shape):
+            if sizes.setdefault(c, n) != n:
+                raise ValueError(f"einsum letter {c!r} must have one size; got {sizes[c]} and {n}")
+    return sizes
+
+
+def _einsum1(x, term, out):
+    """Sum letters not in ``out``, take diagonals never, transpose to ``out``."""
+    if len(set(term)) != len(term):
+        raise ValueError(f"einsum with a repeated letter in one term (a diagonal) is not supported; got {term!r}")
+    missing = [c for c in out if c not in term]
+    if missing:
+        raise ValueError(f"einsum output letters must appear in an input; got {missing}")
+    drop = tuple(i for i, c in enumerate(term) if c not in out)
+    if drop:
+        x = sum(x, drop)
+        term = "".join(c for c in term if c in out)
+    return transpose(x, [term.index(c) for c in out])
+
+
+def _einsum2(a, ta, b, tb, rest, sizes):
+    keep = lambda t, other: "".join(c for c in t if c in other or c in rest)
+    a, ta = _einsum1(a, ta, keep(ta, tb)), keep(ta, tb)
+    b, tb = _einsum1(b, tb, keep(tb, ta)), keep(tb, ta)
+    out = _pair_out(ta, tb, rest)
+    shape = tuple(sizes[c] for c in out)
+    return emit(EINSUM, [a, b], {"spec": f"{ta},{tb}->{out}"}, shape, a.dtype), out
+
+
+def _pair_out(ta, tb, rest):
+    """Result letters of one pairwise step: batch letters, then a's free, then b's free (each kept if needed)."""
+    batch = [c for c in ta if c in tb and c in rest]
+    free_a = [c for c in ta if c not in tb]
+    free_b = [c for c in tb if c not in ta]
+    return "".join(batch + free_a + free_b)
+
+
+def matmul(a, b) -> Tensor:
+    a, b = asarray(a), asarray(b)
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError(f"matmul needs operands of rank >= 1; got shapes {a.shape} and {b.shape}")
+    va, vb = a.ndim == 1, b.ndim == 1
+    if va:
+        a = reshape(a, (1,) + a.shape)
+    if vb:
+        b = reshape(b, b.shape + (1,))
+    if b.ndim == 2 or a.ndim == 2:  # a stack times one matrix: contract directly, never broadcast the matrix
+        letters = string.ascii_letters[:builtins.max(a.ndim, b.ndim) - 2]
+        ta = (letters if a.ndim > 2 else "") + "XY"
+        tb = (letters if b.ndim > 2 else "") + "YZ"
+        out = einsum(f"{ta},{tb}->{letters}XZ", a, b)
+    else:
+        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a = broadcast_to(a, batch + a.shape[-2:])
+        b = broadcast_to(b, batch + b.shape[-2:])
+        letters = string.ascii_letters[:len(batch)]
+        out = einsum(f"{letters}XY,{letters}YZ->{letters}XZ", a, b)
+    if va:
+        out = reshape(out, out.shape[:-2] + out.shape[-1:])
+    if vb:
+        out = reshape(out, out.shape[:-1])
+    return out
+
+
+dot = matmul
+
+
+# ================================================================ kernel
+@opdef.kernel(EINSUM)
+def _einsum_kernel(xp, a, b, spec):
+    """Two-operand einsum as one batched matmul (BLAS), not np.einsum's loops."""
+    (ta, tb), out = spec.split("->")[0].split(","), spec.split("->")[1]
+    batch = [c for c in ta if c in tb and c in out]
+    contract = [c for c in ta if c in tb and c not in out]
+    free_a = [c for c in ta if c not in tb]
+    free_b = [c for c in tb if c not in ta]
+    sizes = {**dict(zip(ta, a.shape)), **dict(zip(tb, b.shape))}
+    prod = lambda cs: int(np.prod([sizes[c] for c in cs], dtype=np.int64))
+    a3 = a.transpose([ta.index(c) for c in batch + free_a + contract]).reshape(
+        prod(batch), prod(free_a), prod(contract))
+    b3 = b.transpose([tb.index(c) for c in batch + contract + free_b]).reshape(
+        prod(batch), prod(contract), prod(free_b))
+    r = _matmul(xp, a3, b3).reshape([sizes[c] for c in batch + free_a + free_b])
+    order = batch + free_a + free_b
+    return r.transpose([order.index(c) for c in out])
+
+
+def _matmul(xp, a, b):
+    """16-bit operands are multiplied with float32 accumulation and rounded once (dtypes.py). NumPy has no
+    16-bit BLAS (and returns float32 for bfloat16): it multiplies float32 copies; CuPy's float16 matmul is
+    cuBLAS with float32 accumulation already."""
+    if not is_low_precision(a.dtype) or xp is not np:
+        return xp.matmul(a, b)
+    return xp.matmul(a.astype(ACCUMULATE), b.astype(ACCUMULATE)).astype(a.dtype)
+
+
+# ================================================================ propagation
+def einsum_terms(node: Node) -> tuple[str, str, str]:
+    ins, out = node.attrs["spec"].split("->")
+    lhs, rhs = ins.split(",")
+    return lhs, rhs, out
+
+
+@opdef.propagation(EINSUM, level=DOT_LEVEL)
+def _einsum_propagation():
+    def fwd(node, ins, g, mesh):
+        lhs, rhs, out = einsum_terms(node)
+        terms = [(t, s, g.nodes[i].shape) for t, s, i in zip((lhs, rhs), ins, node.inputs) if s is not None]
+        if not terms:
+            return None
+        terms.sort(key=lambda t: -_numel(t[2]))  # the larger operand's sharding wins ties
+        letter = [{c: s.dims[t.index(c)] for c in t} for t, s, _ in terms]
+        return combine([Sharding(tuple(m.get(c, ()) for c in out)) for m in letter])
+
+    def bwd(node, out_sh, ins, g, mesh):
+        lhs, rhs, out = einsum_terms(node)
+        from_out = {c: out_sh.dims[out.index(c)] for c in out}
+        props = []
+        for term, other_term, other in ((lhs, rhs, ins[1]), (rhs, lhs, ins[0])):
+            side = {c: other.dims[other_term.index(c)] for c in other_term} if other is not None else {}
+            dims = [from_out[c] if c in out else side.get(c, ()) for c in term]
+            props.append(dedupe_axes(dims))
+        return props
+    return fwd, bwd
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ================================================================ partition rule
+@opdef.partition(EINSUM)
+def _einsum_partition(ctx, node):
+    """The per-letter split with the least bytes moved plus local compute (module doc)."""
+    lhs_t, rhs_t, out_t = einsum_terms(node)
+    a, b = ctx.value(node.inputs[0]), ctx.value(node.inputs[1])
+    best = choose(letter_strategies(ctx, [(lhs_t, a), (rhs_t, b)], out_t, node))
+    contracting = [c for c in lhs_t if c in rhs_t and c not in out_t]
+    args = [ctx.mask_padding(ctx.reshard(v, s), [t.index(c) for c in contracting], 0)
+            for v, s, t in ((a, best.operands[0], lhs_t), (b, best.operands[1], rhs_t))]
+    return ctx.emit_like(node, EINSUM.name, args, node.attrs, best.result)
+
+
+# ================================================================ VJP
+@opdef.vjp(EINSUM)
+def _einsum_vjp(node, g, ops, y):
+    """d(a.b)/da: the cotangent contracted with b over b's letters not in a (b's free letters are summed)."""
+    (ta, tb), to = node.attrs["spec"].split("->")[0].split(","), node.attrs["spec"].split("->")[1]
+    a, b = ops
+    return [lambda: einsum(f"{to},{tb}->{ta}", g, b), lambda: einsum(f"{ta},{to}->{tb}", a, g)]

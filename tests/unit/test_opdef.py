@@ -1,0 +1,65 @@
+"""The op-definition floor: every registered op is one complete record, and the layers read only records."""
+import ast
+import pathlib
+
+import pytest
+
+import spmd_runtime as sr
+from spmd_runtime import opdef
+from spmd_runtime.opdef import OPS
+
+PACKAGE = pathlib.Path(sr.__file__).parent
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_every_registered_op_has_every_part_its_kind_needs(name):
+    record = OPS[name]
+    assert record.name == name and record.kind in opdef.KINDS
+    assert record.missing_parts() == [], f"op {name!r} ({record.kind}) lacks {record.missing_parts()}"
+    if record.kind == "graph":
+        assert record.propagation.level in (opdef.ELEMENTWISE_LEVEL, opdef.BROADCAST_LEVEL, opdef.DOT_LEVEL)
+
+
+def test_buffer_flags_are_consistent():
+    for record in OPS.values():
+        assert not (record.fresh and record.read_only), record
+        if record.ufunc:  # donation writes the ufunc's result into a dying operand: the result is fresh
+            assert record.fresh, record
+        if record.collective:
+            assert record.kind == "program" and record.bind is not None, record
+
+
+def test_an_op_is_defined_once_and_has_one_of_each_part():
+    with pytest.raises(ValueError, match="defined once.*'add'"):
+        opdef.define("add")
+    with pytest.raises(ValueError, match="one kernel.*'add'"):
+        opdef.kernel("add")(lambda xp, a, b: a)
+    with pytest.raises(NotImplementedError, match="definition.*'no_such_op'"):
+        opdef.lookup("no_such_op")
+
+
+def test_no_string_keyed_registry_is_left_outside_the_records():
+    """The layers above the floor look ops up in ``opdef.OPS``; the old registries are gone."""
+    gone = {"RULES", "PARTITION_RULES", "KERNELS", "VJP_RULES", "_COLLECTIVES", "_FRESH_OPS", "_READ_ONLY_OPS",
+            "UFUNC_NAMES"}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets
+                 if isinstance(t, ast.Name)}
+        assert not names & gone, f"{path.relative_to(PACKAGE)} defines {names & gone}"
+
+
+def test_no_function_local_imports_except_optional_or_mpi_initialising_ones():
+    """Imports sit at module top; the exceptions avoid an optional dependency (cupy) or importing mpi4py
+    (which initialises MPI) where no MPI is wanted, and say so in a comment."""
+    allowed = {"cupy", "cupyx", "mpi4py"}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                        root = (module or "").split(".")[0]
+                        assert getattr(node, "level", 0) == 0 and root in allowed, \
+                            f"{path.relative_to(PACKAGE)}:{node.lineno} imports {module!r} inside {fn.name}()"
