@@ -51,7 +51,7 @@ def _query_cuda_support_symbol() -> bool | None:
     # MPICH >= 4 and Open MPI both export ``int MPIX_Query_cuda_support(void)``
     # (runtime answer, valid after MPI_Init). mpi4py does not wrap it, but a
     # dlsym on mpi4py's extension module also searches the libmpi it links.
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at the top: importing it initialises MPI
 
     try:
         query = getattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support", None)
@@ -66,7 +66,7 @@ def _query_cuda_support_symbol() -> bool | None:
 def _ompi_info_says_cuda() -> bool | None:
     # Open MPI builds whose mpi-ext CUDA extension was disabled still report
     # the build option through ompi_info.
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at the top: importing it initialises MPI
 
     if not MPI.Get_library_version().startswith("Open MPI") or shutil.which("ompi_info") is None:
         return None

@@ -139,7 +139,7 @@ def _local_rank(comm: Any) -> int:
     if hasattr(comm, "Split_type"):
         MPI = sys.modules.get("mpi4py.MPI")  # already imported if comm is an mpi4py comm
         if MPI is None:
-            from mpi4py import MPI  # noqa: PLC0415
+            from mpi4py import MPI  # noqa: PLC0415 - importing initialises MPI
 
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         try:

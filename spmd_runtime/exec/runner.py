@@ -27,7 +27,7 @@ _communicators: dict = {}
 def communicator(mesh, comm=None) -> MeshCommunicator:
     """The MeshCommunicator for ``mesh`` over ``comm`` (default COMM_WORLD), created once."""
     if comm is None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # here, not at the top: importing it initialises MPI (simulated runs need none)
         comm = MPI.COMM_WORLD
     key = (mesh, id(comm))
     held = _communicators.get(key)

@@ -46,6 +46,7 @@ from ..partition.strategy import Strategy, choose
 from ..sharding import Sharding, block_size
 from ..trace import Tensor, emit
 from . import core
+from .spmd import block_pairs
 
 __all__ = ["static_slice", "slice_in_dim", "pad", "lax_pad", "concatenate", "stack", "reverse", "flip",
            "arange", "iota", "broadcasted_iota", "dynamic_slice", "dynamic_update_slice"]
@@ -825,26 +826,12 @@ def _assemble(ctx, v, d, pieces, sharding, shape):
                      "limit": tuple(hi if e == d else s for e, s in enumerate(local)), "strides": (1,) * len(local)}
             part = ctx.emit(SLICE, [v], attrs, v.sharding, v.shape, v.dtype, part_local)
         if (sign, shift) != (1, 0):
-            pairs = _pairs(ctx.mesh, axes, sign, shift)
+            pairs = block_pairs(ctx.mesh, axes, sign, shift)
             part = ctx.emit("collective_permute", [part], {"pairs": pairs}, v.sharding, v.shape, v.dtype, part_local)
         parts.append(part)
     if len(parts) == 1:
         return dataclasses.replace(parts[0], sharding=sharding, shape=tuple(shape))
     return ctx.emit(CONCATENATE, parts, {"axis": d}, sharding, shape, v.dtype)
-
-
-def _pairs(mesh, axes, sign, shift) -> list[tuple[int, int]]:
-    """(sender, receiver) world ranks: the rank holding block j receives block sign*j + shift along
-    ``axes`` from the rank with the same coordinates elsewhere; blocks outside [0, k) send nothing."""
-    k, pairs = mesh.axis_size(axes), []
-    for rank in mesh.devices:
-        src = sign * mesh.index_along(rank, axes) + shift
-        if 0 <= src < k:
-            coords = mesh.coords(rank)
-            for a in reversed(axes):
-                src, coords[a] = divmod(src, mesh.axis_size(a))
-            pairs.append((mesh.rank_at(coords), rank))
-    return sorted(pairs)
 
 
 def _empty(ctx, node):

@@ -90,6 +90,20 @@ def _fill_tail(dim, count, fill, x):
     return x
 
 
+def block_pairs(mesh, axes, sign: int, shift: int) -> list[tuple[int, int]]:
+    """(sender, receiver) world ranks: the rank holding block j receives block sign*j + shift along
+    ``axes`` from the rank with the same coordinates elsewhere; blocks outside [0, k) send nothing."""
+    k, pairs = mesh.axis_size(axes), []
+    for rank in mesh.devices:
+        src = sign * mesh.index_along(rank, axes) + shift
+        if 0 <= src < k:
+            coords = mesh.coords(rank)
+            for a in reversed(axes):
+                src, coords[a] = divmod(src, mesh.axis_size(a))
+            pairs.append((mesh.rank_at(coords), rank))
+    return sorted(pairs)
+
+
 @opdef.kernel(RESIZE)
 def _resize_kernel(xp, x, dim, size):
     """Trim ``dim`` to ``size``, or pad it with zeros up to ``size`` (uneven shards)."""

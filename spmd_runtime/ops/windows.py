@@ -48,6 +48,7 @@ from ..trace import Tensor, emit
 from . import core
 from .core import reduce_identity
 from .slicing import flip
+from .spmd import block_pairs
 
 __all__ = ["conv", "conv_general_dilated", "reduce_window", "cumsum"]
 
@@ -325,15 +326,7 @@ def halo_plan(n, k, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilati
 def shift_pairs(mesh, axes, shift: int) -> tuple[tuple[int, int], ...]:
     """(sender, receiver) world ranks: every shard along ``axes`` sends to the shard ``shift`` further
     on, at the same position on the other axes; nobody sends past the ends (those receive zeros)."""
-    k, pairs = mesh.axis_size(axes), []
-    for rank in mesh.devices:
-        j = mesh.index_along(rank, axes) + shift
-        if 0 <= j < k:
-            coords = mesh.coords(rank)
-            for a in reversed(axes):
-                j, coords[a] = divmod(j, mesh.axis_size(a))
-            pairs.append((rank, mesh.rank_at(coords)))
-    return tuple(sorted(pairs))
+    return tuple(block_pairs(mesh, axes, 1, -shift))
 
 
 def extend_with_halo(ctx, value, dim, axes, plan: HaloPlan, fill):

@@ -63,3 +63,51 @@ def test_no_function_local_imports_except_optional_or_mpi_initialising_ones():
                         root = (module or "").split(".")[0]
                         assert getattr(node, "level", 0) == 0 and root in allowed, \
                             f"{path.relative_to(PACKAGE)}:{node.lineno} imports {module!r} inside {fn.name}()"
+
+
+def _module_imports(path: pathlib.Path, name: str, modules) -> set[str]:
+    """The package modules ``name`` (at ``path``) imports at module level: ``from P import m`` imports module
+    P.m when there is one, else P itself (a package stands for what its __init__ imports)."""
+    tree, package = ast.parse(path.read_text()), name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            target = f"{base}.{node.module}" if node.module else base
+            out |= {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("spmd_runtime")}
+    return out
+
+
+def test_the_package_has_no_import_cycle():
+    """Module-level imports form a DAG (packages' __init__ files, which only gather, left out): no module
+    relies on import order to find a half-initialised one."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        modules[name] = path
+    inits = {n for n, p in modules.items() if p.name == "__init__.py"}
+
+    def edges(name, seen=()):
+        out = set()
+        for target in _module_imports(modules[name], name, modules):
+            if target in inits and target not in seen and target != name:
+                out |= edges(target, seen + (target,))  # what importing the package pulls in
+            elif target in modules and target not in inits:
+                out.add(target)
+        return out
+    graph = {n: edges(n) for n in modules if n not in inits}
+    state: dict = {}
+
+    def visit(n, stack):
+        state[n] = "open"
+        for m in graph[n]:
+            assert state.get(m) != "open", f"import cycle: {' -> '.join(stack + [n, m])}"
+            if m not in state:
+                visit(m, stack + [n])
+        state[n] = "done"
+    for n in graph:
+        if n not in state:
+            visit(n, [])
