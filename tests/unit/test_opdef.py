@@ -23,8 +23,10 @@ def test_every_registered_op_has_every_part_its_kind_needs(name):
 def test_buffer_flags_are_consistent():
     for record in OPS.values():
         assert not (record.fresh and record.read_only), record
-        if record.ufunc:  # donation writes the ufunc's result into a dying operand: the result is fresh
+        if record.ufunc or record.in_place:  # donation writes the result into a dying operand's own buffer
             assert record.fresh, record
+        if record.ufunc:
+            assert record.in_place, record
         if record.collective:
             assert record.kind == "program" and record.bind is not None, record
 
