@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 
-
 from .dtypes import is_floating
 from .graph import Node
 from .opdef import OPS
