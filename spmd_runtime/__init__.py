@@ -20,9 +20,17 @@ from .models.lm import LMConfig
 from .optim import SGD, AdamW, DynamicLossScale
 from .train import PRESETS, Preset, TrainStep, build_train_step, build_train_step_on_root, train_mesh
 
+from .exec import Runtime
+from .comm.communicator import AgreedError
+from .comm import jobguard as _jobguard
+
 __version__ = "0.1.0"
+
+# Under mpiexec with more than one rank: an uncaught exception, SIGINT/SIGTERM, a rank that exits early or a
+# collective nobody joins (SPMD_TIMEOUT) ends the whole job with the rank named (comm/jobguard.py).
+_jobguard.install()
 
 __all__ = ["Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "save_checkpoint", "load_checkpoint", "checkpoint_info",
            "LMConfig", "SGD", "AdamW", "DynamicLossScale", "PRESETS", "Preset", "TrainStep", "build_train_step",
-           "build_train_step_on_root", "train_mesh", "__version__"]
+           "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "__version__"]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 
 import numpy as np
 
@@ -36,29 +35,36 @@ def _show(args) -> int:
 def _run(args) -> int:
     from mpi4py import MPI  # here, not at the top: importing it initialises MPI, which `show` does not need
 
+    from .comm.communicator import AgreedError, agree
     comm = MPI.COMM_WORLD
     try:
-        program = load_program(args.program)
-        with np.load(args.inputs) as data:
-            missing = [i.name for i in program.inputs if i.name not in data]
-            if missing:
-                raise KeyError(f"--inputs needs one array per program input {[i.name for i in program.inputs]}; "
-                               f"got keys {sorted(data.keys())}, missing {missing}")
-            inputs = [data[i.name] for i in program.inputs]
-    except Exception:
-        _abort(comm, "could not load the program or inputs")
-    outs = run_program(program, *inputs, comm=comm, backend=args.backend)
+        loaded, error = _load(args), None
+    except Exception as e:  # noqa: BLE001 - agreed on below, so every rank reports it
+        reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
+        loaded, error = None, f"could not load the program or inputs: {type(e).__name__}: {reason}"
+    try:
+        agree(comm, error, "python -m spmd_runtime run")
+        program, inputs = loaded
+        outs = run_program(program, *inputs, comm=comm, backend=args.backend)
+    except AgreedError as e:  # raised alike on every rank: each prints the same line, the job exits 1
+        print(f"spmd_runtime: rank {comm.Get_rank()}: {e}", file=sys.stderr, flush=True)
+        return 1
     if comm.Get_rank() == 0:
         np.savez(args.out, **{f"out{i}": to_host(o) for i, o in enumerate(outs)})
         print(f"wrote {len(outs)} outputs to {args.out}")
     return 0
 
 
-def _abort(comm, what: str) -> None:
-    """Print this rank's error and end the whole job: no rank may wait forever in a collective."""
-    sys.stderr.write(f"spmd_runtime: rank {comm.Get_rank()}: {what}:\n{traceback.format_exc()}")
-    sys.stderr.flush()
-    comm.Abort(1)
+def _load(args):
+    """(program, inputs in program order) from the files named on the command line."""
+    from .program import load_program
+    program = load_program(args.program)
+    with np.load(args.inputs, allow_pickle=False) as data:
+        missing = [i.name for i in program.inputs if i.name not in data]
+        if missing:
+            raise KeyError(f"--inputs needs one array per program input {[i.name for i in program.inputs]}; "
+                           f"got keys {sorted(data.keys())}, missing {missing}")
+        return program, [data[i.name] for i in program.inputs]
 
 
 def format_comm_summary(program) -> str:

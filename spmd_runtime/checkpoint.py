@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .comm.communicator import AgreedError, agree
 from .exec.backend import to_host
 from .mesh import Mesh
 from .program import SPMDProgram
@@ -48,7 +49,7 @@ FORMAT_VERSION = 1
 METADATA = "checkpoint.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(AgreedError):
     """A save or load failed on some rank; raised on every rank."""
 
 
@@ -143,16 +144,7 @@ def _world(comm, mesh: Mesh):
 
 def _agree(comm, error: str | None, what: str, payload=None) -> list:
     """Collective: raise CheckpointError on EVERY rank if any rank has an error; returns every rank's payload."""
-    gathered = comm.allgather((None if error is None else str(error), payload))
-    by_message: dict[str, list[int]] = {}
-    for r, (e, _) in enumerate(gathered):
-        if e is not None:
-            by_message.setdefault(e, []).append(r)
-    if by_message:  # ranks failing alike share one line: an 8-rank job does not repeat a message 8 times
-        failed = sorted(r for ranks in by_message.values() for r in ranks)
-        details = "; ".join(e if len(by_message) == 1 else f"rank(s) {ranks}: {e}" for e, ranks in by_message.items())
-        raise CheckpointError(f"{what} must succeed on every rank; got errors on rank(s) {failed}: {details}")
-    return [p for _, p in gathered]
+    return agree(comm, error, what, payload, CheckpointError)
 
 
 def _capture(fn, *args):

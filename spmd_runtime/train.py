@@ -53,7 +53,7 @@ import numpy as np
 from .autodiff import value_and_grad
 from .checkpoint import load_checkpoint, save_checkpoint
 from .exec.backend import to_host
-from .exec.runner import communicator, run_local, shard, unshard
+from .exec.runner import Runtime, communicator, run_local_checked, shard, unshard
 from .mesh import Mesh
 from .models.lm import LMConfig, init_params, lm_loss_and_metrics, param_kind, param_shapes
 from . import numpy as snp
@@ -338,10 +338,11 @@ class TrainStep:
     def step(self, local_state: list, tokens, labels, comm=None) -> tuple[list, float]:
         """One step on this rank's blocks; ``tokens``/``labels`` are the global batch (every rank the same).
         Returns (new local state, loss)."""
-        rank = communicator(self.mesh, comm).rank
-        batch = [shard(np.asarray(x, TOKEN_DTYPE), io.sharding, self.mesh, rank)
-                 for x, io in zip((tokens, labels), self.program.inputs[-2:])]
-        outs = run_local(self.program, *local_state, *batch, comm=comm)
+        rank = Runtime.of(comm).rank
+        error = check_batch(tokens, labels, self.cfg)  # agreed on in the run's preparation: raises on every rank
+        batch = [] if error else [shard(np.asarray(x, TOKEN_DTYPE), io.sharding, self.mesh, rank)
+                                  for x, io in zip((tokens, labels), self.program.inputs[-2:])]
+        outs = run_local_checked(self.program, [*local_state, *batch], comm=comm, error=error)
         self._metrics(outs)
         return list(outs[:len(self.state_names)]), float(outs[-1])
 
@@ -402,6 +403,23 @@ class TrainStep:
             g["bytes_in"] += c["bytes_in"]
             g["wire_bytes"] += c["wire_bytes"]
         return list(groups.values())
+
+
+def check_batch(tokens, labels, cfg: LMConfig) -> str | None:
+    """Why a batch is unusable (None if it is fine): integer token ids and labels in [0, vocab), shape
+    (batch, seq). Checked on the host: the kernels would clip or cast them silently."""
+    for what, x in (("tokens", tokens), ("labels", labels)):
+        x = np.asarray(x)
+        if x.shape != (cfg.batch, cfg.seq):
+            return f"TrainStep.step {what} must have shape (batch, seq) = {(cfg.batch, cfg.seq)}; got {x.shape}"
+        if not np.issubdtype(x.dtype, np.integer):
+            return f"TrainStep.step {what} must be integer token ids; got dtype {x.dtype}"
+        low, high = (int(x.min()), int(x.max())) if x.size else (0, 0)
+        if low < 0 or high >= cfg.vocab:
+            bad = x[(x < 0) | (x >= cfg.vocab)]
+            return (f"TrainStep.step {what} must be token ids in [0, vocab={cfg.vocab}); got {bad.size} outside, "
+                    f"e.g. {bad[:4].tolist()}")
+    return None
 
 
 def format_comm(summary: list[dict]) -> str:

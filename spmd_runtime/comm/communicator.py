@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from spmd_runtime.comm import watchdog
 from spmd_runtime.comm.gpu import Transport
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -29,6 +30,47 @@ def mpi_op(op: str):
     if op not in _OPS:
         raise ValueError(f"reduction op must be one of {sorted(_OPS)}; got {op!r}")
     return _OPS[op]
+
+
+class AgreedError(RuntimeError):
+    """Raised alike on EVERY rank after the ranks agreed that some rank failed (see ``agree``).
+
+    ``ranks``: the failing ranks. Uncaught, it prints one line per rank and the job exits with status 1.
+    """
+
+    def __init__(self, message: str, ranks=()):
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+@watchdog.collective(lambda frame: f"the ranks' agreement on {frame.f_locals.get('what')!r} (an allgather)")
+def agree(comm, error: str | None, what: str, payload=None, error_type=AgreedError) -> list:
+    """Collective: raise ``error_type`` on EVERY rank if any rank passed an error; returns every rank's payload.
+
+    The one place where a rank-local failure becomes a job-wide one: call it before
+    the first collective that depends on the local check, so a rank that failed
+    does not leave the others blocked. Ranks failing alike share one line.
+    """
+    gathered = comm.allgather((None if error is None else str(error), payload))
+    by_message: dict[str, list[int]] = {}
+    for rank, (message, _) in enumerate(gathered):
+        if message is not None:
+            by_message.setdefault(message, []).append(rank)
+    if by_message:
+        failed = sorted(r for ranks in by_message.values() for r in ranks)
+        details = "; ".join(message if len(by_message) == 1 else f"{_ranks(ranks)}: {message}"
+                            for message, ranks in by_message.items())
+        raise error_type(f"{what} must succeed on every rank; got errors on rank(s) {failed}: {details}", failed)
+    return [p for _, p in gathered]
+
+
+def _ranks(ranks) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _waits(name):
+    """Watchdog description of a wrapper blocked in MPI: the primitive and its mesh axes."""
+    return watchdog.collective(lambda frame: f"MPI {name} over mesh axes {frame.f_locals.get('axes')}")
 
 
 def _peer(rank: int | None) -> int:
@@ -61,6 +103,12 @@ class MeshCommunicator:
     def __repr__(self):
         return f"MeshCommunicator({self.mesh}, rank={self.rank})"
 
+    def __enter__(self) -> "MeshCommunicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
     def axis_size(self, axes: tuple[str, ...]) -> int:
         """Group size k over ``axes`` (validated and cached)."""
         try:
@@ -73,6 +121,7 @@ class MeshCommunicator:
         """This rank's shard number (and sub-communicator rank) over ``axes``."""
         return self.mesh.index_along(self.rank, self._check_axes(axes))
 
+    @_waits("Comm_split")
     def sub(self, axes: tuple[str, ...]):
         """The sub-communicator over ``axes`` holding this rank, ranked by ``index_along``. Collective on first use."""
         try:
@@ -93,26 +142,33 @@ class MeshCommunicator:
 
     # -- thin buffer primitives -------------------------------------------------------------
 
+    @_waits("Allreduce")
     def Allreduce(self, axes, send, recv, op: str) -> None:
         """``recv`` = elementwise ``op`` ('sum' | 'max' | 'min') of ``send`` over the group along ``axes``."""
         self.sub(axes).Allreduce(send, recv, mpi_op(op))
 
+    @_waits("Allgather")
     def Allgather(self, axes, send, recv) -> None:
         """``recv`` = the group's ``send`` buffers concatenated in sub-rank order (k times ``send``'s size)."""
         self.sub(axes).Allgather(send, recv)
 
+    @_waits("Reduce_scatter_block")
     def Reduce_scatter_block(self, axes, send, recv, op: str) -> None:
         """``recv`` = block ``index_along(axes)`` of the group's elementwise ``op`` of ``send`` (k equal blocks)."""
         self.sub(axes).Reduce_scatter_block(send, recv, mpi_op(op))
 
+    @_waits("Alltoall")
     def Alltoall(self, axes, send, recv) -> None:
         """Block j of ``send`` goes to sub-rank j; block i of ``recv`` comes from sub-rank i (k equal blocks)."""
         self.sub(axes).Alltoall(send, recv)
 
+    @watchdog.collective(lambda f: f"MPI Sendrecv (to {f.f_locals.get('dest')}, from {f.f_locals.get('source')})")
     def Sendrecv(self, send, dest: int | None, recv, source: int | None) -> None:
         """Send ``send`` to world rank ``dest`` while receiving ``recv`` from ``source``; None = no partner."""
-        self.comm.Sendrecv(send, _peer(dest), recvbuf=recv, source=_peer(source))
+        # recvtag 0, never ANY_TAG: the watchdog's control messages travel on the world communicator too
+        self.comm.Sendrecv(send, _peer(dest), recvbuf=recv, source=_peer(source), recvtag=0)
 
+    @watchdog.collective(lambda frame: "MPI Barrier on the world communicator")
     def Barrier(self) -> None:
         """Block until every rank of the world communicator arrives."""
         self.comm.Barrier()
@@ -120,18 +176,12 @@ class MeshCommunicator:
     # -- control ----------------------------------------------------------------------------
 
     def agree(self, error: str | None) -> None:
-        """Collective check that every rank is ready: raises on EVERY rank if any rank passed an error.
+        """Collective check that every rank is ready: raises AgreedError on EVERY rank if any rank passed an error.
 
         Call before a run so a rank that failed to prepare (bad input, compile
         error) does not leave the others blocked in their first collective.
         """
-        errors = self.comm.allgather(None if error is None else str(error))
-        failed = {rank: message for rank, message in enumerate(errors) if message is not None}
-        if failed:
-            details = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
-            raise RuntimeError(
-                f"every rank must be ready before the run starts; got errors on rank(s) {sorted(failed)}: {details}"
-            )
+        agree(self.comm, error, "preparing the run")
 
     def free(self) -> None:
         """Release the cached sub-communicators (collective: every rank frees the same set)."""

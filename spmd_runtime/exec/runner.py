@@ -9,54 +9,152 @@ itself aborts the whole job with the failing rank's message.
 """
 from __future__ import annotations
 
+import os
 import sys
 import traceback
+import zlib
+from collections import OrderedDict
 
 import numpy as np
 
-from ..comm import collectives
+from ..comm import collectives, watchdog
+from ..comm.communicator import MeshCommunicator, agree
 from ..dtypes import check_backend
-from ..comm.communicator import MeshCommunicator
 from ..program import SPMDProgram
 from .backend import get_array_module, select_device, to_device
 from .interpreter import Interpreter
 
-_communicators: dict = {}
+INTERPRETERS_KEPT = 32  # bound programs a runtime keeps (least recently used dropped first)
+
+
+class Runtime:
+    """What one rank holds to run programs over one communicator: a MeshCommunicator per mesh, the bound
+    interpreters, the GPU binding. A context manager: leaving it frees its sub-communicators (collective).
+
+    ``sr.run(..., comm=runtime)`` uses it; ``comm=None`` uses the world runtime (``Runtime.world()``).
+    """
+
+    _world: "Runtime | None" = None
+    _others: list = []  # runtimes made for other communicators, found by identity (mpi4py comms are unhashable)
+
+    def __init__(self, comm=None):
+        if comm is None:
+            from mpi4py import MPI  # lazily: importing it initialises MPI
+            comm = MPI.COMM_WORLD
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self._meshes: dict = {}
+        self._interpreters: OrderedDict = OrderedDict()
+        self._gpu_bound = False
+
+    def __repr__(self):
+        return f"Runtime(rank {self.rank} of {self.size}, meshes={list(map(str, self._meshes))})"
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    @classmethod
+    def world(cls) -> "Runtime":
+        if cls._world is None:
+            cls._world = cls()
+        return cls._world
+
+    @classmethod
+    def of(cls, comm) -> "Runtime":
+        """The runtime for ``comm``: itself if it is one, the world runtime for None, else one per communicator."""
+        if isinstance(comm, Runtime):
+            return comm
+        if comm is None:
+            return cls.world()
+        held = next((r for r in cls._others if r.comm is comm), None)
+        if held is None:
+            held = cls(comm)
+            cls._others.append(held)
+        return held
+
+    def communicator(self, mesh) -> MeshCommunicator:
+        """The MeshCommunicator for ``mesh``, created once. Raises on this rank only: see ``mesh_error``."""
+        mc = self._meshes.get(mesh)
+        if mc is None:
+            mc = self._meshes[mesh] = MeshCommunicator(mesh, self.comm)
+        return mc
+
+    def mesh_error(self, mesh) -> str | None:
+        if self.size != mesh.size:
+            return (f"a program on {mesh} needs one MPI process per mesh device ({mesh.size}); got {self.size} "
+                    f"processes")
+        return None
+
+    def interpreter(self, program: SPMDProgram, mc: MeshCommunicator, xp) -> Interpreter:
+        key = (program.hash, program.mesh, xp.__name__)
+        interp = self._interpreters.get(key)
+        if interp is None:
+            for dtype in {v.dtype for v in (*program.inputs, *program.instrs)}:
+                check_backend(xp, dtype)  # CuPy has no bfloat16: refused, not emulated
+            interp = self._interpreters[key] = Interpreter(program, mc, xp)
+            while len(self._interpreters) > INTERPRETERS_KEPT:
+                self._interpreters.popitem(last=False)
+        else:
+            self._interpreters.move_to_end(key)
+        return interp
+
+    def array_module(self, backend):
+        """NumPy or CuPy; with CuPy each rank binds its GPU (node-local rank) once (collective on first use)."""
+        xp = get_array_module(backend)
+        if xp.__name__ == "cupy" and not self._gpu_bound:
+            select_device(self.comm)
+            self._gpu_bound = True
+        return xp
+
+    def free(self) -> None:
+        """Release every mesh communicator's sub-communicators and the bound programs (collective)."""
+        self._interpreters.clear()
+        for mesh in list(self._meshes):
+            self._meshes.pop(mesh).free()
 
 
 def communicator(mesh, comm=None) -> MeshCommunicator:
-    """The MeshCommunicator for ``mesh`` over ``comm`` (default COMM_WORLD), created once."""
-    if comm is None:
-        from mpi4py import MPI  # here, not at the top: importing it initialises MPI (simulated runs need none)
-        comm = MPI.COMM_WORLD
-    key = (mesh, id(comm))
-    held = _communicators.get(key)
-    if held is None or held[0] is not comm:  # the held reference keeps id(comm) from being reused
-        held = _communicators[key] = (comm, MeshCommunicator(mesh, comm))
-    return held[1]
+    """The MeshCommunicator for ``mesh`` over ``comm`` (a communicator, a Runtime, or None for the world)."""
+    return Runtime.of(comm).communicator(mesh)
 
 
-def run(program: SPMDProgram, *inputs, comm=None, backend=None) -> list:
-    """Run on every rank with the same global ``inputs``; returns the global outputs (NumPy/CuPy arrays)."""
-    mc = _prepare(program, comm, [_check_global(program, inputs)], inputs)
-    xp = _array_module(backend, mc)
-    local = [to_device(shard(x, spec.sharding, program.mesh, mc.rank, pad=True), xp)
-             for x, spec in zip(inputs, program.inputs)]
-    outs = _guarded(mc, lambda: _interpreter(program, mc, xp).run(local))
+def run(program: SPMDProgram, *inputs, comm=None, backend=None, check_inputs=None) -> list:
+    """Run on every rank with the same global ``inputs``; returns the global outputs (NumPy/CuPy arrays).
+
+    ``check_inputs`` (default True, or ``SPMD_CHECK_INPUTS=0``): the ranks also agree on a crc32 of the input
+    values, so ranks passing different global arrays fail instead of computing a mix of them.
+    """
+    rt = Runtime.of(comm)
+    if check_inputs is None:
+        check_inputs = os.environ.get("SPMD_CHECK_INPUTS", "1").strip().lower() not in ("0", "off", "no", "false")
+    error = _capture(lambda: rt.mesh_error(program.mesh) or _check_global(program, inputs))
+    digest = _digest(inputs) if check_inputs and error is None else None
+    mc = _prepare(rt, program, error, digest)
+    xp = rt.array_module(backend)
+    mesh = program.mesh
+    outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, [
+        to_device(shard(x, spec.sharding, mesh, mc.rank, pad=True), xp) for x, spec in zip(inputs, program.inputs)]))
     return _guarded(mc, lambda: [unshard(o, spec.sharding, spec.shape, mc) for o, spec in zip(outs, program.outputs)])
 
 
 def run_local(program: SPMDProgram, *local_inputs, comm=None, backend=None) -> list:
     """Run on this rank's true input blocks (``shard(x, sharding, mesh, rank)``: uneven tails are short);
     returns this rank's true output blocks."""
-    mc = communicator(program.mesh, comm)
-    mc_rank, mesh = mc.rank, program.mesh
-    mc = _prepare(program, comm, [_check_local(program, local_inputs, mc_rank)], local_inputs)
-    xp = _array_module(backend, mc)
-    padded = [_pad_to(to_device(x, xp), s.sharding.local_shape(s.shape, mesh), xp)
-              for x, s in zip(local_inputs, program.inputs)]
-    outs = _guarded(mc, lambda: _interpreter(program, mc, xp).run(padded))
-    return [_trim(o, spec, mesh, mc_rank) for o, spec in zip(outs, program.outputs)]
+    return run_local_checked(program, local_inputs, comm=comm, backend=backend)
+
+
+def run_local_checked(program: SPMDProgram, local_inputs, comm=None, backend=None, error: str | None = None):
+    """``run_local`` for callers with a check of their own: ``error`` (this rank's) is agreed on with the rest."""
+    rt, mesh = Runtime.of(comm), program.mesh
+    error = error or _capture(lambda: rt.mesh_error(mesh) or _check_local(program, local_inputs, rt.rank))
+    mc = _prepare(rt, program, error, None)
+    xp = rt.array_module(backend)
+    outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, [
+        _pad_to(to_device(x, xp), s.sharding.local_shape(s.shape, mesh), xp)
+        for x, s in zip(local_inputs, program.inputs)]))
+    return [_trim(o, spec, mesh, mc.rank) for o, spec in zip(outs, program.outputs)]
 
 
 def block_slices(shape, sharding, mesh, rank) -> tuple[slice, ...]:
@@ -88,15 +186,52 @@ def _trim(x, spec, mesh, rank):
     return x[tuple(slice(0, s.stop - s.start) for s in block_slices(spec.shape, spec.sharding, mesh, rank))]
 
 
-def _prepare(program, comm, errors, inputs) -> MeshCommunicator:
-    mc = communicator(program.mesh, comm)
-    error = next((e for e in errors if e), None)
+def _prepare(rt: Runtime, program, error, digest) -> MeshCommunicator:
+    """Agree that every rank is ready (no local error, same program, same inputs) before any collective."""
     mine = program.hash
-    hashes = mc.comm.allgather(mine)
-    if error is None and any(h != mine for h in hashes):
-        error = f"every rank must run the same program; got hashes {sorted(set(h[:12] for h in hashes))}"
-    mc.agree(error)
-    return mc
+    views = agree(rt.comm, error, "preparing the run", (mine, digest))
+    if any(h != mine for h, _ in views):
+        hashes = {}
+        for rank, (h, _) in enumerate(views):
+            hashes.setdefault(h[:12], []).append(rank)
+        agree(rt.comm, f"every rank must run the same program; got program hashes {hashes} (hash: ranks)",
+              "preparing the run")
+    if digest is not None and any(d != digest for _, d in views):
+        digests = {}
+        for rank, (_, d) in enumerate(views):
+            digests.setdefault(f"{d:08x}", []).append(rank)
+        agree(rt.comm, f"every rank must pass the same global inputs to sr.run; got input crc32 {digests} "
+                       f"(crc: ranks); pass check_inputs=False (or SPMD_CHECK_INPUTS=0) to skip this check",
+              "preparing the run")
+    return rt.communicator(program.mesh)
+
+
+def _digest(inputs) -> int:
+    """crc32 of every input's dtype, shape and bytes (host arrays; device arrays count by shape only)."""
+    crc = 0
+    for x in inputs:
+        crc = zlib.crc32(f"{x.dtype.str}{x.shape}".encode(), crc)
+        if isinstance(x, np.ndarray):
+            crc = zlib.crc32(np.ascontiguousarray(x).view(np.uint8).reshape(-1) if x.size else b"", crc)
+    return crc
+
+
+def _capture(check) -> str | None:
+    """A local check's error message, never an exception: it must reach the agreement on every rank."""
+    try:
+        return check()
+    except Exception as e:  # noqa: BLE001 - whatever fails here must be agreed on, not raised on one rank
+        return f"{type(e).__name__}: {e}"
+
+
+def _run_checked(rt, program, mc, xp, local) -> list:
+    outs = rt.interpreter(program, mc, xp).run(local)
+    for o, spec in zip(outs, program.outputs):
+        want = tuple(spec.sharding.local_shape(spec.shape, program.mesh))
+        if tuple(o.shape) != want or np.dtype(o.dtype) != np.dtype(spec.dtype):
+            raise RuntimeError(f"output {spec.name!r} of the program must come out as {spec.dtype}{list(want)} "
+                               f"on every rank; got {np.dtype(o.dtype).name}{list(o.shape)} (a corrupt program)")
+    return outs
 
 
 def _check_global(program, inputs) -> str | None:
@@ -114,40 +249,37 @@ def _check(program, inputs, shape_of, kind) -> str | None:
         return (f"the program takes {len(program.inputs)} inputs {[i.name for i in program.inputs]}; "
                 f"got {len(inputs)}")
     for x, spec in zip(inputs, program.inputs):
-        want = shape_of(spec)
-        if tuple(getattr(x, "shape", ())) != tuple(want) or np.dtype(getattr(x, "dtype", None)) != spec.dtype:
-            got = f"{np.dtype(x.dtype).name}{list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
-            return f"{kind} input {spec.name!r} must be {spec.dtype}{list(want)}; got {got}"
+        want = tuple(shape_of(spec))
+        try:
+            dtype, shape = np.dtype(x.dtype), tuple(x.shape)
+        except Exception as e:  # noqa: BLE001 - no .dtype/.shape, or a dtype NumPy cannot parse
+            return (f"{kind} input {spec.name!r} must be an array of {spec.dtype}{list(want)}; got a "
+                    f"{type(x).__name__} ({type(e).__name__}: {e})")
+        if shape != want or dtype != np.dtype(spec.dtype):
+            return f"{kind} input {spec.name!r} must be {spec.dtype}{list(want)}; got {dtype.name}{list(shape)}"
     return None
-
-
-def _array_module(backend, mc):
-    """NumPy or CuPy; with CuPy each rank binds its GPU (node-local rank) once per communicator."""
-    xp = get_array_module(backend)
-    if xp.__name__ == "cupy" and not getattr(mc, "gpu_selected", False):
-        select_device(mc.comm)  # collective on first use: every rank of a CuPy run gets here
-        mc.gpu_selected = True
-    return xp
-
-
-def _interpreter(program, mc, xp) -> Interpreter:
-    cache = program.__dict__.setdefault("_interpreters", {})
-    key = (id(mc), xp.__name__)
-    if key not in cache or cache[key].mc is not mc:
-        for dtype in {v.dtype for v in (*program.inputs, *program.instrs)}:
-            check_backend(xp, dtype)  # CuPy has no bfloat16: refused, not emulated
-        cache[key] = Interpreter(program, mc, xp)
-    return cache[key]
 
 
 def _guarded(mc, fn):
     """Run ``fn``; on failure print the rank's error and abort the job so no rank hangs in a collective."""
     try:
         return fn()
-    except Exception as e:
+    except BaseException as e:  # KeyboardInterrupt too: the peers are, or will be, blocked in a collective
         if mc.comm.Get_size() == 1 or not hasattr(mc.comm, "Abort"):
             raise
         sys.stderr.write(f"spmd_runtime: rank {mc.rank} failed, aborting the job:\n{traceback.format_exc()}")
         sys.stderr.flush()
         mc.comm.Abort(1)
         raise e
+
+
+def _describe_instruction(frame) -> str:
+    """Watchdog context: the instruction the interpreter's run loop is executing."""
+    interp, slot = frame.f_locals.get("self"), frame.f_locals.get("out")
+    ins = next((i for i in getattr(getattr(interp, "program", None), "instrs", ()) if i.out == slot), None)
+    if ins is None:
+        return "the interpreter's run loop"
+    return f"instruction %{slot} = {ins.op}({', '.join(f'{k}={v}' for k, v in ins.attrs.items())})"
+
+
+watchdog.context(Interpreter.run, _describe_instruction)

@@ -1,0 +1,118 @@
+"""Job-wide fault handling under MPI: a fault on one rank ends the whole job, with that rank named.
+
+``install()`` runs when ``spmd_runtime`` is imported in an MPI job of more than
+one process (``SPMD_ABORT_ON_ERROR=0`` opts out), like ``python -m mpi4py``:
+
+- ``sys.excepthook``: an uncaught exception (any ``BaseException`` that
+  reaches it, KeyboardInterrupt included) prints the traceback with the rank
+  and calls ``MPI.COMM_WORLD.Abort(1)``. An ``AgreedError`` was raised alike on
+  every rank after the ranks agreed: it prints one line and the rank exits with
+  status 1 the normal way (no abort, no second traceback).
+- SIGINT and SIGTERM abort the whole job, also while the rank is blocked
+  inside an MPI call (``signal.set_wakeup_fd`` wakes the watchdog thread).
+- the watchdog thread (``watchdog.py``): ``SPMD_TIMEOUT`` and peers that exit.
+- ``atexit`` (before MPI_Finalize): stop the watchdog, tell the peers this rank
+  is leaving, so a peer still waiting for it aborts instead of hanging.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from spmd_runtime.comm import watchdog
+from spmd_runtime.comm.communicator import AgreedError
+
+_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE",
+                   "SLURM_NTASKS", "PALS_SIZE", "I_MPI_SIZE")
+_aborting = threading.Lock()
+_state: dict = {}  # the installed guard of this process: comm, rank, size, watchdog
+
+
+def launched_by_mpi() -> bool:
+    """Whether a launcher started more than one process (read from its environment: MPI is not initialised)."""
+    if "mpi4py.MPI" in sys.modules:
+        return True
+    for name in _SIZE_VARIABLES:
+        try:
+            if int(os.environ.get(name, "1")) > 1:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def install() -> bool:
+    """Install the guard if this is an MPI job of more than one process; returns whether it is installed."""
+    if _state or os.environ.get("SPMD_ABORT_ON_ERROR", "1").strip().lower() in ("0", "off", "no", "false"):
+        return bool(_state)
+    if not launched_by_mpi():
+        return False
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        return False
+    _state.update(comm=comm, rank=comm.Get_rank(), size=comm.Get_size())
+    sys.excepthook = _excepthook
+    signal_fd = _install_signal_handlers()
+    _state["watchdog"] = watchdog.Watchdog(comm, abort_job, watchdog.timeout_seconds(), signal_fd).start()
+    atexit.register(_at_exit)  # registered after mpi4py's import, so it runs before MPI_Finalize
+    return True
+
+
+def abort_job(message: str, code: int = 1) -> None:
+    """Print ``message`` and end every rank of the job (MPI_Abort). Only the first caller prints."""
+    if not _aborting.acquire(blocking=False):
+        return
+    try:
+        sys.stderr.write(message.rstrip("\n") + "\n")
+        sys.stderr.flush()
+        time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
+    finally:
+        comm = _state.get("comm")
+        if comm is not None:
+            comm.Abort(code)
+        os._exit(code)
+
+
+def _excepthook(etype, value, tb) -> None:
+    rank, size = _state["rank"], _state["size"]
+    if isinstance(value, AgreedError):  # every rank raised it alike: one line each, normal exit with status 1
+        sys.stderr.write(f"spmd_runtime: rank {rank}: {etype.__name__}: {value}\n")
+        sys.stderr.flush()
+        return
+    text = "".join(traceback.format_exception(etype, value, tb))
+    abort_job(f"spmd_runtime: rank {rank} of {size} failed with an uncaught {etype.__name__}, aborting the job:\n"
+              f"{text}")
+
+
+def _on_signal(signum, frame) -> None:
+    where = watchdog.where(frame) if frame is not None else None
+    at = f" while waiting at {where}" if where else ""
+    abort_job(f"spmd_runtime: rank {_state['rank']} received {signal.Signals(signum).name}{at}; aborting the job")
+
+
+def _install_signal_handlers() -> int | None:
+    """SIGINT/SIGTERM abort the job; returns the read end of the wakeup pipe (None outside the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    return read
+
+
+def _at_exit() -> None:
+    dog = _state.get("watchdog")
+    if dog is not None:
+        dog.stop()
+        dog.announce_exit()
+
+
+__all__ = ["install", "abort_job", "launched_by_mpi"]
