@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import uuid
+import zlib
 from itertools import product
 from pathlib import Path
 
@@ -184,8 +185,10 @@ def save_checkpoint(directory, tensors: dict, shardings, mesh: Mesh | None = Non
         gathered = _agree(comm, error, "save_checkpoint", (fingerprint, tmp))
         _check_same(gathered)
         where = Path(gathered[0][1])
-        _agree(comm, _capture(_write_blocks, plan, mesh, rank, where, step)[1], "save_checkpoint (writing blocks)")
-        _agree(comm, _capture(_commit, where, final)[1] if rank == 0 else None, "save_checkpoint (commit)")
+        crcs, error = _capture(_write_blocks, plan, mesh, rank, where)
+        crcs = _agree(comm, error, "save_checkpoint (writing blocks)", crcs)
+        committed = _capture(_publish, plan, mesh, where, final, step, crcs)[1] if rank == 0 else None
+        _agree(comm, committed, "save_checkpoint (commit)")
     finally:
         if tmp is not None and tmp.exists():  # a failed save leaves nothing behind (rank 0 owns the tmp dir)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -245,20 +248,36 @@ def _make_tmp(final: Path) -> Path:
     return tmp
 
 
-def _write_blocks(plan, mesh: Mesh, rank: int, where: Path, step) -> None:
-    stems = _file_names(plan["tensors"])
+def _write_blocks(plan, mesh: Mesh, rank: int, where: Path) -> dict:
+    """Write this rank's blocks; returns file -> crc32 of its data."""
+    stems, crcs = _file_names(plan["tensors"]), {}
     for name, (block, shape, sharding) in plan["tensors"].items():
         if block.size and _is_writer(sharding, mesh, rank):
-            _write_npy(where / _block_file(stems[name], sharding.block_index(mesh, rank)), block)
-    if rank == 0:
-        _write_json(where / METADATA, _metadata(plan, mesh, stems, step))
+            file = _block_file(stems[name], sharding.block_index(mesh, rank))
+            _write_npy(where / file, block)
+            crcs[file] = _crc(block)
+    return crcs
 
 
-def _metadata(plan, mesh: Mesh, stems, step) -> dict:
+def _crc(block: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(block).view(np.uint8).reshape(-1))
+
+
+def _publish(plan, mesh: Mesh, where: Path, final: Path, step, crcs: list) -> None:
+    """Rank 0: write the metadata (with every rank's block checksums), then commit."""
+    _write_json(where / METADATA, _metadata(plan, mesh, _file_names(plan["tensors"]), step,
+                                            {f: c for rank_crcs in crcs for f, c in rank_crcs.items()}))
+    _commit(where, final)
+
+
+def _metadata(plan, mesh: Mesh, stems, step, crcs: dict) -> dict:
     tensors = {}
     for name, (block, shape, sharding) in plan["tensors"].items():
-        blocks = [{"file": _block_file(stems[name], index), "offset": [a for a, _ in bounds],
-                   "shape": [b - a for a, b in bounds]} for index, bounds in _all_blocks(shape, sharding, mesh)]
+        blocks = []
+        for index, bounds in _all_blocks(shape, sharding, mesh):
+            file = _block_file(stems[name], index)
+            blocks.append({"file": file, "offset": [a for a, _ in bounds], "shape": [b - a for a, b in bounds],
+                           "crc32": crcs[file]})
         tensors[name] = {"shape": list(shape), "dtype": block.dtype.str, "sharding": sharding.to_json(),
                          "blocks": blocks}
     return {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "mesh": mesh.to_json(), "tensors": tensors}
@@ -313,17 +332,26 @@ def _siblings(final: Path, tag: str) -> list[Path]:
 
 # ------------------------------------------------------------------ load
 
-def load_checkpoint(directory, mesh: Mesh, shardings=None, comm=None) -> dict:
+def load_checkpoint(directory, mesh: Mesh, shardings=None, comm=None, expect=None, strict: bool = True,
+                    verify: bool | None = None) -> dict:
     """Collectively load every tensor of a checkpoint: name -> this rank's TRUE local block.
 
     ``shardings``: name -> Sharding or mesh_split spec on ``mesh`` (any mesh
     and sharding, not necessarily the saved ones), or an SPMDProgram (its
     inputs/outputs that the checkpoint holds); tensors not named come back
-    replicated. Each rank memory-maps only the stored blocks that overlap its
+    replicated. ``expect``: name -> (global shape, dtype) the caller needs (a
+    program's inputs/outputs are expected at their shapes too); with ``strict``
+    any missing, extra or differently shaped/typed tensor fails the load, naming
+    each; ``strict=False`` loads only the tensors that match. ``verify``
+    (default True, or ``SPMD_CHECKPOINT_VERIFY=0``) checks each block read
+    against its crc32 in the metadata. Block files that are symlinks are
+    refused. Each rank memory-maps only the stored blocks that overlap its
     own block. Raises CheckpointError on every rank if any rank fails.
     """
     comm = _world(comm, mesh)
-    out, error = _capture(_load_local, directory, mesh, shardings, comm.Get_rank())
+    if verify is None:
+        verify = os.environ.get("SPMD_CHECKPOINT_VERIFY", "1").strip().lower() not in ("0", "off", "no", "false")
+    out, error = _capture(_load_local, directory, mesh, shardings, comm.Get_rank(), expect, strict, verify)
     _agree(comm, error, "load_checkpoint")
     return out
 
@@ -333,12 +361,13 @@ def checkpoint_info(directory) -> dict:
     return _read_metadata(_find_checkpoint(directory))
 
 
-def _load_local(directory, mesh: Mesh, shardings, rank: int) -> dict:
+def _load_local(directory, mesh: Mesh, shardings, rank: int, expect, strict: bool, verify: bool) -> dict:
     path = _find_checkpoint(directory)
     meta = _read_metadata(path)
-    stored = meta["tensors"]
+    stored = _matching(meta["tensors"], _expected(shardings, expect), set(expect or ()), expect is not None, strict,
+                       path)
     specs = _load_specs(shardings, mesh, stored)
-    unknown = sorted(set(specs) - set(stored))
+    unknown = sorted(set(specs) - set(stored) - (set(meta["tensors"]) if not strict else set()))
     if unknown:
         raise KeyError(f"load_checkpoint shardings must name tensors of the checkpoint {sorted(stored)}; got "
                        f"unknown name(s) {unknown}")
@@ -346,11 +375,43 @@ def _load_local(directory, mesh: Mesh, shardings, rank: int) -> dict:
     for name, entry in stored.items():
         shape = tuple(entry["shape"])
         sharding = _resolve_sharding(specs.get(name, Sharding.replicated(len(shape))), shape, mesh, name)
-        out[name] = _assemble(path, name, entry, shape, sharding, mesh, rank)
+        out[name] = _assemble(path, name, entry, shape, sharding, mesh, rank, verify)
     return out
 
 
-def _assemble(path: Path, name: str, entry: dict, shape, sharding: Sharding, mesh: Mesh, rank: int) -> np.ndarray:
+def _expected(shardings, expect) -> dict:
+    """name -> (shape, dtype) the caller needs: ``expect``, plus a program's inputs/outputs at their shapes."""
+    wanted = {}
+    if isinstance(shardings, SPMDProgram):
+        wanted = {io.name: (tuple(io.shape), np.dtype(io.dtype).str) for io in shardings.inputs + shardings.outputs}
+    for name, (shape, dtype) in (expect or {}).items():
+        wanted[name] = (tuple(int(n) for n in shape), np.dtype(dtype).str)
+    return wanted
+
+
+def _matching(stored: dict, wanted: dict, required: set, exact_names: bool, strict: bool, path: Path) -> dict:
+    """The stored entries to load; with ``strict``, raise naming every tensor that does not fit ``wanted``."""
+    problems, keep = [], {}
+    for name, entry in stored.items():
+        have = (tuple(entry["shape"]), np.dtype(entry["dtype"]).str)
+        if name in wanted and have != wanted[name]:
+            want = wanted[name]
+            problems.append(f"{name!r}: stored {np.dtype(have[1]).name}{list(have[0])}, the model needs "
+                            f"{np.dtype(want[1]).name}{list(want[0])}")
+        elif exact_names and name not in wanted:
+            problems.append(f"{name!r}: stored, but the model has no such tensor")
+        else:
+            keep[name] = entry
+    if exact_names:
+        problems += [f"{name!r}: needed by the model, not in the checkpoint" for name in sorted(required - set(stored))]
+    if problems and strict:
+        raise ValueError(f"a checkpoint must match the model it is loaded into (pass strict=False for a partial "
+                         f"load); got {len(problems)} mismatched tensor(s) in {path}: " + "; ".join(problems))
+    return keep
+
+
+def _assemble(path: Path, name: str, entry: dict, shape, sharding: Sharding, mesh: Mesh, rank: int,
+              verify: bool) -> np.ndarray:
     """This rank's block, copied from the overlapping parts of the stored blocks."""
     mine = sharding.block_bounds(shape, mesh, sharding.block_index(mesh, rank))
     out = np.empty([b - a for a, b in mine], dtype=np.dtype(entry["dtype"]))
@@ -359,7 +420,7 @@ def _assemble(path: Path, name: str, entry: dict, shape, sharding: Sharding, mes
         part = [(max(a, o), min(b, o + s)) for (a, b), o, s in zip(mine, blk["offset"], blk["shape"])]
         if any(hi <= lo for lo, hi in part):
             continue
-        data = _open_block(path, name, blk, out.dtype)
+        data = _open_block(path, name, blk, out.dtype, verify)
         src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(part, blk["offset"]))
         out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, mine))] = data[src]
         filled += math.prod(hi - lo for lo, hi in part)
@@ -369,14 +430,24 @@ def _assemble(path: Path, name: str, entry: dict, shape, sharding: Sharding, mes
     return out
 
 
-def _open_block(path: Path, name: str, blk: dict, dtype) -> np.ndarray:
+def _open_block(path: Path, name: str, blk: dict, dtype, verify: bool) -> np.ndarray:
     file = blk["file"]
     if Path(file).name != file:  # metadata must not point outside the checkpoint
         raise ValueError(f"a block file of {name!r} must be a plain file name; got {file!r} in {path}")
-    data = np.load(path / file, mmap_mode="r", allow_pickle=False)
+    if (path / file).is_symlink():
+        raise ValueError(f"a block file must be a regular file, not a symlink; got {file} of {name!r} -> "
+                         f"{os.readlink(path / file)} in {path}")
+    try:
+        data = np.load(path / file, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"block file {file} of {name!r} must be a readable .npy file; got {type(e).__name__}: "
+                         f"{e} in {path} (corrupt header or truncated)") from None
     if list(data.shape) != list(blk["shape"]) or data.dtype != dtype:
         raise ValueError(f"block file {file} of {name!r} must hold {np.dtype(dtype).name}{list(blk['shape'])}; got "
                          f"{data.dtype.name}{list(data.shape)} in {path} (corrupt or replaced)")
+    if verify and "crc32" in blk and _crc(data) != blk["crc32"]:
+        raise ValueError(f"block file {file} of {name!r} must match its crc32 {blk['crc32']:08x} in {METADATA}; got "
+                         f"{_crc(data):08x} in {path} (corrupt; SPMD_CHECKPOINT_VERIFY=0 skips this check)")
     return data
 
 

@@ -367,14 +367,15 @@ class TrainStep:
         """Collective: save this rank's blocks of the state (sharded, atomic; see ``checkpoint``)."""
         save_checkpoint(directory, dict(zip(self.state_names, local_state)), self.program, comm=comm, step=step)
 
-    def load(self, directory, comm=None) -> list:
-        """Collective: this rank's blocks of a saved state, whatever mesh and preset saved it."""
-        blocks = load_checkpoint(directory, self.mesh, self.program, comm=comm)
-        missing = [n for n in self.state_names if n not in blocks]
-        if missing:
-            raise KeyError(f"a training checkpoint must hold every parameter and optimizer state array; got "
-                           f"{directory} without {missing}")
-        return [blocks[n] for n in self.state_names]
+    def load(self, directory, comm=None, strict: bool = True) -> list:
+        """Collective: this rank's blocks of a saved state, whatever mesh and preset saved it.
+
+        The checkpoint must hold exactly this model's parameters and optimizer state at their shapes and dtypes
+        (a checkpoint of another config fails, naming each mismatched tensor); ``strict=False`` loads the ones
+        that match and returns None for the others."""
+        expect = {io.name: (io.shape, io.dtype) for io in self.program.inputs[:-2]}
+        blocks = load_checkpoint(directory, self.mesh, self.program, comm=comm, expect=expect, strict=strict)
+        return [blocks.get(n) for n in self.state_names]
 
     # ------------------------------------------------------------ reports
     def memory_report(self) -> dict:

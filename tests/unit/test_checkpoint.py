@@ -384,3 +384,72 @@ def test_blocks_match_the_runtime_layout(tmp_path):
     got = run_simulated(6, lambda comm: load_checkpoint(path, mesh, {"u": wanted}, comm=comm)["u"])
     for rank, block in enumerate(got):
         assert block.tobytes() == shard(x, wanted, mesh, rank).tobytes(), rank
+
+
+# ---------------------------------------------------------------- integrity (issue 9)
+
+def _flip_one_data_byte(file):
+    raw = bytearray(file.read_bytes())
+    raw[-1] ^= 0x01  # the last byte is data, never the header
+    file.write_bytes(bytes(raw))
+
+
+def test_flipped_data_byte_fails_on_every_rank_naming_the_block(tmp_path):
+    path = tmp_path / "ckpt"
+    save(str(path))
+    _flip_one_data_byte(path / "v.2.npy")
+    msg = load_error(str(path), Mesh((2,), ("x",)))
+    assert "block file v.2.npy of 'v' must match its crc32" in msg
+    # the check can be switched off: the flipped byte then loads (the caller asked for speed over safety)
+    got = run_simulated(2, lambda comm: load_checkpoint(str(path), Mesh((2,), ("x",)), comm=comm, verify=False))
+    assert not np.array_equal(got[0]["v"], ORIG["v"])
+
+
+def test_block_checksums_are_recorded_in_the_metadata(tmp_path):
+    path = tmp_path / "ckpt"
+    save(str(path))
+    import zlib
+    for name, entry in checkpoint_info(str(path))["tensors"].items():
+        for blk in entry["blocks"]:
+            data = np.load(path / blk["file"])
+            assert blk["crc32"] == zlib.crc32(np.ascontiguousarray(data).tobytes()), (name, blk["file"])
+
+
+def test_symlinked_block_is_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    save(str(path))
+    target = tmp_path / "elsewhere.npy"
+    shutil.copy(path / "r.0.0.npy", target)
+    os.remove(path / "r.0.0.npy")
+    os.symlink(target, path / "r.0.0.npy")
+    assert "must be a regular file, not a symlink; got r.0.0.npy of 'r'" in load_error(str(path), SAVE_MESH)
+
+
+def test_corrupt_npy_header_says_so(tmp_path):
+    path = tmp_path / "ckpt"
+    save(str(path))
+    raw = (path / "s.npy").read_bytes()
+    assert b"'descr': '<f8'" in raw
+    for corrupt in (raw.replace(b"'<f8'", b"'|O' "), raw[:12] + b"#####" + raw[17:]):  # object dtype; garbage
+        (path / "s.npy").write_bytes(corrupt)
+        msg = load_error(str(path), SAVE_MESH)
+        assert "block file s.npy of 's' must be a readable .npy file" in msg and "corrupt header" in msg
+
+
+def test_expected_shapes_fail_naming_each_mismatched_tensor_unless_not_strict(tmp_path):
+    path = tmp_path / "ckpt"
+    save(str(path))
+    mesh = Mesh((2,), ("x",))
+    expect = {n: (a.shape, a.dtype) for n, a in ORIG.items() if n not in ("u", "mask")}
+    expect["w"] = ((10, 7), np.float32)           # another width
+    expect["extra"] = ((3,), np.float64)          # the model has a tensor the checkpoint lacks
+    with pytest.raises(CheckpointError) as info:
+        run_simulated(2, lambda comm: load_checkpoint(str(path), mesh, comm=comm, expect=expect))
+    msg = str(info.value)
+    assert "got 4 mismatched tensor(s)" in msg
+    assert "'w': stored float32[10, 6], the model needs float32[10, 7]" in msg
+    assert "'u': stored, but the model has no such tensor" in msg and "'mask': stored" in msg
+    assert "'extra': needed by the model, not in the checkpoint" in msg
+    got = run_simulated(2, lambda comm: load_checkpoint(str(path), mesh, comm=comm, expect=expect, strict=False))
+    assert sorted(got[0]) == sorted(n for n in ORIG if n not in ("u", "mask", "w"))
+    assert np.array_equal(got[1]["v"], ORIG["v"])
