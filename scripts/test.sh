@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the whole test suite:
 #   1. tests/unit + tests/comm with plain pytest (extra args go here:
-#      scripts/test.sh -k foo)
+#      scripts/test.sh -k foo), then tests/faults (fault injection: each
+#      case starts its own mpiexec job and kills, stops or breaks a rank)
 #   2. tests/mpi under "$MPIEXEC -n N" for N in $SPMD_MPI_SIZES
 #      (default "1 2 3 4 8"); only rank 0 prints, the other ranks' output is
 #      kept and its tail shown when a stage fails.
@@ -77,6 +78,13 @@ if [[ ${#UNIT_DIRS[@]} -gt 0 ]] && has_tests "${UNIT_DIRS[@]}"; then
         python -m pytest "${UNIT_DIRS[@]}" -q --junitxml="$REPORTS/unit.rank0.xml" "$@"
 else
     printf '\n=== unit: skipped (no test files in tests/unit or tests/comm)\n'
+fi
+
+# ---- stage 1b: fault injection (each case starts its own mpiexec job) ------
+if has_tests tests/faults; then
+    run_stage faults 1 "python -m pytest tests/faults -q" \
+        timeout -k 30 "$STAGE_TIMEOUT" \
+        python -m pytest tests/faults -q -p no:cacheprovider --junitxml="$REPORTS/faults.rank0.xml"
 fi
 
 # ---- stage 2: MPI tests at several world sizes ---------------------------

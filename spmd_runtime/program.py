@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import io
 import json
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +21,7 @@ import numpy as np
 from .mesh import Mesh
 from .cost import group_size, wire_bytes
 from .opdef import lookup
+from .program_check import check_program
 from .sharding import Sharding
 
 FORMAT_VERSION = 1
@@ -125,14 +128,24 @@ class SPMDProgram:
         return self.__dict__["_hash"]
 
     def save(self, path) -> None:
+        """Write the program as JSON with its content hash (and a keyed HMAC when ``SPMD_PROGRAM_KEY`` is set)."""
         body = self.body()
         doc = {"format": "spmd_runtime.program", "version": FORMAT_VERSION, "hash": self.hash, **body}
+        key = _program_key()
+        if key is not None:
+            doc["hmac"] = hmac.new(key, self.hash.encode(), hashlib.sha256).hexdigest()
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
 
 
 def load_program(path) -> SPMDProgram:
-    """Read a saved program, checking its format version and content hash."""
+    """Read a saved program, checking its format version, content hash and every instruction.
+
+    The hash is an integrity check, not authentication (whoever can edit the file can recompute it), so the
+    instructions are also validated against the op definitions (``program_check``). On shared clusters set
+    ``SPMD_PROGRAM_KEY`` (the same secret when saving and loading): the file then carries an HMAC-SHA256 of its
+    hash under that key, and a file without a matching one is refused.
+    """
     with open(path) as f:
         doc = json.load(f)
     if doc.get("format") != "spmd_runtime.program" or doc.get("version") != FORMAT_VERSION:
@@ -143,7 +156,19 @@ def load_program(path) -> SPMDProgram:
     if prog.hash != doc["hash"]:
         raise ValueError(f"a program file's content must match its hash; got {prog.hash[:12]} for recorded "
                          f"{doc['hash'][:12]} in {path} (edited or corrupt)")
+    key = _program_key()
+    if key is not None:
+        want = hmac.new(key, prog.hash.encode(), hashlib.sha256).hexdigest()
+        if not isinstance(doc.get("hmac"), str) or not hmac.compare_digest(want, doc["hmac"]):
+            raise ValueError(f"with SPMD_PROGRAM_KEY set, a program file must carry an HMAC made with that key; "
+                             f"got {'none' if 'hmac' not in doc else 'a different one'} in {path}")
+    check_program(prog)
     return prog
+
+
+def _program_key() -> bytes | None:
+    key = os.environ.get("SPMD_PROGRAM_KEY")
+    return key.encode() if key else None
 
 
 def _ty(dtype, shape):

@@ -64,19 +64,22 @@ def install() -> bool:
     return True
 
 
-def abort_job(message: str, code: int = 1) -> None:
-    """Print ``message`` and end every rank of the job (MPI_Abort). Only the first caller prints."""
+def abort_job(message: str, comm=None, code: int = 1) -> None:
+    """Print ``message`` and end every rank of the job (MPI_Abort on ``comm``, default the world); never returns.
+    Only the first caller prints."""
     if not _aborting.acquire(blocking=False):
-        return
+        while True:  # another thread is aborting the job
+            time.sleep(1)
     try:
         sys.stderr.write(message.rstrip("\n") + "\n")
         sys.stderr.flush()
         time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
     finally:
-        comm = _state.get("comm")
-        if comm is not None:
-            comm.Abort(code)
-        os._exit(code)
+        if comm is None:
+            from mpi4py import MPI
+            comm = _state.get("comm", MPI.COMM_WORLD)
+        comm.Abort(code)
+        os._exit(code)  # MPI_Abort may return before the launcher kills this process
 
 
 def _excepthook(etype, value, tb) -> None:

@@ -17,7 +17,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..comm import collectives, watchdog
+from mpi4py import MPI
+
+from ..comm import collectives, jobguard, watchdog
 from ..comm.communicator import MeshCommunicator, agree
 from ..dtypes import check_backend
 from ..program import SPMDProgram
@@ -267,7 +269,10 @@ def _guarded(mc, fn):
     except BaseException as e:  # KeyboardInterrupt too: the peers are, or will be, blocked in a collective
         if mc.comm.Get_size() == 1 or not hasattr(mc.comm, "Abort"):
             raise
-        sys.stderr.write(f"spmd_runtime: rank {mc.rank} failed, aborting the job:\n{traceback.format_exc()}")
+        message = f"spmd_runtime: rank {mc.rank} failed, aborting the job:\n{traceback.format_exc()}"
+        if isinstance(mc.comm, MPI.Comm):
+            jobguard.abort_job(message, mc.comm)  # does not return
+        sys.stderr.write(message)  # a simulated world: its Abort raises on every simulated rank
         sys.stderr.flush()
         mc.comm.Abort(1)
         raise e

@@ -18,6 +18,7 @@ from ..partition.propagation import combine
 from ..partition.reshape_map import map_reshape_sharding
 from ..partition.resharding import plan_cost
 from ..partition.strategy import Strategy, choose
+from ..program_check import reduction
 from ..sharding import Sharding
 from ..trace import Tensor, current_graph, emit
 
@@ -332,7 +333,7 @@ def _transpose_kernel(xp, x, perm):
 def _reduce_kernel(xp, x, kind, axes):
     if kind == "sum" and is_low_precision(x.dtype):  # accumulate 16-bit sums in float32 (dtypes.py)
         return xp.sum(x, axis=tuple(axes), dtype=ACCUMULATE).astype(x.dtype)
-    return getattr(xp, kind)(x, axis=tuple(axes))
+    return reduction(xp, kind)(x, axis=tuple(axes))  # kind comes from a program: allow-listed
 
 
 # ================================================================ sharding propagation

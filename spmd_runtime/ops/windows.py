@@ -41,6 +41,7 @@ import numpy as np
 from .. import opdef
 from ..opdef import BROADCAST_LEVEL, DOT_LEVEL, define
 from ..partition.propagation import combine
+from ..program_check import reduction
 from ..partition.resharding import plan_cost
 from ..partition.strategy import Strategy, choose, distinct
 from ..sharding import Sharding, block_size
@@ -195,7 +196,7 @@ def reduce_window_kernel(xp, x, kind, window, strides, padding):
     ones = (1,) * x.ndim
     padded = _dilate_and_pad(xp, x, 0, ones, padding, reduce_identity(kind, x.dtype))
     view = _window_view(xp, padded, 0, window, strides, ones)
-    return getattr(xp, kind)(view, axis=tuple(range(x.ndim, 2 * x.ndim))).astype(x.dtype, copy=False)
+    return reduction(xp, kind)(view, axis=tuple(range(x.ndim, 2 * x.ndim))).astype(x.dtype, copy=False)
 
 
 @opdef.kernel(CUMSUM)

@@ -1,0 +1,185 @@
+"""Validation of a loaded program against the op definitions, before anything runs.
+
+The content hash of a program file is an integrity check (it catches accidental
+edits and truncation), not authentication: anyone who can edit the file can
+recompute it. So every instruction read from a file is checked here: the op is
+one the interpreter runs (a kernel, a collective, or a rank-dependent op), its
+attribute names are exactly the kernel's keyword parameters, and every value has
+an allowed type and range; strings are only accepted from allow-lists (mesh axis
+names, reduction kinds, dtypes, einsum specs), so no string from a file ever
+selects a function by name. Slots must be defined before use. For shared
+clusters, ``SPMD_PROGRAM_KEY`` adds a keyed HMAC (see ``program.py``).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+
+import numpy as np
+
+REDUCE_KINDS = frozenset({"sum", "max", "min", "prod", "mean", "any", "all"})
+COLLECTIVE_OPS = frozenset({"sum", "max", "min"})
+EINSUM_SPEC = re.compile(r"^[A-Za-z]*(,[A-Za-z]*)*->[A-Za-z]*$")
+DTYPE_KINDS = "biufc"  # bool, ints, floats, complex: never object, string or void
+# ops the interpreter binds itself (exec/interpreter.py): attribute names
+RANK_DEPENDENT = {"parameter": {"index"}, "shard_slice": {"dim", "axes"}, "shard_index": {"axes"},
+                  "mask_padding": {"dim", "axes", "size", "fill"}}
+
+
+class ProgramError(ValueError):
+    """A program file that is not a valid program (tampered, or written by an incompatible version)."""
+
+
+def check_program(program) -> None:
+    """Raise ProgramError naming the first instruction, attribute or slot that breaks a rule."""
+    defined: set[int] = set()
+    for ins in program.instrs:
+        where = f"instruction %{ins.out} = {ins.op}"
+        try:
+            _check_instr(ins, program, defined)
+        except ProgramError as e:
+            raise ProgramError(f"{where}: {e}") from None
+        defined.add(ins.out)
+    params = {i.out for i in program.instrs if i.op == "parameter"}
+    for io in program.inputs:
+        _dtype(io.dtype, f"input {io.name!r} dtype")
+        if io.slot not in params:
+            raise ProgramError(f"input {io.name!r} must name a parameter instruction; got slot %{io.slot}")
+    for io in program.outputs:
+        _dtype(io.dtype, f"output {io.name!r} dtype")
+        if io.slot not in defined:
+            raise ProgramError(f"output {io.name!r} must name a defined slot; got %{io.slot}")
+
+
+def _check_instr(ins, program, defined: set) -> None:
+    if not isinstance(ins.op, str):
+        raise ProgramError(f"an op must be a string; got {ins.op!r}")
+    required, optional = _attribute_names(ins.op, len(ins.args))
+    if ins.out in defined:
+        raise ProgramError(f"every instruction must define a new slot; got %{ins.out} twice")
+    undefined = [a for a in ins.args if a not in defined]
+    if undefined:
+        raise ProgramError(f"operands must be defined before use; got undefined slot(s) {undefined}")
+    if any(s not in defined and s != ins.out for s in ins.free):
+        raise ProgramError(f"freed slots must be defined; got {list(ins.free)}")
+    _dtype(ins.dtype, "dtype")
+    _ints(ins.shape, "shape", low=0)
+    _ints(ins.global_shape, "global_shape", low=0)
+    if not -1 <= ins.donate < max(len(ins.args), 0) or (ins.donate >= 0 and ins.op not in _ufuncs()):
+        raise ProgramError(f"donate must be -1, or an operand position of an elementwise op; got {ins.donate}")
+    got = set(ins.attrs)
+    if not required <= got <= required | optional:
+        raise ProgramError(f"attributes must be {sorted(required)}" + (f" (optional {sorted(optional)})" if optional
+                           else "") + f"; got {sorted(got)}")
+    for name, value in ins.attrs.items():
+        _check_value(name, value, program)
+
+
+@functools.lru_cache(maxsize=None)
+def _attribute_names(op: str, n_args: int) -> tuple[frozenset, frozenset]:
+    """(required, optional) attribute names of ``op``: its kernel's keyword parameters."""
+    from . import opdef
+    from .comm import collectives
+    array_collectives = {"all_reduce": collectives.all_reduce, "all_gather": collectives.all_gather,
+                         "reduce_scatter": collectives.reduce_scatter, "all_to_all": collectives.all_to_all,
+                         "collective_permute": collectives.collective_permute}
+    if op in INTERPRETER_OPS:
+        return frozenset(INTERPRETER_OPS[op]), frozenset()
+    if op in array_collectives:
+        fn, skip = array_collectives[op], 2  # (mc, x)
+    else:
+        try:
+            fn, skip = opdef.lookup(op).kernel, 1 + n_args  # (xp, *operands)
+        except NotImplementedError:
+            fn = None
+        if fn is None:
+            raise ProgramError(f"the op must be one the interpreter runs (a kernel or a collective); got {op!r}")
+    params = list(inspect.signature(fn).parameters.values())
+    star = [i for i, p in enumerate(params) if p.kind == p.VAR_POSITIONAL]
+    attrs = params[star[0] + 1:] if star else params[skip:]  # (xp, *operands, attr, ...): keyword-only attrs
+    return (frozenset(p.name for p in attrs if p.default is p.empty),
+            frozenset(p.name for p in attrs if p.default is not p.empty))
+
+
+def reduction(xp, kind: str):
+    """The array module's reduction ``kind``, taken from an allow-list: ``kind`` may come from a program file."""
+    if kind not in REDUCE_KINDS:
+        raise ValueError(f"a reduction kind must be one of {sorted(REDUCE_KINDS)}; got {kind!r}")
+    return getattr(xp, kind)
+
+
+def _check_value(name: str, value, program) -> None:
+    what = f"attribute {name!r}"
+    if name == "axes":
+        items = value if isinstance(value, tuple) else None
+        if items is None:
+            raise ProgramError(f"{what} must be a tuple of mesh axis names or of dims; got {value!r}")
+        if all(isinstance(a, str) for a in items):
+            unknown = [a for a in items if a not in program.mesh.axis_names]
+            if unknown or len(set(items)) != len(items):
+                raise ProgramError(f"{what} must be distinct axes of {program.mesh}; got {items}")
+        else:
+            _ints(items, what)
+    elif name == "op":
+        _one_of(value, COLLECTIVE_OPS, what)
+    elif name == "kind":
+        _one_of(value, REDUCE_KINDS, what)
+    elif name == "dtype":
+        _dtype(value, what)
+    elif name == "spec":
+        if not isinstance(value, str) or not EINSUM_SPEC.match(value):
+            raise ProgramError(f"{what} must be an einsum spec like 'ab,bc->ac'; got {value!r}")
+    elif name == "value":
+        if isinstance(value, np.ndarray):
+            _dtype(value.dtype, f"{what} dtype")
+        elif not isinstance(value, (bool, int, float, complex)):
+            raise ProgramError(f"{what} must be an array or a number; got {type(value).__name__}")
+    elif name == "pairs":
+        if not isinstance(value, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in value):
+            raise ProgramError(f"{what} must be (source, dest) rank pairs; got {value!r}")
+        for p in value:
+            _ints(p, what, low=0, high=program.mesh.size)
+    else:
+        _plain(value, what)
+
+
+def _plain(value, what: str) -> None:
+    """Numbers, None, or tuples of them: anything else (a string, an array) needs a rule of its own."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return
+    if isinstance(value, tuple):
+        for v in value:
+            _plain(v, what)
+        return
+    raise ProgramError(f"{what} must be a number or a tuple of numbers; got {type(value).__name__} {value!r}")
+
+
+def _ints(values, what: str, low: int | None = None, high: int | None = None) -> None:
+    if not isinstance(values, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ProgramError(f"{what} must be a tuple of ints; got {values!r}")
+    if any((low is not None and v < low) or (high is not None and v >= high) for v in values):
+        raise ProgramError(f"{what} must be in [{low}, {high if high is not None else 'inf'}); got {values}")
+
+
+def _one_of(value, allowed, what: str) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ProgramError(f"{what} must be one of {sorted(allowed)}; got {value!r}")
+
+
+def _dtype(value, what: str) -> None:
+    try:
+        dtype = np.dtype(value)
+    except (TypeError, ValueError):
+        raise ProgramError(f"{what} must be a numeric dtype; got {value!r}") from None
+    if dtype.kind not in DTYPE_KINDS:
+        raise ProgramError(f"{what} must be a numeric dtype (bool, int, float, complex); got {dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def _ufuncs():
+    from .exec.kernels import UFUNC_NAMES
+    return UFUNC_NAMES
+
+
+__all__ = ["check_program", "ProgramError", "REDUCE_KINDS", "reduction"]
