@@ -222,9 +222,9 @@ def _bind_collective_permute(plan, in_place, pairs):
     sendrecv, contiguous = mc.comm.Sendrecv, plan.contiguous()
     to_peer, from_peer = _peer(dest), _peer(source)
     if source is None:  # nothing arrives: fresh zeros (a reused buffer could have been written in place)
-        call = plan.mpi(lambda s, r: sendrecv(s, to_peer, 0, None, from_peer))
+        call = plan.mpi(lambda s, r: sendrecv(s, to_peer, 0, None, from_peer, 0))
         return lambda x: (call(contiguous(x), None), xp.zeros(shape, dtype))[1]
-    call, recv_buffer = plan.mpi(lambda s, r: sendrecv(s, to_peer, 0, r, from_peer)), plan.buffer(shape)
+    call, recv_buffer = plan.mpi(lambda s, r: sendrecv(s, to_peer, 0, r, from_peer, 0)), plan.buffer(shape)
     if dest is None:
         def receive_only(x):
             recv = recv_buffer()

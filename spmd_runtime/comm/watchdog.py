@@ -18,9 +18,10 @@ The same thread also ends the job when:
   this rank is blocked in a collective for more than ``EXIT_GRACE`` seconds.
 
 API for other modules: ``@collective(describe)`` on any function that waits for
-peers (a nonblocking collective's wait, say), ``@context(describe)`` on a frame
-that says what is being run; ``describe(frame) -> str`` is only called when a
-report is written.
+peers (a nonblocking collective's wait, say), ``collective_closures(binder,
+describe)`` for closures made at bind time, ``context(fn, describe)`` for a
+frame that says what is being run; ``describe(frame) -> str`` is only called
+when a report is written.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import signal
 import sys
 import threading
 import time
+import types
 
 TAG = 31415  # control messages on COMM_WORLD; every point-to-point receive of the runtime names its own tag
 PERIOD = 0.1  # seconds between samples
@@ -46,6 +48,16 @@ def collective(describe=None):
         _SITES[fn.__code__] = describe or (lambda frame: fn.__qualname__)
         return fn
     return mark
+
+
+def collective_closures(fn, describe) -> None:
+    """Mark every function defined inside ``fn`` (the closures a binder returns) as waiting for peers."""
+    stack = [fn.__code__]
+    while stack:
+        for const in stack.pop().co_consts:
+            if isinstance(const, types.CodeType):
+                _SITES[const] = describe
+                stack.append(const)
 
 
 def context(fn, describe) -> None:

@@ -102,6 +102,17 @@ def _cases() -> list[Case]:
             sr.run(p, X)""", [f"[0] spmd_runtime: rank 0 waited {timeout}.", "no peer completed it within SPMD_TIMEOUT",
                                "ranks that never arrived there: [1]", "rank 1: no answer"],
              env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
+        Case("SIGSTOP of a rank inside a run", """
+            p = program()
+            if RANK == 1:
+                from spmd_runtime.exec import kernels
+                def stop(xp, x, kind, axes):
+                    fault("SIGSTOP inside the reduce kernel")
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                kernels.KERNELS["reduce"] = stop
+            sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waited", "at an MPI collective in instruction %",
+                               "= all_reduce(axes=('x',), op=sum)", "ranks that never arrived there: [1]"],
+             env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
         Case("SIGKILL of a rank", one_rank_computes(1), ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "Killed (signal 9)"],
              send=(1, signal.SIGKILL)),  # the launcher names the pid; each rank printed its pid when ready
         Case("early exit of a rank", """
