@@ -66,8 +66,8 @@ def _check_instr(ins, program, defined: set) -> None:
     _dtype(ins.dtype, "dtype")
     _ints(ins.shape, "shape", low=0)
     _ints(ins.global_shape, "global_shape", low=0)
-    if not -1 <= ins.donate < max(len(ins.args), 0) or (ins.donate >= 0 and ins.op not in _ufuncs()):
-        raise ProgramError(f"donate must be -1, or an operand position of an elementwise op; got {ins.donate}")
+    if not isinstance(ins.donate, int) or not -1 <= ins.donate < len(ins.args):
+        raise ProgramError(f"donate must be -1 or an operand position in [0, {len(ins.args)}); got {ins.donate!r}")
     got = set(ins.attrs)
     if not required <= got <= required | optional:
         raise ProgramError(f"attributes must be {sorted(required)}" + (f" (optional {sorted(optional)})" if optional

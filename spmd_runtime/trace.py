@@ -47,6 +47,17 @@ class Tensor:
                         "use snp.where")
 
     # Operators (+, @, [], .sum, ...) are bound by spmd_runtime.ops, which defines the op functions.
+    def _no_value(self, what: str):
+        raise TypeError(f"{what} needs values, and a traced Tensor has none: values are not known while tracing; "
+                        f"compute with spmd_runtime.numpy (import spmd_runtime.numpy as snp: use snp.exp, snp.sum, "
+                        f"...) and read values from sr.run's outputs; got {self!r}")
+
+    def __array__(self, *args, **kwargs):  # np.exp(t), np.asarray(t): NumPy would need the values
+        self._no_value("a NumPy function (np.exp, np.asarray, ...)")
+
+    __float__ = lambda self: self._no_value("float()")
+    __int__ = lambda self: self._no_value("int()")
+    __complex__ = lambda self: self._no_value("complex()")
 
 
 def emit(op, inputs, attrs, shape, dtype) -> Tensor:

@@ -95,6 +95,9 @@ def matmul(a, b) -> Tensor:
     a, b = asarray(a), asarray(b)
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"matmul needs operands of rank >= 1; got shapes {a.shape} and {b.shape}")
+    if a.shape[-1] != b.shape[0 if b.ndim == 1 else -2]:
+        raise ValueError(f"matmul (@) needs the last dim of a equal to the {'only' if b.ndim == 1 else 'second-to-last'}"
+                         f" dim of b; got shapes {a.shape} @ {b.shape}")
     va, vb = a.ndim == 1, b.ndim == 1
     if va:
         a = reshape(a, (1,) + a.shape)

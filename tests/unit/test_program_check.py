@@ -98,3 +98,19 @@ def test_reduction_kernel_takes_kinds_from_an_allow_list():
     assert reduction(np, "max") is np.max
     with pytest.raises(ValueError, match="must be one of"):
         reduction(np, "load")
+
+
+def test_tracing_errors_say_what_to_use_instead():
+    def body(x):
+        with pytest.raises(TypeError, match=r"float\(\) needs values.*not known while tracing.*use snp.exp"):
+            float(x)
+        with pytest.raises(TypeError, match=r"a NumPy function \(np.exp, np.asarray, ...\) needs values.*snp.exp"):
+            np.exp(x)
+        with pytest.raises(ValueError, match=r"matmul \(@\) needs the last dim of a equal to the second-to-last dim "
+                                             r"of b; got shapes \(3, 4\) @ \(5, 2\)") as info:
+            x @ np.ones((5, 2))
+        assert "'Y'" not in str(info.value)
+        return np.ones(4) * x + np.float64(2.0) * x  # NumPy operands still defer to the Tensor's operators
+    graph = sr.trace(body, sr.TensorSpec((3, 4)))
+    x = np.arange(12.0).reshape(3, 4)
+    np.testing.assert_array_equal(sr.evaluate(graph, x)[0], 3 * x)
