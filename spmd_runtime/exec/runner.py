@@ -37,7 +37,7 @@ class Runtime:
     """
 
     _world: "Runtime | None" = None
-    _others: list = []  # runtimes made for other communicators, found by identity (mpi4py comms are unhashable)
+    _others: list = []  # runtimes of other mpi4py communicators, found by identity (they are unhashable)
 
     def __init__(self, comm=None):
         if comm is None:
@@ -70,10 +70,13 @@ class Runtime:
             return comm
         if comm is None:
             return cls.world()
-        held = next((r for r in cls._others if r.comm is comm), None)
+        held = getattr(comm, "_spmd_runtime", None) or next((r for r in cls._others if r.comm is comm), None)
         if held is None:
             held = cls(comm)
-            cls._others.append(held)
+            try:  # Python communicators (the simulated world) carry their runtime and die with it
+                comm._spmd_runtime = held
+            except AttributeError:  # mpi4py communicators: few and long-lived, kept in a list
+                cls._others.append(held)
         return held
 
     def communicator(self, mesh) -> MeshCommunicator:
