@@ -207,6 +207,9 @@ def _enc(v):
     """JSON form of an attribute: arrays as base64 .npy (exact), tuples as lists."""
     if isinstance(v, np.ndarray):
         buf = io.BytesIO()
+        if v.dtype.kind == "V":  # ml_dtypes (bfloat16): .npy knows only raw bytes; store bits and the name
+            np.save(buf, v.view(f"u{v.dtype.itemsize}"), allow_pickle=False)
+            return {"ndarray": base64.b64encode(buf.getvalue()).decode(), "dtype": v.dtype.name}
         np.save(buf, v, allow_pickle=False)
         return {"ndarray": base64.b64encode(buf.getvalue()).decode()}
     if isinstance(v, (tuple, list)):
@@ -216,7 +219,14 @@ def _enc(v):
 
 def _dec(v):
     if isinstance(v, dict) and "ndarray" in v:
-        return np.load(io.BytesIO(base64.b64decode(v["ndarray"])), allow_pickle=False)
+        value = np.load(io.BytesIO(base64.b64decode(v["ndarray"])), allow_pickle=False)
+        if "dtype" in v:
+            from .dtypes import LOW_PRECISION, dtype
+            want = dtype(v["dtype"])
+            if want not in LOW_PRECISION or want.itemsize != value.dtype.itemsize:
+                raise ValueError(f"an array attribute's dtype must be a 16-bit float; got {v['dtype']!r}")
+            value = value.view(want)
+        return value
     if isinstance(v, list):
         return tuple(_dec(x) for x in v)
     return v

@@ -23,8 +23,9 @@ COLLECTIVE_OPS = frozenset({"sum", "max", "min"})
 EINSUM_SPEC = re.compile(r"^[A-Za-z]*(,[A-Za-z]*)*->[A-Za-z]*$")
 DTYPE_KINDS = "biufc"  # bool, ints, floats, complex: never object, string or void
 # ops the interpreter binds itself (exec/interpreter.py): attribute names
-RANK_DEPENDENT = {"parameter": {"index"}, "shard_slice": {"dim", "axes"}, "shard_index": {"axes"},
-                  "mask_padding": {"dim", "axes", "size", "fill"}}
+INTERPRETER_OPS = {"parameter": {"index"}, "shard_slice": {"dim", "axes"}, "shard_index": {"axes"},
+                   "mask_padding": {"dim", "axes", "size", "fill"},
+                   "all_to_allv": {"src_dims", "dst_dims", "partial_axes", "axes", "wire_bytes"}}
 
 
 class ProgramError(ValueError):
@@ -141,18 +142,19 @@ def _check_value(name: str, value, program) -> None:
         for p in value:
             _ints(p, what, low=0, high=program.mesh.size)
     else:
-        _plain(value, what)
+        _plain(value, what, program.mesh.axis_names)
 
 
-def _plain(value, what: str) -> None:
-    """Numbers, None, or tuples of them: anything else (a string, an array) needs a rule of its own."""
-    if value is None or isinstance(value, (bool, int, float)):
+def _plain(value, what: str, axis_names) -> None:
+    """Numbers, None, mesh axis names, or tuples of them: anything else (another string, an array) needs a rule."""
+    if value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and value in axis_names):
         return
     if isinstance(value, tuple):
         for v in value:
-            _plain(v, what)
+            _plain(v, what, axis_names)
         return
-    raise ProgramError(f"{what} must be a number or a tuple of numbers; got {type(value).__name__} {value!r}")
+    raise ProgramError(f"{what} must be numbers, mesh axis names {list(axis_names)} or tuples of them; got "
+                       f"{type(value).__name__} {value!r}")
 
 
 def _ints(values, what: str, low: int | None = None, high: int | None = None) -> None:
@@ -168,12 +170,13 @@ def _one_of(value, allowed, what: str) -> None:
 
 
 def _dtype(value, what: str) -> None:
+    from .dtypes import LOW_PRECISION, dtype as parse
     try:
-        dtype = np.dtype(value)
-    except (TypeError, ValueError):
-        raise ProgramError(f"{what} must be a numeric dtype; got {value!r}") from None
-    if dtype.kind not in DTYPE_KINDS:
-        raise ProgramError(f"{what} must be a numeric dtype (bool, int, float, complex); got {dtype}")
+        dtype = parse(value)
+    except (TypeError, ValueError) as e:
+        raise ProgramError(f"{what} must be a numeric dtype; got {value!r} ({e})") from None
+    if dtype.kind not in DTYPE_KINDS and dtype not in LOW_PRECISION:
+        raise ProgramError(f"{what} must be a numeric dtype (bool, int, float incl. bfloat16, complex); got {dtype}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,9 +26,22 @@ def test_every_table_program_and_a_training_step_load_back(tmp_path):
     cfg = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2)
     programs.append(sr.build_train_step(cfg, sr.train_mesh((2, 2), "megatron_wus"), "megatron_wus",
                                         sr.AdamW(lr=0.1)).program)
+    moe = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=4, experts=2, moe_every=1)
+    programs.append(sr.build_train_step(moe, sr.train_mesh((2, 2), "moe_megatron"), "moe_megatron",
+                                        sr.AdamW(lr=0.1)).program)
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)  # a planner exchange: all_to_allv
+    exchange = sr.partition(sr.trace(lambda a: a * 1.0, x), sr.Mesh((2, 4), ("x", "y")),
+                            in_specs=[sr.Sharding((("x",), ()), ("y",))], out_specs=[sr.Sharding((("y",), ()))])
+    assert "all_to_allv" in exchange.collectives()
+    programs.append(exchange)
     for program in programs:
         program.save(tmp_path / "p.json")
         assert sr.load_program(tmp_path / "p.json").hash == program.hash
+    pytest.importorskip("ml_dtypes")
+    bf16 = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2, dtype="bfloat16")
+    program = sr.build_train_step(bf16, sr.train_mesh((2,), "dp"), "dp", sr.AdamW(lr=0.1)).program
+    program.save(tmp_path / "p.json")
+    assert sr.load_program(tmp_path / "p.json").hash == program.hash
 
 
 def _saved(tmp_path):
