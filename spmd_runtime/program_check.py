@@ -20,6 +20,7 @@ import numpy as np
 
 REDUCE_KINDS = frozenset({"sum", "max", "min", "prod", "mean", "any", "all"})
 COLLECTIVE_OPS = frozenset({"sum", "max", "min"})
+STRING_ATTRIBUTES = {"output": frozenset({"values", "indices"})}  # top_k: which of its two results
 EINSUM_SPEC = re.compile(r"^[A-Za-z]*(,[A-Za-z]*)*->[A-Za-z]*$")
 DTYPE_KINDS = "biufc"  # bool, ints, floats, complex: never object, string or void
 # ops the interpreter binds itself (exec/interpreter.py): attribute names
@@ -126,6 +127,8 @@ def _check_value(name: str, value, program) -> None:
         _one_of(value, COLLECTIVE_OPS, what)
     elif name == "kind":
         _one_of(value, REDUCE_KINDS, what)
+    elif name in STRING_ATTRIBUTES:
+        _one_of(value, STRING_ATTRIBUTES[name], what)
     elif name == "dtype":
         _dtype(value, what)
     elif name == "spec":
@@ -177,12 +180,6 @@ def _dtype(value, what: str) -> None:
         raise ProgramError(f"{what} must be a numeric dtype; got {value!r} ({e})") from None
     if dtype.kind not in DTYPE_KINDS and dtype not in LOW_PRECISION:
         raise ProgramError(f"{what} must be a numeric dtype (bool, int, float incl. bfloat16, complex); got {dtype}")
-
-
-@functools.lru_cache(maxsize=None)
-def _ufuncs():
-    from .exec.kernels import UFUNC_NAMES
-    return UFUNC_NAMES
 
 
 __all__ = ["check_program", "ProgramError", "REDUCE_KINDS", "reduction"]
