@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 
+from .comm.communicator import AgreedError, agree
 from .exec import run as run_program
 from .exec.backend import to_host
 from .program import load_program
@@ -35,7 +36,6 @@ def _show(args) -> int:
 def _run(args) -> int:
     from mpi4py import MPI  # here, not at the top: importing it initialises MPI, which `show` does not need
 
-    from .comm.communicator import AgreedError, agree
     comm = MPI.COMM_WORLD
     try:
         loaded, error = _load(args), None
@@ -57,7 +57,6 @@ def _run(args) -> int:
 
 def _load(args):
     """(program, inputs in program order) from the files named on the command line."""
-    from .program import load_program
     program = load_program(args.program)
     with np.load(args.inputs, allow_pickle=False) as data:
         missing = [i.name for i in program.inputs if i.name not in data]

@@ -21,6 +21,7 @@ import numpy as np
 from .mesh import Mesh
 from .cost import group_size, wire_bytes
 from .opdef import lookup
+from .dtypes import LOW_PRECISION, dtype as parse_dtype
 from .program_check import check_program
 from .sharding import Sharding
 
@@ -221,8 +222,7 @@ def _dec(v):
     if isinstance(v, dict) and "ndarray" in v:
         value = np.load(io.BytesIO(base64.b64decode(v["ndarray"])), allow_pickle=False)
         if "dtype" in v:
-            from .dtypes import LOW_PRECISION, dtype
-            want = dtype(v["dtype"])
+            want = parse_dtype(v["dtype"])
             if want not in LOW_PRECISION or want.itemsize != value.dtype.itemsize:
                 raise ValueError(f"an array attribute's dtype must be a 16-bit float; got {v['dtype']!r}")
             value = value.view(want)

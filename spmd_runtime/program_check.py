@@ -18,6 +18,10 @@ import re
 
 import numpy as np
 
+from . import opdef
+from .comm import collectives
+from .dtypes import LOW_PRECISION, dtype as parse_dtype
+
 REDUCE_KINDS = frozenset({"sum", "max", "min", "prod", "mean", "any", "all"})
 COLLECTIVE_OPS = frozenset({"sum", "max", "min"})
 STRING_ATTRIBUTES = {"output": frozenset({"values", "indices"})}  # top_k: which of its two results
@@ -81,8 +85,6 @@ def _check_instr(ins, program, defined: set) -> None:
 @functools.lru_cache(maxsize=None)
 def _attribute_names(op: str, n_args: int) -> tuple[frozenset, frozenset]:
     """(required, optional) attribute names of ``op``: its kernel's keyword parameters."""
-    from . import opdef
-    from .comm import collectives
     array_collectives = {"all_reduce": collectives.all_reduce, "all_gather": collectives.all_gather,
                          "reduce_scatter": collectives.reduce_scatter, "all_to_all": collectives.all_to_all,
                          "collective_permute": collectives.collective_permute}
@@ -173,9 +175,8 @@ def _one_of(value, allowed, what: str) -> None:
 
 
 def _dtype(value, what: str) -> None:
-    from .dtypes import LOW_PRECISION, dtype as parse
     try:
-        dtype = parse(value)
+        dtype = parse_dtype(value)
     except (TypeError, ValueError) as e:
         raise ProgramError(f"{what} must be a numeric dtype; got {value!r} ({e})") from None
     if dtype.kind not in DTYPE_KINDS and dtype not in LOW_PRECISION:

@@ -17,8 +17,6 @@ from collections import OrderedDict
 
 import numpy as np
 
-from mpi4py import MPI
-
 from ..comm import collectives, jobguard, watchdog
 from ..comm.communicator import MeshCommunicator, agree
 from ..dtypes import check_backend
@@ -273,6 +271,7 @@ def _guarded(mc, fn):
         if mc.comm.Get_size() == 1 or not hasattr(mc.comm, "Abort"):
             raise
         message = f"spmd_runtime: rank {mc.rank} failed, aborting the job:\n{traceback.format_exc()}"
+        from mpi4py import MPI  # here, not at the top: importing it initialises MPI (simulated runs need none)
         if isinstance(mc.comm, MPI.Comm):
             jobguard.abort_job(message, mc.comm)  # does not return
         sys.stderr.write(message)  # a simulated world: its Abort raises on every simulated rank

@@ -105,11 +105,10 @@ def _cases() -> list[Case]:
         Case("SIGSTOP of a rank inside a run", """
             p = program()
             if RANK == 1:
-                from spmd_runtime.exec import kernels
                 def stop(xp, x, kind, axes):
                     fault("SIGSTOP inside the reduce kernel")
                     os.kill(os.getpid(), signal.SIGSTOP)
-                kernels.KERNELS["reduce"] = stop
+                replace_kernel("reduce", stop)
             sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waited", "at an MPI collective in instruction %",
                                "= all_reduce(axes=('x',), op=sum)", "ranks that never arrived there: [1]"],
              env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
