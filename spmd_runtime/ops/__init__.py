@@ -12,8 +12,6 @@ package defines every op and binds the ``Tensor`` operators to the functions her
 from ..trace import Tensor
 from . import core, einsum, gather, indexing, slicing, spmd, top_k, windows  # noqa: F401  (each defines its records)
 
-FAMILIES = (core, einsum, slicing, gather, windows, indexing, top_k)  # the modules with traced functions
-
 
 def _bind_tensor_operators():
     """NumPy's operators and methods on traced tensors, as the functions of the families."""
