@@ -49,6 +49,11 @@ def parse_args(argv=None):
     ap.add_argument("--moe-every", type=int, default=2)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--capacity-factor", type=float, default=2.0)
+    ap.add_argument("--scan-layers", action="store_true", help="layers as one sr.scan over stacked parameters")
+    ap.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="with --scan-layers")
+    ap.add_argument("--microbatches", type=int, default=1, help="gradient accumulation over this many slices")
+    ap.add_argument("--partition-only", action="store_true",
+                    help="only trace and partition: print partition seconds and instruction counts")
     return ap.parse_args(argv)
 
 
@@ -88,12 +93,13 @@ def build(args, comm):
     moe = dict(moe_every=args.moe_every, experts=args.experts, top_k=args.top_k,
                capacity_factor=args.capacity_factor) if args.moe else {}
     cfg = LMConfig(args.layers, args.d, args.heads, args.ffn, args.vocab, args.seq, args.batch, tied=args.tied,
-                   dtype=args.dtype, embedding=args.embedding, **moe)
+                   dtype=args.dtype, embedding=args.embedding, scan_layers=args.scan_layers, remat=args.remat, **moe)
     shape = tuple(int(s) for s in args.mesh.split(",")) if args.mesh else (comm.Get_size(),)
 
     def build_timed():
         t0 = time.perf_counter()
-        step = build_train_step(cfg, train_mesh(shape, args.preset), args.preset, make_optimizer(args.optimizer))
+        step = build_train_step(cfg, train_mesh(shape, args.preset), args.preset, make_optimizer(args.optimizer),
+                                microbatches=args.microbatches)
         return step, time.perf_counter() - t0
     return comm.bcast(run_on_root(comm, build_timed), root=0)
 
@@ -115,12 +121,26 @@ def timed_steps(ts, local, comm, args):
     return float(np.median(times)), losses
 
 
+def count_instructions(program) -> int:
+    """Instructions including each loop body once."""
+    bodies = [b for ins in program.instrs for v in ins.attrs.values()
+              for b in (v if isinstance(v, tuple) else (v,)) if hasattr(b, "instrs")]
+    return len(program.instrs) + sum(count_instructions(b) for b in bodies)
+
+
 def main():
     comm = MPI.COMM_WORLD
     if LIMITER:
         from threadpoolctl import threadpool_limits
         threadpool_limits(THREADS)
     ts, build_seconds = build(ARGS, comm)
+    if ARGS.partition_only:
+        if comm.Get_rank() == 0:
+            print(json.dumps({"layers": ARGS.layers, "scan_layers": ARGS.scan_layers, "preset": ARGS.preset,
+                              "mesh": list(ts.mesh.shape), "partition_s": build_seconds,
+                              "instructions": len(ts.program.instrs),
+                              "instructions_with_bodies": count_instructions(ts.program)}))
+        return
     if ts.mesh.size != comm.Get_size():
         raise SystemExit(f"--mesh {ARGS.mesh} needs {ts.mesh.size} ranks; got {comm.Get_size()}")
     local = ts.shard_state(ts.init(0), comm.Get_rank())
@@ -138,7 +158,9 @@ def main():
             "wire_bytes_per_step": ts.program.wire_bytes, "collectives_per_step": len(ts.program.comm_summary()),
             "max_rss_bytes_per_rank": rss * 1024, "program_peak_bytes_per_rank": ts.program.peak_bytes(),
             "memory_per_rank": ts.memory_report(), "instructions": len(ts.program.instrs),
-            "build_s": build_seconds, "loss_first": losses[0], "loss_last": losses[-1],
+            "instructions_with_bodies": count_instructions(ts.program), "scan_layers": ARGS.scan_layers,
+            "remat": ARGS.remat, "microbatches": ARGS.microbatches, "build_s": build_seconds,
+            "loss_first": losses[0], "loss_last": losses[-1],
             "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg()),
             **({"moe": moe_report(ts)} if cfg.moe_every else {}),
         }))

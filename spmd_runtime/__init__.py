@@ -15,6 +15,8 @@ from .partition import partition, plan_reshard
 from .program import SPMDProgram, load_program
 from .exec import run, run_local
 from .autodiff import grad, value_and_grad
+from .ops.control import cond, fori_loop, remat, scan, while_loop
+from .pipeline import pipeline
 from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .models.lm import LMConfig
 from .optim import SGD, AdamW, DynamicLossScale
@@ -31,6 +33,7 @@ __version__ = "0.1.0"
 _jobguard.install()
 
 __all__ = ["Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
-           "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "save_checkpoint", "load_checkpoint", "checkpoint_info",
-           "LMConfig", "SGD", "AdamW", "DynamicLossScale", "PRESETS", "Preset", "TrainStep", "build_train_step",
-           "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "__version__"]
+           "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad",
+           "scan", "fori_loop", "while_loop", "cond", "remat", "pipeline", "save_checkpoint", "load_checkpoint",
+           "checkpoint_info", "LMConfig", "SGD", "AdamW", "DynamicLossScale", "PRESETS", "Preset", "TrainStep",
+           "build_train_step", "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "__version__"]

@@ -30,6 +30,7 @@ from .dtypes import is_floating
 from .graph import Node
 from .opdef import OPS
 from .ops.core import CONVERT, asarray, ones, zeros
+from .bodies import BodyGraph, capture
 from .trace import Tensor, current_graph, emit
 
 
@@ -70,10 +71,17 @@ def grad(fn, argnums=0, has_aux=False):
 
 def backward(out: Tensor, wrt: list[Tensor], start: int) -> list[Tensor]:
     """Emit the gradients of scalar ``out`` with respect to ``wrt``, walking nodes ``start..out`` in reverse."""
+    return backward_from({out.id: ones((), out.dtype)}, wrt, start)
+
+
+def backward_from(seeds: dict, wrt: list[Tensor], start: int) -> list[Tensor]:
+    """Emit the cotangents of ``wrt`` given cotangents ``seeds`` (node id -> Tensor) of later values, walking
+    nodes ``start..max(seeds)`` in reverse (a VJP; ``backward`` seeds a scalar output with 1)."""
     g = current_graph()
-    active = _active_nodes(g, {t.id for t in wrt}, start, out.id)
-    cts = {out.id: ones((), out.dtype)}
-    for node in reversed(g.nodes[start:out.id + 1]):
+    stop = max(seeds, default=start - 1)
+    active = _active_nodes(g, {t.id for t in wrt}, start, stop)
+    cts = dict(seeds)
+    for node in reversed(g.nodes[start:stop + 1]):
         if node.id not in cts or node.id not in active:
             continue
         rule = OPS[node.op].vjp if node.op in OPS else None
@@ -104,6 +112,8 @@ def _prepare_args(args, nums) -> list:
     args, seen = list(args), set()
     for i in nums:
         x = args[i] if isinstance(args[i], Tensor) else asarray(args[i])
+        if x.graph is not current_graph() and isinstance(current_graph(), BodyGraph):
+            x = capture(x)  # a value of the function enclosing this loop body
         if x.graph is not current_graph():
             raise ValueError(f"grad differentiates tensors of the current trace; got argument {i} from another one")
         if not is_floating(x.dtype):

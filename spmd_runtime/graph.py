@@ -66,6 +66,13 @@ class Graph:
     def __getitem__(self, i: int) -> Node:
         return self.nodes[i]
 
+    def capture(self, t) -> int:
+        """The id of this graph's value standing for ``t``, a tensor of another trace: only a loop or branch
+        body (``bodies.BodyGraph``) takes those, as parameters."""
+        raise ValueError(f"a traced tensor belongs to one trace; got tensor %{t.id} {t.node.spec} of another "
+                         f"trace (values of an enclosing function may be used inside sr.scan/while_loop/cond "
+                         f"bodies only)")
+
     def users(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
         for n in self.nodes:

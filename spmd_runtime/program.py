@@ -66,7 +66,9 @@ class SPMDProgram:
 
     # ------------------------------------------------------------ summaries
     def comm_summary(self) -> list[dict]:
-        """One dict per collective: kind, axes, group_size, bytes_in, bytes_out, wire_bytes (per rank)."""
+        """One dict per collective: kind, axes, group_size, bytes_in, bytes_out, wire_bytes (per rank).
+        A collective inside a loop body appears once, with ``trips`` (iterations of a scan; 1 for a while
+        loop or cond, whose count is known only at run time) and its wire bytes multiplied by them."""
         sizes = {i.out: i.nbytes for i in self.instrs}
         out = []
         for ins in self.instrs:
@@ -76,6 +78,10 @@ class SPMDProgram:
                 out.append({"kind": ins.op, "axes": tuple(ins.attrs.get("axes", self.mesh.axis_names)),
                             "group_size": k, "bytes_in": b_in, "bytes_out": ins.nbytes,
                             "wire_bytes": wire_bytes(ins.op, k, b_in, ins.nbytes, ins.attrs.get("wire_bytes"))})
+            for body in _bodies(ins):
+                trips = ins.attrs.get("length", 1)
+                out += [{**c, "trips": c.get("trips", 1) * trips, "wire_bytes": c["wire_bytes"] * trips}
+                        for c in body.comm_summary()]
         return out
 
     @property
@@ -86,12 +92,22 @@ class SPMDProgram:
         """Collective kinds in program order (handy in tests)."""
         return [c["kind"] for c in self.comm_summary()]
 
+    def input_bytes(self) -> list[int]:
+        return [int(np.prod(i.sharding.local_shape(i.shape, self.mesh))) * np.dtype(i.dtype).itemsize
+                for i in self.inputs]
+
+    def output_bytes(self) -> list[int]:
+        return [int(np.prod(o.sharding.local_shape(o.shape, self.mesh))) * np.dtype(o.dtype).itemsize
+                for o in self.outputs]
+
     def peak_bytes(self) -> int:
         """Largest sum of live local buffers at any point (inputs included)."""
         live = {i.slot: int(np.prod(i.sharding.local_shape(i.shape, self.mesh))) * np.dtype(i.dtype).itemsize
                 for i in self.inputs}
         peak = cur = sum(live.values())
         for ins in self.instrs:
+            for body in _bodies(ins):  # a loop's temporaries live while it runs
+                peak = max(peak, cur + body.peak_bytes() - sum(body.input_bytes()) + _stacked_bytes(ins))
             if ins.op != "parameter":  # inputs are counted above
                 live[ins.out] = ins.nbytes
                 cur += ins.nbytes
@@ -103,17 +119,32 @@ class SPMDProgram:
     def __str__(self):
         head = f"SPMDProgram on {self.mesh}  hash={self.hash[:12]}  wire_bytes/rank={self.wire_bytes:.0f}"
         params = ", ".join(f"%{i.slot} {i.name}: {_ty(i.dtype, i.shape)} {i.sharding}" for i in self.inputs)
-        lines = [head, f"  inputs ({params})"]
+        lines = [head, f"  inputs ({params})"] + self._listing("  ")
+        lines += [f"  # note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _listing(self, indent: str) -> list[str]:
+        """Instructions and the return line; a loop's body follows it, nested (like HLO's while)."""
+        lines = []
         for ins in self.instrs:
             if ins.op == "parameter":
                 continue
-            attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in ins.attrs.items())
+            attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in ins.attrs.items() if not _is_program(v))
             args = ", ".join(f"%{a}" + ("!" if k == ins.donate else "") for k, a in enumerate(ins.args))
             sep = ", " if args and attrs else ""
-            lines.append(f"  %{ins.out} = {ins.op}({args}{sep}{attrs}) : {_ty(ins.dtype, ins.shape)} {ins.sharding}")
-        lines.append("  return " + ", ".join(f"%{o.slot} {o.sharding}" for o in self.outputs))
-        lines += [f"  # note: {n}" for n in self.notes]
-        return "\n".join(lines)
+            ty = "tuple" if _bodies(ins) else f"{_ty(ins.dtype, ins.shape)} {ins.sharding}"
+            lines.append(f"{indent}%{ins.out} = {ins.op}({args}{sep}{attrs}) : {ty}")
+            for name, v in ins.attrs.items():
+                for k, body in enumerate(v if isinstance(v, tuple) else (v,)):
+                    if _is_program(body):
+                        params = ", ".join(f"%{i.slot}: {_ty(i.dtype, i.sharding.local_shape(i.shape, self.mesh))} "
+                                           f"{i.sharding}" for i in body.inputs)
+                        label = name if not isinstance(v, tuple) else f"{name}[{k}]"
+                        lines.append(f"{indent}  {label}({params}) {{")
+                        lines += body._listing(indent + "    ")
+                        lines.append(f"{indent}  }}")
+        lines.append(indent + "return " + ", ".join(f"%{o.slot} {o.sharding}" for o in self.outputs))
+        return lines
 
     # ------------------------------------------------------------ persistence
     def body(self) -> dict:
@@ -152,8 +183,7 @@ def load_program(path) -> SPMDProgram:
     if doc.get("format") != "spmd_runtime.program" or doc.get("version") != FORMAT_VERSION:
         raise ValueError(f"a program file has format spmd_runtime.program version {FORMAT_VERSION}; got "
                          f"{doc.get('format')!r} version {doc.get('version')!r} in {path}")
-    prog = SPMDProgram(Mesh.from_json(doc["mesh"]), [_instr_from(d) for d in doc["instrs"]],
-                       [_io_from(d) for d in doc["inputs"]], [_io_from(d) for d in doc["outputs"]], doc["notes"])
+    prog = _program_from(doc)
     if prog.hash != doc["hash"]:
         raise ValueError(f"a program file's content must match its hash; got {prog.hash[:12]} for recorded "
                          f"{doc['hash'][:12]} in {path} (edited or corrupt)")
@@ -170,6 +200,28 @@ def load_program(path) -> SPMDProgram:
 def _program_key() -> bytes | None:
     key = os.environ.get("SPMD_PROGRAM_KEY")
     return key.encode() if key else None
+
+
+def _program_from(doc) -> SPMDProgram:
+    return SPMDProgram(Mesh.from_json(doc["mesh"]), [_instr_from(d) for d in doc["instrs"]],
+                       [_io_from(d) for d in doc["inputs"]], [_io_from(d) for d in doc["outputs"]], doc["notes"])
+
+
+def _is_program(v) -> bool:
+    return isinstance(v, SPMDProgram)
+
+
+def _bodies(ins: Instr) -> list[SPMDProgram]:
+    """The body programs a control instruction (scan / while / cond) holds."""
+    return [b for v in ins.attrs.values() for b in (v if isinstance(v, tuple) else (v,)) if _is_program(b)]
+
+
+def _stacked_bytes(ins: Instr) -> int:
+    """The stacked ys a scan fills while it runs."""
+    body = ins.attrs.get("body")
+    if ins.op != "scan" or body is None:
+        return 0
+    return sum(ins.attrs["length"] * n for n in body.output_bytes()[ins.attrs["num_carry"]:])
 
 
 def _ty(dtype, shape):
@@ -206,6 +258,8 @@ def _instr_from(d) -> Instr:
 
 def _enc(v):
     """JSON form of an attribute: arrays as base64 .npy (exact), tuples as lists."""
+    if isinstance(v, SPMDProgram):  # a loop body, stored once
+        return {"program": v.body()}
     if isinstance(v, np.ndarray):
         buf = io.BytesIO()
         if v.dtype.kind == "V":  # ml_dtypes (bfloat16): .npy knows only raw bytes; store bits and the name
@@ -219,6 +273,8 @@ def _enc(v):
 
 
 def _dec(v):
+    if isinstance(v, dict) and "program" in v:
+        return _program_from(v["program"])
     if isinstance(v, dict) and "ndarray" in v:
         value = np.load(io.BytesIO(base64.b64decode(v["ndarray"])), allow_pickle=False)
         if "dtype" in v:

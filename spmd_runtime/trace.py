@@ -63,7 +63,8 @@ class Tensor:
 def emit(op, inputs, attrs, shape, dtype) -> Tensor:
     """Record one node of ``op`` (an ``opdef.OpDef`` record, or its name) in the active trace."""
     g = current_graph()
-    return Tensor(g, g.add(getattr(op, "name", op), [t.id for t in inputs], attrs, shape, dtype).id)
+    ids = [t.id if t.graph is g else g.capture(t) for t in inputs]  # a loop body lifts enclosing values
+    return Tensor(g, g.add(getattr(op, "name", op), ids, attrs, shape, dtype).id)
 
 
 def trace(fn, *arg_specs) -> Graph:

@@ -55,8 +55,9 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .exec.backend import to_host
 from .exec.runner import Runtime, communicator, run_local_checked, shard, unshard
 from .mesh import Mesh
-from .models.lm import LMConfig, init_params, lm_loss_and_metrics, param_kind, param_shapes
+from .models.lm import LMConfig, init_params, is_stacked, lm_loss_and_metrics, param_kind, param_shapes
 from . import numpy as snp
+from .ops.control import scan
 from .optim import AdamW, DynamicLossScale, Optimizer
 from .partition import partition
 from .program import SPMDProgram
@@ -143,22 +144,22 @@ def param_spec(name: str, shape, preset: Preset) -> tuple:
     spec = [None] * len(shape)
     dim = MEGATRON_DIMS.get(param_kind(name))
     if preset.model and dim is not None:
-        spec[dim] = preset.model
+        spec[dim + is_stacked(name)] = preset.model  # stacked layers: after the layer dim
     if preset.experts and param_kind(name) in EXPERT_PARAMS:
         spec[0] = preset.experts
     return tuple(spec)
 
 
-def update_spec(shape, spec, axes, mesh: Mesh) -> tuple:
+def update_spec(shape, spec, axes, mesh: Mesh, first_dim: int = 0) -> tuple:
     """``spec`` further split over ``axes`` (minor to what already splits it, so each rank's update block
-    lies inside its parameter block) on the dim with the largest local size that divides evenly; ``spec``
-    itself when there are no axes or no dim divides."""
+    lies inside its parameter block) on the dim from ``first_dim`` on with the largest local size that divides
+    evenly; ``spec`` itself when there are no axes or no dim divides."""
     if not axes:
         return tuple(spec)
     have = [() if e is None else tuple(e) if isinstance(e, tuple) else (e,) for e in spec]
     k = mesh.axis_size(axes)
     fits = [(n // mesh.axis_size(h), -d) for d, (n, h) in enumerate(zip(shape, have))
-            if n % (mesh.axis_size(h) * k) == 0]
+            if n % (mesh.axis_size(h) * k) == 0 and d >= first_dim]
     if not fits:
         return tuple(spec)
     dim = -max(fits)[1]
@@ -202,7 +203,8 @@ def moe_activation_spec(preset: Preset, role: str, ndim: int) -> tuple:
 def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
     shapes = param_shapes(cfg)
     use = OrderedDict((n, param_spec(n, s, preset)) for n, s in shapes.items())
-    update = {n: update_spec(s, use[n], preset.update, mesh) for n, s in shapes.items()}
+    update = {n: update_spec(s, use[n], preset.update, mesh, first_dim=int(is_stacked(n)))  # never the scanned dim
+              for n, s in shapes.items()}
     specs = OrderedDict((n, update[n] if preset.shard_params else use[n]) for n in shapes)
     for slot in optimizer.state_layout(shapes, cfg.master_dtype):
         specs[slot.name] = update[slot.param] if slot.param else (None,) * len(slot.shape)
@@ -213,7 +215,7 @@ def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer)
 
 
 # ---------------------------------------------------------------- the traced step
-def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout):
+def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatches: int = 1):
     """``step(*params, *opt_state, tokens, labels) -> (*new_params, *new_opt_state, loss)``, annotated."""
     names = list(param_shapes(cfg))
     slots = optimizer.state_layout(param_shapes(cfg), cfg.master_dtype)
@@ -229,12 +231,17 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout):
         scale = optimizer.loss_scale(list(state))
         scaled = isinstance(optimizer, DynamicLossScale)
 
-        def loss_fn(*ps):
-            loss, metrics = lm_loss_and_metrics(cfg, ps, tokens, labels, layout.activation)
-            return (loss * scale, metrics) if scaled else (loss, metrics)
-        (loss, metrics), grads = value_and_grad(loss_fn, argnums=tuple(range(n)), has_aux=True)(*compute)
-        loss = loss / scale if scaled else loss
-        grads = [layout.annotate(g, layout.update[name]) for name, g in zip(names, grads)]
+        def loss_and_grads(compute, tokens, labels):
+            def loss_fn(*ps):
+                loss, metrics = lm_loss_and_metrics(cfg, ps, tokens, labels, layout.activation)
+                return (loss * scale, metrics) if scaled else (loss, metrics)
+            (loss, metrics), grads = value_and_grad(loss_fn, argnums=tuple(range(n)), has_aux=True)(*compute)
+            loss = loss / scale if scaled else loss
+            return loss, metrics, [layout.annotate(g, layout.update[name]) for name, g in zip(names, grads)]
+        if microbatches == 1:
+            loss, metrics, grads = loss_and_grads(compute, tokens, labels)
+        else:
+            loss, metrics, grads = accumulate(loss_and_grads, compute, tokens, labels, microbatches)
         grads = [snp.astype(g, p.dtype) for g, p in zip(grads, params)]  # reduced in 16 bits, updated in master
         new_params, new_state = optimizer.update(list(params), grads, list(state))
         new_params = [layout.annotate(p, layout.update[name]) for name, p in zip(names, new_params)]
@@ -247,6 +254,21 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout):
     return step
 
 
+def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):
+    """Gradient accumulation: ONE scan over ``microbatches`` slices of the batch (rows m, m + M, ... form
+    micro-batch m, so a batch split stays local), summing loss and gradients; returns their means, equal to
+    the loss and gradients of the whole batch."""
+    batch, seq = tokens.shape
+    split = lambda t: snp.transpose(snp.reshape(t, (batch // microbatches, microbatches, seq)), (1, 0, 2))
+
+    def body(acc, batch_m):
+        loss, _, grads = loss_and_grads(params, *batch_m)
+        return (acc[0] + snp.astype(loss, acc[0].dtype), [a + g for a, g in zip(acc[1], grads)]), None
+    init = (snp.zeros((), np.result_type(params[0].dtype, np.float32)), [snp.zeros(p.shape, p.dtype) for p in params])
+    (loss, grads), _ = scan(body, init, (split(tokens), split(labels)))
+    return loss * (1.0 / microbatches), {}, [g * (1.0 / microbatches) for g in grads]
+
+
 def input_specs(cfg: LMConfig, optimizer: Optimizer) -> list:
     """Example arrays (shape, dtype) of the step's inputs, in order."""
     params = OrderedDict((k, np.zeros(v, cfg.master_dtype)) for k, v in param_shapes(cfg).items())
@@ -254,14 +276,22 @@ def input_specs(cfg: LMConfig, optimizer: Optimizer) -> list:
     return [*params.values(), *optimizer.init_state(params).values(), batch, batch]
 
 
-def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None) -> "TrainStep":
-    """Trace and partition one training step of ``cfg`` over ``mesh`` with ``preset`` (name or Preset)."""
+def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
+                     microbatches: int = 1) -> "TrainStep":
+    """Trace and partition one training step of ``cfg`` over ``mesh`` with ``preset`` (name or Preset);
+    ``microbatches`` > 1 accumulates gradients over that many slices of the batch (one optimizer update)."""
+    if not isinstance(microbatches, int) or microbatches < 1 or cfg.batch % microbatches:
+        raise ValueError(f"microbatches must be a positive int dividing the batch; got microbatches="
+                         f"{microbatches!r} for batch={cfg.batch}")
+    if microbatches > 1 and cfg.moe_every:
+        raise ValueError(f"gradient accumulation supports dense models (it returns no MoE metrics); got "
+                         f"microbatches={microbatches} with moe_every={cfg.moe_every}")
     optimizer = optimizer or AdamW()
     if np.dtype(cfg.dtype) == np.float16 and not isinstance(optimizer, DynamicLossScale):
         optimizer = DynamicLossScale(optimizer)  # float16 gradients underflow without it
     preset = _preset(preset).on(mesh)
     layout = make_layout(cfg, mesh, preset, optimizer)
-    graph = trace(train_step_fn(cfg, optimizer, layout), *input_specs(cfg, optimizer))
+    graph = trace(train_step_fn(cfg, optimizer, layout, microbatches), *input_specs(cfg, optimizer))
     specs = list(layout.specs.values())
     program = partition(graph, mesh, in_specs=specs, out_specs=specs[:-2] + [()] * (len(metric_names(cfg)) + 1))
     return TrainStep(cfg, mesh, preset, optimizer, layout, graph, program)
@@ -273,11 +303,11 @@ def metric_names(cfg: LMConfig) -> tuple[str, ...]:
 
 
 def build_train_step_on_root(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
-                             comm=None) -> "TrainStep":
+                             comm=None, microbatches: int = 1) -> "TrainStep":
     """Collective: rank 0 traces and partitions, every rank receives the same TrainStep (each rank would
     otherwise repeat the same deterministic work, N times over on shared cores)."""
     comm = comm if comm is not None else _world()
-    step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer))
+    step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer, microbatches))
     return comm.bcast(step, root=0)
 
 

@@ -13,6 +13,7 @@ names its inputs after them.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,8 +24,11 @@ from .. import dtypes
 from .. import numpy as snp
 from ..dtypes import FLOATING
 from ..nn import gelu
+from ..ops.control import scan
 from .moe import MoEConfig, check_moe, moe_ffn, one_hot
 
+STACKED = "layers_"  # with scan_layers, block parameter k of every layer is "layers_<k>", shape (layers, ...)
+REMAT_POLICIES = {"none": None, "full": "nothing_saveable", "dots": "dots_saveable"}
 BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")
 MOE_BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "wg", "we1", "we2")
 MASKED_SCORE = -1e9  # finite, so a masked score times a zero cotangent never makes a NaN (float16: -max/2)
@@ -50,6 +54,8 @@ class LMConfig:
     top_k: int = 2
     capacity_factor: float = 2.0
     aux_coef: float = 0.01
+    scan_layers: bool = False  # layers as ONE sr.scan over parameters stacked on a leading layer dim
+    remat: str = "none"  # with scan_layers, what the backward pass recomputes: "none", "full" or "dots"
 
     def __post_init__(self):
         if self.d % self.heads:
@@ -65,6 +71,14 @@ class LMConfig:
                 raise ValueError(f"LMConfig {name} must be one of {FLOATING}; got {value!r}")
             if value is not None:
                 dtypes.dtype(value)  # bfloat16 without ml_dtypes: say which package is missing
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"LMConfig remat must be one of {sorted(REMAT_POLICIES)}; got {self.remat!r}")
+        if self.scan_layers and self.moe_every:
+            raise ValueError(f"LMConfig scan_layers stacks identical dense blocks; got moe_every={self.moe_every} "
+                             f"(MoE blocks have other parameters): use scan_layers=False")
+        if self.remat != "none" and not self.scan_layers:
+            raise ValueError(f"LMConfig remat={self.remat!r} rematerialises the scanned layers; it needs "
+                             f"scan_layers=True")
         if self.moe_every or self.experts:
             if not 1 <= self.moe_every <= self.layers:
                 raise ValueError(f"LMConfig moe_every must be in [1, layers] for a mixture of experts (every "
@@ -99,7 +113,9 @@ def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
              "ln2_g": (d,), "ln2_b": (d,), "w1": (d, f), "w2": (f, d), "wg": (d, e), "we1": (e, d, f),
              "we2": (e, f, d)}
     shapes = OrderedDict(embed=(cfg.vocab, d), pos=(cfg.seq, d))
-    for i in range(cfg.layers):
+    if cfg.scan_layers:
+        shapes.update((STACKED + k, (cfg.layers,) + block[k]) for k in BLOCK_PARAMS)
+    for i in range(0 if cfg.scan_layers else cfg.layers):
         shapes.update((f"l{i}_{k}", block[k]) for k in cfg.block_params(i))
     shapes.update(lnf_g=(d,), lnf_b=(d,))
     if not cfg.tied:
@@ -109,11 +125,23 @@ def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
 
 def param_kind(name: str) -> str:
     """The role of a parameter regardless of its layer: 'wq', 'ln1_g', 'embed', ..."""
+    if is_stacked(name):
+        return name[len(STACKED):]
     return name.split("_", 1)[1] if name[0] == "l" and name.split("_", 1)[0][1:].isdigit() else name
 
 
+def is_stacked(name: str) -> bool:
+    """Whether ``name`` holds one block parameter of every layer on a leading layer dim (scan_layers)."""
+    return name.startswith(STACKED)
+
+
 def init_params(cfg: LMConfig, seed: int = 0) -> "OrderedDict[str, np.ndarray]":
-    """GPT-2 style initialisation, drawn from ``seed`` in name order: the same arrays on every rank and mesh."""
+    """GPT-2 style initialisation, drawn from ``seed`` in name order: the same arrays on every rank and mesh.
+    With scan_layers the layer parameters are the same arrays as without, stacked."""
+    if cfg.scan_layers:
+        flat = init_params(dataclasses.replace(cfg, scan_layers=False, remat="none"), seed)
+        return OrderedDict((n, np.stack([flat[f"l{i}_{param_kind(n)}"] for i in range(cfg.layers)])
+                            if is_stacked(n) else flat[n]) for n in param_shapes(cfg))
     rng = np.random.default_rng(seed)
     residual_scale = 1.0 / math.sqrt(2 * cfg.layers)  # GPT-2: residual projections shrink with depth
     out = OrderedDict()
@@ -175,19 +203,30 @@ def _forward(cfg: LMConfig, params, tokens, annotate):
     p = dict(zip(param_shapes(cfg), params))
     x = annotate(embed(cfg, p["embed"], tokens) + positional(p["pos"], tokens.shape[0]), "residual")
     gatings = []
-    for i in range(cfg.layers):
+
+    def attend(x, layer):  # a block's first half: x plus the attention of its first LayerNorm
+        return annotate(x + attention(cfg, layer, layer_norm(x, layer["ln1_g"], layer["ln1_b"])), "residual")
+    if cfg.scan_layers:  # ONE loop over the stacked (dense) layers: traced and partitioned once
+        x, _ = scan(lambda x, layer: (annotate(_dense_ffn(attend(x, layer), layer), "residual"), None), x,
+                    {k: p[STACKED + k] for k in BLOCK_PARAMS}, policy=REMAT_POLICIES[cfg.remat])
+    for i in range(0 if cfg.scan_layers else cfg.layers):
         layer = {k: p[f"l{i}_{k}"] for k in cfg.block_params(i)}
-        x = annotate(x + attention(cfg, layer, layer_norm(x, layer["ln1_g"], layer["ln1_b"])), "residual")
-        a = layer_norm(x, layer["ln2_g"], layer["ln2_b"])
+        x = attend(x, layer)
         if cfg.is_moe_block(i):  # groups = sequences: (batch, seq, d) is already (G, S, M)
+            a = layer_norm(x, layer["ln2_g"], layer["ln2_b"])
             y, gating = moe_ffn(a, layer["wg"], layer["we1"], layer["we2"], cfg.moe, annotate)
             gatings.append(gating)
+            x = annotate(x + y, "residual")
         else:
-            y = gelu(a @ layer["w1"]) @ layer["w2"]
-        x = annotate(x + y, "residual")
+            x = annotate(_dense_ffn(x, layer), "residual")
     h = layer_norm(x, p["lnf_g"], p["lnf_b"])
     logits = snp.einsum("bsd,vd->bsv", h, p["embed"]) if cfg.tied else h @ p["unembed"]
     return logits, gatings
+
+
+def _dense_ffn(x, layer):
+    """``x`` plus the GELU MLP of its second LayerNorm (a dense block's second half)."""
+    return x + gelu(layer_norm(x, layer["ln2_g"], layer["ln2_b"]) @ layer["w1"]) @ layer["w2"]
 
 
 def embed(cfg: LMConfig, table, tokens):
@@ -249,5 +288,5 @@ def cross_entropy(logits, labels):
     return -snp.mean(picked)
 
 
-__all__ = ["LMConfig", "param_shapes", "param_kind", "init_params", "lm_loss", "lm_loss_and_metrics", "lm_logits",
-           "cross_entropy", "embed"]
+__all__ = ["LMConfig", "param_shapes", "param_kind", "is_stacked", "init_params", "lm_loss", "lm_loss_and_metrics",
+           "lm_logits", "cross_entropy", "embed"]

@@ -25,13 +25,15 @@ class Propagation:
     origin: dict[int, str]  # "user", "propagated" or "default" (nothing known: replicated)
 
 
-def propagate(graph: Graph, mesh: Mesh, fixed: dict[int, Sharding]) -> Propagation:
-    """Complete shardings for every node; ``fixed`` holds the user's annotations."""
+def propagate(graph: Graph, mesh: Mesh, fixed: dict[int, Sharding], seeds=None) -> Propagation:
+    """Complete shardings for every node; ``fixed`` holds the user's annotations, ``seeds`` starting
+    shardings that propagation may refine (a loop body's parameters, from outside the loop)."""
     rules = {n.op: OPS[n.op].propagation for n in graph.nodes if n.op in OPS}
     missing = sorted({n.op for n in graph.nodes if rules.get(n.op) is None})
     if missing:
         raise NotImplementedError(f"sharding propagation needs a rule for every op; got no rule for {missing}")
-    sh: dict[int, Sharding | None] = {n.id: fixed.get(n.id) for n in graph.nodes}
+    seeds = seeds or {}
+    sh: dict[int, Sharding | None] = {n.id: fixed.get(n.id, seeds.get(n.id)) for n in graph.nodes}
     for level in (ELEMENTWISE_LEVEL, BROADCAST_LEVEL, DOT_LEVEL):
         while _sweep(graph, mesh, sh, fixed, level, rules):
             pass
@@ -59,8 +61,11 @@ def _sweep(graph, mesh, sh, fixed, level, rules) -> bool:
 def _update(vid, cand, graph, mesh, sh, fixed) -> bool:
     if cand is None or vid in fixed:
         return False
-    cand = legalize(cand, graph.nodes[vid].shape, mesh)
-    new = cand if sh[vid] is None else merge(sh[vid], cand)
+    if hasattr(cand, "refine"):  # the results of a control node (partition/loops.py) refine part by part
+        new = cand.refine(sh[vid], graph.nodes[vid], mesh)
+    else:
+        cand = legalize(cand, graph.nodes[vid].shape, mesh)
+        new = cand if sh[vid] is None else merge(sh[vid], cand)
     if new == sh[vid] or (sh[vid] is None and not new.axes):
         return False
     sh[vid] = new

@@ -36,6 +36,20 @@ def test_cli_run_matches_reference(tmp_path):
         np.testing.assert_allclose(out["out0"], sr.evaluate(graph, x, w)[0], rtol=1e-12)
 
 
+def test_cli_runs_a_saved_loop_program(tmp_path):
+    rng = np.random.default_rng(4)
+    h, ws = rng.standard_normal((5, 6)), 0.5 * rng.standard_normal((4, 6, 6))
+    graph = sr.trace(lambda h, ws: sr.scan(lambda c, w: (snp.tanh(c @ w), snp.sum(c)), h, ws), h, ws)
+    sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None), (None, None, "x")]).save(tmp_path / "p.json")
+    np.savez(tmp_path / "in.npz", h=h, ws=ws)
+    r = mpiexec(2, "-m", "spmd_runtime", "run", str(tmp_path / "p.json"), "--inputs", str(tmp_path / "in.npz"),
+                "--out", str(tmp_path / "out.npz"))
+    assert r.returncode == 0, r.stderr
+    with np.load(tmp_path / "out.npz") as out:
+        for k, want in enumerate(sr.evaluate(graph, h, ws)):
+            np.testing.assert_allclose(out[f"out{k}"], want, rtol=1e-12)
+
+
 def test_cli_show_prints_listing_and_comm_summary(tmp_path):
     graph = sr.trace(lambda x: x.sum(axis=0), sr.TensorSpec((8, 4)))
     sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None)]).save(tmp_path / "p.json")

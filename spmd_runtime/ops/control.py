@@ -1,0 +1,373 @@
+"""Control flow as ops with a body: ``scan``, ``fori_loop``, ``while_loop``, ``cond`` and ``remat``.
+
+Each call traces its body ONCE into a ``BodyGraph`` (``spmd_runtime/bodies.py``) and emits ONE node
+holding it. A control node has several results: the node itself is a 0-d placeholder (a "tuple") and
+one ``loop_out`` node per result reads result ``index`` of it, like HLO's get-tuple-element.
+
+Node attributes:
+- ``scan``: ``body`` (params: carries, one slice of each xs, captured values; outputs: new carries,
+  one slice of each ys), ``length``, ``reverse``, ``num_carry``, ``num_xs``, ``policy`` (what the
+  backward pass saves, see ``loop_autodiff``) and ``results`` (TensorSpecs: final carries, stacked ys).
+  Operands: carries, xs, captured values.
+- ``while``: ``cond`` and ``body`` graphs (params: carries, then their own captured values),
+  ``num_carry``, ``captures`` (how many each graph has), ``results``. Operands: carries, cond's
+  captured values, body's captured values.
+- ``cond``: ``branches`` (false, true), ``num_operands``, ``captures`` (per branch), ``results``.
+  Operands: the scalar bool predicate, the operands, each branch's captured values.
+
+The parts of the records live beside the machinery they drive: propagation and partitioning in
+``partition/loops.py`` (carry shardings agreed around the loop, each body partitioned once as its own
+SPMD program), the VJPs in ``loop_autodiff.py`` (a reverse scan over saved residuals), the binders in
+``exec/loops.py`` (bodies bound once per rank, run as loops); this file defines the records, the traced
+functions, the reference kernels and attaches those parts.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import loop_autodiff, opdef
+from ..autodiff import backward_from
+from ..loop_autodiff import floating, zeros_like
+from ..reference import evaluate
+from ..bodies import (TUPLE_DTYPE, TUPLE_SHAPE, capture, inline, leaves_as_tensors, pytree_flatten, pytree_unflatten,
+                      trace_body)
+from ..exec import loops as run_loops
+from ..graph import TensorSpec
+from ..opdef import ELEMENTWISE_LEVEL, define
+from ..partition import loops as partition_loops
+from ..trace import Tensor, current_graph, emit
+from . import core
+
+SCAN = define("scan")
+WHILE = define("while")
+COND = define("cond")
+LOOP_OUT = define("loop_out")  # result ``index`` of a control node
+POLICIES = ("everything_saveable", "nothing_saveable", "dots_saveable")
+
+
+# ---------------------------------------------------------------- the control node
+def _emit_control(op, inputs, attrs, results: list[TensorSpec]) -> list[Tensor]:
+    node = emit(op, inputs, {**attrs, "results": tuple(results)}, TUPLE_SHAPE, TUPLE_DTYPE)
+    return [emit(LOOP_OUT, [node], {"index": k}, s.shape, s.dtype) for k, s in enumerate(results)]
+
+
+def add_results(node_tensor: Tensor, specs: list[TensorSpec]) -> list[Tensor]:
+    """More results of an existing control node (the residuals a backward pass asks a forward scan to save)."""
+    node = node_tensor.node
+    start = len(node.attrs["results"])
+    node.attrs["results"] = tuple(node.attrs["results"]) + tuple(specs)
+    return [emit(LOOP_OUT, [node_tensor], {"index": start + k}, s.shape, s.dtype) for k, s in enumerate(specs)]
+
+
+def _specs(leaves) -> list[TensorSpec]:
+    return [TensorSpec(x.shape, x.dtype) for x in leaves]
+
+
+def _check_same(what, got: list[TensorSpec], want: list[TensorSpec], got_def, want_def):
+    if got_def != want_def or len(got) != len(want):
+        raise TypeError(f"{what} must keep the carry's structure; got {_describe_def(got_def)} for "
+                        f"{_describe_def(want_def)}")
+    for k, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            raise TypeError(f"{what} must keep each carry's shape and dtype; got {g} for carry leaf {k}, "
+                            f"which enters as {w}")
+
+
+def _describe_def(treedef) -> str:
+    if treedef is None or treedef == "leaf":
+        return "None" if treedef is None else "a tensor"
+    kind, children = treedef
+    return f"{kind.__name__} of {len(children)}"
+
+
+# ---------------------------------------------------------------- scan and fori_loop
+def scan(f, init, xs=None, length=None, reverse=False, *, policy=None):
+    """JAX's ``lax.scan``: ``f(carry, x) -> (carry, y)`` over the leading dim of ``xs``; returns
+    ``(final carry, stacked ys)``. ``f`` is traced once; ``policy`` (or ``f = sr.remat(g, policy)``)
+    says what the backward pass saves per iteration (default: every intermediate it needs)."""
+    f, policy = _unwrap_remat(f, policy)
+    carry, carry_def = leaves_as_tensors(init)
+    x_leaves, x_def = leaves_as_tensors(xs)
+    length = _scan_length(x_leaves, length)
+    nc = len(carry)
+
+    def flat_body(*params):
+        out = f(pytree_unflatten(carry_def, params[:nc]), pytree_unflatten(x_def, params[nc:]))
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(f"a scan body returns a pair (carry, y); got {type(out).__name__}")
+        new_carry, new_def = leaves_as_tensors(out[0])
+        _check_same("a scan body", _specs(new_carry), _specs(carry), new_def, carry_def)
+        return (new_carry, out[1])
+
+    specs = _specs(carry) + [TensorSpec(x.shape[1:], x.dtype) for x in x_leaves]
+    names = [f"carry{k}" for k in range(nc)] + [f"x{k}" for k in range(len(x_leaves))]
+    body, out_def = trace_body(flat_body, specs, names, "a scan body")
+    y_def = out_def[1][1]
+    y_specs = [TensorSpec((length,) + body.nodes[o].shape, body.nodes[o].dtype) for o in body.outputs[nc:]]
+    inputs = carry + x_leaves + [Tensor(current_graph(), c) for c in body.captured]
+    outs = _emit_control(SCAN, inputs, {"body": body, "length": length, "reverse": bool(reverse),
+                                          "num_carry": nc, "num_xs": len(x_leaves),
+                                          "policy": policy or "everything_saveable"},
+                         _specs(carry) + y_specs)
+    return pytree_unflatten(carry_def, outs[:nc]), pytree_unflatten(y_def, outs[nc:])
+
+
+def _scan_length(x_leaves, length) -> int:
+    sizes = sorted({x.shape[0] if x.ndim else -1 for x in x_leaves})
+    if -1 in sizes:
+        raise ValueError(f"scan slices every xs leaf along its leading dim; got a 0-d leaf among shapes "
+                         f"{[x.shape for x in x_leaves]}")
+    if len(sizes) > 1 or (sizes and length is not None and int(length) != sizes[0]):
+        raise ValueError(f"scan needs every xs leaf to have the same leading dim, equal to length if given; "
+                         f"got leading dims {sizes} and length={length}")
+    if not sizes and length is None:
+        raise ValueError("scan needs xs or an explicit length; got neither")
+    n = sizes[0] if sizes else int(length)
+    if n < 0:
+        raise ValueError(f"scan length must be >= 0; got {n}")
+    return n
+
+
+def fori_loop(lower, upper, body_fun, init_val):
+    """``for i in range(lower, upper): val = body_fun(i, val)`` as one scan (static int bounds; ``i`` is a
+    traced int32 scalar). For bounds known only at run time use ``while_loop``."""
+    for name, v in (("lower", lower), ("upper", upper)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise TypeError(f"fori_loop needs Python int bounds (a static trip count); got {name}={v!r}; "
+                            f"use sr.while_loop for traced bounds")
+
+    def step(carry, _):
+        i, val = carry
+        return (i + 1, body_fun(i, val)), None
+    (_, out), _ = scan(step, (core.asarray(np.int32(lower)), init_val), length=max(int(upper) - int(lower), 0))
+    return out
+
+
+# ---------------------------------------------------------------- while_loop and cond
+def while_loop(cond_fun, body_fun, init_val):
+    """``while cond_fun(val): val = body_fun(val)``; ``cond_fun`` returns a traced scalar bool.
+    Forward only (the trip count is known only at run time)."""
+    carry, carry_def = leaves_as_tensors(init_val)
+    specs, names = _specs(carry), [f"carry{k}" for k in range(len(carry))]
+    cond_g, _ = trace_body(lambda *p: cond_fun(pytree_unflatten(carry_def, p)), specs, names,
+                           "a while_loop cond_fun")
+    pred = [cond_g.nodes[o].spec for o in cond_g.outputs]
+    if len(pred) != 1 or pred[0] != TensorSpec((), "bool"):
+        raise TypeError(f"while_loop's cond_fun must return a scalar bool (shape (), dtype bool); got "
+                        f"{', '.join(map(str, pred)) or 'nothing'}")
+
+    def flat_body(*p):
+        new, new_def = leaves_as_tensors(body_fun(pytree_unflatten(carry_def, p)))
+        _check_same("a while_loop body", _specs(new), specs, new_def, carry_def)
+        return new
+    body_g, _ = trace_body(flat_body, specs, names, "a while_loop body")
+    g = current_graph()
+    inputs = carry + [Tensor(g, c) for c in cond_g.captured] + [Tensor(g, c) for c in body_g.captured]
+    outs = _emit_control(WHILE, inputs, {"cond": cond_g, "body": body_g, "num_carry": len(carry),
+                                           "captures": (len(cond_g.captured), len(body_g.captured))}, specs)
+    return pytree_unflatten(carry_def, outs)
+
+
+def cond(pred, true_fun, false_fun, *operands):
+    """``true_fun(*operands) if pred else false_fun(*operands)`` with a traced scalar bool ``pred``; both
+    branches are traced (once each) and must return the same structure, shapes and dtypes."""
+    if isinstance(pred, (bool, np.bool_)):
+        return (true_fun if pred else false_fun)(*operands)
+    pred = core.asarray(pred)
+    if pred.shape != () or pred.dtype != np.bool_:
+        raise TypeError(f"cond's predicate must be a scalar bool (shape (), dtype bool); got "
+                        f"{pred.node.spec}; compare to get one, e.g. x > 0")
+    leaves, tree = leaves_as_tensors(operands)
+    specs, names = _specs(leaves), [f"operand{k}" for k in range(len(leaves))]
+    traced = []
+    for fn, which in ((false_fun, "false_fun"), (true_fun, "true_fun")):
+        def flat(*p, fn=fn):
+            out, out_def = leaves_as_tensors(fn(*pytree_unflatten(tree, p)))
+            traced.append(out_def)
+            return out
+        traced.append(trace_body(flat, specs, names, f"cond's {which}")[0])
+    (false_def, false_g, true_def, true_g) = traced
+    false_specs = [false_g.nodes[o].spec for o in false_g.outputs]
+    true_specs = [true_g.nodes[o].spec for o in true_g.outputs]
+    if true_def != false_def or true_specs != false_specs:
+        raise TypeError(f"cond's branches must return the same structure, shapes and dtypes; got true_fun "
+                        f"-> {[str(s) for s in true_specs]} and false_fun -> {[str(s) for s in false_specs]}")
+    g = current_graph()
+    inputs = [pred] + leaves + [Tensor(g, c) for c in false_g.captured] + [Tensor(g, c) for c in true_g.captured]
+    outs = _emit_control(COND, inputs, {"branches": (false_g, true_g), "num_operands": len(leaves),
+                                          "captures": (len(false_g.captured), len(true_g.captured))}, true_specs)
+    return pytree_unflatten(true_def, outs)
+
+
+# ---------------------------------------------------------------- remat
+def remat(fn, policy="nothing_saveable"):
+    """``fn`` whose intermediates the backward pass recomputes instead of storing (JAX's ``checkpoint``).
+    ``policy``: "nothing_saveable" (recompute all), "dots_saveable" (keep contraction results),
+    "everything_saveable". As a scan body it sets the scan's policy; elsewhere it runs ``fn`` as a
+    one-step scan with that policy."""
+    _check_policy(policy)
+
+    def remat_fn(*args):
+        _, ys = scan(lambda carry, _: (carry, fn(*args)), (), length=1, policy=policy)
+        leaves, treedef = pytree_flatten(ys)
+        return pytree_unflatten(treedef, [y.reshape(y.shape[1:]) for y in leaves])
+    remat_fn._remat = (fn, policy)
+    remat_fn.__name__ = f"remat_{getattr(fn, '__name__', 'fn')}"
+    return remat_fn
+
+
+def _check_policy(policy):
+    if policy not in POLICIES:
+        raise ValueError(f"a remat policy is one of {POLICIES}; got {policy!r}")
+
+
+def _unwrap_remat(f, policy):
+    inner = getattr(f, "_remat", None)
+    if inner is not None:
+        f, policy = inner[0], policy or inner[1]
+    if policy is not None:
+        _check_policy(policy)
+    return f, policy
+
+
+# ---------------------------------------------------------------- reference kernels
+def _evaluate(graph, args, xp):
+    return evaluate(graph, *args, xp=xp)
+
+
+@opdef.kernel(LOOP_OUT)
+def _loop_out_kernel(xp, t, index):
+    return t[index]
+
+
+@opdef.kernel(SCAN)
+def _scan_kernel(xp, *operands, body, length, reverse, num_carry, num_xs, policy, results):
+    carry = list(operands[:num_carry])
+    xs, consts = operands[num_carry:num_carry + num_xs], list(operands[num_carry + num_xs:])
+    ys = [xp.empty(s.shape, s.dtype) for s in results[num_carry:]]
+    for t in (reversed(range(length)) if reverse else range(length)):
+        outs = _evaluate(body, carry + [x[t] for x in xs] + consts, xp)
+        carry = outs[:num_carry]
+        for y, o in zip(ys, outs[num_carry:]):
+            y[t] = o
+    return tuple(carry) + tuple(ys)
+
+
+@opdef.kernel(WHILE)
+def _while_kernel(xp, *operands, cond, body, num_carry, captures, results):
+    carry = list(operands[:num_carry])
+    cond_caps = list(operands[num_carry:num_carry + captures[0]])
+    body_caps = list(operands[num_carry + captures[0]:])
+    while bool(_evaluate(cond, carry + cond_caps, xp)[0]):
+        carry = _evaluate(body, carry + body_caps, xp)
+    return tuple(carry)
+
+
+@opdef.kernel(COND)
+def _cond_kernel(xp, pred, *operands, branches, num_operands, captures, results):
+    which = int(bool(pred))
+    start = num_operands + (captures[0] if which else 0)
+    own = list(operands[start:start + captures[which]])
+    return tuple(_evaluate(branches[which], list(operands[:num_operands]) + own, xp))
+
+
+# ---------------------------------------------------------------- VJPs (the machinery: loop_autodiff.py)
+def scan_vjp(node, ct, operands, result):
+    a = node.attrs
+    nc, nx, length, body = a["num_carry"], a["num_xs"], a["length"], a["body"]
+    results = a["results"]
+    lin = loop_autodiff.linearize(body, nc, a["policy"])
+    n_in = len(body.params)
+    # the forward scan also stacks the residuals (and the carries the backward body reads)
+    a["body"] = lin.forward
+    stacks = add_results(result, [TensorSpec((length,) + s.shape, s.dtype) for s in lin.saved_specs])
+    saved_stacks, carry_stacks = stacks[:lin.num_saved], dict(zip(lin.carries_saved, stacks[lin.num_saved:]))
+    out_ct = {k: ct.parts.get(k) if ct.parts.get(k) is not None else zeros_like(results[k]) for k in lin.float_outs}
+
+    float_carries = [i for i in lin.float_ins if i < nc]
+    float_consts = [i for i in lin.float_ins if i >= nc + nx]
+    float_xs = [i for i in lin.float_ins if nc <= i < nc + nx]
+    sources, xs = [], []  # per backward-body input: ("xs", k) | ("const", tensor) | ("carry", k)
+    for p in lin.used:
+        if p < lin.num_saved:
+            sources.append(("xs", len(xs)))
+            xs.append(saved_stacks[p])
+        elif p < lin.num_saved + n_in:
+            i = p - lin.num_saved
+            if i < nc + nx:
+                sources.append(("xs", len(xs)))
+                xs.append(carry_stacks[i] if i < nc else operands[i])
+            else:
+                sources.append(("const", operands[i]))
+        else:
+            k = lin.float_outs[p - lin.num_saved - n_in]
+            if k < nc:
+                sources.append(("carry", float_carries.index(k)))
+            else:
+                sources.append(("xs", len(xs)))
+                xs.append(out_ct[k])
+
+    def step(carry, xs_t):
+        ct_c, acc = carry
+        args = [xs_t[v] if kind == "xs" else ct_c[v] if kind == "carry" else v for kind, v in sources]
+        grads = dict(zip(lin.float_ins, inline(lin.backward, args)))
+        return ([grads[i] for i in float_carries], [s + grads[i] for s, i in zip(acc, float_consts)]), \
+            [grads[i] for i in float_xs]
+
+    init = ([out_ct[i] for i in float_carries], [zeros_like(operands[i].node.spec) for i in float_consts])
+    (ct_init, ct_consts), ct_xs = scan(step, init, xs, length=length, reverse=not a["reverse"])
+    got = {**dict(zip(float_carries, ct_init)), **dict(zip(float_consts, ct_consts)), **dict(zip(float_xs, ct_xs))}
+    return [got.get(i) for i in range(len(operands))]
+
+
+
+def cond_vjp(node, ct, operands, result):
+    a = node.attrs
+    n, (n_false, n_true) = a["num_operands"], a["captures"]
+    pred, ops = operands[0], operands[1:1 + n]
+    caps = (operands[1 + n:1 + n + n_false], operands[1 + n + n_false:])
+    float_res = [k for k, s in enumerate(a["results"]) if floating(s.dtype)]
+    cts = [ct.parts[k] if ct.parts.get(k) is not None else zeros_like(a["results"][k]) for k in float_res]
+    float_ops = [i for i, o in enumerate(ops) if floating(o.dtype)]
+    float_caps = [[i for i, c in enumerate(cs) if floating(c.dtype)] for cs in caps]
+
+    def branch_vjp(which):
+        def fn(*args):
+            own = [capture(t) for t in caps[which]]
+            start = len(current_graph().nodes)
+            outs = inline(a["branches"][which], list(args[:n]) + own)
+            seeds = {}
+            for k, c in zip(float_res, args[n:]):
+                seeds[outs[k].id] = seeds[outs[k].id] + c if outs[k].id in seeds else c
+            wrt = [args[i] for i in float_ops] + [own[i] for i in float_caps[which]]
+            grads = backward_from(seeds, wrt, start)
+            by_branch = [[zeros_like(caps[b][i].node.spec) for i in float_caps[b]] for b in (0, 1)]
+            by_branch[which] = grads[len(float_ops):]
+            return grads[:len(float_ops)] + by_branch[0] + by_branch[1]
+        return fn
+
+    grads = cond(pred, branch_vjp(1), branch_vjp(0), *ops, *cts)
+    out = [None] * len(operands)
+    positions = [1 + i for i in float_ops] + [1 + n + i for i in float_caps[0]] + \
+        [1 + n + n_false + i for i in float_caps[1]]
+    for p, g in zip(positions, grads):
+        out[p] = g
+    return out
+
+
+# ---------------------------------------------------------------- the other parts, beside their machinery
+opdef.propagation(SCAN, WHILE, COND, level=ELEMENTWISE_LEVEL)(partition_loops.control_propagation)
+opdef.propagation(LOOP_OUT, level=ELEMENTWISE_LEVEL)(partition_loops.loop_out_propagation)
+opdef.partition(SCAN)(partition_loops.partition_scan)
+opdef.partition(WHILE)(partition_loops.partition_while)
+opdef.partition(COND)(partition_loops.partition_cond)
+opdef.partition(LOOP_OUT)(partition_loops.partition_loop_out)
+opdef.bind(SCAN)(run_loops.bind_scan)
+opdef.bind(WHILE)(run_loops.bind_while)
+opdef.bind(COND)(run_loops.bind_cond)
+opdef.vjp(SCAN)(scan_vjp)
+opdef.vjp(WHILE)(loop_autodiff.while_vjp)
+opdef.vjp(COND)(cond_vjp)
+opdef.vjp(LOOP_OUT)(loop_autodiff.loop_out_vjp)
+
+__all__ = ["scan", "fori_loop", "while_loop", "cond", "remat"]

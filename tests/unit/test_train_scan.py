@@ -1,0 +1,83 @@
+"""The LM's layers as ONE scan over stacked parameters, rematerialisation and gradient accumulation
+(simulated world): the same loss as the unrolled model, partitioned steps equal to the reference step,
+a program whose size does not grow with depth, and remat's lower peak memory."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+
+import spmd_runtime as sr
+from simulated import run_everywhere
+from spmd_runtime.models.lm import LMConfig, init_params, lm_loss
+from spmd_runtime.optim import AdamW
+
+CFG = LMConfig(layers=2, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=4, dtype="float64", scan_layers=True)
+OPT = AdamW(lr=1e-2)
+
+
+def batch(cfg=CFG, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype("int32") for _ in range(2)]
+
+
+def build(cfg, shape, preset, microbatches=1):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return sr.build_train_step(cfg, sr.train_mesh(shape, preset), preset, OPT, microbatches=microbatches)
+
+
+def test_scanned_layers_compute_the_unrolled_loss():
+    tokens, labels = batch()
+
+    def loss_of(cfg):
+        params = list(init_params(cfg).values())
+        graph = sr.trace(lambda *a: lm_loss(cfg, a[:-2], a[-2], a[-1]), *params, tokens, labels)
+        return sr.evaluate(graph, *params, tokens, labels)[0], graph
+    (unrolled, _), (scanned, graph) = loss_of(dataclasses.replace(CFG, scan_layers=False)), loss_of(CFG)
+    assert sum(n.op == "scan" for n in graph.nodes) == 1
+    np.testing.assert_allclose(scanned, unrolled, rtol=1e-13)
+
+
+@pytest.mark.parametrize("shape,preset,microbatches", [((2, 2), "megatron_wus", 1), ((2, 2), "dp", 2),
+                                                       ((3,), "wus", 2)], ids=str)
+def test_partitioned_scan_step_matches_the_reference_step(shape, preset, microbatches):
+    ts = build(CFG, shape, preset, microbatches)
+    state = ts.init(0)
+    tokens, labels = batch()
+    want_state, want_loss = ts.reference_step(state, tokens, labels)
+    for outs in run_everywhere(ts.program, *state.values(), tokens, labels):
+        assert float(outs[-1]) == pytest.approx(want_loss, rel=1e-12)
+        for got, want in zip(outs[:-1], want_state.values()):
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_accumulated_step_equals_the_whole_batch_step():
+    tokens, labels = batch()
+    state = build(CFG, (1,), "dp").init(0)
+    (s1, l1), (s4, l4) = (build(CFG, (1,), "dp", m).reference_step(state, tokens, labels) for m in (1, 4))
+    assert l4 == pytest.approx(l1, rel=1e-12)
+    for a, b in zip(s1.values(), s4.values()):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_program_size_does_not_grow_with_depth():
+    shallow, deep = (build(dataclasses.replace(CFG, layers=n), (2, 2), "megatron", 1).program for n in (2, 7))
+    assert len(shallow.instrs) == len(deep.instrs)
+    assert [i.op for i in shallow.instrs] == [i.op for i in deep.instrs]
+
+
+def test_remat_lowers_peak_memory_of_the_step():
+    peak = {r: build(dataclasses.replace(CFG, layers=4, remat=r), (1,), "dp").program.peak_bytes()
+            for r in ("none", "dots", "full")}
+    assert peak["full"] < peak["dots"] < peak["none"], peak
+
+
+def test_bad_accumulation_and_remat_settings_raise():
+    with pytest.raises(ValueError, match="microbatches must be a positive int dividing the batch; got "
+                                         "microbatches=3 for batch=4"):
+        build(CFG, (1,), "dp", 3)
+    with pytest.raises(ValueError, match="it needs scan_layers=True"):
+        LMConfig(remat="full")
