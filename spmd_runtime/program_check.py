@@ -25,6 +25,7 @@ from .dtypes import LOW_PRECISION, dtype as parse_dtype
 REDUCE_KINDS = frozenset({"sum", "max", "min", "prod", "mean", "any", "all"})
 COLLECTIVE_OPS = frozenset({"sum", "max", "min"})
 STRING_ATTRIBUTES = {"output": frozenset({"values", "indices"})}  # top_k: which of its two results
+BODY_ATTRIBUTES = ("body", "cond", "branches")  # control instructions (ops/control.py) hold programs
 EINSUM_SPEC = re.compile(r"^[A-Za-z]*(,[A-Za-z]*)*->[A-Za-z]*$")
 DTYPE_KINDS = "biufc"  # bool, ints, floats, complex: never object, string or void
 # ops the interpreter binds itself (exec/interpreter.py): attribute names
@@ -141,6 +142,11 @@ def _check_value(name: str, value, program) -> None:
             _dtype(value.dtype, f"{what} dtype")
         elif not isinstance(value, (bool, int, float, complex)):
             raise ProgramError(f"{what} must be an array or a number; got {type(value).__name__}")
+    elif name in BODY_ATTRIBUTES:  # a loop's body, a while's cond, a cond's branches: programs, checked alike
+        for body in value if isinstance(value, tuple) else (value,):
+            if not hasattr(body, "instrs") or body.mesh != program.mesh:
+                raise ProgramError(f"{what} must be a program on {program.mesh}; got {type(body).__name__}")
+            check_program(body)
     elif name == "pairs":
         if not isinstance(value, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in value):
             raise ProgramError(f"{what} must be (source, dest) rank pairs; got {value!r}")

@@ -240,8 +240,9 @@ def _loop_out_kernel(xp, t, index):
     return t[index]
 
 
+# ``policy`` and ``results`` are graph attributes; a program's control instruction (run by its binder) has neither
 @opdef.kernel(SCAN)
-def _scan_kernel(xp, *operands, body, length, reverse, num_carry, num_xs, policy, results):
+def _scan_kernel(xp, *operands, body, length, reverse, num_carry, num_xs, policy=None, results=()):
     carry = list(operands[:num_carry])
     xs, consts = operands[num_carry:num_carry + num_xs], list(operands[num_carry + num_xs:])
     ys = [xp.empty(s.shape, s.dtype) for s in results[num_carry:]]
@@ -254,7 +255,7 @@ def _scan_kernel(xp, *operands, body, length, reverse, num_carry, num_xs, policy
 
 
 @opdef.kernel(WHILE)
-def _while_kernel(xp, *operands, cond, body, num_carry, captures, results):
+def _while_kernel(xp, *operands, cond, body, num_carry, captures, results=()):
     carry = list(operands[:num_carry])
     cond_caps = list(operands[num_carry:num_carry + captures[0]])
     body_caps = list(operands[num_carry + captures[0]:])
@@ -264,7 +265,7 @@ def _while_kernel(xp, *operands, cond, body, num_carry, captures, results):
 
 
 @opdef.kernel(COND)
-def _cond_kernel(xp, pred, *operands, branches, num_operands, captures, results):
+def _cond_kernel(xp, pred, *operands, branches, num_operands, captures, results=()):
     which = int(bool(pred))
     start = num_operands + (captures[0] if which else 0)
     own = list(operands[start:start + captures[which]])
