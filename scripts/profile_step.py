@@ -1,6 +1,7 @@
 """Where one training step's time goes: times every interpreter instruction of a 1-rank step, by op.
 
     python scripts/profile_step.py          # reference config, dp on a (1,) mesh, 1 BLAS thread
+    SPMD_FUSE=0 python scripts/profile_step.py    # unfused program (one instruction per elementwise op)
 (Set OMP_NUM_THREADS / OPENBLAS_NUM_THREADS before running to change the BLAS threads.)
 """
 import os
@@ -36,6 +37,6 @@ total = sum(t.values()); print(f"total {total*1e3:.1f} ms/step")
 for k, v in t.most_common(22): print(f"{v*1e3:8.2f} ms  {n[k]//3:4d}x  {k}")
 groups = collections.Counter()
 for k, v in t.items():
-    g = "einsum (BLAS)" if k.startswith("einsum") else "elementwise" if k in ("mul","add","sub","div","exp","tanh","select","neg","sqrt","log","maximum","minimum","pow","convert","eq","gt","lt","ge","le","ne","abs") else k
+    g = "einsum (BLAS)" if k.startswith("einsum") else "elementwise" if k in ("mul","add","sub","div","exp","tanh","select","neg","sqrt","log","maximum","minimum","pow","convert","eq","gt","lt","ge","le","ne","abs", "fusion") else k
     groups[g] += v
 for k, v in groups.most_common(8): print(f"GROUP {v*1e3:8.1f} ms  {k}")

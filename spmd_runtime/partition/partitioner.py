@@ -16,6 +16,7 @@ from ..mesh import Mesh
 from ..opdef import OPS, lookup
 from ..program import Instr, IOSpec, SPMDProgram
 from ..sharding import Sharding, parse_spec
+from .fusion import fuse_elementwise, fusion_enabled
 from .propagation import propagate
 from .resharding import plan_cost, plan_reshard
 
@@ -108,12 +109,14 @@ def _moves_nothing(step, mesh: Mesh) -> bool:
         mesh.axis_size(step.attrs["axes"]) == 1
 
 
-def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None) -> SPMDProgram:
+def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: bool | None = None) -> SPMDProgram:
     """Partition ``graph`` over ``mesh`` into one SPMD program.
 
     ``in_specs`` / ``out_specs``: one ``mesh_split``-style spec per graph
     input / output (None entries, or None altogether, leave it to propagation).
     An out spec that disagrees with a value's own annotation reshards at the output.
+    ``fuse``: fuse elementwise chains into ``fusion`` instructions (``partition/fusion.py``); None (default)
+    fuses unless ``$SPMD_FUSE`` is 0.
     """
     fixed = _user_shardings(graph, mesh, in_specs)
     out_targets = _output_shardings(graph, mesh, out_specs, fixed)
@@ -126,7 +129,8 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None) -> SPMDPr
             ctx.values[node.id] = ctx.reshard(_partition_node(ctx, node), prop.shardings[node.id])
     ctx.node = None
     outputs = [ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
-    return _finish(ctx, graph, prop, outputs)
+    program = _finish(ctx, graph, prop, outputs)
+    return fuse_elementwise(program) if fusion_enabled(fuse) else program
 
 
 def _partition_node(ctx: PartitionContext, node: Node) -> LocalValue:

@@ -1,0 +1,208 @@
+"""Runs a ``fusion`` instruction (``partition/fusion.py``) as one kernel, prepared once per program.
+
+* NumPy: the steps as ufuncs with ``out=``: intermediates in scratch buffers kept across calls (shared by
+  every fusion of the interpreter: they never outlive one instruction), the result into a fresh or donated
+  buffer. The same ufuncs in the same order as unfused, so bit-identical; what it saves is the allocation
+  (and first-touch page faults) of every intermediate and one interpreted instruction per op. numexpr was
+  measured here and left out: on this CPU NumPy's SIMD loops beat its interpreter 3-16x per pass
+  (256x1024 float32: sqrt 104 us vs 1.7 ms, a*b+c 85 us vs 245 us, numexpr 2.14.2 without VML, 1 thread).
+* CuPy: one generated ``ElementwiseKernel`` per fused instruction (compiled on first use, cached by CuPy).
+* Any other array module: the steps as plain calls.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..opdef import lookup
+from ..partition.fusion import parse_code
+
+_C_TYPES = {"float16": "float16", "float32": "float", "float64": "double", "bool": "bool", "int8": "signed char",
+            "int16": "short", "int32": "int", "int64": "long long", "uint8": "unsigned char",
+            "uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}
+_C_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
+            "gt": ">", "ge": ">=", "and": "&&", "or": "||"}
+_C_CALL = {"exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "pow": "pow"}
+
+
+class Scratch:
+    """Buffers for a fusion's intermediate steps, by (shape, dtype, index): fusions run one at a time."""
+
+    def __init__(self, xp):
+        self.xp, self._held = xp, {}
+
+    def get(self, shape, dtype, index: int):
+        key = (shape, dtype, index)
+        if key not in self._held:
+            self._held[key] = self.xp.empty(shape, dtype)
+        return self._held[key]
+
+
+class Fusion:
+    """A decoded fusion: steps, typed literals, operand views, result shape/dtype, in-place operand."""
+
+    def __init__(self, ins):
+        self.steps = parse_code(ins.attrs["code"])
+        self.consts = [np.dtype(d).type(v) for v, d in ins.attrs["consts"]]
+        self.const_dtypes = [str(np.dtype(d)) for _, d in ins.attrs["consts"]]
+        self.dtypes = [str(np.dtype(d)) for d in ins.attrs["dtypes"]]
+        self.shapes = [tuple(s) for s in ins.attrs["shapes"]]
+        self.shape, self.dtype, self.donate = tuple(ins.shape), np.dtype(ins.dtype), ins.donate
+
+    def views(self, args):
+        """The operands reshaped for broadcasting (a view; only where the shapes differ)."""
+        return [a if a.shape == s else a.reshape(s) for a, s in zip(args, self.shapes)]
+
+    def param_dtypes(self, operand_dtypes):
+        return [str(np.dtype(d)) for d in operand_dtypes]
+
+
+def bind_fusion(ins, xp, operand_dtypes, scratch: Scratch):
+    """``f(*operands) -> result`` for fusion instruction ``ins`` on array module ``xp``."""
+    fusion = Fusion(ins)
+    if getattr(xp, "__name__", "") == "cupy" and hasattr(xp, "ElementwiseKernel"):
+        return _cupy_kernel(fusion, xp, operand_dtypes)
+    if xp is np:
+        return _numpy_chain(fusion, scratch)
+    return _generic_chain(fusion, xp)
+
+
+# ------------------------------------------------------------------------------------------- NumPy
+
+
+def _numpy_chain(fusion: Fusion, scratch: Scratch):
+    """Steps as ufuncs with out=: intermediates in shared scratch (slots freed after last use), result fresh."""
+    n_params, n_consts, last = len(fusion.shapes), len(fusion.consts), len(fusion.steps) - 1
+    index = _RefIndex(n_params, n_consts)
+    plan, free, holder, last_use, made = [], {}, {}, {}, {}
+    for k, (_, refs) in enumerate(fusion.steps):
+        for r in refs:
+            last_use[r] = k
+    for k, (op, refs) in enumerate(fusion.steps):
+        for r in refs:  # a temp dying here frees its scratch for this step's result (in place is fine)
+            if r.startswith("t") and last_use[r] == k and r in holder:
+                free.setdefault(fusion.dtypes[int(r[1:])], []).append(holder.pop(r))
+        slot = None
+        if k != last:
+            pool = free.setdefault(fusion.dtypes[k], [])
+            if not pool:
+                pool.append(made.get(fusion.dtypes[k], 0))
+                made[fusion.dtypes[k]] = pool[-1] + 1
+            slot = holder[f"t{k}"] = pool.pop()
+        plan.append((_numpy_step(op, fusion.dtypes[k]), [index[r] for r in refs], slot, fusion.dtypes[k]))
+    consts, shape, dtype, donate = fusion.consts, fusion.shape, fusion.dtype, fusion.donate
+    steps = [(fn, idx, None if slot is None else scratch.get(shape, np.dtype(d), slot)) for fn, idx, slot, d in plan]
+    views = fusion.views
+
+    def run(*args):
+        env = views(args) + consts
+        for fn, idx, out in steps[:-1]:
+            env.append(fn(*[env[i] for i in idx], out=out))
+        fn, idx, _ = steps[-1]
+        out = args[donate] if donate >= 0 else np.empty(shape, dtype)
+        return fn(*[env[i] for i in idx], out=out)
+    return run
+
+
+def _numpy_step(op: str, dtype: str):
+    if op == "select":
+        def select(cond, a, b, out):
+            if out is a or out is b or out is cond:  # in place: writing b first would clobber an operand
+                np.copyto(out, np.where(cond, a, b))
+            else:
+                np.copyto(out, b)
+                np.copyto(out, a, where=cond)
+            return out
+        return select
+    if op == "convert":
+        def convert(x, out):
+            np.copyto(out, x, casting="unsafe")
+            return out
+        return convert
+    return getattr(np, lookup(op).ufunc)
+
+
+class _RefIndex(dict):
+    """Position of each ref in the run-time value list [params..., consts..., temps...]."""
+
+    def __init__(self, n_params, n_consts):
+        super().__init__()
+        self.n_params, self.n_consts = n_params, n_consts
+
+    def __missing__(self, ref):
+        base = {"p": 0, "c": self.n_params, "t": self.n_params + self.n_consts}[ref[0]]
+        return base + int(ref[1:])
+
+
+# ------------------------------------------------------------------------------------------- others
+
+
+def _generic_chain(fusion: Fusion, xp):
+    """Plain array-module calls, one per step (array modules without out= or generated kernels)."""
+    index = _RefIndex(len(fusion.shapes), len(fusion.consts))
+    plan = [(_generic_step(xp, op, d), [index[r] for r in refs]) for (op, refs), d in zip(fusion.steps, fusion.dtypes)]
+    consts, views = fusion.consts, fusion.views
+
+    def run(*args):
+        env = views(args) + consts
+        for fn, idx in plan:
+            env.append(fn(*[env[i] for i in idx]))
+        return env[-1]
+    return run
+
+
+def _generic_step(xp, op: str, dtype: str):
+    if op == "select":
+        return xp.where
+    if op == "convert":
+        return lambda x: xp.asarray(x).astype(dtype)
+    return getattr(xp, lookup(op).ufunc)
+
+
+def cuda_source(fusion: Fusion, operand_dtypes) -> tuple[str, str, str]:
+    """(in_params, out_params, operation) of the ElementwiseKernel for ``fusion``."""
+    params = fusion.param_dtypes(operand_dtypes)
+    in_params = ", ".join(f"{d} p{i}" for i, d in enumerate(params))
+    out_params = f"{fusion.dtype.name} out"
+    lines = []
+    for k, ((op, refs), d) in enumerate(zip(fusion.steps, fusion.dtypes)):
+        a = [_c_literal(fusion, r) for r in refs]
+        lines.append(f"const {_C_TYPES[d]} t{k} = {_c_expr(op, a, d)};")
+    lines.append(f"out = t{len(fusion.steps) - 1};")
+    return in_params, out_params, "\n".join(lines)
+
+
+def _c_literal(fusion: Fusion, ref: str) -> str:
+    if ref[0] != "c":
+        return ref
+    k = int(ref[1:])
+    value, dtype = fusion.consts[k], fusion.const_dtypes[k]
+    text = ("true" if value else "false") if dtype == "bool" else repr(value.item())
+    return f"(({_C_TYPES[dtype]}){text})"
+
+
+def _c_expr(op: str, a: list[str], dtype: str) -> str:
+    if op in _C_INFIX:
+        return f"({a[0]} {_C_INFIX[op]} {a[1]})"
+    if op in _C_CALL:
+        return f"{_C_CALL[op]}({', '.join(a)})"
+    x = a[0]
+    return {
+        "neg": lambda: f"(-{x})",
+        "not": lambda: f"(!{x})",
+        "abs": lambda: f"({x} < 0 ? -{x} : {x})",
+        "maximum": lambda: f"(({x} != {x} || {x} > {a[1]}) ? {x} : {a[1]})",  # NaN propagates, as np.maximum
+        "minimum": lambda: f"(({x} != {x} || {x} < {a[1]}) ? {x} : {a[1]})",
+        "select": lambda: f"({x} ? {a[1]} : {a[2]})",
+        "convert": lambda: f"(({_C_TYPES[dtype]}){x})",
+    }[op]()
+
+
+def _cupy_kernel(fusion: Fusion, cp, operand_dtypes):
+    in_params, out_params, operation = cuda_source(fusion, operand_dtypes)
+    kernel = cp.ElementwiseKernel(in_params, out_params, operation, "spmd_fusion")
+    views, shape, dtype, donate = fusion.views, fusion.shape, fusion.dtype, fusion.donate
+
+    def run(*args):
+        out = args[donate] if donate >= 0 else cp.empty(shape, dtype)
+        return kernel(*views(args), out)
+    return run

@@ -1,0 +1,181 @@
+"""Loop fusion: chains of elementwise ops become one ``fusion`` instruction (XLA's loop fusion).
+
+Runs once after partitioning. Walking the program backwards, every elementwise
+instruction not yet taken roots a group and absorbs each elementwise producer of
+the same shape whose users all lie inside the group and that is no program
+output: the producer's buffer then never exists. Scalar constants and
+``broadcast_in_dim`` operands (dims in order) are inlined as the leaves they
+are: a constant becomes a typed literal, a broadcast operand a parameter seen
+through a reshape that NumPy/numexpr/CUDA broadcasting expands. Instructions
+left without users by that are dropped, slots renumbered, and frees and in-place
+donations recomputed.
+
+A fusion's ``code`` is straight-line SSA over parameters ``p<i>`` (the
+instruction's operands, in order), literals ``c<i>`` (``consts``: (value, dtype) pairs) and earlier
+steps ``t<i>``; the last step is the result, and ``dtypes`` gives each step's
+dtype. ``exec/fused.py`` runs it as one kernel.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+
+import numpy as np
+
+from .. import opdef
+from ..opdef import define, lookup
+from ..program import IOSpec, Instr, SPMDProgram
+
+FUSE_ENV = "SPMD_FUSE"
+# The fused instruction: a fresh result, or written into a dying operand of its shape (``donate``).
+FUSION = define("fusion", "program", fresh=True, in_place=True)
+
+
+@opdef.bind(FUSION)
+def _bind_fusion(interp, ins):
+    """One kernel for the whole chain (exec/fused.py); scratch buffers shared by the interpreter's fusions."""
+    from ..exec.fused import Scratch, bind_fusion  # exec imports partition: resolved at bind time, not import
+    scratch = interp.__dict__.setdefault("fusion_scratch", Scratch(interp.xp))
+    return bind_fusion(ins, interp.xp, [interp.program.instrs[a].dtype for a in ins.args], scratch)
+
+
+def fusible(op: str) -> bool:
+    """Computed pointwise, same shape in and out: the ufunc ops, select and convert."""
+    return lookup(op).ufunc is not None or op in ("select", "convert")
+
+
+def fusion_enabled(fuse: bool | None) -> bool:
+    """``fuse`` itself, or for None whether ``$SPMD_FUSE`` allows fusion (anything but 0; default on)."""
+    return os.environ.get(FUSE_ENV, "1") != "0" if fuse is None else bool(fuse)
+STEP = re.compile(r"t(\d+)=(\w+)\(([^)]*)\)")
+
+
+def fuse_elementwise(program: SPMDProgram) -> SPMDProgram:
+    """``program`` with elementwise chains fused; numerics unchanged (same ops, same order, same dtypes)."""
+    instrs, outputs = program.instrs, {o.slot for o in program.outputs}
+    users: dict[int, list[int]] = {}
+    for ins in instrs:
+        for a in ins.args:
+            users.setdefault(a, []).append(ins.out)
+    taken: set[int] = set()
+    fused: dict[int, Instr] = {}
+    for ins in reversed(instrs):
+        if fusible(ins.op) and ins.out not in taken:
+            members = _group(ins, instrs, users, outputs, taken)
+            fusion = _fusion(ins, members, instrs)
+            if fusion is not None:
+                taken |= members
+                fused[ins.out] = fusion
+    if not fused:
+        return program
+    return _rebuild(program, [fused.get(i.out, i) for i in instrs if i.out not in taken or i.out in fused])
+
+
+def parse_code(code: str) -> list[tuple[str, list[str]]]:
+    """``[(op, [operand refs])]`` of a fusion's ``code``, in order."""
+    steps = []
+    for k, text in enumerate(code.split("; ")):
+        m = STEP.fullmatch(text)
+        if m is None or int(m.group(1)) != k:
+            raise ValueError(f"a fusion step reads 't{k}=op(refs)'; got {text!r} in {code!r}")
+        steps.append((m.group(2), m.group(3).split(",")))
+    return steps
+
+
+def _group(root: Instr, instrs, users, outputs, taken) -> set[int]:
+    members, grown = {root.out}, True
+    while grown:
+        grown = False
+        for m in sorted(members):
+            for a in instrs[m].args:
+                p = instrs[a]
+                if (a not in members and a not in taken and a not in outputs and fusible(p.op)
+                        and p.shape == root.shape and all(u in members for u in users[a])):
+                    members.add(a)
+                    grown = True
+    return members
+
+
+def _fusion(root: Instr, members: set[int], instrs) -> Instr | None:
+    """The fused instruction for ``members`` (rooted at ``root``), or None when fusing would save nothing."""
+    params: list[int] = []
+    shapes: list[tuple] = []
+    consts: list = []
+    refs: dict[int, str] = {}
+    steps: list[str] = []
+    dtypes: list[str] = []
+    leaves = 0
+
+    def ref(slot: int) -> str:
+        nonlocal leaves
+        if slot in refs:
+            return refs[slot]
+        src = instrs[slot]
+        value = _scalar_constant(src, instrs)
+        if value is not None:
+            consts.append((value, src.dtype))
+            leaves += 1
+            return f"c{len(consts) - 1}"
+        shape = src.shape
+        if src.op == "broadcast_in_dim" and list(src.attrs["dims"]) == sorted(src.attrs["dims"]):
+            slot, shape, leaves = src.args[0], _expanded(src, instrs), leaves + 1
+        key = (slot, shape)
+        if key not in params_index:
+            params.append(slot)
+            shapes.append(shape)
+            params_index[key] = f"p{len(params) - 1}"
+        return params_index[key]
+
+    params_index: dict = {}
+    for slot in sorted(members):
+        ins = instrs[slot]
+        operands = ",".join(ref(a) for a in ins.args)
+        refs[slot] = f"t{len(steps)}"
+        steps.append(f"{refs[slot]}={ins.op}({operands})")
+        dtypes.append(ins.dtype)
+    if len(steps) < 2 and not leaves:
+        return None
+    attrs = {"code": "; ".join(steps), "consts": tuple(consts), "dtypes": tuple(dtypes),
+             "shapes": tuple(tuple(s) for s in shapes)}
+    return replace(root, op="fusion", args=tuple(params), attrs=attrs, free=(), donate=-1)
+
+
+def _scalar_constant(src: Instr, instrs):
+    """A constant's value (or a broadcast one's) as a typed NumPy scalar, else None."""
+    if src.op == "broadcast_in_dim":
+        inner = instrs[src.args[0]]
+        return _scalar_constant(inner, instrs) if inner.dtype == src.dtype else None
+    if src.op == "constant" and np.ndim(src.attrs["value"]) == 0:
+        return np.dtype(src.dtype).type(np.asarray(src.attrs["value"]).item()).item()
+    return None
+
+
+def _expanded(bcast: Instr, instrs) -> tuple:
+    """The shape a broadcast operand is reshaped to so that array broadcasting gives ``bcast.shape``."""
+    shape = [1] * len(bcast.shape)
+    for i, d in enumerate(bcast.attrs["dims"]):
+        shape[d] = instrs[bcast.args[0]].shape[i]
+    return tuple(shape)
+
+
+def _rebuild(program: SPMDProgram, kept: list[Instr]) -> SPMDProgram:
+    """Drop instructions nothing uses any more, renumber slots densely, recompute frees and donations."""
+    from .partitioner import _assign_donations, _assign_frees  # the partitioner imports this module
+
+    by_slot = {i.out: i for i in kept}
+    live, stack = set(), [o.slot for o in program.outputs] + [i.out for i in kept if i.op == "parameter"]
+    while stack:
+        s = stack.pop()
+        if s not in live:
+            live.add(s)
+            stack += by_slot[s].args
+    order = [i for i in kept if i.out in live]
+    new = {i.out: k for k, i in enumerate(order)}
+    instrs = [replace(i, out=new[i.out], args=tuple(new[a] for a in i.args), free=(), donate=-1) for i in order]
+    inputs = [replace(i, slot=new[i.slot]) for i in program.inputs]
+    outputs: list[IOSpec] = [replace(o, slot=new[o.slot]) for o in program.outputs]
+    keep = {o.slot for o in outputs}
+    _assign_frees(instrs, keep)
+    _assign_donations(instrs, keep)
+    return SPMDProgram(program.mesh, instrs, inputs, outputs, list(program.notes), program.report)

@@ -1,0 +1,146 @@
+"""Loop fusion (partition/fusion.py, exec/fused.py): which chains fuse, and fused programs compute what
+unfused ones do (NumPy runs the same ufuncs in the same order) on simulated meshes."""
+import numpy as np
+import pytest
+
+import spmd_runtime as sr
+import spmd_runtime.nn as nn
+import spmd_runtime.numpy as snp
+from spmd_runtime.exec.fused import Fusion, cuda_source
+from spmd_runtime.partition.fusion import parse_code
+from simulated import run_everywhere
+
+F32 = "float32"
+
+
+def both(fn, specs, mesh, in_specs):
+    graph = sr.trace(fn, *specs)
+    return (sr.partition(graph, mesh, in_specs=in_specs, fuse=True),
+            sr.partition(graph, mesh, in_specs=in_specs, fuse=False))
+
+
+def fusions(program):
+    return [i for i in program.instrs if i.op == "fusion"]
+
+
+# ------------------------------------------------------------------------- what fuses (table)
+def test_a_chain_with_literals_becomes_one_fusion_and_its_constants_disappear():
+    fused, plain = both(lambda x: snp.tanh(x * 2.0 + 1.0), [sr.TensorSpec((8, 4), F32)], sr.Mesh((2,), ("x",)),
+                        [("x", None)])
+    (f,) = fusions(fused)
+    assert f.attrs["code"] == "t0=mul(p0,c0); t1=add(t0,c1); t2=tanh(t1)"
+    assert f.attrs["consts"] == ((2.0, F32), (1.0, F32)) and f.shape == (4, 4)
+    assert [i.op for i in fused.instrs] == ["parameter", "fusion"]
+    assert {"constant", "broadcast_in_dim", "mul", "add", "tanh"} <= {i.op for i in plain.instrs}
+    assert "fusion(%0, code=t0=mul(p0,c0); t1=add(t0,c1); t2=tanh(t1)" in str(fused)  # the fused listing
+
+
+def shared_exp(x):
+    e = snp.exp(x)
+    return e * 3.0, e + snp.tanh(e)
+
+
+def exp_is_output(x):
+    e = snp.exp(x)
+    return e, snp.tanh(e * 2.0)
+
+
+def ops_anywhere(program, op):
+    inside = sum(o == op for f in fusions(program) for o, _ in parse_code(f.attrs["code"]))
+    return inside + sum(i.op == op for i in program.instrs)
+
+
+@pytest.mark.parametrize("fn", [shared_exp, exp_is_output])
+def test_values_used_outside_one_chain_or_returned_stay_their_own_instruction(fn):
+    fused, _ = both(fn, [sr.TensorSpec((6,), F32)], sr.Mesh((1,), ("x",)), [(None,)])
+    assert ops_anywhere(fused, "exp") == 1  # computed once, never recomputed inside two fusions
+    assert any(i.op == "exp" for i in fused.instrs)
+
+
+def test_broadcast_operands_are_parameters_seen_through_a_reshape():
+    fused, _ = both(lambda x, b: snp.exp(x - b), [sr.TensorSpec((4, 6), F32), sr.TensorSpec((4, 1), F32)],
+                    sr.Mesh((1,), ("x",)), [(None, None), (None, None)])
+    (f,) = fusions(fused)
+    assert f.attrs["code"].endswith("exp(t0)") and len(f.args) == 2
+
+
+# ------------------------------------------------------------------------- numerics: fused == unfused
+def gelu_mlp(x, w):
+    return nn.gelu(x @ w) * 0.5
+
+
+def masked_softmax(x, m):
+    return nn.softmax(snp.where(m > 0.0, x, -1e9))
+
+
+def norm(x, g, b):
+    return nn.layer_norm(x, g, b)
+
+
+def adamw_like(p, g, m, v):
+    m2 = 0.9 * m + 0.1 * g
+    v2 = 0.999 * v + 0.001 * g * g
+    return p - 0.01 * (m2 / (snp.sqrt(v2) + 1e-8) + 0.1 * p), m2, v2
+
+
+def clamp_cast(x):
+    return snp.astype(snp.minimum(snp.maximum(x, -1.0), 1.0) * 100.0, "int32")
+
+
+CASES = [  # (fn, global shapes, in_specs, mesh)
+    (gelu_mlp, [(6, 8), (8, 10)], [("x", None), (None, "x")], sr.Mesh((2,), ("x",))),
+    (masked_softmax, [(5, 7), (5, 7)], [("x", None), ("x", None)], sr.Mesh((3,), ("x",))),
+    (norm, [(6, 9), (9,), (9,)], [("x", None), (None,), (None,)], sr.Mesh((4,), ("x",))),
+    (adamw_like, [(6, 5)] * 4, [("x", "y")] * 4, sr.Mesh((2, 2), ("x", "y"))),
+    (clamp_cast, [(7, 3)], [("x", None)], sr.Mesh((2,), ("x",))),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("fn, shapes, in_specs, mesh", CASES, ids=[c[0].__name__ for c in CASES])
+def test_fused_and_unfused_programs_agree(fn, shapes, in_specs, mesh, dtype):
+    fused, plain = both(fn, [sr.TensorSpec(s, dtype) for s in shapes], mesh, in_specs)
+    assert fusions(fused) and len(fused.instrs) < len(plain.instrs)
+    rng = np.random.default_rng(0)
+    args = [np.abs(rng.standard_normal(s) * 2).astype(dtype) for s in shapes]
+    args[0][0, 0] = np.nan if fn is clamp_cast else -args[0][0, 0]  # NaN through maximum/minimum, then cast
+    kept = [a.copy() for a in args]
+    got, want = run_everywhere(fused, *args), run_everywhere(plain, *args)
+    for rank_got, rank_want in zip(got, want):
+        for g, w in zip(rank_got, rank_want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(g, w)  # same ufuncs, same order: bit-identical
+    for a, k in zip(args, kept):
+        np.testing.assert_array_equal(a, k)  # no fusion wrote into a caller's array
+
+
+def test_training_step_fused_matches_unfused(monkeypatch):
+    cfg = sr.LMConfig(layers=1, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=4)
+    steps = {}
+    for fuse in ("1", "0"):  # build_train_step partitions with the default, which $SPMD_FUSE sets
+        monkeypatch.setenv("SPMD_FUSE", fuse)
+        steps[fuse] = sr.build_train_step(cfg, sr.train_mesh((2,), "megatron"), "megatron", sr.AdamW())
+    fused, plain = steps["1"].program, steps["0"].program
+    assert fusions(fused) and not fusions(plain)
+    state = steps["1"].init(0)
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, 24, (4, 8)), rng.integers(0, 24, (4, 8))
+    args = list(state.values()) + [x.astype(fused.inputs[-2].dtype), y.astype(fused.inputs[-1].dtype)]
+    # Not bit-identical: a fusion writes C-ordered results where an unfused ufunc kept a transposed operand's
+    # order, so a later reduction sums in another order. Float32 rounding apart, the same.
+    for g, w in zip(run_everywhere(fused, *args)[0], run_everywhere(plain, *args)[0]):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-8)
+
+
+# ------------------------------------------------------------------------- the CuPy kernel source
+def test_cuda_source_is_one_typed_statement_per_step():
+    fused, _ = both(lambda x, m: snp.where(m > 0.0, snp.maximum(x, 0.0), x * 0.5),
+                    [sr.TensorSpec((4,), F32), sr.TensorSpec((4,), F32)], sr.Mesh((1,), ("x",)), [(None,), (None,)])
+    (f,) = fusions(fused)
+    assert f.attrs["code"] == "t0=gt(p0,c0); t1=maximum(p1,c1); t2=mul(p1,c2); t3=select(t0,t1,t2)"
+    assert cuda_source(Fusion(f), [F32, F32]) == ("float32 p0, float32 p1", "float32 out", "\n".join([
+        "const bool t0 = (p0 > ((float)0.0));",
+        "const float t1 = ((p1 != p1 || p1 > ((float)0.0)) ? p1 : ((float)0.0));",  # NaN propagates as np.maximum
+        "const float t2 = (p1 * ((float)0.5));",
+        "const float t3 = (t0 ? t1 : t2);",
+        "out = t3;"]))
