@@ -17,6 +17,7 @@ class Mesh:
     axis_names: tuple[str, ...]
     devices: tuple[int, ...] | None = None
     _position: dict = field(init=False, repr=False, compare=False, hash=False)
+    _sizes: dict = field(init=False, repr=False, compare=False, hash=False)  # axes -> group size, memoised
 
     def __post_init__(self):
         shape = tuple(int(s) for s in (self.shape if isinstance(self.shape, Iterable) else (self.shape,)))
@@ -34,6 +35,7 @@ class Mesh:
             raise ValueError(f"Mesh devices must be a permutation of 0..{math.prod(shape) - 1}; got {devices}")
         object.__setattr__(self, "devices", devices)
         object.__setattr__(self, "_position", {d: i for i, d in enumerate(devices)})
+        object.__setattr__(self, "_sizes", {})
 
     def __str__(self):
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
@@ -45,9 +47,15 @@ class Mesh:
         return math.prod(self.shape)
 
     def axis_size(self, axes) -> int:
-        """Number of shards over one axis name or a tuple of names."""
-        names = (axes,) if isinstance(axes, str) else tuple(axes)
-        return math.prod(self.shape[self.axis_index(n)] for n in names)
+        """Number of shards over one axis name or a tuple of names (memoised: the partitioner asks often)."""
+        try:
+            return self._sizes[axes]
+        except (KeyError, TypeError):  # first time, or an unhashable spelling (a list)
+            names = (axes,) if isinstance(axes, str) else tuple(axes)
+            size = math.prod(self.shape[self.axis_index(n)] for n in names)
+        if isinstance(axes, (str, tuple)):
+            self._sizes[axes] = size
+        return size
 
     def axis_index(self, name: str) -> int:
         if name not in self.axis_names:

@@ -77,7 +77,8 @@ def test_failure_on_one_rank_mid_run_aborts_the_whole_job(tmp_path):
         import spmd_runtime as sr
         from spmd_runtime.opdef import OPS
         mesh = sr.Mesh((3,), ("x",))
-        program = sr.partition(sr.trace(lambda a: (a * 2.0).sum(), sr.TensorSpec((6,))), mesh, in_specs=[("x",)])
+        program = sr.partition(sr.trace(lambda a: (a * 2.0).sum(), sr.TensorSpec((6,))), mesh, in_specs=[("x",)],
+                               fuse=False)  # the mul stays its own kernel, broken below
         if MPI.COMM_WORLD.Get_rank() == 1:
             def broken(xp, *args):
                 raise FloatingPointError("kernel exploded on purpose")
