@@ -62,10 +62,12 @@ def test_output_that_views_a_buffer_blocks_writing_into_it_in_place():
 
 def test_dying_elementwise_buffer_is_reused_in_place():
     mesh = sr.Mesh((2,), ("x",))
-    program = sr.partition(sr.trace(lambda a: (sr.numpy.exp(a) + 1.0) * 2.0, sr.TensorSpec((8, 4))), mesh,
-                           in_specs=[("x", None)])
+    graph = sr.trace(lambda a: (sr.numpy.exp(a) + 1.0) * 2.0, sr.TensorSpec((8, 4)))
+    program = sr.partition(graph, mesh, in_specs=[("x", None)], fuse=False)  # one instruction per op
     ops = {i.op: i for i in program.instrs}
     assert ops["add"].donate == 0 and ops["mul"].donate == 0 and ops["exp"].donate == -1  # a is the caller's
+    (fusion,) = [i for i in sr.partition(graph, mesh, in_specs=[("x", None)]).instrs if i.op == "fusion"]
+    assert fusion.donate == -1  # fused, the chain still never writes into the caller's a
     x = np.linspace(-1, 1, 32).reshape(8, 4)
     for (out,) in run_everywhere(program, x):
         np.testing.assert_allclose(out, (np.exp(x) + 1) * 2, rtol=1e-15)
