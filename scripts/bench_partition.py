@@ -18,7 +18,7 @@ import time
 
 import spmd_runtime as sr
 from spmd_runtime.partition import partition
-from spmd_runtime.partition.fusion import fuse_elementwise
+from spmd_runtime.partition.partitioner import fused_program
 from spmd_runtime.train import input_specs, make_layout, train_step_fn, _preset
 
 
@@ -33,7 +33,7 @@ def build(layers: int, preset_name: str, mesh):
     specs = list(layout.specs.values())
     plain = partition(graph, mesh, in_specs=specs, out_specs=specs[:-2] + [()], fuse=False)
     t2 = time.perf_counter()
-    fused = fuse_elementwise(plain)
+    fused = fused_program(plain)
     t3 = time.perf_counter()
     return len(graph.nodes), len(plain.instrs), len(fused.instrs), t1 - t0, t2 - t1, t3 - t2
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import opdef
 from ..opdef import lookup
-from ..partition.fusion import parse_code
+from ..partition.fusion import FUSION, parse_code
 
 _C_TYPES = {"float16": "float16", "float32": "float", "float64": "double", "bool": "bool", "int8": "signed char",
             "int16": "short", "int32": "int", "int64": "long long", "uint8": "unsigned char",
@@ -54,6 +55,13 @@ class Fusion:
 
     def param_dtypes(self, operand_dtypes):
         return [str(np.dtype(d)) for d in operand_dtypes]
+
+
+@opdef.bind(FUSION)
+def _bind_fusion(interp, ins):
+    """The fusion record's binder: one kernel for the chain, scratch shared by the interpreter's fusions."""
+    scratch = interp.__dict__.setdefault("fusion_scratch", Scratch(interp.xp))
+    return bind_fusion(ins, interp.xp, [interp.program.instrs[a].dtype for a in ins.args], scratch)
 
 
 def bind_fusion(ins, xp, operand_dtypes, scratch: Scratch):

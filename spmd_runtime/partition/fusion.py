@@ -7,8 +7,8 @@ output: the producer's buffer then never exists. Scalar constants and
 ``broadcast_in_dim`` operands (dims in order) are inlined as the leaves they
 are: a constant becomes a typed literal, a broadcast operand a parameter seen
 through a reshape that NumPy/numexpr/CUDA broadcasting expands. Instructions
-left without users by that are dropped, slots renumbered, and frees and in-place
-donations recomputed.
+left without users by that are dropped and slots renumbered; the partitioner then
+recomputes frees and in-place donations (``partitioner.fused_program``).
 
 A fusion's ``code`` is straight-line SSA over parameters ``p<i>`` (the
 instruction's operands, in order), literals ``c<i>`` (``consts``: (value, dtype) pairs) and earlier
@@ -23,21 +23,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import opdef
 from ..opdef import define, lookup
 from ..program import IOSpec, Instr, SPMDProgram
 
 FUSE_ENV = "SPMD_FUSE"
-# The fused instruction: a fresh result, or written into a dying operand of its shape (``donate``).
+# The fused instruction: a fresh result, or written into a dying operand of its shape (``donate``). Its binder
+# (one kernel for the chain) is attached in exec/fused.py.
 FUSION = define("fusion", "program", fresh=True, in_place=True)
-
-
-@opdef.bind(FUSION)
-def _bind_fusion(interp, ins):
-    """One kernel for the whole chain (exec/fused.py); scratch buffers shared by the interpreter's fusions."""
-    from ..exec.fused import Scratch, bind_fusion  # exec imports partition: resolved at bind time, not import
-    scratch = interp.__dict__.setdefault("fusion_scratch", Scratch(interp.xp))
-    return bind_fusion(ins, interp.xp, [interp.program.instrs[a].dtype for a in ins.args], scratch)
 
 
 def fusible(op: str) -> bool:
@@ -51,8 +43,9 @@ def fusion_enabled(fuse: bool | None) -> bool:
 STEP = re.compile(r"t(\d+)=(\w+)\(([^)]*)\)")
 
 
-def fuse_elementwise(program: SPMDProgram) -> SPMDProgram:
-    """``program`` with elementwise chains fused; numerics unchanged (same ops, same order, same dtypes)."""
+def fuse_elementwise(program: SPMDProgram):
+    """``(instrs, inputs, outputs)`` of ``program`` with elementwise chains fused, slots renumbered; frees and
+    donations left for the partitioner to recompute. None when nothing fuses."""
     instrs, outputs = program.instrs, {o.slot for o in program.outputs}
     users: dict[int, list[int]] = {}
     for ins in instrs:
@@ -68,7 +61,7 @@ def fuse_elementwise(program: SPMDProgram) -> SPMDProgram:
                 taken |= members
                 fused[ins.out] = fusion
     if not fused:
-        return program
+        return None
     return _rebuild(program, [fused.get(i.out, i) for i in instrs if i.out not in taken or i.out in fused])
 
 
@@ -159,10 +152,8 @@ def _expanded(bcast: Instr, instrs) -> tuple:
     return tuple(shape)
 
 
-def _rebuild(program: SPMDProgram, kept: list[Instr]) -> SPMDProgram:
-    """Drop instructions nothing uses any more, renumber slots densely, recompute frees and donations."""
-    from .partitioner import _assign_donations, _assign_frees  # the partitioner imports this module
-
+def _rebuild(program: SPMDProgram, kept: list[Instr]):
+    """Drop instructions nothing uses any more and renumber slots densely."""
     by_slot = {i.out: i for i in kept}
     live, stack = set(), [o.slot for o in program.outputs] + [i.out for i in kept if i.op == "parameter"]
     while stack:
@@ -175,7 +166,4 @@ def _rebuild(program: SPMDProgram, kept: list[Instr]) -> SPMDProgram:
     instrs = [replace(i, out=new[i.out], args=tuple(new[a] for a in i.args), free=(), donate=-1) for i in order]
     inputs = [replace(i, slot=new[i.slot]) for i in program.inputs]
     outputs: list[IOSpec] = [replace(o, slot=new[o.slot]) for o in program.outputs]
-    keep = {o.slot for o in outputs}
-    _assign_frees(instrs, keep)
-    _assign_donations(instrs, keep)
-    return SPMDProgram(program.mesh, instrs, inputs, outputs, list(program.notes), program.report)
+    return instrs, inputs, outputs

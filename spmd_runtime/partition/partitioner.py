@@ -130,7 +130,19 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     ctx.node = None
     outputs = [ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
     program = _finish(ctx, graph, prop, outputs)
-    return fuse_elementwise(program) if fusion_enabled(fuse) else program
+    return fused_program(program) if fusion_enabled(fuse) else program
+
+
+def fused_program(program: SPMDProgram) -> SPMDProgram:
+    """``program`` with its elementwise chains fused (partition/fusion.py), frees and donations redone."""
+    fused = fuse_elementwise(program)
+    if fused is None:
+        return program
+    instrs, inputs, outputs = fused
+    keep = {o.slot for o in outputs}
+    _assign_frees(instrs, keep)
+    _assign_donations(instrs, keep)
+    return SPMDProgram(program.mesh, instrs, inputs, outputs, list(program.notes), program.report)
 
 
 def _partition_node(ctx: PartitionContext, node: Node) -> LocalValue:
