@@ -31,7 +31,9 @@ DTYPE_KINDS = "biufc"  # bool, ints, floats, complex: never object, string or vo
 # ops the interpreter binds itself (exec/interpreter.py): attribute names
 INTERPRETER_OPS = {"parameter": {"index"}, "shard_slice": {"dim", "axes"}, "shard_index": {"axes"},
                    "mask_padding": {"dim", "axes", "size", "fill"},
-                   "all_to_allv": {"src_dims", "dst_dims", "partial_axes", "axes", "wire_bytes"}}
+                   "all_to_allv": {"src_dims", "dst_dims", "partial_axes", "axes", "wire_bytes"},
+                   "fusion": {"code", "consts", "dtypes", "shapes"}}
+FUSION_STEP = re.compile(r"^t(\d+)=(\w+)\(((?:[pct]\d+)(?:,[pct]\d+)*)\)$")  # partition/fusion.py's code
 
 
 class ProgramError(ValueError):
@@ -147,6 +149,20 @@ def _check_value(name: str, value, program) -> None:
             if not hasattr(body, "instrs") or body.mesh != program.mesh:
                 raise ProgramError(f"{what} must be a program on {program.mesh}; got {type(body).__name__}")
             check_program(body)
+    elif name == "code":
+        _fusion_code(value, what)
+    elif name == "consts":
+        if not isinstance(value, tuple) or not all(isinstance(c, tuple) and len(c) == 2 for c in value):
+            raise ProgramError(f"{what} must be (number, dtype) pairs; got {value!r}")
+        for number, dt in value:
+            if not isinstance(number, (bool, int, float)):
+                raise ProgramError(f"{what} values must be numbers; got {number!r}")
+            _dtype(dt, what)
+    elif name == "dtypes":
+        if not isinstance(value, tuple):
+            raise ProgramError(f"{what} must be a tuple of dtypes; got {value!r}")
+        for dt in value:
+            _dtype(dt, what)
     elif name == "pairs":
         if not isinstance(value, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in value):
             raise ProgramError(f"{what} must be (source, dest) rank pairs; got {value!r}")
@@ -154,6 +170,19 @@ def _check_value(name: str, value, program) -> None:
             _ints(p, what, low=0, high=program.mesh.size)
     else:
         _plain(value, what, program.mesh.axis_names)
+
+
+def _fusion_code(value, what: str) -> None:
+    """A fusion's steps: 't<k>=op(refs)', k counting from 0, ops from the pointwise allow-list, temps defined."""
+    if not isinstance(value, str):
+        raise ProgramError(f"{what} must be fusion steps 't0=op(p0,c0); ...'; got {value!r}")
+    for k, text in enumerate(value.split("; ")):
+        m = FUSION_STEP.match(text)
+        op = m and m.group(2)
+        pointwise = bool(m) and op in opdef.OPS and (opdef.OPS[op].ufunc is not None or op in ("select", "convert"))
+        if not pointwise or int(m.group(1)) != k or any(r[0] == "t" and int(r[1:]) >= k for r in m.group(3).split(",")):
+            raise ProgramError(f"{what} steps must read 't<k>=op(refs)' with a pointwise op and earlier temps; got "
+                               f"{text!r}")
 
 
 def _plain(value, what: str, axis_names) -> None:
