@@ -206,7 +206,7 @@ def _cli_setup(kind: str, where: str) -> list:
     import spmd_runtime.numpy as snp
     graph = sr.trace(lambda a: (snp.exp(a) * 2.0).sum(), sr.TensorSpec((8,)))
     good = os.path.join(where, "p.json")
-    sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x",)]).save(good)
+    sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x",)], fuse=False).save(good)  # %5 = reduce
     np.savez(os.path.join(where, "in.npz"), a=np.arange(8.0))
     bad = os.path.join(where, "bad.json")
     doc = json.load(open(good))
