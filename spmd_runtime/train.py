@@ -200,7 +200,18 @@ def moe_activation_spec(preset: Preset, role: str, ndim: int) -> tuple:
     return (preset.experts or None, rest, None, hidden)
 
 
+def check_experts(cfg: LMConfig, mesh: Mesh, preset: Preset) -> None:
+    """Experts split over mesh axes need at least one expert per shard: fewer would leave empty expert
+    shards and make the partitioner gather expert weights."""
+    if cfg.moe_every and preset.experts and cfg.experts < mesh.axis_size(preset.experts):
+        n = mesh.axis_size(preset.experts)
+        raise ValueError(f"preset {preset.name!r} splits the experts over mesh axes {preset.experts} of size {n}, "
+                         f"which needs experts >= {n}; got experts={cfg.experts} (use more experts or a mesh "
+                         f"with a smaller {'x'.join(preset.experts)} axis)")
+
+
 def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
+    check_experts(cfg, mesh, preset)
     shapes = param_shapes(cfg)
     use = OrderedDict((n, param_spec(n, s, preset)) for n, s in shapes.items())
     update = {n: update_spec(s, use[n], preset.update, mesh, first_dim=int(is_stacked(n)))  # never the scanned dim
@@ -307,6 +318,7 @@ def build_train_step_on_root(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: 
     """Collective: rank 0 traces and partitions, every rank receives the same TrainStep (each rank would
     otherwise repeat the same deterministic work, N times over on shared cores)."""
     comm = comm if comm is not None else _world()
+    check_experts(cfg, mesh, _preset(preset).on(mesh))  # on every rank, before rank 0 goes off alone
     step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer, microbatches))
     return comm.bcast(step, root=0)
 

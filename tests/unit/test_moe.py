@@ -17,7 +17,7 @@ from simulated import assert_all_ranks
 from spmd_runtime.comm import run_simulated
 from spmd_runtime.models.lm import LMConfig, param_shapes
 from spmd_runtime.models.moe import MoEConfig, moe_ffn, top2_gating
-from spmd_runtime.train import build_train_step, train_mesh
+from spmd_runtime.train import build_train_step, build_train_step_on_root, train_mesh
 
 
 # ---------------------------------------------------------------- gating vs NumPy from the formulas
@@ -252,6 +252,17 @@ def test_moe_blocks_every_other_layer():
     shapes = param_shapes(cfg)
     assert [i for i in range(4) if f"l{i}_wg" in shapes] == [1, 3]
     assert shapes["l1_we1"] == (2, 8, 8) and "l0_w1" in shapes and "l1_w1" not in shapes
+
+
+def test_fewer_experts_than_expert_shards_raise_on_every_rank():
+    cfg = LMConfig(layers=2, d=8, heads=2, ffn=8, vocab=8, seq=4, batch=4, moe_every=2, experts=2)
+
+    def body(comm):
+        with pytest.raises(ValueError, match=r"over mesh axes \('data',\) of size 4, which needs experts >= 4; "
+                                             r"got experts=2"):
+            build_train_step_on_root(cfg, train_mesh((4,), "moe"), "moe", sr.AdamW(), comm)
+        return True
+    assert run_simulated(4, body) == [True] * 4
 
 
 @pytest.mark.parametrize("kwargs,match", [
