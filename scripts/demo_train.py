@@ -7,7 +7,8 @@ weights all-gathered. Every rank iterates the step on its own shards. At the end
 the loss curve against a 1-process run of the SAME traced step (the unpartitioned graph,
 ``sr.evaluate``), prints the collectives per step, saves a sharded checkpoint, reloads it
 onto a different mesh and sharding and checks it holds the same state and continues the
-same curve, and samples some text.
+same curve, and samples some text. It also profiles a few steps (OUT/profile, one Chrome
+trace per rank) and draws OUT/loss_curve.png and OUT/step_breakdown.png (with matplotlib).
 
 With ``--experts E`` every ``--moe-every``-th block is a GShard mixture of experts (top-2 gating with
 capacity ``--capacity-factor``); use ``--preset moe`` or ``moe_megatron``. The progress line then also shows
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import sys
 import time
 
@@ -33,6 +35,7 @@ from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import spmd_runtime as sr  # noqa: E402
+from spmd_runtime import plots  # noqa: E402
 from spmd_runtime.data import ALPHABET, batches, corpus, decode, encode, grammar_text  # noqa: E402
 from spmd_runtime.models.lm import LMConfig, lm_logits  # noqa: E402
 from spmd_runtime.optim import AdamW  # noqa: E402
@@ -84,6 +87,7 @@ def main():
     local = ts.shard_state(ts.init(seed=0), rank)
     local, losses, seconds = train(ts, local, feed[:args.steps], comm, args.log_every)
     ok = comm.bcast(report(ts, args, losses, seconds, feed, comm), root=0)
+    pictures(ts, local, losses, feed, args, comm)
     ok &= checkpoint_and_reload(ts, local, feed[args.steps], args, comm)
     params = ts.gather(local, comm)
     run_on_root(comm, lambda: sample(ts, params))
@@ -135,6 +139,30 @@ def report(ts, args, losses, seconds, feed, comm) -> bool:
           f"{kib(mem['opt_state'])} (of {kib(mem['opt_state_global'])}), peak live buffers {kib(mem['peak'])} "
           f"(activations/temporaries {kib(mem['activations'])})")
     return diff <= bound
+
+
+def pictures(ts, local, losses, feed, args, comm, profiled_steps=5):
+    """Profile a few more steps (one Chrome trace per rank in OUT/profile), then rank 0 draws
+    OUT/loss_curve.png and OUT/step_breakdown.png (skipped with a message without matplotlib)."""
+    profile_dir = os.path.join(args.out, "profile")
+    if comm.Get_rank() == 0:
+        shutil.rmtree(profile_dir, ignore_errors=True)
+    comm.Barrier()
+    with sr.profile.profiling(profile_dir, "train step"):
+        for x, y in feed[:profiled_steps]:
+            local, _ = ts.step(local, x, y, comm=comm)
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        print(f"\nprofile of {profiled_steps} steps: {profile_dir} (open rank*.trace.json in Perfetto; summary: "
+              f"python -m spmd_runtime profile {profile_dir})")
+        print(sr.profile.summarize(profile_dir, top=6))
+        for png in (plots.loss_curve_png(os.path.join(args.out, "loss_curve.png"), losses,
+                                         title=f"{args.preset} on {ts.mesh}"),
+                    plots.step_breakdown_png(os.path.join(args.out, "step_breakdown.png"),
+                                             sr.profile.step_breakdown(profile_dir),
+                                             title=f"one training step, {args.preset} on {ts.mesh}")):
+            if png is not None:
+                print(f"wrote {png}")
 
 
 def reference_curve(ts, feed) -> list[float]:

@@ -5,8 +5,9 @@ it into ONE SPMD program, and ``run`` that program on every MPI rank.
 """
 from . import dtypes  # noqa: F401  (registers "bfloat16" with NumPy when ml_dtypes is installed)
 from .graph import Graph, TensorSpec
-from .mesh import Mesh
-from .sharding import Sharding, parse_spec
+from .mesh import Mesh, get_mesh, set_mesh
+from .sharding import UNCONSTRAINED, P, Sharding, parse_spec
+from . import pytree
 from .trace import Tensor, mesh_split, trace
 from . import ops  # every op's record; binds the Tensor operators
 from . import numpy
@@ -20,6 +21,10 @@ from .pipeline import pipeline
 from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .models.lm import LMConfig
 from .optim import SGD, AdamW, DynamicLossScale
+from .darray import DArray, device_put, from_local, scatter_from_root
+from .jit import jit
+from .visualize import visualize_sharding
+from . import profile
 from .train import PRESETS, Preset, TrainStep, build_train_step, build_train_step_on_root, train_mesh
 
 from .exec import Runtime
@@ -32,7 +37,8 @@ __version__ = "0.1.0"
 # collective nobody joins (SPMD_TIMEOUT) ends the whole job with the rank named (comm/jobguard.py).
 _jobguard.install()
 
-__all__ = ["Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
+__all__ = ["jit", "DArray", "device_put", "from_local", "scatter_from_root", "visualize_sharding", "profile",
+           "pytree", "P", "UNCONSTRAINED", "get_mesh", "set_mesh", "Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad",
            "scan", "fori_loop", "while_loop", "cond", "remat", "pipeline", "save_checkpoint", "load_checkpoint",
            "checkpoint_info", "LMConfig", "SGD", "AdamW", "DynamicLossScale", "PRESETS", "Preset", "TrainStep",

@@ -1,7 +1,8 @@
-"""Command line: ``python -m spmd_runtime {run,show} PROGRAM ...`` (run under mpiexec)."""
+"""Command line: ``python -m spmd_runtime {run,show} PROGRAM ...`` (run under mpiexec), ``profile DIR``."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -17,12 +18,22 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run a saved program on every rank (under mpiexec)")
     run.add_argument("program")
-    run.add_argument("--inputs", required=True, help=".npz with one array per parameter name")
-    run.add_argument("--out", required=True, help=".npz written by rank 0 with out0, out1, ...")
+    run.add_argument("--inputs", required=True, help=".npz with one array per parameter name, or a sharded "
+                     "directory (sr.save_checkpoint) from which each rank reads only its own blocks")
+    run.add_argument("--out", required=True, help=".npz written by rank 0 with out0, out1, ..., or a directory: "
+                     "each rank writes its own output blocks (sr.save_checkpoint layout)")
     run.add_argument("--backend", default=None, help="numpy | cupy (default: SPMD_BACKEND or auto)")
+    run.add_argument("--profile", default=None, help="directory for one Chrome trace per rank")
     show = sub.add_parser("show", help="print a saved program and its comm summary")
     show.add_argument("program")
+    prof = sub.add_parser("profile", help="merge the per-rank traces of DIR; print top ops and MPI time per rank")
+    prof.add_argument("directory")
+    prof.add_argument("--top", type=int, default=10)
     args = parser.parse_args(argv)
+    if args.cmd == "profile":
+        from .profile import summarize
+        print(summarize(args.directory, args.top))
+        return 0
     return _run(args) if args.cmd == "run" else _show(args)
 
 
@@ -37,6 +48,8 @@ def _run(args) -> int:
     from mpi4py import MPI  # here, not at the top: importing it initialises MPI, which `show` does not need
 
     comm = MPI.COMM_WORLD
+    if os.path.isdir(args.inputs):
+        return _run_sharded(args, comm)
     try:
         loaded, error = _load(args), None
     except Exception as e:  # noqa: BLE001 - agreed on below, so every rank reports it
@@ -45,10 +58,14 @@ def _run(args) -> int:
     try:
         agree(comm, error, "python -m spmd_runtime run")
         program, inputs = loaded
-        outs = run_program(program, *inputs, comm=comm, backend=args.backend)
+        outs = run_program(program, *inputs, comm=comm, backend=args.backend, profile=args.profile)
     except AgreedError as e:  # raised alike on every rank: each prints the same line, the job exits 1
         print(f"spmd_runtime: rank {comm.Get_rank()}: {e}", file=sys.stderr, flush=True)
         return 1
+    if not args.out.endswith(".npz"):
+        from .exec.runner import shard
+        return _save_blocks(program, [shard(o, s.sharding, program.mesh, comm.Get_rank())
+                                      for o, s in zip(outs, program.outputs)], args.out, comm)
     if comm.Get_rank() == 0:
         np.savez(args.out, **{f"out{i}": to_host(o) for i, o in enumerate(outs)})
         print(f"wrote {len(outs)} outputs to {args.out}")
@@ -64,6 +81,44 @@ def _load(args):
             raise KeyError(f"--inputs needs one array per program input {[i.name for i in program.inputs]}; "
                            f"got keys {sorted(data.keys())}, missing {missing}")
         return program, [data[i.name] for i in program.inputs]
+
+
+def _run_sharded(args, comm) -> int:
+    """Inputs from a sharded directory: each rank memory-maps only its own blocks; nothing global is built
+    unless --out is an .npz (every rank then gathers the outputs and rank 0 writes them)."""
+    from .checkpoint import load_checkpoint
+    from .darray import DArray
+    from .exec import run_local
+    try:
+        program, error = load_program(args.program), None
+    except Exception as e:  # noqa: BLE001 - agreed on below, so every rank reports it
+        program, error = None, f"could not load the program: {type(e).__name__}: {e}"
+    try:
+        agree(comm, error, "python -m spmd_runtime run")
+        blocks = load_checkpoint(args.inputs, program.mesh, {i.name: i.sharding for i in program.inputs}, comm=comm)
+        missing = [i.name for i in program.inputs if i.name not in blocks]
+        agree(comm, f"--inputs needs one tensor per program input {[i.name for i in program.inputs]}; got "
+                    f"{sorted(blocks)}, missing {missing}" if missing else None, "python -m spmd_runtime run")
+        outs = run_local(program, *[blocks[i.name] for i in program.inputs], comm=comm, backend=args.backend,
+                         profile=args.profile)
+    except AgreedError as e:
+        print(f"spmd_runtime: rank {comm.Get_rank()}: {e}", file=sys.stderr, flush=True)
+        return 1
+    if not args.out.endswith(".npz"):
+        return _save_blocks(program, outs, args.out, comm)
+    full = [DArray(o, s.shape, s.dtype, program.mesh, s.sharding, comm).gather() for o, s in zip(outs, program.outputs)]
+    if comm.Get_rank() == 0:
+        np.savez(args.out, **{f"out{i}": to_host(o) for i, o in enumerate(full)})
+        print(f"wrote {len(full)} outputs to {args.out}")
+    return 0
+
+
+def _save_blocks(program, blocks, directory, comm) -> int:
+    from .checkpoint import save_checkpoint
+    save_checkpoint(directory, {f"out{i}": to_host(b) for i, b in enumerate(blocks)}, program, comm=comm)
+    if comm.Get_rank() == 0:
+        print(f"wrote {len(blocks)} sharded outputs to {directory}")
+    return 0
 
 
 def format_comm_summary(program) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 
+from . import pytree
 from .dtypes import is_floating
 from .graph import Node
 from .opdef import OPS
@@ -45,11 +46,14 @@ def value_and_grad(fn, argnums=0, has_aux=False):
     nums = _argnums(argnums)
 
     def value_and_grad_fn(*args):
-        args = _prepare_args(args, nums)
+        args, wrt, trees = _prepare_tree_args(args, nums)
         start = len(current_graph().nodes)
         out, aux = _split_aux(fn(*args), has_aux)
         _check_output(out)
-        grads = backward(out, [args[i] for i in nums], start)
+        flat, grads = backward(out, wrt, start), []
+        for tree in trees:  # each differentiated argument's gradient has its pytree structure
+            grads.append(tree.unflatten(flat[:tree.num_leaves]))
+            flat = flat[tree.num_leaves:]
         grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         return ((out, aux) if has_aux else out), grads
     value_and_grad_fn.__name__ = f"value_and_grad_{getattr(fn, '__name__', 'fn')}"
@@ -103,6 +107,23 @@ def _argnums(argnums) -> tuple[int, ...]:
         raise ValueError(f"argnums must be a non-negative int or a non-empty tuple of distinct ones; "
                          f"got {argnums!r}")
     return nums
+
+
+def _prepare_tree_args(args, nums):
+    """(args with the differentiated pytrees' leaves prepared, those leaves in order, their structures)."""
+    if max(nums) >= len(args):
+        raise ValueError(f"argnums {nums} refers past the {len(args)} positional arguments")
+    args, trees, leaves = list(args), [], []
+    for i in nums:
+        flat, tree = pytree.flatten(args[i])
+        trees.append(tree)
+        leaves += flat
+    leaves = _prepare_args(leaves, range(len(leaves))) if leaves else leaves
+    at = 0
+    for i, tree in zip(nums, trees):
+        args[i] = tree.unflatten(leaves[at:at + tree.num_leaves])
+        at += tree.num_leaves
+    return args, leaves, trees
 
 
 def _prepare_args(args, nums) -> list:

@@ -42,6 +42,7 @@ import numpy as np
 from .comm.communicator import AgreedError, agree
 from .exec.backend import to_host
 from .mesh import Mesh
+from . import pytree
 from .program import SPMDProgram
 from .sharding import Sharding, parse_spec
 
@@ -162,13 +163,16 @@ def save_checkpoint(directory, tensors: dict, shardings, mesh: Mesh | None = Non
     """Collectively save this rank's shards of ``tensors`` into ``directory`` (atomically replaced).
 
     ``tensors``: name -> this rank's local block (its TRUE shape, or the padded
-    ceil-size block, which is cut). ``shardings``: name -> (global shape,
+    ceil-size block, which is cut), or any pytree of blocks: leaves are named by
+    their dotted paths (``{"params": {"w1": b}}`` saves ``params.w1``, the name
+    ``sr.trace`` gives that leaf). ``shardings``: name -> (global shape,
     Sharding or mesh_split spec), or an SPMDProgram whose inputs/outputs give
     them by name (``mesh`` then defaults to the program's). Every rank must
     pass the same names, global shapes, dtypes, shardings and ``step``.
     Raises CheckpointError on every rank if any rank fails; the previous
     checkpoint then stays in place.
     """
+    tensors = named_leaves(tensors)
     if mesh is None and isinstance(shardings, SPMDProgram):
         mesh = shardings.mesh
     if not isinstance(mesh, Mesh):
@@ -333,7 +337,7 @@ def _siblings(final: Path, tag: str) -> list[Path]:
 # ------------------------------------------------------------------ load
 
 def load_checkpoint(directory, mesh: Mesh, shardings=None, comm=None, expect=None, strict: bool = True,
-                    verify: bool | None = None) -> dict:
+                    verify: bool | None = None, like=None):
     """Collectively load every tensor of a checkpoint: name -> this rank's TRUE local block.
 
     ``shardings``: name -> Sharding or mesh_split spec on ``mesh`` (any mesh
@@ -352,8 +356,24 @@ def load_checkpoint(directory, mesh: Mesh, shardings=None, comm=None, expect=Non
     if verify is None:
         verify = os.environ.get("SPMD_CHECKPOINT_VERIFY", "1").strip().lower() not in ("0", "off", "no", "false")
     out, error = _capture(_load_local, directory, mesh, shardings, comm.Get_rank(), expect, strict, verify)
+    if error is None and like is not None:  # ``like``: a pytree whose dotted leaf paths name the tensors
+        out, error = _capture(_like, out, like)
     _agree(comm, error, "load_checkpoint")
     return out
+
+
+def named_leaves(tree) -> dict:
+    """name -> leaf for a pytree of arrays (a flat dict of arrays stays as it is)."""
+    return {pytree.keystr(path): leaf for path, leaf in pytree.flatten_with_path(tree)[0]}
+
+
+def _like(loaded: dict, like):
+    paths, tree = pytree.flatten_with_path(like)
+    names = [pytree.keystr(p) for p, _ in paths]
+    missing = [n for n in names if n not in loaded]
+    if missing:
+        raise KeyError(f"like= names tensors the checkpoint holds; got {missing} not among {sorted(loaded)}")
+    return tree.unflatten(loaded[n] for n in names)
 
 
 def checkpoint_info(directory) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 class TensorSpec:
     """Shape and dtype of a traced function's argument."""
     shape: tuple[int, ...]
-    dtype: str = "float64"
+    dtype: str = "float32"  # JAX's and torch's default
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -56,6 +56,8 @@ class Graph:
     params: list[int] = field(default_factory=list)
     param_names: list[str] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
+    in_tree: object = None  # pytree structure of the traced function's arguments (a tuple of them)
+    out_tree: object = None  # ... and of its result; leaves are params / outputs in order
 
     def add(self, op: str, inputs, attrs, shape, dtype) -> Node:
         node = Node(len(self.nodes), op, tuple(inputs), dict(attrs), tuple(int(s) for s in shape),
@@ -87,6 +89,11 @@ class Graph:
     @property
     def output_specs(self) -> list[TensorSpec]:
         return [self.nodes[o].spec for o in self.outputs]
+
+    def name_of(self, node_id: int) -> str | None:
+        """The user's name for a value: a parameter's name or ``mesh_split(..., name=...)``."""
+        node = self.nodes[node_id]
+        return node.attrs.get("name") if node.op in ("parameter", "mesh_split") else None
 
     def __str__(self):
         lines = [f"graph({', '.join(f'{n}: {self.nodes[p].spec}' for n, p in zip(self.param_names, self.params))})"]

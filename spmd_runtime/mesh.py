@@ -7,6 +7,7 @@ without changing any sharding.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -93,9 +94,53 @@ class Mesh:
             out.setdefault(self.group_color(r, axes), []).append(r)
         return [tuple(out[c]) for c in sorted(out)]
 
+    # -- context mesh: ``with mesh:`` makes it the default of mesh_split, jit, device_put ... on this thread
+    def __enter__(self) -> "Mesh":
+        _context.__dict__.setdefault("stack", []).append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _context.stack.pop()
+
     def to_json(self) -> dict:
         return {"shape": list(self.shape), "axis_names": list(self.axis_names), "devices": list(self.devices)}
 
     @classmethod
     def from_json(cls, d: dict) -> "Mesh":
         return cls(tuple(d["shape"]), tuple(d["axis_names"]), tuple(d["devices"]))
+
+
+_context = threading.local()  # per thread: the simulated world runs one rank per thread
+_default_mesh: list = [None]
+
+
+class _MeshSetting:
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __enter__(self):
+        return _default_mesh[0]
+
+    def __exit__(self, *exc):
+        _default_mesh[0] = self.previous
+
+
+def set_mesh(mesh: Mesh | None) -> _MeshSetting:
+    """Make ``mesh`` the process-wide default mesh (``with mesh:`` overrides it on one thread).
+
+    Returns a context manager that restores the previous default: ``with sr.set_mesh(mesh): ...``."""
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"set_mesh takes a Mesh or None; got {type(mesh).__name__}")
+    previous, _default_mesh[0] = _default_mesh[0], mesh
+    return _MeshSetting(previous)
+
+
+def get_mesh(required_by: str | None = None) -> Mesh | None:
+    """The innermost ``with mesh:`` on this thread, else the ``set_mesh`` default; with ``required_by``,
+    raise when there is none."""
+    stack = getattr(_context, "stack", None)
+    mesh = stack[-1] if stack else _default_mesh[0]
+    if mesh is None and required_by is not None:
+        raise ValueError(f"{required_by} needs a mesh: pass mesh=..., use `with mesh:` or sr.set_mesh(mesh); "
+                         f"got no context mesh")
+    return mesh

@@ -63,6 +63,9 @@ class SPMDProgram:
     outputs: list[IOSpec]
     notes: list[str] = field(default_factory=list)
     report: dict = field(default_factory=dict, repr=False)  # value -> (sharding, origin); not saved
+    in_tree: object = field(default=None, repr=False)  # pytree structures of the traced function; not saved
+    out_tree: object = field(default=None, repr=False)
+    names: dict = field(default_factory=dict, repr=False)  # slot -> the user's name (mesh_split(name=...))
 
     # ------------------------------------------------------------ summaries
     def comm_summary(self) -> list[dict]:
@@ -133,7 +136,8 @@ class SPMDProgram:
             args = ", ".join(f"%{a}" + ("!" if k == ins.donate else "") for k, a in enumerate(ins.args))
             sep = ", " if args and attrs else ""
             ty = "tuple" if _bodies(ins) else f"{_ty(ins.dtype, ins.shape)} {ins.sharding}"
-            lines.append(f"{indent}%{ins.out} = {ins.op}({args}{sep}{attrs}) : {ty}")
+            name = f"  # {self.names[ins.out]}" if ins.out in self.names else ""
+            lines.append(f"{indent}%{ins.out} = {ins.op}({args}{sep}{attrs}) : {ty}{name}")
             for name, v in ins.attrs.items():
                 for k, body in enumerate(v if isinstance(v, tuple) else (v,)):
                     if _is_program(body):
@@ -148,9 +152,12 @@ class SPMDProgram:
 
     # ------------------------------------------------------------ persistence
     def body(self) -> dict:
-        return {"mesh": self.mesh.to_json(),
+        body = {"mesh": self.mesh.to_json(),
                 "inputs": [_io_json(i) for i in self.inputs], "outputs": [_io_json(o) for o in self.outputs],
                 "instrs": [_instr_json(i) for i in self.instrs], "notes": list(self.notes)}
+        if self.names:  # only when present: programs without names keep their hash
+            body["names"] = {str(k): v for k, v in sorted(self.names.items())}
+        return body
 
     @property
     def hash(self) -> str:
@@ -168,6 +175,24 @@ class SPMDProgram:
             doc["hmac"] = hmac.new(key, self.hash.encode(), hashlib.sha256).hexdigest()
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
+
+
+class ShardingReport(dict):
+    """graph value id -> (Sharding, "user" | "propagated" | "default"); also indexed by the user's names
+    (parameter names, ``mesh_split(..., name=...)``): ``program.report["w1"]``."""
+
+    def __init__(self, entries, names=None):
+        super().__init__(entries)
+        self.names = dict(names or {})
+
+    def __missing__(self, key):
+        if isinstance(key, str) and key in self.names:
+            return self[self.names[key]]
+        raise KeyError(f"a report is indexed by value id or by a name in {sorted(self.names)}; got {key!r}")
+
+    def __str__(self):
+        ids = {v: k for k, v in self.names.items()}
+        return "\n".join(f"%{i}{' ' + ids[i] if i in ids else ''}: {s} ({origin})" for i, (s, origin) in self.items())
 
 
 def load_program(path) -> SPMDProgram:
@@ -204,7 +229,8 @@ def _program_key() -> bytes | None:
 
 def _program_from(doc) -> SPMDProgram:
     return SPMDProgram(Mesh.from_json(doc["mesh"]), [_instr_from(d) for d in doc["instrs"]],
-                       [_io_from(d) for d in doc["inputs"]], [_io_from(d) for d in doc["outputs"]], doc["notes"])
+                       [_io_from(d) for d in doc["inputs"]], [_io_from(d) for d in doc["outputs"]], doc["notes"],
+                       names={int(k): v for k, v in doc.get("names", {}).items()})
 
 
 def _is_program(v) -> bool:

@@ -120,35 +120,117 @@ class Sharding:
         return cls(tuple(tuple(x) for x in d["dims"]), tuple(d["partial"]), d["reduce_op"])
 
 
+class _Unconstrained:
+    """``sr.UNCONSTRAINED``: a spec entry that leaves the dim to propagation (JAX's P.UNCONSTRAINED)."""
+    _instance = None
+
+    def __new__(cls):
+        cls._instance = cls._instance or super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self):
+        return "UNCONSTRAINED"
+
+    def __reduce__(self):
+        return (_Unconstrained, ())
+
+
+UNCONSTRAINED = _Unconstrained()
+
+
+class P(tuple):
+    """A partition spec (JAX's ``PartitionSpec``): one entry per leading tensor dim, missing trailing
+    entries replicated. An entry is None (replicated), a mesh axis name, a tuple of names (major first),
+    ``UNCONSTRAINED`` (propagation decides), or an int mesh dim / -1 as in the GSPMD paper's dims_mapping.
+
+    ``partial="model"`` (or a tuple of axes) declares the value a pending reduction over those axes, as
+    DTensor's ``Partial()``: every rank along them holds a summand (``reduce_op``: sum, max or min).
+    """
+
+    def __new__(cls, *entries, partial=(), reduce_op: str = "sum"):
+        spec = super().__new__(cls, entries)
+        spec.partial = (partial,) if isinstance(partial, str) else tuple(partial)
+        spec.reduce_op = reduce_op
+        return spec
+
+    def __repr__(self):
+        items = [repr(e) for e in self]
+        if self.partial:
+            items.append(f"partial={self.partial[0]!r}" if len(self.partial) == 1 else f"partial={self.partial!r}")
+        if self.reduce_op != "sum":
+            items.append(f"reduce_op={self.reduce_op!r}")
+        return f"P({', '.join(items)})"
+
+    def __eq__(self, other):
+        return tuple.__eq__(self, other) and (self.partial, self.reduce_op) == \
+            (getattr(other, "partial", ()), getattr(other, "reduce_op", "sum"))
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash((tuple(self), self.partial, self.reduce_op))
+
+    def __reduce__(self):
+        return (_make_p, (tuple(self), self.partial, self.reduce_op))
+
+
+def _make_p(entries, partial, reduce_op):
+    return P(*entries, partial=partial, reduce_op=reduce_op)
+
+
 def parse_spec(spec, mesh: Mesh, ndim: int, what: str = "tensor") -> Sharding:
     """Turn a ``mesh_split`` spec into a Sharding.
 
-    One entry per tensor dim: None or -1 (replicated), an axis name, a tuple of
-    names (major first), or an int mesh dim as in the GSPMD paper. A Sharding
-    passes through unchanged.
+    A ``P`` (missing trailing entries replicated) or a sequence with one entry per tensor dim: None or
+    -1 (replicated), an axis name, a tuple of names (major first), or an int mesh dim as in the GSPMD
+    paper. A Sharding passes through unchanged. ``UNCONSTRAINED`` entries need ``parse_spec_free``.
     """
+    sharding, free = parse_spec_free(spec, mesh, ndim, what)
+    if free:
+        raise ValueError(f"UNCONSTRAINED entries are allowed in mesh_split and jit/partition in/out specs; "
+                         f"got {spec!r} for {what}")
+    return sharding
+
+
+def parse_spec_free(spec, mesh: Mesh, ndim: int, what: str = "tensor") -> tuple[Sharding, tuple[int, ...]]:
+    """(Sharding, dims marked UNCONSTRAINED): those dims are replicated in the Sharding, to be completed
+    by propagation."""
     if isinstance(spec, Sharding):
-        return spec
+        return spec, ()
     if isinstance(spec, (str, int)) or spec is None:
         raise TypeError(f"a sharding spec is a sequence with one entry per dim of {what}; got {spec!r}")
-    spec = tuple(spec)
-    if len(spec) != ndim:
-        raise ValueError(f"a sharding spec needs one entry per dim of {what} (ndim {ndim}); got {len(spec)} "
+    entries = tuple(spec)
+    if isinstance(spec, P) and len(entries) < ndim:
+        entries += (None,) * (ndim - len(entries))
+    if len(entries) != ndim:
+        raise ValueError(f"a sharding spec needs one entry per dim of {what} (ndim {ndim}); got {len(entries)} "
                          f"entries in {spec}")
-    return Sharding(tuple(_parse_entry(e, mesh) for e in spec))
+    free = tuple(d for d, e in enumerate(entries) if e is UNCONSTRAINED)
+    dims = tuple(() if e is UNCONSTRAINED else _parse_entry(e, mesh, what) for e in entries)
+    partial = tuple(a for e in getattr(spec, "partial", ()) for a in _parse_entry(e, mesh, what))
+    return Sharding(dims, partial, getattr(spec, "reduce_op", "sum")), free
 
 
-def _parse_entry(entry, mesh: Mesh) -> tuple[str, ...]:
+def to_spec(sharding: Sharding) -> P:
+    """The ``P`` that parses back to ``sharding``."""
+    return P(*(None if not d else d[0] if len(d) == 1 else d for d in sharding.dims),
+             partial=sharding.partial, reduce_op=sharding.reduce_op)
+
+
+def _parse_entry(entry, mesh: Mesh, what: str = "tensor") -> tuple[str, ...]:
     if entry is None or (isinstance(entry, int) and entry == -1):
         return ()
     if isinstance(entry, (tuple, list)):
-        return tuple(a for e in entry for a in _parse_entry(e, mesh))
+        return tuple(a for e in entry for a in _parse_entry(e, mesh, what))
     if isinstance(entry, int) and not isinstance(entry, bool):
         if not 0 <= entry < len(mesh.shape):
             raise ValueError(f"an int spec entry must be a mesh dim in [0, {len(mesh.shape)}) or -1; got {entry}")
         return (mesh.axis_names[entry],)
     if isinstance(entry, str):
-        mesh.axis_index(entry)
+        if entry not in mesh.axis_names:
+            raise ValueError(f"mesh axis must be one of {mesh.axis_names}; got {entry!r} in the spec of {what} "
+                             f"(a spec may only name axes of its mesh, {mesh})")
         return (entry,)
     raise TypeError(f"a spec entry must be None, -1, a mesh axis name or int, or a tuple of them; got {entry!r}")
 

@@ -6,8 +6,8 @@ import threading
 
 import numpy as np
 
+from . import pytree
 from .graph import Graph, TensorSpec
-from .sharding import parse_spec
 
 _state = threading.local()
 
@@ -70,36 +70,57 @@ def emit(op, inputs, attrs, shape, dtype) -> Tensor:
 def trace(fn, *arg_specs) -> Graph:
     """Trace ``fn`` on symbolic arguments; returns the Graph.
 
-    Each arg spec is a ``TensorSpec(shape, dtype)`` or an example array. ``fn``
-    returns one tensor or a tuple/list of tensors.
+    Each argument is a pytree (dicts, lists, tuples, namedtuples, dataclasses,
+    see ``spmd_runtime.pytree``) whose leaves are ``TensorSpec(shape, dtype)``s
+    or example arrays; ``fn`` receives the same trees of traced Tensors and
+    returns a pytree of tensors. Graph parameters are the leaves in order, named
+    after ``fn``'s parameters and the leaf paths (``params.w1``); ``graph.in_tree``
+    / ``graph.out_tree`` keep the structures.
     """
-    specs = [TensorSpec.of(s) for s in arg_specs]
-    names = _param_names(fn, len(specs))
+    flat, in_tree = pytree.flatten(tuple(arg_specs), is_leaf=_is_spec_leaf)
+    names = _leaf_param_names(fn, arg_specs)
+    specs = [_leaf_spec(x, name) for x, name in zip(flat, names)]
     g = Graph()
     prev, _state.graph = getattr(_state, "graph", None), g
     try:
-        args = []
+        leaves = []
         for i, (name, spec) in enumerate(zip(names, specs)):
-            args.append(emit("parameter", [], {"index": i, "name": name}, spec.shape, spec.dtype))
-            g.params.append(args[-1].id)
+            leaves.append(emit("parameter", [], {"index": i, "name": name}, spec.shape, spec.dtype))
+            g.params.append(leaves[-1].id)
             g.param_names.append(name)
-        result = fn(*args)
+        result = fn(*in_tree.unflatten(leaves))
     finally:
         _state.graph = prev
-    outs = _flatten(result)
-    for i, o in enumerate(outs):
+    outs, g.out_tree = pytree.flatten(result)
+    g.in_tree = in_tree
+    for path, o in pytree.flatten_with_path(result)[0]:
         if not isinstance(o, Tensor) or o.graph is not g:
-            raise TypeError(f"a traced function returns tensors computed from its arguments; got output {i} "
-                            f"of type {type(o).__name__}")
-        g.outputs.append(o.id)
+            raise TypeError(f"a traced function returns tensors computed from its arguments; got output "
+                            f"{pytree.keystr(path, 'result')} of type {type(o).__name__}")
+    g.outputs.extend(o.id for o in outs)
     return g
 
 
-def _flatten(result) -> list:
-    """Outputs in order, nested tuples/lists flattened (e.g. value_and_grad's (loss, (g0, g1)))."""
-    if isinstance(result, (tuple, list)):
-        return [leaf for item in result for leaf in _flatten(item)]
-    return [result]
+def _is_spec_leaf(x) -> bool:
+    return isinstance(x, TensorSpec) or (hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _leaf_spec(x, name: str) -> TensorSpec:
+    try:
+        return TensorSpec.of(x)
+    except TypeError:
+        raise TypeError(f"a traced argument's leaves are TensorSpecs or arrays; got {type(x).__name__} for "
+                        f"{name!r} (pass Python values through sr.jit's static_argnums)") from None
+
+
+def _leaf_param_names(fn, args) -> list[str]:
+    """``x`` for a plain array argument, ``params.w1`` for leaf ``['w1']`` of argument ``params``."""
+    names = _param_names(fn, len(args))
+    out = []
+    for name, arg in zip(names, args):
+        paths = [p for p, _ in pytree.flatten_with_path(arg, is_leaf=_is_spec_leaf)[0]]
+        out += [name] if paths == [()] else [pytree.keystr(p, name) for p in paths]
+    return out
 
 
 def _param_names(fn, n: int) -> list[str]:
@@ -112,15 +133,34 @@ def _param_names(fn, n: int) -> list[str]:
     return names + [f"arg{i}" for i in range(len(names), n)]
 
 
-def mesh_split(x: Tensor, mesh, spec) -> Tensor:
-    """Annotate ``x`` with how it is split over ``mesh`` (GSPMD's ``mesh_split``).
+def mesh_split(x: Tensor, *mesh_and_spec, name: str | None = None) -> Tensor:
+    """Annotate ``x`` with how it is split over a mesh (GSPMD's ``mesh_split``).
 
-    ``spec`` has one entry per dim of x: None or -1 (replicated), a mesh axis
-    name, a tuple of names (split over several axes, major first), or an int
-    mesh dim. Returns the annotated tensor; propagation completes the rest.
+    ``mesh_split(x, spec)`` uses the context mesh (``with mesh:`` / ``sr.set_mesh``);
+    ``mesh_split(x, mesh, spec)`` names one. ``spec`` is a ``P`` or one entry per dim
+    of x: None or -1 (replicated), a mesh axis name, a tuple of names (split over
+    several axes, major first), an int mesh dim, or ``UNCONSTRAINED`` (left to
+    propagation). ``name`` labels the value in listings, reports, notes and
+    errors. Returns the annotated tensor; propagation completes the rest.
     """
+    from .mesh import Mesh, get_mesh  # local: sharding does not depend on tracing
+    from .sharding import parse_spec_free
+
     if not isinstance(x, Tensor):
         raise TypeError(f"mesh_split annotates a traced tensor; got {type(x).__name__}")
-    sharding = parse_spec(spec, mesh, x.ndim, what=f"tensor %{x.id} {x.node.spec}")
-    sharding.check(mesh, x.shape, what=f"tensor %{x.id} {x.node.spec}")
-    return emit("mesh_split", [x], {"sharding": sharding, "mesh": mesh}, x.shape, x.dtype)  # ops.core.MESH_SPLIT
+    if len(mesh_and_spec) == 2 and isinstance(mesh_and_spec[0], Mesh):
+        mesh, spec = mesh_and_spec
+    elif len(mesh_and_spec) == 1:
+        mesh, spec = get_mesh(required_by="mesh_split(x, spec)"), mesh_and_spec[0]
+    else:
+        raise TypeError(f"mesh_split is called as mesh_split(x, spec) under a context mesh or mesh_split(x, mesh, "
+                        f"spec); got {len(mesh_and_spec)} arguments after x")
+    what = f"tensor %{x.id}" + (f" {name!r}" if name else "") + f" {x.node.spec}"
+    sharding, free = parse_spec_free(spec, mesh, x.ndim, what=what)
+    sharding.check(mesh, x.shape, what=what)
+    attrs = {"sharding": sharding, "mesh": mesh}
+    if free:
+        attrs["unconstrained"] = free
+    if name is not None:
+        attrs["name"] = str(name)
+    return emit("mesh_split", [x], attrs, x.shape, x.dtype)  # ops.core.MESH_SPLIT

@@ -243,7 +243,7 @@ def random_case(seed: int, max_devices: int = 8, steps=(3, 9), devices=None) -> 
     extra_shapes = _extra_shapes(seed, mesh, shapes, n_steps)
     all_shapes = shapes + extra_shapes
     fn = _program(seed, mesh, n_in, n_steps)
-    graph = sr.trace(fn, *[sr.TensorSpec(s) for s in all_shapes])
+    graph = sr.trace(fn, *[sr.TensorSpec(s, "float64") for s in all_shapes])
     spec_rng = np.random.default_rng(seed + 1_000_003)
     in_specs = [random_sharding(spec_rng, mesh, len(s)) if spec_rng.random() < 0.7 else None for s in all_shapes]
     out_specs = [random_sharding(spec_rng, mesh, len(graph[o].shape)) if spec_rng.random() < 0.5 else None
@@ -282,7 +282,7 @@ def _extra_shapes(seed, mesh, shapes, n_steps):
         for _ in range(n_steps):
             b.step()
         return b.pool[-1]
-    sr.trace(fn, *[sr.TensorSpec(s) for s in shapes])
+    sr.trace(fn, *[sr.TensorSpec(s, "float64") for s in shapes])
     return list(extra)
 
 

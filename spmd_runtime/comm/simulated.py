@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import sys
 import threading
 from collections import defaultdict, deque
 
@@ -33,6 +34,17 @@ _REDUCTIONS = ((MPI.SUM, np.add, "sum"), (MPI.MAX, np.maximum, "max"), (MPI.MIN,
 
 # World rank of the simulated rank running on the current thread.
 _this_rank = threading.local()
+
+
+def is_lead_rank() -> bool:
+    """Whether this is rank 0 of the job (of the simulated world on this thread, else of MPI's world):
+    the one rank that prints what every rank would print alike. mpi4py is not imported here if the
+    program has not already done so."""
+    sim = getattr(_this_rank, "value", None)
+    if sim is not None:
+        return sim == 0
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_rank() == 0
 
 
 class SimulatedAbort(RuntimeError):

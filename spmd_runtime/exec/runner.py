@@ -20,6 +20,8 @@ import numpy as np
 from ..comm import collectives, jobguard, watchdog
 from ..comm.communicator import MeshCommunicator, agree
 from ..dtypes import check_backend
+from .. import pytree
+from ..profile import instrument, profiling
 from ..program import SPMDProgram
 from .backend import get_array_module, select_device, to_device
 from .interpreter import Interpreter
@@ -123,12 +125,15 @@ def communicator(mesh, comm=None) -> MeshCommunicator:
     return Runtime.of(comm).communicator(mesh)
 
 
-def run(program: SPMDProgram, *inputs, comm=None, backend=None, check_inputs=None) -> list:
-    """Run on every rank with the same global ``inputs``; returns the global outputs (NumPy/CuPy arrays).
+def run(program: SPMDProgram, *inputs, comm=None, backend=None, check_inputs=None, profile=None) -> list:
+    """Run on every rank with the same global ``inputs`` (pytrees: their leaves in order); returns the global
+    outputs (NumPy/CuPy arrays; ``program.out_tree.unflatten(outs)`` restores the traced structure).
+    ``profile``: a directory for one Chrome trace per rank (``spmd_runtime.profile``).
 
     ``check_inputs`` (default True, or ``SPMD_CHECK_INPUTS=0``): the ranks also agree on a crc32 of the input
     values, so ranks passing different global arrays fail instead of computing a mix of them.
     """
+    inputs = pytree.flatten(inputs)[0]
     rt = Runtime.of(comm)
     if check_inputs is None:
         check_inputs = os.environ.get("SPMD_CHECK_INPUTS", "1").strip().lower() not in ("0", "off", "no", "false")
@@ -137,15 +142,18 @@ def run(program: SPMDProgram, *inputs, comm=None, backend=None, check_inputs=Non
     mc = _prepare(rt, program, error, digest)
     xp = rt.array_module(backend)
     mesh = program.mesh
-    outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, [
-        to_device(shard(x, spec.sharding, mesh, mc.rank, pad=True), xp) for x, spec in zip(inputs, program.inputs)]))
+    with profiling(profile, "run"):
+        outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, [
+            to_device(shard(x, spec.sharding, mesh, mc.rank, pad=True), xp)
+            for x, spec in zip(inputs, program.inputs)]))
     return _guarded(mc, lambda: [unshard(o, spec.sharding, spec.shape, mc) for o, spec in zip(outs, program.outputs)])
 
 
-def run_local(program: SPMDProgram, *local_inputs, comm=None, backend=None) -> list:
+def run_local(program: SPMDProgram, *local_inputs, comm=None, backend=None, profile=None) -> list:
     """Run on this rank's true input blocks (``shard(x, sharding, mesh, rank)``: uneven tails are short);
-    returns this rank's true output blocks."""
-    return run_local_checked(program, local_inputs, comm=comm, backend=backend)
+    returns this rank's true output blocks. Inputs may be pytrees (their leaves in order)."""
+    with profiling(profile, "run_local"):
+        return run_local_checked(program, pytree.flatten(local_inputs)[0], comm=comm, backend=backend)
 
 
 def run_local_checked(program: SPMDProgram, local_inputs, comm=None, backend=None, error: str | None = None):
@@ -228,7 +236,7 @@ def _capture(check) -> str | None:
 
 
 def _run_checked(rt, program, mc, xp, local) -> list:
-    outs = rt.interpreter(program, mc, xp).run(local)
+    outs = instrument(rt.interpreter(program, mc, xp)).run(local)
     for o, spec in zip(outs, program.outputs):
         want = tuple(spec.sharding.local_shape(spec.shape, program.mesh))
         if tuple(o.shape) != want or np.dtype(o.dtype) != np.dtype(spec.dtype):

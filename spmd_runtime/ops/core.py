@@ -59,16 +59,16 @@ def asarray(x, dtype=None) -> Tensor:
 array = asarray
 
 
-def full(shape, fill_value, dtype="float64") -> Tensor:
+def full(shape, fill_value, dtype="float32") -> Tensor:
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     return broadcast_to(asarray(np.asarray(fill_value, dtype=dtype)), shape)
 
 
-def zeros(shape, dtype="float64") -> Tensor:
+def zeros(shape, dtype="float32") -> Tensor:
     return full(shape, 0, dtype)
 
 
-def ones(shape, dtype="float64") -> Tensor:
+def ones(shape, dtype="float32") -> Tensor:
     return full(shape, 1, dtype)
 
 

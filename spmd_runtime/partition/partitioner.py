@@ -14,8 +14,9 @@ import numpy as np
 from ..graph import Graph, Node
 from ..mesh import Mesh
 from ..opdef import OPS, lookup
-from ..program import Instr, IOSpec, SPMDProgram
-from ..sharding import Sharding, parse_spec
+from ..comm.simulated import is_lead_rank
+from ..program import Instr, IOSpec, ShardingReport, SPMDProgram
+from ..sharding import Sharding, parse_spec, parse_spec_free
 from .fusion import fuse_elementwise, fusion_enabled
 from .propagation import propagate
 from .resharding import plan_cost, plan_reshard
@@ -118,6 +119,7 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     ``fuse``: fuse elementwise chains into ``fusion`` instructions (``partition/fusion.py``); None (default)
     fuses unless ``$SPMD_FUSE`` is 0.
     """
+    graph = _resolve_unconstrained(graph, mesh, in_specs, out_specs)
     fixed = _user_shardings(graph, mesh, in_specs)
     out_targets = _output_shardings(graph, mesh, out_specs, fixed)
     prop = propagate(graph, mesh, fixed)
@@ -125,8 +127,9 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     live = _live_nodes(graph)
     for node in graph.nodes:
         if node.id in live:
-            ctx.node = node
+            ctx.node, before = node, len(ctx.notes)
             ctx.values[node.id] = ctx.reshard(_partition_node(ctx, node), prop.shardings[node.id])
+            _name_notes(ctx, node, before)
     ctx.node = None
     outputs = [ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
     program = _finish(ctx, graph, prop, outputs)
@@ -142,7 +145,63 @@ def fused_program(program: SPMDProgram) -> SPMDProgram:
     keep = {o.slot for o in outputs}
     _assign_frees(instrs, keep)
     _assign_donations(instrs, keep)
-    return SPMDProgram(program.mesh, instrs, inputs, outputs, list(program.notes), program.report)
+    slots = {i.out for i in instrs}
+    return SPMDProgram(program.mesh, instrs, inputs, outputs, list(program.notes), program.report, program.in_tree,
+                       program.out_tree, {s: n for s, n in program.names.items() if s in slots})
+
+
+def _resolve_unconstrained(graph: Graph, mesh: Mesh, in_specs, out_specs) -> Graph:
+    """``graph`` with every UNCONSTRAINED spec dim filled in by a first propagation that ignores those
+    annotations: the dim takes what propagation would give it, minus axes the spec already uses.
+    mesh_split nodes are replaced in a copy (the caller's graph is not changed); in/out specs are
+    recorded on the copy for ``_user_shardings`` / ``_output_shardings``."""
+    free_nodes = {n.id: (n.attrs["sharding"], n.attrs["unconstrained"]) for n in graph.nodes
+                  if n.op == "mesh_split" and n.attrs.get("unconstrained")}
+    free_io = {}
+    for ids, specs, what in ((graph.params, in_specs, "input"), (graph.outputs, out_specs, "output")):
+        for k, (vid, spec) in enumerate(zip(ids, _specs(specs, ids, what))):
+            if spec is not None:
+                sharding, free = parse_spec_free(spec, mesh, len(graph[vid].shape), f"{what} {k}")
+                if free:
+                    free_io[(what, k)] = (vid, sharding, free)
+    if not free_nodes and not free_io:
+        return graph
+    # first pass: the loose annotations pass shardings through like an elementwise op
+    first = Graph([Node(n.id, "convert", n.inputs, {"dtype": n.dtype}, n.shape, n.dtype) if n.id in free_nodes
+                   else n for n in graph.nodes], graph.params, graph.param_names, graph.outputs)
+    fixed = _user_shardings(first, mesh, [None if ("input", k) in free_io else s
+                                          for k, s in enumerate(_specs(in_specs, graph.params, "input"))])
+    seeds = propagate(first, mesh, fixed).shardings
+    out = Graph(list(graph.nodes), graph.params, graph.param_names, graph.outputs, graph.in_tree, graph.out_tree)
+    for vid, (sharding, free) in free_nodes.items():
+        out.nodes[vid] = _with_attrs(graph[vid], sharding=_fill(sharding, free, seeds[vid]), unconstrained=())
+    out.resolved_specs = {key: _fill(sharding, free, seeds[vid]) for key, (vid, sharding, free) in free_io.items()}
+    return out
+
+
+def _fill(sharding: Sharding, free, seed: Sharding) -> Sharding:
+    used, dims = set(sharding.axes) | set(sharding.partial), list(sharding.dims)
+    for d in free:
+        dims[d] = tuple(a for a in seed.dims[d] if a not in used)
+        used |= set(dims[d])
+    return Sharding(tuple(dims), sharding.partial, sharding.reduce_op)
+
+
+def _with_attrs(node: Node, **changes) -> Node:
+    attrs = {k: v for k, v in {**node.attrs, **changes}.items() if k != "unconstrained" or v}
+    return Node(node.id, node.op, node.inputs, attrs, node.shape, node.dtype)
+
+
+def _parse_io(graph, spec, mesh, vid, what, k) -> Sharding:
+    resolved = getattr(graph, "resolved_specs", {}).get((what, k))
+    return resolved if resolved is not None else parse_spec(spec, mesh, len(graph[vid].shape), f"{what} {k}")
+
+
+def _name_notes(ctx: PartitionContext, node: Node, before: int) -> None:
+    """Prefix the notes a rule just wrote with where they arose, in the user's names when there are any."""
+    if any(ctx.graph.name_of(i) for i in (node.id, *node.inputs)):
+        ctx.notes[before:] = [n if n.startswith("at ") else f"at {_describe(ctx.graph, node)}: {n}"
+                              for n in ctx.notes[before:]]
 
 
 def _partition_node(ctx: PartitionContext, node: Node) -> LocalValue:
@@ -158,7 +217,7 @@ def _user_shardings(graph, mesh, in_specs) -> dict[int, Sharding]:
     fixed: dict[int, Sharding] = {}
     for k, (vid, spec) in enumerate(zip(graph.params, _specs(in_specs, graph.params, "input"))):
         if spec is not None:
-            _fix(fixed, vid, parse_spec(spec, mesh, len(graph[vid].shape), f"input {k}"), graph, mesh)
+            _fix(fixed, vid, _parse_io(graph, spec, mesh, vid, "input", k), graph, mesh)
     for node in graph.nodes:
         if node.op == "mesh_split":
             if node.attrs["mesh"] != mesh:
@@ -173,7 +232,7 @@ def _output_shardings(graph, mesh, out_specs, fixed) -> dict[int, Sharding]:
     targets = {}
     for k, (vid, spec) in enumerate(zip(graph.outputs, _specs(out_specs, graph.outputs, "output"))):
         if spec is not None:
-            targets[k] = parse_spec(spec, mesh, len(graph[vid].shape), f"output {k}")
+            targets[k] = _parse_io(graph, spec, mesh, vid, "output", k)
             targets[k].check(mesh, graph[vid].shape, what=_describe(graph, graph[vid]))
             fixed.setdefault(vid, targets[k])
     return targets
@@ -195,8 +254,10 @@ def _fix(fixed, vid, sharding, graph, mesh):
 
 
 def _describe(graph: Graph, node: Node) -> str:
-    name = f" ({node.attrs['name']!r})" if node.op == "parameter" else ""
-    return f"tensor %{node.id}{name} = {node.op} {node.spec}"
+    """``tensor %7 ('h') = einsum float32[8, 4] of %2 ('x'), %5 ('w1')``: the user's names where known."""
+    label = lambda i: f"%{i}" + (f" ({graph.name_of(i)!r})" if graph.name_of(i) else "")  # noqa: E731
+    named = [label(i) for i in node.inputs if graph.name_of(i)]
+    return f"tensor {label(node.id)} = {node.op} {node.spec}" + (f" of {', '.join(named)}" if named else "")
 
 
 def _live_nodes(graph: Graph) -> set[int]:
@@ -217,10 +278,14 @@ def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]
     _assign_frees(ctx.instrs, {o.slot for o in outputs})
     _assign_donations(ctx.instrs, {o.slot for o in outputs})
     notes = list(dict.fromkeys(ctx.notes))
-    for n in notes:
-        warnings.warn(f"spmd_runtime partitioner: {n}", stacklevel=3)
-    report = {n.id: (prop.shardings[n.id], prop.origin[n.id]) for n in graph.nodes}
-    return SPMDProgram(mesh, ctx.instrs, inputs, outputs, notes, report)
+    if is_lead_rank():  # every rank partitions the same graph: one copy of each note per job
+        for n in notes:
+            warnings.warn(f"spmd_runtime partitioner: {n}", stacklevel=3)
+    report = ShardingReport({n.id: (prop.shardings[n.id], prop.origin[n.id]) for n in graph.nodes},
+                            {graph.name_of(n.id): n.id for n in graph.nodes if graph.name_of(n.id)})
+    names = {ctx.value(n.id).slot: graph.name_of(n.id) for n in graph.nodes
+             if graph.name_of(n.id) and n.id in ctx.values and n.op != "parameter"}
+    return SPMDProgram(mesh, ctx.instrs, inputs, outputs, notes, report, graph.in_tree, graph.out_tree, names)
 
 
 def _assign_frees(instrs: list[Instr], keep: set[int]) -> None:

@@ -47,7 +47,7 @@ def test_run_local_returns_this_ranks_shards():
 @pytest.mark.mpi
 def test_bad_input_on_one_rank_raises_on_every_rank():
     mesh = sr.Mesh((WORLD,), ("x",))
-    program = sr.partition(sr.trace(lambda a: a.sum(), sr.TensorSpec((WORLD * 2, 3))), mesh, in_specs=[("x", None)])
+    program = sr.partition(sr.trace(lambda a: a.sum(), sr.TensorSpec((WORLD * 2, 3), "float64")), mesh, in_specs=[("x", None)])
     rank = MPI.COMM_WORLD.Get_rank()
     x = np.ones((WORLD * 2, 3)) if rank != WORLD - 1 else np.ones((WORLD * 2, 4))
     with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{WORLD - 1}\].*'a' must be float64\[{WORLD * 2}, 3\]"):

@@ -51,7 +51,7 @@ def test_cli_runs_a_saved_loop_program(tmp_path):
 
 
 def test_cli_show_prints_listing_and_comm_summary(tmp_path):
-    graph = sr.trace(lambda x: x.sum(axis=0), sr.TensorSpec((8, 4)))
+    graph = sr.trace(lambda x: x.sum(axis=0), sr.TensorSpec((8, 4), "float64"))
     sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None)]).save(tmp_path / "p.json")
     r = subprocess.run([sys.executable, "-m", "spmd_runtime", "show", str(tmp_path / "p.json")], capture_output=True,
                        text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
@@ -60,7 +60,7 @@ def test_cli_show_prints_listing_and_comm_summary(tmp_path):
 
 
 def test_cli_missing_input_key_ends_the_job_with_the_rule(tmp_path):
-    graph = sr.trace(lambda x: x * 2.0, sr.TensorSpec((4,)))
+    graph = sr.trace(lambda x: x * 2.0, sr.TensorSpec((4,), "float64"))
     sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x",)]).save(tmp_path / "p.json")
     np.savez(tmp_path / "in.npz", y=np.ones(4))
     r = mpiexec(2, "-m", "spmd_runtime", "run", str(tmp_path / "p.json"), "--inputs", str(tmp_path / "in.npz"),
@@ -77,7 +77,7 @@ def test_failure_on_one_rank_mid_run_aborts_the_whole_job(tmp_path):
         import spmd_runtime as sr
         from spmd_runtime.opdef import OPS
         mesh = sr.Mesh((3,), ("x",))
-        program = sr.partition(sr.trace(lambda a: (a * 2.0).sum(), sr.TensorSpec((6,))), mesh, in_specs=[("x",)],
+        program = sr.partition(sr.trace(lambda a: (a * 2.0).sum(), sr.TensorSpec((6,), "float64")), mesh, in_specs=[("x",)],
                                fuse=False)  # the mul stays its own kernel, broken below
         if MPI.COMM_WORLD.Get_rank() == 1:
             def broken(xp, *args):

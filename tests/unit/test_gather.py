@@ -65,7 +65,7 @@ def test_scatter_add_broadcasts_and_casts_updates():
 ])
 def test_errors_state_the_rule_and_what_was_given(call, error, match):
     with pytest.raises(error, match=match):
-        sr.trace(call, sr.TensorSpec((6, 4)), sr.TensorSpec((2,), "int64"))
+        sr.trace(call, sr.TensorSpec((6, 4), "float64"), sr.TensorSpec((2,), "int64"))
 
 
 # ---------------------------------------------------------------- partitioned numerics, every mesh
@@ -134,7 +134,7 @@ def test_collectives_and_numerics(name, fn, shapes, mesh, in_specs, out_specs, e
 
 def test_vocab_split_embedding_never_moves_the_table():
     """Masked local lookup: one all-reduce of the (small) result, 2(k-1)/k of its bytes, the table stays put."""
-    graph = sr.trace(embed, sr.TensorSpec((64, 8)), sr.TensorSpec((2, 4), I))
+    graph = sr.trace(embed, sr.TensorSpec((64, 8), "float64"), sr.TensorSpec((2, 4), I))
     program = sr.partition(graph, MESH_4, in_specs=[("x", None), None])
     assert "all_gather" not in program.collectives() and "take_block" in [i.op for i in program.instrs]
     assert program.wire_bytes == pytest.approx(2 * 3 / 4 * (2 * 4 * 8 * 8))

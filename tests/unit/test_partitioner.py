@@ -77,7 +77,7 @@ def test_megatron_mlp_from_annotations_inside_the_function():
         w1 = sr.mesh_split(w1, MESH_2x4, (None, "model"))
         w2 = sr.mesh_split(w2, MESH_2x4, ("model", None))
         return megatron_mlp(x, w1, w2)
-    program = sr.partition(sr.trace(mlp, sr.TensorSpec((8, 16)), sr.TensorSpec((16, 32)), sr.TensorSpec((32, 16))),
+    program = sr.partition(sr.trace(mlp, sr.TensorSpec((8, 16), "float64"), sr.TensorSpec((16, 32), "float64"), sr.TensorSpec((32, 16), "float64")),
                            MESH_2x4)
     summary = program.comm_summary()
     assert [(c["kind"], c["axes"], c["group_size"]) for c in summary] == [("all_reduce", ("model",), 4)]
@@ -87,14 +87,14 @@ def test_megatron_mlp_from_annotations_inside_the_function():
 
 
 def test_reduce_scatter_beats_all_reduce_then_slice():
-    program = sr.partition(sr.trace(contract_split_result, sr.TensorSpec((8, 16)), sr.TensorSpec((16, 8))),
+    program = sr.partition(sr.trace(contract_split_result, sr.TensorSpec((8, 16), "float64"), sr.TensorSpec((16, 8), "float64")),
                            MESH_4, in_specs=[(None, "x"), ("x", None)], out_specs=[("x", None)])
     assert "all_reduce" not in program.collectives()
     assert program.wire_bytes == pytest.approx(3 / 4 * 8 * 8 * 8)
 
 
 def test_propagation_reports_origin_and_keeps_user_annotation():
-    graph = sr.trace(megatron_mlp, sr.TensorSpec((8, 16)), sr.TensorSpec((16, 32)), sr.TensorSpec((32, 16)))
+    graph = sr.trace(megatron_mlp, sr.TensorSpec((8, 16), "float64"), sr.TensorSpec((16, 32), "float64"), sr.TensorSpec((32, 16), "float64"))
     program = sr.partition(graph, MESH_2x4, in_specs=[("data", None), (None, "model"), ("model", None)])
     report = program.report
     assert report[graph.params[1]] == (sr.Sharding(((), ("model",))), "user")
@@ -103,7 +103,7 @@ def test_propagation_reports_origin_and_keeps_user_annotation():
 
 
 def test_missing_partition_rule_fails_at_partition_time_naming_the_op():
-    graph = sr.trace(identity, sr.TensorSpec((8, 8)))
+    graph = sr.trace(identity, sr.TensorSpec((8, 8), "float64"))
     graph.add("fancy_op", [graph.outputs[0]], {}, (8, 8), "float64")
     graph.outputs[0] = len(graph.nodes) - 1
     with pytest.raises(NotImplementedError, match="fancy_op"):
@@ -113,7 +113,7 @@ def test_missing_partition_rule_fails_at_partition_time_naming_the_op():
 def test_uneven_batch_on_4_ranks_pads_masks_and_trims():
     """10 rows on 4 ranks: shards of 3, the last holds 1 real row; the column sum masks the padding and
     needs exactly one all-reduce; outputs come back at the true size."""
-    graph = sr.trace(lambda x: snp.sum(snp.log(x), axis=0), sr.TensorSpec((10, 6)))
+    graph = sr.trace(lambda x: snp.sum(snp.log(x), axis=0), sr.TensorSpec((10, 6), "float64"))
     program = sr.partition(graph, MESH_4, in_specs=[("x", None)])
     assert program.inputs[0].sharding.local_shape((10, 6), MESH_4) == (3, 6)
     assert [i.op for i in program.instrs if i.op not in ("parameter",)] == [
@@ -124,7 +124,7 @@ def test_uneven_batch_on_4_ranks_pads_masks_and_trims():
 
 
 def test_uneven_run_local_takes_and_returns_true_blocks():
-    program = sr.partition(sr.trace(lambda x: x * 2.0, sr.TensorSpec((10,))), MESH_4, in_specs=[("x",)],
+    program = sr.partition(sr.trace(lambda x: x * 2.0, sr.TensorSpec((10,), "float64")), MESH_4, in_specs=[("x",)],
                            out_specs=[("x",)])
     x = np.arange(10.0)
     blocks = [x[0:3], x[3:6], x[6:9], x[9:10]]
@@ -135,6 +135,6 @@ def test_uneven_run_local_takes_and_returns_true_blocks():
 
 def test_conflicting_mesh_is_refused():
     other = sr.Mesh((4,), ("y",))
-    graph = sr.trace(lambda x: sr.mesh_split(x, other, ("y", None)) * 2.0, sr.TensorSpec((8, 8)))
+    graph = sr.trace(lambda x: sr.mesh_split(x, other, ("y", None)) * 2.0, sr.TensorSpec((8, 8), "float64"))
     with pytest.raises(ValueError, match="partition mesh"):
         sr.partition(graph, MESH_4)

@@ -140,7 +140,7 @@ TABLE = [
 def _args(specs, rng):
     out = []
     for s in specs:
-        spec = s if isinstance(s, sr.TensorSpec) else sr.TensorSpec(s)
+        spec = s if isinstance(s, sr.TensorSpec) else sr.TensorSpec(s, "float64")
         out.append(np.int64(rng.integers(-3, 20)) if spec.dtype == "int64" else rng.standard_normal(spec.shape))
     return out
 
@@ -149,7 +149,7 @@ def _args(specs, rng):
 @pytest.mark.parametrize("name,fn,specs,mesh,in_specs,out_specs,expected,note", TABLE, ids=[t[0] for t in TABLE])
 def test_collectives_notes_and_numerics(name, fn, specs, mesh, in_specs, out_specs, expected, note):
     rng = np.random.default_rng(3)
-    graph = sr.trace(fn, *[s if isinstance(s, sr.TensorSpec) else sr.TensorSpec(s) for s in specs])
+    graph = sr.trace(fn, *[s if isinstance(s, sr.TensorSpec) else sr.TensorSpec(s, "float64") for s in specs])
     program = sr.partition(graph, mesh, in_specs=in_specs, out_specs=out_specs)
     assert collectives(program) == expected, str(program)
     if note is None:
@@ -163,7 +163,7 @@ def test_collectives_notes_and_numerics(name, fn, specs, mesh, in_specs, out_spe
 
 def test_halo_shift_moves_one_row_from_the_next_shard():
     """x[1:] kept split: block j is rows [1, 4) of its own block and row 0 of block j+1: one row per rank."""
-    program = sr.partition(sr.trace(shift_left, sr.TensorSpec((16, 8))), MESH_4, in_specs=[SPLIT],
+    program = sr.partition(sr.trace(shift_left, sr.TensorSpec((16, 8), "float64")), MESH_4, in_specs=[SPLIT],
                            out_specs=[SPLIT])
     (permute,) = [i for i in program.instrs if i.op == "collective_permute"]
     assert sorted(permute.attrs["pairs"]) == [(1, 0), (2, 1), (3, 2)]  # shard 3 receives nothing: its padding
@@ -171,11 +171,11 @@ def test_halo_shift_moves_one_row_from_the_next_shard():
 
 
 def test_reverse_even_swaps_blocks_and_uneven_moves_one_block_per_rank():
-    even = sr.partition(sr.trace(flip_rows, sr.TensorSpec((16, 8))), MESH_4, in_specs=[SPLIT], out_specs=[SPLIT])
+    even = sr.partition(sr.trace(flip_rows, sr.TensorSpec((16, 8), "float64")), MESH_4, in_specs=[SPLIT], out_specs=[SPLIT])
     (permute,) = [i for i in even.instrs if i.op == "collective_permute"]
     assert sorted(permute.attrs["pairs"]) == [(0, 3), (1, 2), (2, 1), (3, 0)]
     assert even.wire_bytes == 4 * 8 * 8
-    uneven = sr.partition(sr.trace(flip_rows, sr.TensorSpec((10, 8))), MESH_4, in_specs=[SPLIT], out_specs=[SPLIT])
+    uneven = sr.partition(sr.trace(flip_rows, sr.TensorSpec((10, 8), "float64")), MESH_4, in_specs=[SPLIT], out_specs=[SPLIT])
     # blocks of 3 rows, 2 rows of padding: block j = row 2 of reversed block 3-j + rows 0..1 of block 2-j
     assert uneven.wire_bytes == 3 * 8 * 8
 
@@ -184,13 +184,13 @@ def test_reverse_even_swaps_blocks_and_uneven_moves_one_block_per_rank():
 def test_dynamic_slice_on_split_dim_plan_and_bytes():
     """The issue's required check: a 2-row window of 16 rows on 4 shards is an owned window (zeros outside
     each shard's rows) plus ONE all-reduce of the 2-row result, not a gather of the operand."""
-    graph = sr.trace(window(2), sr.TensorSpec((16, 8)), I64)
+    graph = sr.trace(window(2), sr.TensorSpec((16, 8), "float64"), I64)
     program = sr.partition(graph, MESH_4, in_specs=[SPLIT, None], out_specs=[R])
     assert [i.op for i in program.instrs if i.op not in ("parameter", "constant")] == [
         "shard_index", "owned_dynamic_slice", "all_reduce"]  # the constant: the start 0 of dim 1
     (summary,) = program.comm_summary()
     assert (summary["kind"], summary["axes"], summary["bytes_in"]) == ("all_reduce", ("x",), 2 * 8 * 8)
-    gather = sr.partition(sr.trace(window(12), sr.TensorSpec((16, 8)), I64), MESH_4, in_specs=[SPLIT, None],
+    gather = sr.partition(sr.trace(window(12), sr.TensorSpec((16, 8), "float64"), I64), MESH_4, in_specs=[SPLIT, None],
                           out_specs=[R])
     assert gather.wire_bytes < 2 * 3 / 4 * 12 * 8 * 8  # cheaper than all-reducing the 12-row result
 
@@ -206,7 +206,7 @@ def test_dynamic_slice_and_update_clamp_globally_for_every_start(mesh, spec, n, 
         outs = [snp.dynamic_slice(x, [s + t, 0], (size, 3)) for t in range(-3, n + 4)]
         ups = [snp.dynamic_update_slice(x, u, [s + t, s - t]) for t in range(-3, n + 4)]
         return snp.stack(outs), snp.stack(ups)
-    graph = sr.trace(fn, sr.TensorSpec((n, 5)), sr.TensorSpec((size, 3)), I64)
+    graph = sr.trace(fn, sr.TensorSpec((n, 5), "float64"), sr.TensorSpec((size, 3), "float64"), I64)
     program = sr.partition(graph, mesh, in_specs=[spec, None, None])
     x, u = np.arange(n * 5.0).reshape(n, 5), -np.arange(1.0, size * 3 + 1).reshape(size, 3)
     clamp = lambda s, total, m: min(max(s, 0), total - m)
@@ -223,7 +223,7 @@ def test_dynamic_slice_and_update_clamp_globally_for_every_start(mesh, spec, n, 
 @pytest.mark.parametrize("fn,n", [(plus_iota, 16), (lambda x: x + snp.broadcasted_iota("float64", x.shape, 0), 10)],
                          ids=["arange_even", "broadcasted_iota_uneven"])
 def test_iota_block_is_computed_per_shard_without_a_global_constant(fn, n):
-    program = sr.partition(sr.trace(fn, sr.TensorSpec((n, 8))), MESH_4, in_specs=[SPLIT], out_specs=[SPLIT])
+    program = sr.partition(sr.trace(fn, sr.TensorSpec((n, 8), "float64")), MESH_4, in_specs=[SPLIT], out_specs=[SPLIT])
     (iota,) = [i for i in program.instrs if i.op == "iota"]
     assert iota.shape[0] == -(-n // 4) == iota.attrs["block"] and "shard_index" in [i.op for i in program.instrs]
     assert all(i.op != "constant" or np.size(i.attrs["value"]) <= 1 for i in program.instrs)
@@ -233,7 +233,7 @@ def test_iota_block_is_computed_per_shard_without_a_global_constant(fn, n):
 
 def test_owned_window_partial_sum_is_bitwise_exact():
     """Non-owners contribute -0.0, the exact additive identity: -0.0, NaN and -inf come through unchanged."""
-    program = sr.partition(sr.trace(head, sr.TensorSpec((16, 4))), MESH_4, in_specs=[SPLIT], out_specs=[R])
+    program = sr.partition(sr.trace(head, sr.TensorSpec((16, 4), "float64")), MESH_4, in_specs=[SPLIT], out_specs=[R])
     assert collectives(program) == [("all_reduce", ("x",))]
     x = np.ones((16, 4))
     x[1, 0], x[0, 1], x[0, 2] = -0.0, np.nan, -np.inf
@@ -244,7 +244,7 @@ def test_owned_window_partial_sum_is_bitwise_exact():
 
 def test_bool_data_never_takes_the_all_reduce_plan():
     """A partial sum of bools is not an MPI reduction: a bool window on a split dim is gathered (noted)."""
-    graph = sr.trace(lambda x: (x > 0)[:2], sr.TensorSpec((16, 8)))
+    graph = sr.trace(lambda x: (x > 0)[:2], sr.TensorSpec((16, 8), "float64"))
     with pytest.warns(UserWarning, match="gathered on split dims"):
         program = sr.partition(graph, MESH_4, in_specs=[SPLIT], out_specs=[R])
     assert collectives(program) == [("all_gather", ("x",))]
@@ -255,7 +255,7 @@ def test_bool_data_never_takes_the_all_reduce_plan():
 def test_program_with_halo_and_owned_ops_survives_save_and_load(tmp_path):
     def fn(x, s):
         return x[1:] * 2.0 + snp.flip(x, 0)[:-1], snp.dynamic_slice(x, [s, 1], (2, 3)) + snp.arange(3.0)
-    graph = sr.trace(fn, sr.TensorSpec((10, 4)), I64)
+    graph = sr.trace(fn, sr.TensorSpec((10, 4), "float64"), I64)
     program = sr.partition(graph, MESH_4, in_specs=[SPLIT, None], out_specs=[SPLIT, None])
     program.save(tmp_path / "p.json")
     loaded = sr.load_program(tmp_path / "p.json")
@@ -289,7 +289,7 @@ def test_getitem_partitioned_on_uneven_split(key):
 def test_traced_scalar_index_wraps_negatives_and_clamps():
     def fn(x, i):
         return x[i], x[-i, 1:]
-    graph = sr.trace(fn, sr.TensorSpec((10, 4)), I64)
+    graph = sr.trace(fn, sr.TensorSpec((10, 4), "float64"), I64)
     program = sr.partition(graph, MESH_4, in_specs=[SPLIT, None])
     x = np.arange(40.0).reshape(10, 4)
     for i in (0, 3, 9, -1, -10, 12, -15):  # out of range: XLA clamps after the one wrap
@@ -308,7 +308,7 @@ def test_traced_scalar_index_wraps_negatives_and_clamps():
 ])
 def test_getitem_errors_state_the_rule(key, error, match):
     with pytest.raises(error, match=match):
-        sr.trace(lambda t: t[key], sr.TensorSpec((9, 6, 4)))
+        sr.trace(lambda t: t[key], sr.TensorSpec((9, 6, 4), "float64"))
 
 
 @pytest.mark.parametrize("fn,match", [
@@ -326,7 +326,7 @@ def test_getitem_errors_state_the_rule(key, error, match):
 ])
 def test_api_errors_state_the_rule(fn, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        sr.trace(fn, sr.TensorSpec((8, 5)))
+        sr.trace(fn, sr.TensorSpec((8, 5), "float64"))
 
 
 @pytest.mark.parametrize("args,kwargs", [((7,), {}), ((2, 11, 3), {}), ((5, -4, -2), {}), ((0.5, 3.0, 0.25), {}),
@@ -400,7 +400,7 @@ def test_partitioned_gradient_of_a_finite_difference_loss():
     def loss(x):
         d = x[1:] - x[:-1]
         return snp.sum(d * d) + snp.sum(snp.flip(x, 0)[:3] * x[:3])
-    graph = sr.trace(grad(loss), sr.TensorSpec((10, 3)))
+    graph = sr.trace(grad(loss), sr.TensorSpec((10, 3), "float64"))
     program = sr.partition(graph, MESH_4, in_specs=[SPLIT], out_specs=[SPLIT])
     x = np.random.default_rng(2).standard_normal((10, 3))
     assert_all_ranks(program, [x], sr.evaluate(graph, x), tol=1e-12)

@@ -97,7 +97,7 @@ def test_reference_matches_loops(case):
 ])
 def test_api_errors_state_the_rule(fn, match):
     with pytest.raises(ValueError, match=match):
-        sr.trace(fn, sr.TensorSpec((2, 3, 6)), sr.TensorSpec((4, 3, 3)))
+        sr.trace(fn, sr.TensorSpec((2, 3, 6), "float64"), sr.TensorSpec((4, 3, 3), "float64"))
 
 
 # ---------------------------------------------------------------- halo plans, every shard emulated
@@ -312,7 +312,7 @@ def test_propagation_spatial_like_elementwise_features_by_role():
         h = snp.maximum(snp.conv(x, k1, 1, "SAME"), 0.0)
         p = snp.reduce_window(h, "max", (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
         return snp.cumsum(snp.conv(p, k2, 1, "SAME"), axis=2)
-    graph = sr.trace(net, sr.TensorSpec((4, 3, 16, 8)), sr.TensorSpec((6, 3, 3, 3)), sr.TensorSpec((5, 6, 3, 3)))
+    graph = sr.trace(net, sr.TensorSpec((4, 3, 16, 8), "float64"), sr.TensorSpec((6, 3, 3, 3), "float64"), sr.TensorSpec((5, 6, 3, 3), "float64"))
     program = sr.partition(graph, MESH_2x4)
     split = sr.Sharding((("data",), (), ("model",), ()))
     assert program.outputs[0].sharding == split
@@ -325,8 +325,8 @@ def test_propagation_spatial_like_elementwise_features_by_role():
 
 
 def test_depthwise_feature_split_propagates_to_the_output_features():
-    graph = sr.trace(lambda x, k: snp.conv(x, k, 1, "SAME", feature_group_count=8), sr.TensorSpec((2, 8, 10)),
-                     sr.TensorSpec((16, 1, 3)))
+    graph = sr.trace(lambda x, k: snp.conv(x, k, 1, "SAME", feature_group_count=8), sr.TensorSpec((2, 8, 10), "float64"),
+                     sr.TensorSpec((16, 1, 3), "float64"))
     program = sr.partition(graph, MESH_4, in_specs=[(None, "x", None), None])
     assert program.outputs[0].sharding == sr.Sharding(((), ("x",), ()))
     assert program.inputs[1].sharding == sr.Sharding((("x",), (), ()))

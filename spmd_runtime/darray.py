@@ -1,0 +1,184 @@
+"""DArray: a distributed array, one block per rank (JAX's sharded ``jax.Array``, DTensor's ``DTensor``).
+
+A DArray knows its global shape and dtype, its mesh and sharding, and holds
+this rank's TRUE local block (uneven tails are short, as ``run_local`` takes
+them). ``sr.jit`` functions take and return DArrays, so a chain of calls never
+materialises a global array; ``gather()`` / ``np.asarray(d)`` build the global
+value on every rank (a collective unless the array is replicated).
+
+Constructors: ``device_put`` (every rank has the global array, or a DArray to
+reshard), ``from_local`` (every rank has its own block), ``scatter_from_root``
+(only the root has the data: it sends each rank its block). All of them check
+collectively, so bad input raises on every rank.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .exec.backend import to_host
+from .exec.runner import block_slices, communicator, shard, unshard
+from .mesh import Mesh, get_mesh
+from .sharding import P, Sharding, parse_spec, to_spec
+
+
+class DArray:
+    """Global ``shape``/``dtype`` on ``mesh`` laid out as ``sharding``; ``local`` is this rank's block."""
+    __array_priority__ = 1000
+
+    def __init__(self, local, shape, dtype, mesh: Mesh, sharding: Sharding, comm=None):
+        self.local, self.shape, self.dtype = local, tuple(shape), np.dtype(dtype)
+        self.mesh, self.sharding, self.comm = mesh, sharding, comm
+
+    ndim = property(lambda self: len(self.shape))
+    size = property(lambda self: int(np.prod(self.shape)))
+    nbytes = property(lambda self: self.size * self.dtype.itemsize)
+    spec = property(lambda self: to_spec(self.sharding))
+
+    def __repr__(self):
+        return (f"DArray({self.dtype.name}{list(self.shape)} {self.sharding} on {self.mesh}, "
+                f"local {self.dtype.name}{list(self.local.shape)})")
+
+    def gather(self):
+        """The global array on every rank (collective: all-gathers the split dims, reduces partial sums)."""
+        mc = communicator(self.mesh, self.comm)
+        return _global_value(self, mc)
+
+    def __array__(self, dtype=None, copy=None):
+        out = to_host(self.gather())
+        return out if dtype is None else out.astype(dtype)
+
+    def block_slices(self, rank: int | None = None) -> tuple[slice, ...]:
+        """The global index of ``rank``'s block (default: this rank)."""
+        if rank is None:
+            rank = communicator(self.mesh, self.comm).rank
+        return block_slices(self.shape, self.sharding, self.mesh, rank)
+
+
+def _global_value(d: DArray, mc):
+    from .comm import collectives
+    from .exec.backend import get_array_module
+
+    xp = get_array_module("cupy" if type(d.local).__module__.startswith("cupy") else "numpy")
+    x = xp.asarray(d.local)
+    if d.sharding.partial:
+        x = collectives.all_reduce(mc, x, d.sharding.partial, d.sharding.reduce_op)
+    padded = d.sharding.local_shape(d.shape, d.mesh)
+    widths = [(0, want - have) for have, want in zip(x.shape, padded)]
+    if any(w for _, w in widths):
+        x = xp.pad(x, widths)
+    return unshard(x, d.sharding, d.shape, mc)
+
+
+def _resolve(mesh, spec, ndim: int, what: str) -> tuple[Mesh, Sharding]:
+    mesh = mesh if mesh is not None else get_mesh(required_by=what)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{what} needs a Mesh; got {type(mesh).__name__}")
+    return mesh, parse_spec(P() if spec is None else spec, mesh, ndim, what)
+
+
+def _agree(mc, error: str | None, payload=None) -> list:
+    """Every rank's payload; raises on every rank if any rank has an error."""
+    gathered = mc.comm.allgather((error, payload))
+    failed = {r: e for r, (e, _) in enumerate(gathered) if e is not None}
+    if failed:
+        details = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+        raise ValueError(f"every rank must pass valid input; got errors on rank(s) {sorted(failed)}: {details}")
+    return [p for _, p in gathered]
+
+
+def device_put(x, spec=None, mesh: Mesh | None = None, comm=None) -> DArray:
+    """``x`` laid out as ``spec`` (a ``P``; default replicated) on ``mesh`` (default: the context mesh).
+
+    ``x`` is the same global array on every rank (each keeps its block: no
+    communication) or a DArray (resharded by one partitioned program)."""
+    if isinstance(x, DArray):
+        from .jit import jit
+        target = spec if spec is not None else P()
+        return jit(lambda a: a, mesh=mesh or x.mesh, out_specs=target, comm=comm or x.comm)(x)
+    x = np.asarray(x) if not hasattr(x, "__array_namespace__") and not hasattr(x, "shape") else x
+    mesh, sharding = _resolve(mesh, spec, x.ndim, "device_put")
+    mc = communicator(mesh, comm)
+    error = None
+    try:
+        sharding.check(mesh, tuple(x.shape), what=f"device_put array {x.dtype}{list(x.shape)}")
+        if sharding.partial:
+            raise ValueError(f"device_put lays out a global value, which is not a partial sum; got spec {spec!r} "
+                             f"(use sr.from_local for per-rank summands)")
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    shapes = _agree(mc, error, (tuple(x.shape), np.dtype(x.dtype).name))
+    if len(set(shapes)) > 1:
+        raise ValueError(f"device_put takes the same global array on every rank; got shapes/dtypes "
+                         f"{dict(enumerate(shapes))}")
+    return DArray(shard(x, sharding, mesh, mc.rank), x.shape, x.dtype, mesh, sharding, comm)
+
+
+def from_local(block, spec=None, mesh: Mesh | None = None, shape=None, comm=None) -> DArray:
+    """A DArray from every rank's own true block (collective: ranks exchange block shapes and check them).
+
+    ``shape``: the global shape; by default summed from the blocks along each split dim."""
+    mesh, sharding = _resolve(mesh, spec, np.ndim(block), "from_local")
+    mc = communicator(mesh, comm)
+    meta = (tuple(block.shape), np.dtype(block.dtype).name)
+    blocks = _agree(mc, None, meta)
+    error = _check_blocks(blocks, sharding, mesh, shape)
+    if error is None:
+        shape = tuple(shape) if shape is not None else _global_shape(blocks, sharding, mesh)
+    _agree(mc, error)
+    return DArray(block, shape, block.dtype, mesh, sharding, comm)
+
+
+def _global_shape(blocks, sharding: Sharding, mesh: Mesh) -> tuple[int, ...]:
+    shape = []
+    for dim, axes in enumerate(sharding.dims):
+        by_index = {mesh.index_along(r, axes): b[0][dim] for r, b in enumerate(blocks)}
+        shape.append(sum(by_index.values()))
+    return tuple(shape)
+
+
+def _check_blocks(blocks, sharding, mesh, shape) -> str | None:
+    dtypes = {b[1] for b in blocks}
+    if len(dtypes) > 1:
+        return f"from_local blocks share one dtype; got {dict(enumerate(b[1] for b in blocks))}"
+    if len(blocks) != mesh.size:
+        return f"from_local runs on the {mesh.size} ranks of {mesh}; got {len(blocks)} ranks"
+    shape = tuple(shape) if shape is not None else _global_shape(blocks, sharding, mesh)
+    try:
+        sharding.check(mesh, shape, what=f"from_local array {list(shape)}")
+    except ValueError as e:
+        return str(e)
+    for r, (got, _) in enumerate(blocks):
+        want = tuple(s.stop - s.start for s in block_slices(shape, sharding, mesh, r))
+        if got != want:
+            return (f"rank {r}'s block of a {list(shape)} array laid out as {sharding} on {mesh} must have shape "
+                    f"{list(want)} (blocks of ceil(n/k), the tail short); got {list(got)}")
+    return None
+
+
+def scatter_from_root(x, spec=None, mesh: Mesh | None = None, root: int = 0, comm=None) -> DArray:
+    """A DArray from data only ``root`` has (``x`` is ignored elsewhere): root sends each rank its block
+    (point-to-point buffers, no pickled arrays)."""
+    mesh = mesh if mesh is not None else get_mesh(required_by="scatter_from_root")
+    mc = communicator(mesh, comm)
+    meta, error = None, None
+    if mc.rank == root:
+        try:
+            x = np.ascontiguousarray(to_host(x))
+            meta = (tuple(x.shape), x.dtype.str)
+            _resolve(mesh, spec, x.ndim, "scatter_from_root")[1].check(mesh, x.shape, "scatter_from_root array")
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            error = f"{type(e).__name__}: {e}"
+    error, meta = mc.comm.bcast((error, meta), root=root)
+    if error is not None:
+        raise ValueError(f"scatter_from_root: the root rank {root} could not lay out its array: {error}")
+    shape, dtype = meta
+    _, sharding = _resolve(mesh, spec, len(shape), "scatter_from_root")
+    if mc.rank == root:
+        for r in range(mesh.size):
+            if r != root:
+                mc.comm.Send(np.ascontiguousarray(x[block_slices(shape, sharding, mesh, r)]), dest=r, tag=77)
+        local = x[block_slices(shape, sharding, mesh, root)].copy()
+    else:
+        local = np.empty(tuple(s.stop - s.start for s in block_slices(shape, sharding, mesh, mc.rank)), dtype)
+        mc.comm.Recv(local, source=root, tag=77)
+    return DArray(local, shape, dtype, mesh, sharding, comm)

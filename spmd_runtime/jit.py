@@ -1,0 +1,223 @@
+"""``sr.jit``: trace, partition and run in one call, cached per input signature (``jax.jit``).
+
+The signature of a call is the pytree structure of the non-static arguments,
+each leaf's shape, dtype and (for DArrays) sharding, and the static arguments.
+A new signature traces and partitions once; later calls with it reuse the
+program. Every call first checks, collectively, that all ranks have the same
+signature and compiled without error, so a rank with different shapes (or a
+failed trace) raises on EVERY rank before any collective of the run.
+
+Arguments may be DArrays (their blocks are used as they are: nothing global is
+built) or global arrays present on every rank (each rank keeps its block).
+Results are DArrays in the function's output structure.
+"""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from . import pytree
+from .darray import DArray
+from .exec.runner import communicator, run_local, shard
+from .graph import TensorSpec
+from .mesh import Mesh, get_mesh
+from .partition import partition
+from .profile import profiling
+from .sharding import P, Sharding
+from .trace import trace
+
+
+def jit(fn=None, *, mesh: Mesh | None = None, in_specs=None, out_specs=None, static_argnums=(), profile=None,
+        comm=None):
+    """``fn`` compiled for ``mesh`` (default: the context mesh at call time).
+
+    ``in_specs`` / ``out_specs``: ``P`` specs as a pytree prefix of the
+    arguments (a tuple, one entry per non-static argument) / of the result;
+    ``None`` leaves it to propagation (a DArray argument keeps its own
+    sharding). ``static_argnums``: positions passed to ``fn`` as Python values
+    (part of the cache key). ``profile``: a directory; each call writes one
+    Chrome trace per rank there (see ``spmd_runtime.profile``).
+    """
+    if fn is None:
+        return lambda f: jit(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, static_argnums=static_argnums,
+                             profile=profile, comm=comm)
+    return Jitted(fn, mesh, in_specs, out_specs, static_argnums, profile, comm)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, (P, Sharding))
+
+
+class Jitted:
+    def __init__(self, fn, mesh, in_specs, out_specs, static_argnums, profile, comm):
+        self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
+        self.static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+        self.profile, self.comm = profile, comm
+        self._cache: dict = {}
+        self.hits = self.misses = 0
+        self.__name__ = getattr(fn, "__name__", "jitted")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def cache_info(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "size": len(self._cache)}
+
+    # ------------------------------------------------------------ calling
+    def __call__(self, *args):
+        mesh, comm = self._mesh(args), self._comm(args)
+        mc = communicator(mesh, comm)
+        (program, leaves), error = self._compiled_or_error(mesh, args), None
+        if isinstance(program, str):
+            program, error = None, program
+        digest = None if program is None else program.hash
+        _agree_call(mc, digest, error, _describe_args(args), self.__name__)
+        blocks = [x.local if isinstance(x, DArray) else shard(x, s.sharding, mesh, mc.rank)
+                  for x, s in zip(leaves, program.inputs)]
+        with profiling(self.profile, f"jit({self.__name__})"):
+            outs = run_local(program, *blocks, comm=comm)
+        return program.out_tree.unflatten(DArray(o, s.shape, s.dtype, mesh, s.sharding, comm)
+                                          for o, s in zip(outs, program.outputs))
+
+    def lower(self, *args):
+        """The SPMDProgram this call would run (traced and partitioned, cached; nothing runs)."""
+        program, _ = self._compiled(self._mesh(args), args)
+        return program
+
+    def _compiled_or_error(self, mesh, args):
+        try:
+            return self._compiled(mesh, args)
+        except Exception as e:  # noqa: BLE001 - agreed on by every rank before anything runs
+            return f"{type(e).__name__}: {e}", None
+
+    def _compiled(self, mesh, args):
+        static, dynamic = self._split(args)
+        leaves, tree = pytree.flatten(dynamic)
+        leaves = [_as_leaf(x) for x in leaves]
+        for path, x in pytree.flatten_with_path(dynamic)[0]:
+            if isinstance(x, DArray) and x.mesh != mesh:
+                raise ValueError(f"a DArray argument must live on the jit mesh {mesh}; got "
+                                 f"{pytree.keystr(path, 'args')} on {x.mesh} (move it with sr.device_put(x, spec, "
+                                 f"mesh))")
+        key = (tree, _static_key(static), mesh,
+               tuple((tuple(x.shape), np.dtype(x.dtype).name, x.sharding if isinstance(x, DArray) else None)
+                     for x in leaves))
+        program = self._cache.get(key)
+        if program is None:
+            self.misses += 1
+            program = self._cache[key] = self._build(mesh, static, dynamic, leaves, tree)
+        else:
+            self.hits += 1
+        return program, leaves
+
+    def _build(self, mesh, static, dynamic, leaves, tree):
+        specs = self._input_specs(dynamic, leaves)
+        fn, positions = self.fn, [i for i in range(len(static) + len(dynamic)) if i not in static]
+
+        def traced(*dyn):
+            full = [None] * (len(static) + len(dyn))
+            for i, v in static.items():
+                full[i] = v
+            for i, v in zip(positions, dyn):
+                full[i] = v
+            return fn(*full)
+        traced.__signature__ = _dynamic_signature(fn, positions)
+        with mesh:
+            graph = trace(traced, *tree.unflatten(TensorSpec(tuple(x.shape), np.dtype(x.dtype).name) for x in leaves))
+            outs = None
+            if self.out_specs is not None:
+                outs = pytree.broadcast_prefix(self.out_specs, graph.out_tree.unflatten([0] * len(graph.outputs)),
+                                               _is_spec, "out_specs")
+            return partition(graph, mesh, in_specs=specs, out_specs=outs)
+
+    def _input_specs(self, dynamic, leaves) -> list:
+        specs = [None] * len(leaves) if self.in_specs is None else \
+            pytree.broadcast_prefix(tuple(self.in_specs) if isinstance(self.in_specs, list) else self.in_specs,
+                                    dynamic, _is_spec, "in_specs")
+        names = [pytree.keystr(p, "args") for p, _ in pytree.flatten_with_path(dynamic)[0]]
+        for k, (x, spec) in enumerate(zip(leaves, specs)):
+            if isinstance(x, DArray):
+                if spec is not None and x.mesh is not None and _sharding(spec, x) != x.sharding:
+                    raise ValueError(f"in_specs must match the layout of a DArray argument; got {spec!r} for "
+                                     f"{names[k]}, laid out as {x.sharding} (reshard it with sr.device_put)")
+                specs[k] = x.sharding
+        return specs
+
+    def _split(self, args):
+        bad = [i for i in self.static if not 0 <= i < len(args)]
+        if bad:
+            raise ValueError(f"static_argnums must index the {len(args)} arguments; got {bad}")
+        return {i: args[i] for i in self.static}, tuple(a for i, a in enumerate(args) if i not in self.static)
+
+    def _mesh(self, args) -> Mesh:
+        if self.mesh is not None:
+            return self.mesh
+        mesh = get_mesh()
+        if mesh is None:  # the mesh of a DArray argument
+            mesh = next((x.mesh for x in pytree.flatten(args)[0] if isinstance(x, DArray)), None)
+        if mesh is None:
+            get_mesh(required_by=f"jit({self.__name__})")
+        return mesh
+
+    def _comm(self, args):
+        if self.comm is not None:
+            return self.comm
+        return next((x.comm for x in pytree.flatten(args)[0] if isinstance(x, DArray)), None)
+
+
+def _sharding(spec, x):
+    from .sharding import parse_spec
+    return parse_spec(spec, x.mesh, x.ndim, "in_specs")
+
+
+def _as_leaf(x):
+    """Arrays and DArrays as they are; Python scalars as 0-d arrays (float32, int64, bool)."""
+    if isinstance(x, DArray) or (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return x
+    if isinstance(x, bool):
+        return np.asarray(x)
+    if isinstance(x, (int, float)):
+        return np.asarray(x, "float32" if isinstance(x, float) else "int64")
+    raise TypeError(f"jit arguments are pytrees of arrays, DArrays or Python numbers; got {type(x).__name__} "
+                    f"(mark Python values static with static_argnums)")
+
+
+def _static_key(static: dict):
+    try:
+        hash(tuple(static.items()))
+    except TypeError as e:
+        raise TypeError(f"static arguments key the cache, so they must be hashable; got {static!r}") from e
+    return tuple(sorted((i, repr(v)) for i, v in static.items()))
+
+
+def _dynamic_signature(fn, positions):
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return None
+    chosen = [params[i].replace(kind=inspect.Parameter.POSITIONAL_ONLY, default=inspect.Parameter.empty)
+              if i < len(params) else inspect.Parameter(f"arg{i}", inspect.Parameter.POSITIONAL_ONLY)
+              for i in positions]
+    return inspect.Signature(chosen)
+
+
+def _describe_args(args) -> str:
+    return repr(pytree.tree_map(lambda x: f"{np.dtype(x.dtype).name}{list(x.shape)}" if hasattr(x, "shape")
+                                else x, args))
+
+
+def _agree_call(mc, digest, error, described, name):
+    """One allgather: every rank compiled without error to the same program, or every rank raises."""
+    gathered = mc.comm.allgather((digest, error, described))
+    failed = {r: e for r, (_, e, _) in enumerate(gathered) if e is not None}
+    if failed:
+        details = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+        raise ValueError(f"jit({name}) compiles on every rank before it runs; got errors on rank(s) "
+                         f"{sorted(failed)}: {details}")
+    if len({d for d, _, _ in gathered}) > 1:
+        groups: dict = {}
+        for r, (d, _, desc) in enumerate(gathered):
+            groups.setdefault((d, desc), []).append(r)
+        details = "; ".join(f"ranks {ranks}: {desc}" for (_, desc), ranks in groups.items())
+        raise ValueError(f"jit({name}) must be called with the same argument shapes, dtypes, shardings and "
+                         f"structure on every rank; got {details}")
