@@ -7,9 +7,14 @@ import sys
 
 import numpy as np
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.communicator import AgreedError, agree
+from .darray import DArray
 from .exec import run as run_program
+from .exec import run_local
+from .exec.runner import shard
 from .exec.backend import to_host
+from .profile import summarize
 from .program import load_program
 
 
@@ -31,7 +36,6 @@ def main(argv=None) -> int:
     prof.add_argument("--top", type=int, default=10)
     args = parser.parse_args(argv)
     if args.cmd == "profile":
-        from .profile import summarize
         print(summarize(args.directory, args.top))
         return 0
     return _run(args) if args.cmd == "run" else _show(args)
@@ -63,7 +67,6 @@ def _run(args) -> int:
         print(f"spmd_runtime: rank {comm.Get_rank()}: {e}", file=sys.stderr, flush=True)
         return 1
     if not args.out.endswith(".npz"):
-        from .exec.runner import shard
         return _save_blocks(program, [shard(o, s.sharding, program.mesh, comm.Get_rank())
                                       for o, s in zip(outs, program.outputs)], args.out, comm)
     if comm.Get_rank() == 0:
@@ -86,9 +89,6 @@ def _load(args):
 def _run_sharded(args, comm) -> int:
     """Inputs from a sharded directory: each rank memory-maps only its own blocks; nothing global is built
     unless --out is an .npz (every rank then gathers the outputs and rank 0 writes them)."""
-    from .checkpoint import load_checkpoint
-    from .darray import DArray
-    from .exec import run_local
     try:
         program, error = load_program(args.program), None
     except Exception as e:  # noqa: BLE001 - agreed on below, so every rank reports it
@@ -114,7 +114,6 @@ def _run_sharded(args, comm) -> int:
 
 
 def _save_blocks(program, blocks, directory, comm) -> int:
-    from .checkpoint import save_checkpoint
     save_checkpoint(directory, {f"out{i}": to_host(b) for i, b in enumerate(blocks)}, program, comm=comm)
     if comm.Get_rank() == 0:
         print(f"wrote {len(blocks)} sharded outputs to {directory}")

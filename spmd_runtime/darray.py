@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .exec.backend import to_host
-from .exec.runner import block_slices, communicator, shard, unshard
+from .comm import collectives
+from .exec.backend import get_array_module, to_host
+from .exec.runner import block_slices, communicator, run_local, shard, unshard
+from .graph import TensorSpec
+from .partition import partition
+from .trace import trace
 from .mesh import Mesh, get_mesh
 from .sharding import P, Sharding, parse_spec, to_spec
 
@@ -55,9 +59,6 @@ class DArray:
 
 
 def _global_value(d: DArray, mc):
-    from .comm import collectives
-    from .exec.backend import get_array_module
-
     xp = get_array_module("cupy" if type(d.local).__module__.startswith("cupy") else "numpy")
     x = xp.asarray(d.local)
     if d.sharding.partial:
@@ -92,9 +93,7 @@ def device_put(x, spec=None, mesh: Mesh | None = None, comm=None) -> DArray:
     ``x`` is the same global array on every rank (each keeps its block: no
     communication) or a DArray (resharded by one partitioned program)."""
     if isinstance(x, DArray):
-        from .jit import jit
-        target = spec if spec is not None else P()
-        return jit(lambda a: a, mesh=mesh or x.mesh, out_specs=target, comm=comm or x.comm)(x)
+        return _reshard(x, spec if spec is not None else P(), mesh or x.mesh, comm or x.comm)
     x = np.asarray(x) if not hasattr(x, "__array_namespace__") and not hasattr(x, "shape") else x
     mesh, sharding = _resolve(mesh, spec, x.ndim, "device_put")
     mc = communicator(mesh, comm)
@@ -111,6 +110,17 @@ def device_put(x, spec=None, mesh: Mesh | None = None, comm=None) -> DArray:
         raise ValueError(f"device_put takes the same global array on every rank; got shapes/dtypes "
                          f"{dict(enumerate(shapes))}")
     return DArray(shard(x, sharding, mesh, mc.rank), x.shape, x.dtype, mesh, sharding, comm)
+
+
+def _reshard(x: DArray, spec, mesh: Mesh, comm) -> DArray:
+    """``x`` laid out as ``spec``: one partitioned identity program (the resharding planner's collectives)."""
+    if mesh != x.mesh:
+        raise ValueError(f"device_put reshards a DArray on its own mesh {x.mesh}; got mesh {mesh} (save it with "
+                         f"sr.save_checkpoint and load it onto the other mesh)")
+    graph = trace(lambda a: a, TensorSpec(x.shape, x.dtype.name))
+    program = partition(graph, mesh, in_specs=[x.sharding], out_specs=[spec])
+    out, = run_local(program, x.local, comm=comm)
+    return DArray(out, x.shape, x.dtype, mesh, program.outputs[0].sharding, comm)
 
 
 def from_local(block, spec=None, mesh: Mesh | None = None, shape=None, comm=None) -> DArray:

@@ -24,7 +24,7 @@ from .graph import TensorSpec
 from .mesh import Mesh, get_mesh
 from .partition import partition
 from .profile import profiling
-from .sharding import P, Sharding
+from .sharding import P, Sharding, parse_spec
 from .trace import trace
 
 
@@ -165,7 +165,6 @@ class Jitted:
 
 
 def _sharding(spec, x):
-    from .sharding import parse_spec
     return parse_spec(spec, x.mesh, x.ndim, "in_specs")
 
 

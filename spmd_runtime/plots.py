@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+try:  # optional: the viz extra
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as _plt
+except ImportError:
+    _plt = None
+
 
 def _pyplot(what: str):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # files only, no display
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
+    if _plt is None:
         print(f"skipping {what}: matplotlib is not installed (pip install 'spmd_runtime[viz]')")
-        return None
+    return _plt
 
 
 def loss_curve_png(path, losses, reference=None, title: str = "training loss") -> Path | None:

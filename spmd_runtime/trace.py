@@ -8,6 +8,8 @@ import numpy as np
 
 from . import pytree
 from .graph import Graph, TensorSpec
+from .mesh import Mesh, get_mesh
+from .sharding import parse_spec_free
 
 _state = threading.local()
 
@@ -143,9 +145,6 @@ def mesh_split(x: Tensor, *mesh_and_spec, name: str | None = None) -> Tensor:
     propagation). ``name`` labels the value in listings, reports, notes and
     errors. Returns the annotated tensor; propagation completes the rest.
     """
-    from .mesh import Mesh, get_mesh  # local: sharding does not depend on tracing
-    from .sharding import parse_spec_free
-
     if not isinstance(x, Tensor):
         raise TypeError(f"mesh_split annotates a traced tensor; got {type(x).__name__}")
     if len(mesh_and_spec) == 2 and isinstance(mesh_and_spec[0], Mesh):

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import itertools
 
+try:  # optional: the viz extra
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+except ImportError:
+    Console = escape = Table = None
+
 from .comm.simulated import is_lead_rank
+from .darray import DArray
 from .mesh import Mesh, get_mesh
 from .sharding import Sharding, block_bounds, parse_spec
 
@@ -36,8 +44,6 @@ def visualize_sharding(x, mesh: Mesh | None = None, shape=None, use_rich: bool |
 
 
 def _layout(x, mesh, shape):
-    from .darray import DArray
-
     if isinstance(x, DArray):
         return x.sharding, x.mesh, x.shape
     mesh = mesh if mesh is not None else get_mesh(required_by="visualize_sharding of a spec")
@@ -84,9 +90,7 @@ def _ranks(ranks) -> str:
 def _want_rich(use_rich) -> bool:
     if use_rich is False:
         return False
-    try:
-        import rich  # noqa: F401
-    except ImportError:
+    if Table is None:
         if use_rich:
             raise ImportError("visualize_sharding(use_rich=True) needs rich: pip install 'spmd_runtime[viz]'; "
                               "got no rich module") from None
@@ -108,10 +112,6 @@ def _plain(rows, ncols, title) -> str:
 
 
 def _rich(rows, ncols, title) -> str:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
     table = Table(show_header=False, show_lines=True)
     for _ in range(ncols):
         table.add_column(justify="center")
