@@ -45,7 +45,7 @@ def test_every_table_program_and_a_training_step_load_back(tmp_path):
 
 
 def _saved(tmp_path):
-    graph = sr.trace(lambda x, w: snp.exp(x @ w).sum(axis=0), sr.TensorSpec((8, 6)), sr.TensorSpec((6, 4)))
+    graph = sr.trace(lambda x, w: snp.exp(x @ w).sum(axis=0), sr.TensorSpec((8, 6), "float64"), sr.TensorSpec((6, 4), "float64"))
     program = sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None), None])
     program.save(tmp_path / "p.json")
     return json.loads((tmp_path / "p.json").read_text())
@@ -97,7 +97,7 @@ def test_keyed_hmac_authenticates_program_files(tmp_path, monkeypatch):
     monkeypatch.setenv("SPMD_PROGRAM_KEY", "s3cret")
     with pytest.raises(ValueError, match="must carry an HMAC made with that key; got none"):
         sr.load_program(tmp_path / "p.json")
-    graph = sr.trace(lambda x: x * 2.0, sr.TensorSpec((4,)))
+    graph = sr.trace(lambda x: x * 2.0, sr.TensorSpec((4,), "float64"))
     sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x",)]).save(tmp_path / "k.json")
     assert sr.load_program(tmp_path / "k.json") is not None
     monkeypatch.setenv("SPMD_PROGRAM_KEY", "other")
@@ -124,6 +124,6 @@ def test_tracing_errors_say_what_to_use_instead():
             x @ np.ones((5, 2))
         assert "'Y'" not in str(info.value)
         return np.ones(4) * x + np.float64(2.0) * x  # NumPy operands still defer to the Tensor's operators
-    graph = sr.trace(body, sr.TensorSpec((3, 4)))
+    graph = sr.trace(body, sr.TensorSpec((3, 4), "float64"))
     x = np.arange(12.0).reshape(3, 4)
     np.testing.assert_array_equal(sr.evaluate(graph, x)[0], 3 * x)

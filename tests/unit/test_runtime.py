@@ -10,7 +10,7 @@ MESH = sr.Mesh((2,), ("x",))
 
 
 def _program():
-    return sr.partition(sr.trace(lambda a: (snp.exp(a) * 2.0).sum(), sr.TensorSpec((6,))), MESH, in_specs=[("x",)])
+    return sr.partition(sr.trace(lambda a: (snp.exp(a) * 2.0).sum(), sr.TensorSpec((6,), "float64")), MESH, in_specs=[("x",)])
 
 
 def _errors(fn):
@@ -57,7 +57,7 @@ def test_rank_local_input_errors_are_agreed_on():
         shape, dtype = (6,), "no-such-dtype"
     for m in _errors(lambda comm: sr.run(program, Odd() if comm.Get_rank() else np.arange(6.0), comm=comm)):
         assert "got errors on rank(s) [1]: global input" in m and "must be an array of float64[6]" in m
-    other = sr.partition(sr.trace(lambda a: a.sum(), sr.TensorSpec((6,))), sr.Mesh((3,), ("x",)), in_specs=[("x",)])
+    other = sr.partition(sr.trace(lambda a: a.sum(), sr.TensorSpec((6,), "float64")), sr.Mesh((3,), ("x",)), in_specs=[("x",)])
     for m in _errors(lambda comm: sr.run(other if comm.Get_rank() else program, np.arange(6.0), comm=comm)):
         assert "got errors on rank(s) [1]: a program on Mesh(x=3) needs one MPI process per mesh device (3)" in m
 
