@@ -54,7 +54,7 @@ def deep_scan(length):
     def f(h, ws):
         c, _ = sr.scan(lambda c, w: (snp.tanh(c @ w), None), h, ws)
         return c
-    return sr.trace(f, sr.TensorSpec((8, 4)), sr.TensorSpec((length, 4, 4)))
+    return sr.trace(f, sr.TensorSpec((8, 4), "float64"), sr.TensorSpec((length, 4, 4), "float64"))
 
 
 def test_body_is_partitioned_once_whatever_the_length():
@@ -90,7 +90,7 @@ def test_xs_and_ys_keep_their_other_dims_split():
 
     def f(xs):
         xs = sr.mesh_split(xs, mesh, (None, "x"))
-        return sr.scan(lambda c, x: (c + snp.sum(x), x * 2.0), snp.zeros(()), xs)[1]
+        return sr.scan(lambda c, x: (c + snp.sum(x), x * 2.0), snp.zeros((), "float64"), xs)[1]
     program = sr.partition(sr.trace(f, np.ones((5, 8))), mesh)
     body = next(i for i in program.instrs if i.op == "scan").attrs["body"]
     assert str(body.inputs[1].sharding) == "[x]" and str(program.outputs[0].sharding) == "[R, x]"
@@ -103,7 +103,7 @@ def test_split_scanned_dim_is_gathered_with_a_note():
 
     def f(xs):
         xs = sr.mesh_split(xs, mesh, ("x", None))
-        return sr.scan(lambda c, x: (c + x, c), snp.zeros(3), xs)
+        return sr.scan(lambda c, x: (c + x, c), snp.zeros(3, "float64"), xs)
     xs = np.arange(12.0).reshape(4, 3)
     with pytest.warns(UserWarning, match=r"runs over dim 0 of .* split over \('x',\): all-gathered"):
         program = sr.partition(sr.trace(f, xs), mesh)
@@ -124,7 +124,7 @@ def test_remat_lowers_peak_memory():
         def loss(h, ws):
             body = sr.remat(lambda c, w: (snp.tanh((c @ w) * (c @ w)), None), policy)
             return snp.sum(sr.scan(body, h, ws)[0])
-        graph = sr.trace(sr.grad(loss, (0, 1)), sr.TensorSpec((64, 32)), sr.TensorSpec((16, 32, 32)))
+        graph = sr.trace(sr.grad(loss, (0, 1)), sr.TensorSpec((64, 32), "float64"), sr.TensorSpec((16, 32, 32), "float64"))
         return sr.partition(graph, sr.Mesh((1,), ("x",)))
     peaks = {p: program(p).peak_bytes() for p in ("everything_saveable", "dots_saveable", "nothing_saveable")}
     assert peaks["nothing_saveable"] < peaks["dots_saveable"] < peaks["everything_saveable"], peaks
@@ -144,7 +144,7 @@ def test_comm_summary_counts_a_loop_body_collective_per_iteration():
 
 # ---------------------------------------------------------------- errors
 def trace_error(fn, *specs):
-    return lambda: sr.trace(fn, *[sr.TensorSpec(s) for s in specs])
+    return lambda: sr.trace(fn, *[sr.TensorSpec(s, "float64") for s in specs])
 
 
 @pytest.mark.parametrize("fn,specs,error,message", [
