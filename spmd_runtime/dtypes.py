@@ -45,7 +45,12 @@ def dtype(name) -> np.dtype:
 def is_floating(dt) -> bool:
     """True for float16/32/64 and bfloat16 (which NumPy does not count as np.floating)."""
     dt = np.dtype(dt)
-    return np.issubdtype(dt, np.floating) or dt == BFLOAT16
+    return np.issubdtype(dt, np.floating) or is_bfloat16(dt)
+
+
+def is_bfloat16(dt) -> bool:
+    """``dt`` is bfloat16 (compared only when ml_dtypes is there: ``np.dtype(x) == None`` is True for float64)."""
+    return BFLOAT16 is not None and np.dtype(dt) == BFLOAT16
 
 
 def is_low_precision(dt) -> bool:
@@ -57,7 +62,7 @@ def result_type(*xs) -> np.dtype:
     """``np.result_type`` with Python scalars weak (NEP 50) for bfloat16 too: ml_dtypes promotes
     ``bfloat16`` with a Python float to float64, JAX's rule keeps bfloat16."""
     strong = [x.dtype if hasattr(x, "dtype") else x for x in xs if not isinstance(x, (bool, int, float))]
-    if strong and any(np.dtype(d) == BFLOAT16 for d in strong):
+    if strong and any(is_bfloat16(d) for d in strong):
         out = np.result_type(*strong)
         if is_floating(out):
             return out
@@ -67,12 +72,12 @@ def result_type(*xs) -> np.dtype:
 def finfo(dt):
     """``np.finfo`` that also knows bfloat16."""
     dt = np.dtype(dt)
-    return ml_dtypes.finfo(dt) if dt == BFLOAT16 else np.finfo(dt)
+    return ml_dtypes.finfo(dt) if is_bfloat16(dt) else np.finfo(dt)
 
 
 def check_backend(xp, dt) -> None:
     """Refuse a dtype the array module ``xp`` cannot hold (CuPy has no bfloat16)."""
-    if np.dtype(dt) == BFLOAT16 and getattr(xp, "__name__", "") == "cupy":
+    if is_bfloat16(dt) and getattr(xp, "__name__", "") == "cupy":
         raise TypeError("the CuPy backend has no bfloat16 dtype (float16 is native); got a bfloat16 value: "
                         "use float16 on GPUs or SPMD_BACKEND=numpy")
 

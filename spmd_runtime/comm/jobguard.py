@@ -10,9 +10,8 @@ one process (``SPMD_ABORT_ON_ERROR=0`` opts out), like ``python -m mpi4py``:
   status 1 the normal way (no abort, no second traceback).
 - SIGINT and SIGTERM abort the whole job, also while the rank is blocked
   inside an MPI call (``signal.set_wakeup_fd`` wakes the watchdog thread).
-- the watchdog thread (``watchdog.py``): ``SPMD_TIMEOUT`` and peers that exit.
-- ``atexit`` (before MPI_Finalize): stop the watchdog, tell the peers this rank
-  is leaving, so a peer still waiting for it aborts instead of hanging.
+- the watchdog thread (``watchdog.py``): ``SPMD_TIMEOUT``.
+- ``atexit`` (before MPI_Finalize): stop the watchdog.
 """
 from __future__ import annotations
 
@@ -115,7 +114,6 @@ def _at_exit() -> None:
     dog = _state.get("watchdog")
     if dog is not None:
         dog.stop()
-        dog.announce_exit()
 
 
 __all__ = ["install", "abort_job", "launched_by_mpi"]

@@ -11,11 +11,14 @@ COMM_WORLD with tag ``TAG``; a stopped rank cannot answer), prints one report
 and aborts the job. Frames marked with ``@context`` (the interpreter's run loop)
 add the instruction being executed.
 
-The same thread also ends the job when:
-- this rank gets SIGINT/SIGTERM while blocked inside MPI (the Python handler
-  only runs between bytecodes; ``signal.set_wakeup_fd`` wakes this thread);
-- a peer announces that it exited (its atexit hook, before MPI_Finalize) while
-  this rank is blocked in a collective for more than ``EXIT_GRACE`` seconds.
+The same thread also ends the job when this rank gets SIGINT/SIGTERM while
+blocked inside MPI (the Python handler only runs between bytecodes;
+``signal.set_wakeup_fd`` wakes this thread).
+
+A peer that exits early (its script ends while others still wait for it) is
+caught by the timeout, not sooner: announcing an exit to the peers at atexit
+made MPICH SIGKILL ordinary 8-rank jobs that finalized with those messages in
+flight, so ranks send nothing at exit.
 
 API for other modules: ``@collective(describe)`` on any function that waits for
 peers (a nonblocking collective's wait, say), ``collective_closures(binder,
@@ -35,7 +38,6 @@ import types
 
 TAG = 31415  # control messages on COMM_WORLD; every point-to-point receive of the runtime names its own tag
 PERIOD = 0.1  # seconds between samples
-EXIT_GRACE = 1.0  # a collective still blocked this long after a peer exited cannot complete
 ANSWER_WAIT = 1.0  # how long a report waits for the peers' answers
 
 _SITES: dict = {}  # code object -> describe(frame): functions that wait for peers
@@ -114,7 +116,6 @@ class Watchdog:
     def __init__(self, comm, abort, timeout: float | None, signal_fd: int | None = None):
         self.comm, self.abort, self.timeout, self.signal_fd = comm, abort, timeout, signal_fd
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.exited: dict[int, float] = {}
         self._seen: dict[int, tuple] = {}  # thread id -> (innermost marked frame, first seen)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="spmd-watchdog", daemon=True)
@@ -164,17 +165,13 @@ class Watchdog:
             first = held[1] if held is not None and held[0] is site else now
             seen[tid] = (site, first)
             waited = now - first
-            if self.exited and waited >= EXIT_GRACE:
-                gone = sorted(self.exited)
-                self._report(frame, waited, f"rank(s) {gone} exited (their script ended or called exit) "
-                                            f"while rank {self.rank} waits for them")
-            elif self.timeout is not None and waited >= self.timeout:
+            if self.timeout is not None and waited >= self.timeout:
                 self._report(frame, waited, f"no peer completed it within SPMD_TIMEOUT={self.timeout:g} s")
         self._seen = seen  # holding the frames keeps their ids from being reused by a later call
 
     # ------------------------------------------------------------------ control messages
     def _serve(self) -> None:
-        """Answer 'where are you?' queries and note exit announcements."""
+        """Answer 'where are you?' queries."""
         from mpi4py import MPI
         status = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
@@ -182,8 +179,6 @@ class Watchdog:
             kind, payload = self.comm.recv(source=source, tag=TAG)
             if kind == "where?":
                 self._send(source, ("here", self._here()))
-            elif kind == "exit":
-                self.exited.setdefault(source, time.monotonic())
             elif kind == "here":  # an answer that came after its report gave up waiting
                 pass
 
@@ -201,12 +196,6 @@ class Watchdog:
     def _send(self, dest: int, message) -> None:
         request = self.comm.isend(message, dest=dest, tag=TAG)
         _complete(request, 0.5)
-
-    def announce_exit(self) -> None:
-        """Tell every peer that this rank is leaving (called at exit, before MPI_Finalize)."""
-        requests = [self.comm.isend(("exit", None), dest=p, tag=TAG) for p in range(self.size) if p != self.rank]
-        for r in requests:
-            _complete(r, 0.5)
 
     def _report(self, frame, waited: float, why: str) -> None:
         """Ask every peer where it is, then abort with one report."""
@@ -226,8 +215,6 @@ class Watchdog:
                     answers[source] = payload
                 elif kind == "where?":
                     self._send(source, ("here", self._here()))
-                elif kind == "exit":
-                    self.exited.setdefault(source, time.monotonic())
             else:
                 time.sleep(0.01)
         absent = [p for p in range(self.size) if p != self.rank and (p not in answers or mine not in answers[p])]
@@ -236,9 +223,7 @@ class Watchdog:
         for p in range(self.size):
             if p == self.rank:
                 continue
-            if p in self.exited:
-                lines.append(f"  rank {p}: exited")
-            elif p in answers:
+            if p in answers:
                 lines.append(f"  rank {p}: {answers[p]}")
             else:
                 lines.append(f"  rank {p}: no answer within {ANSWER_WAIT:g} s (stopped, killed, or blocked "

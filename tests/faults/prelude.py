@@ -18,7 +18,7 @@ X = np.arange(4.0 * SIZE)
 
 def program(mesh=MESH):
     """sum(exp(x) * 2) with x split over the mesh: one all-reduce."""
-    return sr.partition(sr.trace(lambda a: (snp.exp(a) * 2.0).sum(), sr.TensorSpec((4 * SIZE,))), mesh,
+    return sr.partition(sr.trace(lambda a: (snp.exp(a) * 2.0).sum(), sr.TensorSpec((4 * SIZE,), "float64")), mesh,
                         in_specs=[("x",)], fuse=False)  # unfused: a case may patch one op's kernel
 
 

@@ -119,7 +119,9 @@ def _cases() -> list[Case]:
             if RANK == 1:
                 fault("sys.exit(0) before the run")
                 sys.exit(0)
-            sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waited", "rank(s) [1] exited", "rank 1: exited"]),
+            sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waited", "no peer completed it within SPMD_TIMEOUT",
+                               "ranks that never arrived there: [1]"],
+             env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),  # no exit announcement: see watchdog.py
         Case("different inputs on one rank", """
             p = program()
             fault("rank 1 passes other values")
@@ -204,7 +206,7 @@ def _cli_setup(kind: str, where: str) -> list:
     sys.path.insert(0, ROOT)
     import spmd_runtime as sr
     import spmd_runtime.numpy as snp
-    graph = sr.trace(lambda a: (snp.exp(a) * 2.0).sum(), sr.TensorSpec((8,)))
+    graph = sr.trace(lambda a: (snp.exp(a) * 2.0).sum(), sr.TensorSpec((8,), "float64"))
     good = os.path.join(where, "p.json")
     sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x",)], fuse=False).save(good)  # %5 = reduce
     np.savez(os.path.join(where, "in.npz"), a=np.arange(8.0))
