@@ -51,7 +51,7 @@ def install() -> bool:
         return bool(_state)
     if not launched_by_mpi():
         return False
-    from mpi4py import MPI
+    from mpi4py import MPI  # not at the top: importing it initialises MPI
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 2:
         return False
@@ -75,7 +75,7 @@ def abort_job(message: str, comm=None, code: int = 1) -> None:
         time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
     finally:
         if comm is None:
-            from mpi4py import MPI
+            from mpi4py import MPI  # not at the top: importing it initialises MPI
             comm = _state.get("comm", MPI.COMM_WORLD)
         comm.Abort(code)
         os._exit(code)  # MPI_Abort may return before the launcher kills this process

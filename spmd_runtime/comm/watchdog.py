@@ -172,7 +172,7 @@ class Watchdog:
     # ------------------------------------------------------------------ control messages
     def _serve(self) -> None:
         """Answer 'where are you?' queries."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # not at the top: importing it initialises MPI
         status = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
             source = status.Get_source()
@@ -199,7 +199,7 @@ class Watchdog:
 
     def _report(self, frame, waited: float, why: str) -> None:
         """Ask every peer where it is, then abort with one report."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # not at the top: importing it initialises MPI
         mine = where(frame)
         for p in range(self.size):
             if p != self.rank:
