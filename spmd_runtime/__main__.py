@@ -1,4 +1,4 @@
-"""Command line: ``python -m spmd_runtime {run,show} PROGRAM ...`` (run under mpiexec), ``profile DIR``."""
+"""Command line: ``python -m spmd_runtime {run,show} PROGRAM ...``, ``calibrate`` (under mpiexec), ``profile DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 
+from .calibrate import calibrate, write_profile
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.communicator import AgreedError, agree
 from .darray import DArray
@@ -34,11 +35,36 @@ def main(argv=None) -> int:
     prof = sub.add_parser("profile", help="merge the per-rank traces of DIR; print top ops and MPI time per rank")
     prof.add_argument("directory")
     prof.add_argument("--top", type=int, default=10)
+    cal = sub.add_parser("calibrate", help="measure alpha/beta of every collective per group size (under mpiexec) "
+                                           "and write a cost profile for partition(cost_profile=...)")
+    cal.add_argument("--out", default="cost_profile.json", help="profile file rank 0 writes")
+    cal.add_argument("--sizes", default="1024,16384,131072,1048576", help="bytes per rank, comma-separated")
+    cal.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     if args.cmd == "profile":
         print(summarize(args.directory, args.top))
         return 0
-    return _run(args) if args.cmd == "run" else _show(args)
+    return {"run": _run, "show": _show, "calibrate": _calibrate}[args.cmd](args)
+
+
+def _calibrate(args) -> int:
+    try:  # the same command line on every rank: every rank refuses it alike, before any collective
+        sizes = tuple(int(s) for s in args.sizes.split(","))
+        if min(sizes) < 1 or args.repeats < 1:
+            raise ValueError
+    except ValueError:
+        print(f"spmd_runtime calibrate: --sizes must be positive byte counts (comma-separated) and --repeats >= 1; "
+              f"got --sizes {args.sizes!r} --repeats {args.repeats}", file=sys.stderr, flush=True)
+        return 2
+    from mpi4py import MPI  # here, not at the top: importing it initialises MPI, which `show` does not need
+    comm = MPI.COMM_WORLD
+    doc = calibrate(comm, sizes, args.repeats)
+    if comm.Get_rank() == 0:
+        write_profile(doc, args.out)
+        for f in doc["fits"]:
+            print(f"{f['op']:<19} k={f['k']:<3} alpha={f['alpha'] * 1e6:9.2f} us  beta={f['beta'] * 1e9:8.3f} ns/B")
+        print(f"wrote {args.out} (use partition(..., cost_profile=...) or SPMD_COST_PROFILE={args.out})")
+    return 0
 
 
 def _show(args) -> int:
@@ -121,10 +147,11 @@ def _save_blocks(program, blocks, directory, comm) -> int:
 
 
 def format_comm_summary(program) -> str:
-    rows = [f"{'#':>3} {'collective':<19} {'axes':<14} {'k':>3} {'bytes in':>12} {'bytes out':>12} {'wire bytes':>12}"]
+    rows = [f"{'#':>3} {'collective':<19} {'axes':<14} {'k':>3} {'bytes in':>12} {'bytes out':>12} {'wire bytes':>12}"
+            f" {'predicted us':>12}"]
     for i, c in enumerate(program.comm_summary()):
         rows.append(f"{i:>3} {c['kind']:<19} {','.join(c['axes']):<14} {c['group_size']:>3} {c['bytes_in']:>12} "
-                    f"{c['bytes_out']:>12} {c['wire_bytes']:>12.0f}")
+                    f"{c['bytes_out']:>12} {c['wire_bytes']:>12.0f} {c['predicted_s'] * 1e6:>12.1f}")
     rows.append(f"    total wire bytes per rank: {program.wire_bytes:.0f}")
     return "\n".join(rows)
 

@@ -1,10 +1,21 @@
 """Cost model of collectives: bytes each rank puts on the wire (GSPMD_NOTES.md section 5).
 
 Bandwidth-optimal algorithms over k ranks; the latency model is alpha + beta * bytes.
+``CostModel`` prices one collective for the partitioner's choices (einsum strategies,
+resharding plans): the ring-formula wire bytes by default, or, from a profile that
+``python -m spmd_runtime calibrate`` measured on the machine, alpha + beta * wire bytes
+per collective and group size, expressed in bytes of the default model's link
+(``SECONDS_PER_BYTE``) so that it adds up with ``BYTES_PER_FLOP``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import contextvars
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 from .mesh import Mesh
 
@@ -38,15 +49,92 @@ def group_size(step_op: str, attrs: dict, mesh: Mesh) -> int:
     return mesh.size if step_op == "collective_permute" else mesh.axis_size(attrs["axes"])
 
 
+# The default model's link, ~10 GB/s (what BYTES_PER_FLOP assumes): turns measured seconds into bytes.
+SECONDS_PER_BYTE = 1e-10
+PROFILE_ENV = "SPMD_COST_PROFILE"  # a profile file the partitioner uses when partition() is given none
+PROFILE_FORMAT = "spmd_runtime.cost_profile"
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """What one collective costs, in bytes-equivalent units (what plan and strategy costs add up).
-
-    The default is the ring-formula wire bytes; a measured profile (stage: ``calibrate``) replaces it."""
+    """What one collective costs. ``fits``: measured (op, group size, alpha seconds, beta seconds per wire byte);
+    empty for the ring-formula default. An all_to_allv is priced as k - 1 collective_permute rounds."""
     name: str = "ring"
+    fits: tuple = ()
+    _by_op: dict = field(default=None, init=False, compare=False, hash=False, repr=False)
+
+    def __post_init__(self):
+        by_op: dict = {}
+        for op, k, alpha, beta in self.fits:
+            by_op.setdefault(op, []).append((int(k), float(alpha), float(beta)))
+        object.__setattr__(self, "_by_op", by_op)
+
+    def seconds(self, op: str, k: int, bytes_in: int, bytes_out: int, sent: float | None = None) -> float:
+        """Predicted time of one collective: alpha + beta * wire bytes, or wire bytes over the default link."""
+        wire = wire_bytes(op, k, bytes_in, bytes_out, sent)
+        if wire == 0:
+            return 0.0
+        fit = self._fit("collective_permute" if op == "all_to_allv" else op, k)
+        if fit is None:
+            return wire * SECONDS_PER_BYTE
+        alpha, beta = fit
+        return alpha * (max(k - 1, 1) if op == "all_to_allv" else 1) + beta * wire
 
     def collective(self, op: str, k: int, bytes_in: int, bytes_out: int, sent: float | None = None) -> float:
-        return wire_bytes(op, k, bytes_in, bytes_out, sent)
+        """The cost the partitioner compares: wire bytes (default) or predicted seconds in bytes of the link."""
+        if not self.fits:
+            return wire_bytes(op, k, bytes_in, bytes_out, sent)
+        return self.seconds(op, k, bytes_in, bytes_out, sent) / SECONDS_PER_BYTE
+
+    def _fit(self, op, k):
+        """(alpha, beta) measured for ``op`` at the group size nearest ``k`` (by ratio), or None."""
+        rows = self._by_op.get(op)
+        if not rows:
+            return None
+        _, alpha, beta = min(rows, key=lambda r: (abs(math.log(r[0] / k)), r[0]))
+        return alpha, beta
+
+    @classmethod
+    def load(cls, path) -> "CostModel":
+        """A model from a profile file written by ``python -m spmd_runtime calibrate``."""
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"a cost profile must have format {PROFILE_FORMAT!r} (write one with "
+                             f"`mpiexec -n N python -m spmd_runtime calibrate`); got {doc.get('format')!r} in {path}")
+        return cls(f"profile:{os.path.basename(str(path))}",
+                   tuple((f["op"], f["k"], f["alpha"], f["beta"]) for f in doc["fits"]))
 
 
 DEFAULT_MODEL = CostModel()
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("spmd_cost_model", default=None)
+
+
+def resolve_model(profile=None) -> CostModel:
+    """``profile``: a CostModel, a profile path, or None (the file named by $SPMD_COST_PROFILE, else the default)."""
+    if isinstance(profile, CostModel):
+        return profile
+    path = profile if profile is not None else os.environ.get(PROFILE_ENV)
+    if not path:
+        return DEFAULT_MODEL
+    stat = os.stat(path)
+    return _load_cached(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=16)
+def _load_cached(path, mtime, size) -> CostModel:
+    return CostModel.load(path)
+
+
+def active_model() -> CostModel:
+    """The model of the partition() call in progress (the default outside one)."""
+    return _ACTIVE.get() or DEFAULT_MODEL
+
+
+@contextlib.contextmanager
+def using(model: CostModel):
+    token = _ACTIVE.set(model)
+    try:
+        yield model
+    finally:
+        _ACTIVE.reset(token)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .mesh import Mesh
-from .cost import group_size, wire_bytes
+from .cost import DEFAULT_MODEL, CostModel, group_size, wire_bytes
 from .opdef import lookup
 from .dtypes import LOW_PRECISION, dtype as parse_dtype
 from .program_check import check_program
@@ -66,25 +66,31 @@ class SPMDProgram:
     in_tree: object = field(default=None, repr=False)  # pytree structures of the traced function; not saved
     out_tree: object = field(default=None, repr=False)
     names: dict = field(default_factory=dict, repr=False)  # slot -> the user's name (mesh_split(name=...))
+    cost_model: CostModel = field(default=DEFAULT_MODEL, repr=False, compare=False)  # prices collectives; not saved
 
     # ------------------------------------------------------------ summaries
-    def comm_summary(self) -> list[dict]:
-        """One dict per collective: kind, axes, group_size, bytes_in, bytes_out, wire_bytes (per rank).
-        A collective inside a loop body appears once, with ``trips`` (iterations of a scan; 1 for a while
-        loop or cond, whose count is known only at run time) and its wire bytes multiplied by them."""
+    def comm_summary(self, cost_model: CostModel | None = None) -> list[dict]:
+        """One dict per collective: kind, axes, group_size, bytes_in, bytes_out, wire_bytes (per rank) and
+        predicted_s, its time under ``cost_model`` (default: the program's own, a calibrated profile or else
+        the default link). A collective inside a loop body appears once, with ``trips`` (iterations of a
+        scan; 1 for a while loop or cond, whose count is known only at run time) and its wire bytes and
+        predicted seconds multiplied by them; bodies are priced with the enclosing program's model."""
+        model = self.cost_model if cost_model is None else cost_model
         sizes = {i.out: i.nbytes for i in self.instrs}
         out = []
         for ins in self.instrs:
             if lookup(ins.op).collective:
                 k = group_size(ins.op, ins.attrs, self.mesh)
                 b_in = sizes[ins.args[0]]
+                sent = ins.attrs.get("wire_bytes")
                 out.append({"kind": ins.op, "axes": tuple(ins.attrs.get("axes", self.mesh.axis_names)),
                             "group_size": k, "bytes_in": b_in, "bytes_out": ins.nbytes,
-                            "wire_bytes": wire_bytes(ins.op, k, b_in, ins.nbytes, ins.attrs.get("wire_bytes"))})
+                            "wire_bytes": wire_bytes(ins.op, k, b_in, ins.nbytes, sent),
+                            "predicted_s": model.seconds(ins.op, k, b_in, ins.nbytes, sent)})
             for body in _bodies(ins):
                 trips = ins.attrs.get("length", 1)
-                out += [{**c, "trips": c.get("trips", 1) * trips, "wire_bytes": c["wire_bytes"] * trips}
-                        for c in body.comm_summary()]
+                out += [{**c, "trips": c.get("trips", 1) * trips, "wire_bytes": c["wire_bytes"] * trips,
+                         "predicted_s": c["predicted_s"] * trips} for c in body.comm_summary(model)]
         return out
 
     @property

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cost import resolve_model, using
 from ..graph import Graph, Node
 from ..mesh import Mesh
 from ..opdef import OPS, lookup
@@ -110,7 +111,8 @@ def _moves_nothing(step, mesh: Mesh) -> bool:
         mesh.axis_size(step.attrs["axes"]) == 1
 
 
-def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: bool | None = None) -> SPMDProgram:
+def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: bool | None = None,
+              cost_profile=None) -> SPMDProgram:
     """Partition ``graph`` over ``mesh`` into one SPMD program.
 
     ``in_specs`` / ``out_specs``: one ``mesh_split``-style spec per graph
@@ -118,7 +120,19 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     An out spec that disagrees with a value's own annotation reshards at the output.
     ``fuse``: fuse elementwise chains into ``fusion`` instructions (``partition/fusion.py``); None (default)
     fuses unless ``$SPMD_FUSE`` is 0.
+    ``cost_profile``: a profile file from ``python -m spmd_runtime calibrate`` (or a ``CostModel``) that prices
+    the collectives when choosing strategies and resharding plans; default: $SPMD_COST_PROFILE, else the
+    ring-formula wire bytes.
     """
+    model = resolve_model(cost_profile)
+    with using(model):
+        program = _partition(graph, mesh, in_specs, out_specs)
+    program = fused_program(program) if fusion_enabled(fuse) else program
+    program.cost_model = model
+    return program
+
+
+def _partition(graph, mesh, in_specs, out_specs) -> SPMDProgram:
     graph = _resolve_unconstrained(graph, mesh, in_specs, out_specs)
     fixed = _user_shardings(graph, mesh, in_specs)
     out_targets = _output_shardings(graph, mesh, out_specs, fixed)
@@ -132,8 +146,7 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
             _name_notes(ctx, node, before)
     ctx.node = None
     outputs = [ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
-    program = _finish(ctx, graph, prop, outputs)
-    return fused_program(program) if fusion_enabled(fuse) else program
+    return _finish(ctx, graph, prop, outputs)
 
 
 def fused_program(program: SPMDProgram) -> SPMDProgram:

@@ -46,7 +46,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..cost import COLLECTIVES, DEFAULT_MODEL, CostModel, group_size
+from ..cost import COLLECTIVES, DEFAULT_MODEL, CostModel, active_model, group_size
 from ..mesh import Mesh
 from ..sharding import Sharding
 
@@ -74,11 +74,12 @@ def plan_reshard(src: Sharding, dst: Sharding, shape: tuple[int, ...], mesh: Mes
     """The cheapest steps found that turn a tensor of global ``shape`` laid out as ``src`` into ``dst``."""
     if dst.partial and (dst.partial, dst.reduce_op) != (src.partial, src.reduce_op):
         raise ValueError(f"resharding can only keep partial sums as they are, not create them; got {src} -> {dst}")
-    return _plan(src, dst, tuple(shape), mesh, int(itemsize), model or DEFAULT_MODEL)
+    return _plan(src, dst, tuple(shape), mesh, int(itemsize), model or active_model())
 
 
 def plan_cost(src: Sharding, dst: Sharding, shape, dtype, mesh: Mesh, model: CostModel | None = None) -> float:
-    """Cost of the plan src -> dst (wire bytes per rank under the default model)."""
+    """Cost of the plan src -> dst (wire bytes per rank under the default model; the model of the partition()
+    call in progress unless ``model`` is given)."""
     if src == dst:
         return 0.0
     return plan_reshard(src, dst, shape, mesh, np.dtype(dtype).itemsize, model).cost
