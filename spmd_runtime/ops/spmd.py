@@ -36,12 +36,15 @@ def _bind_collective(interp, ins):
 
 @opdef.bind(ALL_TO_ALLV)
 def _bind_all_to_allv(interp, ins):
-    """This rank's rounds of (peer, slices) from the planner's exchange table, resolved once."""
-    table = exchange_table(ins.attrs["src_dims"], ins.attrs["dst_dims"], ins.global_shape, interp.program.mesh,
-                           tuple(ins.attrs["partial_axes"]))
+    """This rank's rounds of (peer, slices) from the planner's exchange table, resolved once (window maps
+    included: a slice, pad or concatenation along a split dim)."""
+    a = ins.attrs
+    operand = interp.program.instrs[ins.args[0]].global_shape
+    table = exchange_table(a["src_dims"], a["dst_dims"], operand, interp.program.mesh, tuple(a["partial_axes"]),
+                           a.get("maps"))
     rank = interp.mc.rank
     return partial(collectives.all_to_allv, interp.mc, sends=table.sends[rank], recvs=table.recvs[rank],
-                   out_shape=ins.shape)
+                   out_shape=ins.shape, fill=a.get("fill", 0))
 
 
 def _shard(interp, ins) -> int:

@@ -399,28 +399,32 @@ class ExchangeTable:
 
 
 @lru_cache(maxsize=1 << 12)
-def exchange_table(src_dims, dst_dims, shape, mesh: Mesh, partial=()) -> ExchangeTable:
+def exchange_table(src_dims, dst_dims, shape, mesh: Mesh, partial=(), maps=None) -> ExchangeTable:
+    """``maps`` (one per dim, None for the identity): (offset, stride, size): target entry j of a dim of
+    ``size`` is source entry offset + stride * j (entries off the source stay the fill value): slices, pads
+    and shifts along split dims move exactly the entries they need."""
     src_dims, dst_dims = tuple(map(tuple, src_dims)), tuple(map(tuple, dst_dims))
+    maps = tuple(maps) if maps is not None else (None,) * len(shape)
+    out_shape = tuple(n if m is None else m[2] for n, m in zip(shape, maps))
     split = {a for d in src_dims for a in d}
     free = [a for a in mesh.axis_names if a not in split and a not in partial]
     pieces = {r: {} for r in mesh.devices}  # holder -> {receiver: (source slices, target slices)}
     remote = []
     for q in mesh.devices:
         coords = mesh.coords(q)
-        want = [_block(n, d, mesh, q) for n, d in zip(shape, dst_dims)]
-        per_dim = [_overlaps(n, d, mesh, lo, hi) for n, d, (lo, hi) in zip(shape, src_dims, want)]
+        want = [_block(m, d, mesh, q) for m, d in zip(out_shape, dst_dims)]
+        per_dim = [_overlaps(n, d, mesh, lo, hi, f) for n, d, (lo, hi), f in zip(shape, src_dims, want, maps)]
         for combo in itertools.product(*per_dim):
             fixed = dict(coords)
             for d, (index, _, _) in zip(src_dims, combo):
                 fixed.update(_split_index(index, d, mesh))
-            piece = (tuple(slice(a - start, b - start) for _, (a, b), start in combo),
-                     tuple(slice(a - lo, b - lo) for (_, (a, b), _), (lo, _) in zip(combo, want)))
+            piece = tuple(c[1] for c in combo), tuple(c[2] for c in combo)
             if fixed == coords:
                 pieces[q][q] = piece
                 continue
             holders = [mesh.rank_at({**fixed, **dict(zip(free, f))})
                        for f in itertools.product(*(range(mesh.axis_size(a)) for a in free))]
-            remote.append((-_count(piece[0]), mesh.devices.index(q), q, mesh.rank_at(fixed), holders, piece))
+            remote.append((-_count(piece[1]), mesh.devices.index(q), q, mesh.rank_at(fixed), holders, piece))
     load, received = dict.fromkeys(mesh.devices, 0), dict.fromkeys(mesh.devices, 0)
     differ = set()
     for size, _, q, default, holders, piece in sorted(remote, key=lambda t: t[:2]):
@@ -438,6 +442,17 @@ def exchange_table(src_dims, dst_dims, shape, mesh: Mesh, partial=()) -> Exchang
         recvs[r] = [(src, pieces[src].get(r, (None, None))[1]) for src in behind]
     busiest = max(max(load.values()), max(received.values()))
     return ExchangeTable(tuple(a for a in mesh.axis_names if a in differ), sends, recvs, busiest)
+
+
+def window_exchange(src: Sharding, dst_dims, shape, mesh: Mesh, maps, itemsize: int, fill=0) -> dict:
+    """Attributes of one all_to_allv that moves, for every target block of ``dst_dims``, exactly the source
+    entries ``maps`` sends it (see ``exchange_table``): a slice, pad or shift along split dims as one exchange
+    of the rows that change owner instead of a gather. Cost: its ``wire_bytes``."""
+    maps = tuple(None if m is None else tuple(int(v) for v in m) for m in maps)
+    dst_dims = tuple(map(tuple, dst_dims))
+    table = exchange_table(src.dims, dst_dims, tuple(shape), mesh, src.partial, maps)
+    return {"axes": table.axes, "src_dims": src.dims, "dst_dims": dst_dims, "partial_axes": src.partial,
+            "maps": maps, "fill": fill, "wire_bytes": table.busiest * itemsize}
 
 
 @lru_cache(maxsize=1 << 14)
@@ -474,13 +489,22 @@ def _block(n, axes, mesh, rank):
     return min(i * c, n), min((i + 1) * c, n)
 
 
-def _overlaps(n, axes, mesh, lo, hi):
-    """(block index, (start, stop) of the overlap, block start) of each ``axes`` block meeting [lo, hi)."""
+def _overlaps(n, axes, mesh, lo, hi, window=None):
+    """(block index, local source slice, local target slice) of each source block (``axes`` blocks of a dim of
+    size n) holding entries of the target block [lo, hi); ``window`` (offset, stride, size) maps target entry
+    j to source entry offset + stride * j (None: the identity)."""
+    offset, stride = (0, 1) if window is None else window[:2]
     k = mesh.axis_size(axes)
     c = -(-n // k)
-    if hi <= lo:
-        return []
-    return [(i, (max(lo, i * c), min(hi, (i + 1) * c)), i * c) for i in range(lo // c, min(k, -(-hi // c)))]
+    first, last = (lo // c, -(-hi // c)) if window is None else (0, k)
+    out = []
+    for i in range(first, min(k, last)):
+        s_lo, s_hi = i * c, min((i + 1) * c, n)
+        j0, j1 = max(lo, -(-(s_lo - offset) // stride)), min(hi, -(-(s_hi - offset) // stride))
+        if j1 > j0:
+            src = offset + stride * j0 - s_lo
+            out.append((i, slice(src, src + stride * (j1 - j0 - 1) + 1, stride), slice(j0 - lo, j1 - lo)))
+    return out
 
 
 def _split_index(index, axes, mesh) -> dict:
@@ -492,4 +516,5 @@ def _split_index(index, axes, mesh) -> dict:
 
 
 def _count(slices) -> int:
+    """Entries of a box of contiguous slices."""
     return math.prod(s.stop - s.start for s in slices)
