@@ -27,7 +27,8 @@ def test_listing_shows_local_shapes_shardings_and_collectives():
 def test_comm_summary_keys_and_wire_bytes():
     (c,) = mlp_program().comm_summary()
     assert c == {"kind": "all_reduce", "axes": ("model",), "group_size": 4, "bytes_in": 4 * 16 * 4,
-                 "bytes_out": 4 * 16 * 4, "wire_bytes": 2 * 3 / 4 * 256}
+                 "bytes_out": 4 * 16 * 4, "wire_bytes": 2 * 3 / 4 * 256,
+                 "predicted_s": pytest.approx(2 * 3 / 4 * 256 * 1e-10)}  # the default model's 10 GB/s link
     assert mlp_program().wire_bytes == c["wire_bytes"]
 
 
