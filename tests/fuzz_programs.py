@@ -4,7 +4,8 @@
 program, and a failing seed is a complete reproduction (see test_fuzz_regressions.py).
 Programs chain random ops of the op set (elementwise, broadcasting, reductions,
 transpose, reshape, einsum with fresh operands, where, casts, take, cumsum, arg-reductions,
-logsumexp, pooling, 1-d conv, slicing, flip, pad, concatenate, dynamic_slice) with random mesh_split
+logsumexp, pooling, 1-d conv, slicing, flip, pad, concatenate, dynamic_slice, roll, slices of split dims)
+with random mesh_split
 annotations; meshes have 1 to 8 devices, 1-d and 2-d, sometimes reordered; sizes are
 often uneven. Values are kept bounded (tanh squashing) so float64 tolerances stay tight.
 """
@@ -73,7 +74,7 @@ class _Builder:
         ops = [self.unary, self.binary_same, self.binary_broadcast, self.reduce, self.transpose, self.reshape,
                self.einsum, self.annotate, self.where, self.cast, self.take, self.cumsum, self.arg_reduce,
                self.logsumexp, self.pooling, self.conv1d, self.slice_, self.flip, self.pad, self.concat,
-               self.dynamic_slice, self.top_k]
+               self.dynamic_slice, self.top_k, self.roll, self.split_slice]
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
             self.pool.append(out)
@@ -217,6 +218,34 @@ class _Builder:
         if t.ndim == 0:
             return None
         return snp.concatenate([t, t * 0.5], axis=int(self.rng.integers(t.ndim)))
+
+    def roll(self, t):
+        """np.roll by a random shift along one dim (two slices and a concatenation), the dim split as the
+        operand's: rows change owners across shard boundaries."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        n = t.shape[d]
+        if n < 2:
+            return None
+        s = int(self.rng.integers(1, n))
+        head = tuple(slice(n - s, n) if e == d else slice(None) for e in range(t.ndim))
+        tail = tuple(slice(0, n - s) if e == d else slice(None) for e in range(t.ndim))
+        return snp.concatenate([t[head], t[tail]], axis=d)
+
+    def split_slice(self, t):
+        """A (strided) slice of a dim annotated split, result annotated split the same way: the exchange path."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        n = t.shape[d]
+        start = int(self.rng.integers(0, n))
+        stop = int(self.rng.integers(start + 1, n + 1))
+        axis = self.mesh.axis_names[int(self.rng.integers(len(self.mesh.axis_names)))]
+        spec = tuple(axis if e == d else None for e in range(t.ndim))
+        index = tuple(slice(start, stop, int(self.rng.integers(1, 4))) if e == d else slice(None)
+                      for e in range(t.ndim))
+        return sr.mesh_split(sr.mesh_split(t, self.mesh, spec)[index], self.mesh, spec)
 
     def dynamic_slice(self, t):
         """A window at a traced start (from data), clamped globally."""

@@ -256,15 +256,16 @@ def _copy(x):
     return x.copy()
 
 
-def all_to_allv(mc, x, sends, recvs, out_shape, fill=0):
+def all_to_allv(mc, x, *into, sends, recvs, out_shape, fill=0):
     """A block exchange: round s sends ``x[slices]`` of ``sends[s]`` to its peer and writes what arrives from the
-    peer of ``recvs[s]`` into its slices of an ``out_shape`` array of ``fill`` (None slices: nothing that round).
+    peer of ``recvs[s]`` into its slices of an ``out_shape`` array of ``fill``, or of a copy of ``into[0]`` when
+    given (the operands of a concatenation land one after another), None slices: nothing that round.
     Round 0 is this rank itself (a local copy). Both sides of a round know the piece, so a rank skips a partner
     that has nothing for it; one Sendrecv per round cannot deadlock.
     Wire bytes: the sum of the pieces sent to other ranks.
     """
     xp = mc.transport.array_module(x)
-    out = xp.full(tuple(out_shape), fill, x.dtype)
+    out = into[0].copy() if into else xp.full(tuple(out_shape), fill, x.dtype)
     (_, mine), (_, here) = sends[0], recvs[0]
     if mine is not None:
         out[here] = x[mine]

@@ -41,12 +41,12 @@ import numpy as np
 from .. import opdef
 from ..opdef import ELEMENTWISE_LEVEL, define
 from ..partition.propagation import combine
-from ..partition.resharding import plan_cost
+from ..partition.resharding import plan_cost, window_exchange
 from ..partition.strategy import Strategy, choose
 from ..sharding import Sharding, block_size
 from ..trace import Tensor, emit
 from . import core
-from .spmd import block_pairs
+from .spmd import ALL_TO_ALLV, block_pairs
 
 __all__ = ["static_slice", "slice_in_dim", "pad", "lax_pad", "concatenate", "stack", "reverse", "flip",
            "arange", "iota", "broadcasted_iota", "dynamic_slice", "dynamic_update_slice"]
@@ -601,10 +601,32 @@ def _concatenate_partition(ctx, node):
     split = [(i, v.sharding) for i, v in zip(node.inputs, values)
              if ctx.mesh.axis_size(v.sharding.dims[axis]) > 1]
     if split:
+        joined = _concatenate_by_exchanges(ctx, node, values, target, sum(ctx.cost(v, need) for v in values))
+        if joined is not None:
+            return joined
         ctx.notes.append(f"concatenate %{node.id} {list(node.shape)} along split dim {axis}: gathers operands "
                          + ", ".join(f"%{i} {s}" for i, s in split) + f" to {need} and joins locally")
     args = [ctx.reshard(v, need) for v in values]
     return ctx.emit_like(node, CONCATENATE, args, node.attrs, need)
+
+
+def _concatenate_by_exchanges(ctx, node, values, target, wire):
+    """Each operand's rows sent straight to the result blocks that hold them (one all_to_allv each, the
+    later ones written into the earlier result), when that moves fewer bytes than gathering (``wire``)."""
+    axis, offset, out = node.attrs["axis"], 0, None
+    itemsize, plans = np.dtype(node.dtype).itemsize, []
+    for v in values:
+        if v.sharding.partial or target.partial:
+            return None
+        maps = [(-offset, 1, node.shape[d]) if d == axis else None for d in range(len(node.shape))]
+        plans.append((v, window_exchange(v.sharding, target.dims, v.shape, ctx.mesh, maps, itemsize)))
+        offset += v.shape[axis]
+    if sum(attrs["wire_bytes"] for _, attrs in plans) >= wire:
+        return None
+    for v, attrs in plans:
+        out = ctx.emit(ALL_TO_ALLV, [v] + ([out] if out is not None else []), attrs, Sharding(target.dims),
+                       node.shape, node.dtype)
+    return out
 
 
 # ---------------------------------------------------------------- slice
@@ -621,7 +643,12 @@ def _slice_partition(ctx, node):
 
     def shift_pieces(d):
         return _shift_pieces(start[d], x.shape[d], ctx.mesh.axis_size(need.dims[d])) if strides[d] == 1 else None
-    modes = _choose_modes(ctx, node, x, need, target, kept, shift_pieces, owned_ok=True)
+    modes, wire = _choose_modes(ctx, node, x, need, target, kept, shift_pieces, owned_ok=True)
+    if {"owned", "gather"} & set(modes.values()):
+        maps = [None if d in kept else (start[d], strides[d], node.shape[d]) for d in range(len(x.shape))]
+        moved = _exchanged(ctx, node, x, target, maps, wire + ctx.cost(x, need))
+        if moved is not None:
+            return moved
     by_mode = lambda mode: [d for d, m in sorted(modes.items()) if m == mode]
     y = ctx.reshard(x, need)
     y = _local_slice(ctx, y, [d for d in range(len(x.shape)) if d not in kept and d not in modes], node.attrs)
@@ -675,9 +702,14 @@ def _pad_partition(ctx, node):
 
     def shift_pieces(d):
         return _shift_pieces(-low[d], x.shape[d], ctx.mesh.axis_size(need.dims[d])) if not interior[d] else None
-    modes = _choose_modes(ctx, node, x, need, target, kept, shift_pieces, owned_ok=False)
+    modes, wire = _choose_modes(ctx, node, x, need, target, kept, shift_pieces, owned_ok=False)
     shift = [d for d, m in sorted(modes.items()) if m == "shift"]
     gather = [d for d, m in sorted(modes.items()) if m == "gather"]
+    if gather and not any(interior):
+        maps = [None if d in kept else (-low[d], 1, node.shape[d]) for d in range(len(x.shape))]
+        moved = _exchanged(ctx, node, x, target, maps, wire + ctx.cost(x, need), fill=value)
+        if moved is not None:
+            return moved
     y = ctx.reshard(x, need)
     if gather:  # before padding: the operand is the smaller
         y = _gather_dims(ctx, node, y, gather)
@@ -707,7 +739,7 @@ def _dynamic_slice_partition(ctx, node):
         return _empty(ctx, node)
     kept = [d for d in range(len(x.shape)) if sizes[d] == x.shape[d]]
     need = _operand_need(x.sharding, target, kept)
-    modes = _choose_modes(ctx, node, x, need, target, kept, lambda d: None, owned_ok=True)
+    modes, _ = _choose_modes(ctx, node, x, need, target, kept, lambda d: None, owned_ok=True)
     by_mode = lambda mode: [d for d, m in sorted(modes.items()) if m == mode]
     y = ctx.reshard(x, need)
     y = _window(ctx, y, starts, [d for d in range(len(x.shape)) if d not in kept and d not in modes], sizes)
@@ -761,10 +793,11 @@ def _operand_need(src: Sharding, target: Sharding, kept) -> Sharding:
                           for d, axes in enumerate(src.dims)))
 
 
-def _choose_modes(ctx, node, x, need, target, kept, shift_pieces, owned_ok) -> dict[int, str]:
+def _choose_modes(ctx, node, x, need, target, kept, shift_pieces, owned_ok) -> tuple[dict[int, str], float]:
     """'shift', 'owned' or 'gather' per split dim that changes size, the fewest wire bytes winning
-    (ties in that order); bool data never takes 'owned' (its partial sum is not an MPI reduction)."""
-    mesh, modes = ctx.mesh, {}
+    (ties in that order), and the bytes of the choices; bool data never takes 'owned' (its partial sum is
+    not an MPI reduction)."""
+    mesh, modes, wire = ctx.mesh, {}, 0.0
     local = need.local_shape(x.shape, mesh)
     for d, axes in enumerate(need.dims):
         k = mesh.axis_size(axes)
@@ -783,8 +816,22 @@ def _choose_modes(ctx, node, x, need, target, kept, shift_pieces, owned_ok) -> d
         if owned_ok and np.dtype(x.dtype) != np.bool_:
             options.append(Strategy(one_dim(Sharding(((),), axes), to_target, m), plan="owned"))
         options.append(Strategy(one_dim(Sharding((axes,)), Sharding(((),)), n), plan="gather"))
-        modes[d] = choose(options).plan
-    return modes
+        best = choose(options)
+        modes[d], wire = best.plan, wire + best.wire
+    return modes, wire
+
+
+def _exchanged(ctx, node, x, target, maps, wire, fill=0, into=None):
+    """The op as ONE all_to_allv from the operand's blocks straight to the target's (``maps``: per dim the
+    (offset, stride, size) window, see resharding.exchange_table) when that moves fewer bytes than ``wire``
+    (the gather / owned-sum plan); None otherwise, or for partial sums."""
+    if x.sharding.partial or target.partial:
+        return None
+    attrs = window_exchange(x.sharding, target.dims, x.shape, ctx.mesh, maps, np.dtype(x.dtype).itemsize, fill)
+    if attrs["wire_bytes"] >= wire:
+        return None
+    return ctx.emit(ALL_TO_ALLV, [x] + ([into] if into is not None else []), attrs, Sharding(target.dims),
+                    node.shape, node.dtype)
 
 
 def _gather_dims(ctx, node, v, dims):
