@@ -17,6 +17,7 @@ import numpy as np
 
 from .comm import collectives
 from .cost import PROFILE_FORMAT, CostModel, wire_bytes
+from .exec.runner import communicator
 from .mesh import Mesh
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
@@ -25,7 +26,6 @@ DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)  # bytes each rank puts in
 
 def calibrate(comm=None, sizes=DEFAULT_SIZES, repeats: int = 5, kinds=KINDS) -> dict:
     """The profile document (same on every rank): one fit per (collective, group size)."""
-    from .exec.runner import communicator
     if comm is None:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
