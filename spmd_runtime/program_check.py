@@ -33,6 +33,7 @@ INTERPRETER_OPS = {"parameter": {"index"}, "shard_slice": {"dim", "axes"}, "shar
                    "mask_padding": {"dim", "axes", "size", "fill"},
                    "all_to_allv": {"src_dims", "dst_dims", "partial_axes", "axes", "wire_bytes"},
                    "fusion": {"code", "consts", "dtypes", "shapes"}}
+INTERPRETER_OPTIONAL = {"all_to_allv": {"maps", "fill"}}  # a window exchange (slice, pad, concatenate)
 FUSION_STEP = re.compile(r"^t(\d+)=(\w+)\(((?:[pct]\d+)(?:,[pct]\d+)*)\)$")  # partition/fusion.py's code
 
 
@@ -92,7 +93,7 @@ def _attribute_names(op: str, n_args: int) -> tuple[frozenset, frozenset]:
                          "reduce_scatter": collectives.reduce_scatter, "all_to_all": collectives.all_to_all,
                          "collective_permute": collectives.collective_permute}
     if op in INTERPRETER_OPS:
-        return frozenset(INTERPRETER_OPS[op]), frozenset()
+        return frozenset(INTERPRETER_OPS[op]), frozenset(INTERPRETER_OPTIONAL.get(op, ()))
     if op in array_collectives:
         fn, skip = array_collectives[op], 2  # (mc, x)
     else:
