@@ -43,7 +43,7 @@ TABLE = [
 
 @pytest.mark.parametrize("name,fn,shapes,mesh,in_specs,out_spec,expected,wire", TABLE, ids=[t[0] for t in TABLE])
 def test_exchange_moves_only_rows_that_change_owner(name, fn, shapes, mesh, in_specs, out_spec, expected, wire):
-    graph = sr.trace(fn, *[sr.TensorSpec(s) for s in shapes])
+    graph = sr.trace(fn, *[sr.TensorSpec(s, "float64") for s in shapes])
     program = sr.partition(graph, mesh, in_specs=in_specs, out_specs=[out_spec])
     assert collectives(program) == expected, str(program)
     assert program.wire_bytes == wire, str(program)
