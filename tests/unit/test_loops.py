@@ -140,6 +140,8 @@ def test_comm_summary_counts_a_loop_body_collective_per_iteration():
     (entry,) = [c for c in program.comm_summary() if c.get("trips")]
     assert entry["trips"] == 5 and entry["kind"] == "reduce_scatter"  # the carry keeps its [R, x] split
     assert entry["wire_bytes"] == 5 * (2 - 1) / 2 * entry["bytes_in"]
+    once = program.cost_model.seconds(entry["kind"], 2, entry["bytes_in"], entry["bytes_out"])
+    assert once > 0 and entry["predicted_s"] == pytest.approx(5 * once)  # priced per trip too
 
 
 # ---------------------------------------------------------------- errors
