@@ -52,3 +52,9 @@ def bind_cond(interp, ins):
 
 
 LOOP_BINDERS = {"scan": bind_scan, "while": bind_while, "cond": bind_cond}
+
+
+def bind_region(interp, ins):
+    """A shard_map region: its body runs once per call on this rank's blocks."""
+    body = _bound(interp, ins.attrs["body"])
+    return lambda *args: tuple(body.run(list(args)))
