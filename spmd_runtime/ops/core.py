@@ -292,7 +292,7 @@ def _parameter_kernel(xp, *, index, name=None):
 
 
 @opdef.kernel(MESH_SPLIT)
-def _mesh_split_kernel(xp, x, sharding=None, mesh=None):
+def _mesh_split_kernel(xp, x, sharding=None, mesh=None, unconstrained=(), name=None):
     return x  # an annotation: the same global value
 
 

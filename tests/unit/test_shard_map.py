@@ -1,0 +1,162 @@
+"""sr.shard_map: manual SPMD regions with explicit collectives, on simulated meshes of 1, 2, 4 and 8 ranks
+(1-d and 2-d), against the same computation written for the automatic partitioner: values and
+gradients, by the reference evaluator and partitioned on every rank; the collectives each plan uses; and
+bad input refused with the rule named."""
+import numpy as np
+import pytest
+
+import spmd_runtime as sr
+from spmd_runtime import P
+from shard_map_cases import CASES, build, ring_attention
+from simulated import collectives, run_everywhere
+
+MESHES = [sr.Mesh((1,), ("x",)), sr.Mesh((2,), ("x",)), sr.Mesh((4,), ("x",)), sr.Mesh((8,), ("x",)),
+          sr.Mesh((2, 2), ("x", "y")), sr.Mesh((2, 4), ("x", "y"), devices=tuple(reversed(range(8))))]
+
+
+def _meshes(case):
+    return [m for m in MESHES if len(m.shape) == 2 or not case.two_d]
+
+
+def _close(got, want, what):
+    assert len(got) == len(want), what
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert np.shape(g) == np.shape(w), f"{what} output {k}"
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=f"{what} output {k}")
+
+
+@pytest.mark.filterwarnings("ignore:spmd_runtime partitioner")
+@pytest.mark.parametrize("grad", [False, True], ids=["value", "grad"])
+@pytest.mark.parametrize("case,mesh", [(c, m) for c in CASES for m in _meshes(c)],
+                         ids=[f"{c.name}-{m}" for c in CASES for m in _meshes(c)])
+def test_region_matches_the_automatic_version(case, mesh, grad):
+    region, auto, args = build(case, mesh, grad)
+    want = sr.evaluate(auto, *args)
+    _close(sr.evaluate(region, *args), want, "reference evaluator")
+    in_specs = None if grad else case.in_specs
+    program = sr.partition(region, mesh, in_specs=in_specs)
+    for rank, outs in enumerate(run_everywhere(program, *args)):
+        _close(outs, want, f"rank {rank}")
+
+
+# ---------------------------------------------------------------- the worked examples' plans
+def _plans(case_name, mesh):
+    case = next(c for c in CASES if c.name == case_name)
+    region, auto, args = build(case, mesh)
+    outs = None if case.out_spec is None else [case.out_spec]
+    return (sr.partition(region, mesh, in_specs=case.in_specs, out_specs=outs),
+            sr.partition(auto, mesh, in_specs=case.in_specs, out_specs=outs), args)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_attention_moves_keys_and_values_by_collective_permute(n):
+    mesh = sr.Mesh((n,), ("x",))
+    ring, auto, args = _plans("ring_attention", mesh)
+    summary = ring.comm_summary()
+    assert [c["kind"] for c in summary] == ["collective_permute"] * (2 * (n - 1))
+    k_block = args[1].nbytes // n
+    assert all(c["wire_bytes"] == k_block for c in summary)  # one key (or value) block per step
+    assert "collective_permute" not in auto.collectives()  # the automatic plan gathers instead
+    for r, a in zip(run_everywhere(ring, *args), run_everywhere(auto, *args)):
+        np.testing.assert_allclose(r[0], a[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(r[0], attention_np(*args), rtol=1e-12)
+
+
+def attention_np(q, k, v):
+    s = q @ k.T
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True) @ v
+
+
+def test_reduce_scatter_matmul_plans_one_reduce_scatter_like_the_automatic_one():
+    mesh = sr.Mesh((4,), ("x",))
+    manual, auto, args = _plans("reduce_scatter_matmul", mesh)
+    assert collectives(manual) == [("reduce_scatter", ("x",))]
+    assert collectives(auto) == [("reduce_scatter", ("x",))]
+    assert manual.wire_bytes == auto.wire_bytes == 3 / 4 * (8 * 4 * 8)  # (k-1)/k of the local [8, 4] float64 partial
+    for r, a in zip(run_everywhere(manual, *args), run_everywhere(auto, *args)):
+        np.testing.assert_allclose(r[0], a[0], rtol=1e-12)
+        np.testing.assert_allclose(r[0], args[0] @ args[1], rtol=1e-12)
+
+
+def test_partially_manual_region_keeps_the_batch_split_over_the_automatic_axis():
+    mesh = sr.Mesh((2, 2), ("x", "y"))
+    region, _, args = _plans("partial_manual_batch_on_y", mesh)
+    assert collectives(region) == [("all_reduce", ("x",))]  # nothing gathered over y
+    body = next(i for i in region.instrs if i.op == "shard_map").attrs["body"]
+    assert str(body.inputs[0].sharding) == "[y, R]"  # the block keeps its batch split
+
+
+def test_region_gradient_psums_over_manual_axes_the_operand_is_replicated_on():
+    mesh = sr.Mesh((2, 2), ("x", "y"))
+    region, _, args = build(next(c for c in CASES if c.name == "psum_matmul"), mesh, grad=True)
+    program = sr.partition(region, mesh)
+    kinds = collectives(program)
+    assert ("all_reduce", ("y",)) in kinds  # a and b are whole along y: their cotangent shares are summed
+
+
+# ---------------------------------------------------------------- bad input: the rule named
+MESH2 = sr.Mesh((2, 2), ("x", "y"))
+
+
+def _trace(fn, *shapes):
+    with MESH2:
+        return sr.trace(fn, *[sr.TensorSpec(s, "float32") for s in shapes])
+
+
+def test_a_collective_over_an_automatic_axis_is_refused():
+    region = sr.shard_map(lambda x: sr.psum(x, "y"), MESH2, in_specs=P("x"), out_specs=P("x"), axis_names=("x",))
+    with pytest.raises(ValueError, match=r"manual in the enclosing shard_map \('x',\).*'y'.*stay automatic"):
+        _trace(region, (4, 2))
+
+
+def test_a_collective_outside_a_region_or_inside_a_loop_in_it_is_refused():
+    with pytest.raises(ValueError, match="top level of a sr.shard_map body.*outside any region"):
+        _trace(lambda x: sr.psum(x, "x"), (4,))
+    looped = sr.shard_map(lambda x: sr.fori_loop(0, 2, lambda i, c: sr.psum(c, "x"), x), MESH2, in_specs=P("x"),
+                          out_specs=P("x"))
+    with pytest.raises(ValueError, match="inside a loop or cond body within it"):
+        _trace(looped, (4,))
+
+
+def test_a_block_shape_that_disagrees_with_the_specs_is_refused():
+    region = sr.shard_map(lambda x: x, MESH2, in_specs=P(("x", "y")), out_specs=P(("x", "y")))
+    with pytest.raises(ValueError, match=r"splits dim 0 over \('x', 'y'\) \(4 shards\); got size 6"):
+        _trace(region, (6, 2))
+    too_long = sr.shard_map(lambda x: x, MESH2, in_specs=P("x", None, None), out_specs=P())
+    with pytest.raises(ValueError, match="one entry per dim"):
+        _trace(too_long, (4, 2))
+    out_too_long = sr.shard_map(lambda x: x.sum(), MESH2, in_specs=P("x"), out_specs=P("x"))
+    with pytest.raises(ValueError, match="one entry per dim"):
+        _trace(out_too_long, (4, 2))
+    wrong_count = sr.shard_map(lambda a, b: a, MESH2, in_specs=(P("x"),), out_specs=P())
+    with pytest.raises(ValueError, match="one spec per element of a tuple of 2"):
+        _trace(wrong_count, (4,), (4,))
+
+
+def test_a_spec_naming_an_automatic_axis_is_refused():
+    region = sr.shard_map(lambda x: x, MESH2, in_specs=P("y"), out_specs=P(), axis_names="x")
+    with pytest.raises(ValueError, match=r"manual axes \('x',\) only.*P\('y'\)"):
+        _trace(region, (4,))
+
+
+@pytest.mark.parametrize("collective", [lambda x: sr.psum(x, "x"), lambda x: sr.pmax(x, "x"),
+                                        lambda x: sr.psum_scatter(x, "x", tiled=True)], ids=["psum", "pmax", "scatter"])
+def test_a_reduction_over_an_unsupported_dtype_is_refused(collective):
+    region = sr.shard_map(lambda x: collective(x > 0), MESH2, in_specs=P("x"), out_specs=P("x"))
+    with pytest.raises(TypeError, match=r"reduces float16, bfloat16, float32, float64, int32, int64 blocks; got bool"):
+        _trace(region, (4,))
+
+
+def test_a_bad_permutation_is_refused():
+    region = sr.shard_map(lambda x: sr.ppermute(x, "x", [(0, 1), (1, 1)]), MESH2, in_specs=P("x"), out_specs=P("x"))
+    with pytest.raises(ValueError, match=r"each source and each destination once; got perm=\[\(0, 1\), \(1, 1\)\]"):
+        _trace(region, (4,))
+
+
+def test_ring_attention_reference_equals_numpy():
+    mesh = sr.Mesh((4,), ("x",))
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((8, 4)) for _ in range(3))
+    got = sr.evaluate(sr.trace(ring_attention(mesh), q, k, v), q, k, v)[0]
+    np.testing.assert_allclose(got, attention_np(q, k, v), rtol=1e-12)
