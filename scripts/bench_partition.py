@@ -19,7 +19,7 @@ import time
 import spmd_runtime as sr
 from spmd_runtime.partition import partition
 from spmd_runtime.partition.partitioner import fused_program
-from spmd_runtime.train import input_specs, make_layout, train_step_fn, _preset
+from spmd_runtime.train import input_specs, make_layout, step_specs, train_step_fn, _preset
 
 
 def build(layers: int, preset_name: str, mesh):
@@ -30,8 +30,8 @@ def build(layers: int, preset_name: str, mesh):
     t0 = time.perf_counter()
     graph = sr.trace(train_step_fn(cfg, optimizer, layout), *input_specs(cfg, optimizer))
     t1 = time.perf_counter()
-    specs = list(layout.specs.values())
-    plain = partition(graph, mesh, in_specs=specs, out_specs=specs[:-2] + [()], fuse=False)
+    in_specs, out_specs = step_specs(graph, layout)
+    plain = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs, fuse=False)
     t2 = time.perf_counter()
     fused = fused_program(plain)
     t3 = time.perf_counter()

@@ -181,8 +181,8 @@ def checkpoint_and_reload(ts, local, next_batch, args, comm) -> bool:
     other = build_train_step_on_root(ts.cfg, train_mesh(shape, args.reload_preset), args.reload_preset,
                                      ts.optimizer, comm)
     reloaded = other.load(path, comm=comm)
-    same = all(np.array_equal(a, b) for a, b in zip(ts.gather(local, comm).values(),
-                                                    other.gather(reloaded, comm).values()))
+    same = all(np.array_equal(a, b) for a, b in zip(ts.named(ts.gather(local, comm)).values(),
+                                                    other.named(other.gather(reloaded, comm)).values()))
     _, loss_here = ts.step(local, *next_batch, comm=comm)
     _, loss_there = other.step(reloaded, *next_batch, comm=comm)
     tol = 1e-4 if ts.cfg.dtype in ("float32", "float64") else 1e-2  # 16-bit sums round in mesh order
@@ -200,7 +200,7 @@ def sample(ts, state, chars=160, temperature=0.7, seed=0):
     """A continuation of an unseen grammar sentence by the trained model (1-process forward graph),
     sampled at ``temperature`` from a seeded generator."""
     cfg, rng = ts.cfg, np.random.default_rng(seed)
-    params = [state[name] for name in ts.param_names]
+    params = [state["params"][name] for name in ts.param_names]
     graph = sr.trace(lambda *a: lm_logits(cfg, a[:-1], a[-1]), *params, np.zeros((1, cfg.seq), np.int32))
     context = list(encode(grammar_text(4, seed=12345)[:cfg.seq]))
     for _ in range(chars):

@@ -18,8 +18,8 @@ ts = sr.build_train_step(cfg, sr.train_mesh((1,), "dp"), "dp", sr.AdamW())
 prog = ts.program
 state = ts.init(0)
 rng = np.random.default_rng(0)
-tok = rng.integers(0, 1024, (8, 128)).astype(prog.inputs[-2].dtype)
-inputs = list(state.values()) + [tok, tok.copy()]
+tok = rng.integers(0, 1024, (8, 128)).astype(np.int32)
+inputs = sr.pytree.flatten((state["params"], state["opt_state"], {"tokens": tok, "labels": tok.copy()}))[0]
 mc = communicator(prog.mesh)
 it = _interpreter(prog, mc, np)
 it.run(inputs)

@@ -172,7 +172,7 @@ def save_checkpoint(directory, tensors: dict, shardings, mesh: Mesh | None = Non
     Raises CheckpointError on every rank if any rank fails; the previous
     checkpoint then stays in place.
     """
-    tensors = named_leaves(tensors)
+    tensors = pytree.named_leaves(tensors)  # a flat dict of arrays stays as it is
     if mesh is None and isinstance(shardings, SPMDProgram):
         mesh = shardings.mesh
     if not isinstance(mesh, Mesh):
@@ -360,11 +360,6 @@ def load_checkpoint(directory, mesh: Mesh, shardings=None, comm=None, expect=Non
         out, error = _capture(_like, out, like)
     _agree(comm, error, "load_checkpoint")
     return out
-
-
-def named_leaves(tree) -> dict:
-    """name -> leaf for a pytree of arrays (a flat dict of arrays stays as it is)."""
-    return {pytree.keystr(path): leaf for path, leaf in pytree.flatten_with_path(tree)[0]}
 
 
 def _like(loaded: dict, like):

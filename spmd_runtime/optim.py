@@ -1,30 +1,53 @@
 """Optimizers as traced code: the update is part of the training-step graph, so it partitions too.
 
-State layout is explicit: ``state_layout(param_shapes)`` lists every state array
-(its name, shape, dtype and the parameter it belongs to, or None for a global
-scalar such as the step counter), ``init_state(params)`` builds them in that
-order, and the traced ``update(params, grads, state)`` takes and returns them in
-that order. Per-parameter state has the parameter's shape, so it can be laid out
-like the parameter or, for weight-update sharding, split further.
+Parameters, gradients and optimizer state are pytrees: ``params`` and ``grads``
+are dicts name -> array, the state a nested dict (AdamW: ``{"step", "m": {name:
+...}, "v": {name: ...}}``). ``state_layout(param_shapes)`` lists every state
+array (its path in the state tree, shape, dtype, the parameter it belongs to or
+None for a global scalar such as the step counter, and its flat name from before
+state trees, ``m_<param>``, which old checkpoints use); ``init_state(params)``
+builds the tree and the traced ``update(params, grads, state)`` returns
+``(new params, new state)`` of the same structures. Per-parameter state has the
+parameter's shape, so it can be laid out like the parameter or, for
+weight-update sharding, split further.
 
 Hyperparameters are Python floats baked into the graph as constants.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import numpy as snp
+from . import pytree
 
 
 @dataclass(frozen=True)
 class StateSlot:
-    name: str
+    name: str  # the flat name checkpoints written before state trees use ("m_embed")
     shape: tuple[int, ...]
     dtype: str
     param: str | None  # the parameter this slot belongs to (same shape); None for a global scalar
+    path: tuple = ()  # where the slot lives in the state tree: ("m", "embed"); () means (name,)
+
+    @property
+    def key(self) -> tuple:
+        return self.path or (self.name,)
+
+
+def slot_tree(slots, values) -> dict:
+    """The nested dict with ``values`` (one per slot, in order) at the slots' paths."""
+    tree: dict = {}
+    for slot, value in zip(slots, values):
+        *parents, last = slot.key
+        node = tree
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return tree
 
 
 class Optimizer:
@@ -33,27 +56,26 @@ class Optimizer:
     def state_layout(self, param_shapes: dict, dtype) -> list[StateSlot]:
         return self._slots(OrderedDict(param_shapes), np.dtype(dtype).name)
 
-    def init_state(self, params: dict) -> "OrderedDict[str, np.ndarray]":
-        """Initial state arrays, name -> array, in ``state_layout`` order (zeros; counters at 0)."""
-        params = OrderedDict(params)
+    def init_state(self, params: dict) -> dict:
+        """The initial state tree for the dict ``params`` (zeros; counters at 0)."""
         dtype = next(iter(params.values())).dtype
         layout = self.state_layout({k: v.shape for k, v in params.items()}, dtype)
-        return OrderedDict((s.name, np.zeros(s.shape, s.dtype)) for s in layout)
+        return slot_tree(layout, [np.zeros(s.shape, s.dtype) for s in layout])
 
     def _slots(self, shapes, dtype) -> list[StateSlot]:
         raise NotImplementedError
 
-    def update(self, params: list, grads: list, state: list) -> tuple[list, list]:
-        """Traced: (new params, new state) from params, their gradients and the state (layout order)."""
+    def update(self, params: dict, grads: dict, state: dict) -> tuple[dict, dict]:
+        """Traced: (new params, new state) from the params, their gradients (same keys) and the state tree."""
         raise NotImplementedError
 
-    def loss_scale(self, state: list):
+    def loss_scale(self, state: dict):
         """Traced: the factor the loss is multiplied by before differentiation (1: none)."""
         return 1.0
 
 
 def _per_param(prefix: str, shapes, dtype) -> list[StateSlot]:
-    return [StateSlot(f"{prefix}_{name}", tuple(shape), dtype, name) for name, shape in shapes.items()]
+    return [StateSlot(f"{prefix}_{name}", tuple(shape), dtype, name, (prefix, name)) for name, shape in shapes.items()]
 
 
 @dataclass(frozen=True)
@@ -68,14 +90,14 @@ class SGD(Optimizer):
         return _per_param("mom", shapes, dtype)
 
     def update(self, params, grads, state):
-        new_params, new_bufs = [], []
-        for p, g, buf in zip(params, grads, state):
+        new_params, new_bufs = {}, {}
+        for name, p in params.items():
+            g = grads[name]
             if self.weight_decay and p.ndim >= 2:
                 g = g + self.weight_decay * p
-            buf = self.momentum * buf + g
-            new_bufs.append(buf)
-            new_params.append(p - self.lr * buf)
-        return new_params, new_bufs
+            new_bufs[name] = self.momentum * state["mom"][name] + g
+            new_params[name] = p - self.lr * new_bufs[name]
+        return new_params, {"mom": new_bufs}
 
 
 @dataclass(frozen=True)
@@ -83,8 +105,8 @@ class AdamW(Optimizer):
     """Adam with bias correction and decoupled weight decay (Loshchilov & Hutter) on matrices only
     (LayerNorm gains and biases are not decayed). Optional linear learning-rate warm-up.
 
-    State: ``step`` (float32 0-d counter of updates taken), then first moments ``m_<param>``, then
-    second moments ``v_<param>``."""
+    State: ``{"step": float32 0-d counter of updates taken, "m": first moments, "v": second moments}``
+    (the moments are dicts name -> array like the parameters)."""
     lr: float = 1e-3
     b1: float = 0.9
     b2: float = 0.999
@@ -97,24 +119,21 @@ class AdamW(Optimizer):
                                                                                                       dtype)
 
     def update(self, params, grads, state):
-        n = len(params)
-        step, ms, vs = state[0], state[1:1 + n], state[1 + n:]
-        t = step + 1.0
-        tt = snp.astype(t, params[0].dtype)
+        t = state["step"] + 1.0
+        tt = snp.astype(t, next(iter(params.values())).dtype)
         lr = self._lr(tt)
         c1 = 1.0 / (1.0 - snp.power(np.asarray(self.b1, tt.dtype), tt))  # bias corrections
         c2 = 1.0 / (1.0 - snp.power(np.asarray(self.b2, tt.dtype), tt))
-        new_params, new_m, new_v = [], [], []
-        for p, g, m, v in zip(params, grads, ms, vs):
-            m = self.b1 * m + (1.0 - self.b1) * g
-            v = self.b2 * v + (1.0 - self.b2) * (g * g)
+        new_params, new_m, new_v = {}, {}, {}
+        for name, p in params.items():
+            g = grads[name]
+            m = new_m[name] = self.b1 * state["m"][name] + (1.0 - self.b1) * g
+            v = new_v[name] = self.b2 * state["v"][name] + (1.0 - self.b2) * (g * g)
             direction = (m * c1) / (snp.sqrt(v * c2) + self.eps)
             if self.weight_decay and p.ndim >= 2:
                 direction = direction + self.weight_decay * p
-            new_params.append(p - lr * direction)
-            new_m.append(m)
-            new_v.append(v)
-        return new_params, [t] + new_m + new_v
+            new_params[name] = p - lr * direction
+        return new_params, {"step": t, "m": new_m, "v": new_v}
 
     def _lr(self, t):
         if not self.warmup:
@@ -131,7 +150,7 @@ class DynamicLossScale(Optimizer):
 
     The finiteness test is one traced global reduction over every gradient, so all ranks agree on it even
     when the gradients are sharded (the partitioner all-reduces the partial flags).
-    State: the inner state, then ``loss_scale`` and ``good_steps`` (float32 0-d)."""
+    State: ``{"inner": the inner state, "loss_scale", "good_steps"}`` (float32 0-d scalars)."""
     inner: Optimizer = AdamW()
     initial: float = 2.0 ** 15
     interval: int = 200
@@ -139,34 +158,32 @@ class DynamicLossScale(Optimizer):
     min_scale: float = 1.0
 
     def _slots(self, shapes, dtype):
-        return self.inner._slots(shapes, dtype) + [StateSlot("loss_scale", (), "float32", None),
-                                                   StateSlot("good_steps", (), "float32", None)]
+        inner = [dataclasses.replace(s, path=("inner",) + s.key) for s in self.inner._slots(shapes, dtype)]
+        return inner + [StateSlot("loss_scale", (), "float32", None), StateSlot("good_steps", (), "float32", None)]
 
     def init_state(self, params):
-        state = self.inner.init_state(params)
-        state["loss_scale"] = np.asarray(self.initial, np.float32)
-        state["good_steps"] = np.zeros((), np.float32)
-        return state
+        return {"inner": self.inner.init_state(params), "loss_scale": np.asarray(self.initial, np.float32),
+                "good_steps": np.zeros((), np.float32)}
 
     def loss_scale(self, state):
-        return state[-2]
+        return state["loss_scale"]
 
     def update(self, params, grads, state):
-        scale, good = state[-2], state[-1]
+        scale, good = state["loss_scale"], state["good_steps"]
         inv = 1.0 / scale
-        grads = [g * snp.astype(inv, g.dtype) for g in grads]
+        grads = {n: g * snp.astype(inv, g.dtype) for n, g in grads.items()}
         # g * 0 is 0 for a finite g and NaN for inf/NaN: one sum per gradient flags any non-finite value.
-        flags = [snp.sum(snp.astype(g, "float32") * 0.0) for g in grads]
+        flags = [snp.sum(snp.astype(g, "float32") * 0.0) for g in grads.values()]
         finite = sum(flags[1:], flags[0]) == 0.0
-        new_params, new_inner = self.inner.update(params, grads, state[:-2])
+        new_params, new_inner = self.inner.update(params, grads, state["inner"])
         keep = lambda new, old: snp.where(finite, new, old)
-        new_params = [keep(n, p) for n, p in zip(new_params, params)]
-        new_inner = [keep(n, o) for n, o in zip(new_inner, state[:-2])]
+        new_params = pytree.tree_map(keep, new_params, params)
+        new_inner = pytree.tree_map(keep, new_inner, state["inner"])
         good = snp.where(finite, good + 1.0, 0.0)
         grow = good >= float(self.interval)
         scale = snp.where(finite, snp.where(grow, scale * self.factor, scale),
                           snp.maximum(scale * (1.0 / self.factor), self.min_scale))
-        return new_params, new_inner + [scale, snp.where(grow, 0.0, good)]
+        return new_params, {"inner": new_inner, "loss_scale": scale, "good_steps": snp.where(grow, 0.0, good)}
 
 
 OPTIMIZERS = {"sgd": SGD, "adamw": AdamW}
@@ -178,4 +195,4 @@ def make_optimizer(name: str, **hyper) -> Optimizer:
     return OPTIMIZERS[name](**hyper)
 
 
-__all__ = ["Optimizer", "SGD", "AdamW", "DynamicLossScale", "StateSlot", "OPTIMIZERS", "make_optimizer"]
+__all__ = ["Optimizer", "SGD", "AdamW", "DynamicLossScale", "StateSlot", "slot_tree", "OPTIMIZERS", "make_optimizer"]

@@ -1,6 +1,6 @@
 """Pytrees: nested containers of arrays, flattened to a list of leaves and a structure (JAX's model).
 
-Containers are dicts (keys sorted, as JAX does), lists, tuples, namedtuples,
+Containers are dicts (keys sorted, as JAX does), OrderedDicts (insertion order), lists, tuples, namedtuples,
 dataclasses (their ``init`` fields) and ``None`` (an empty container); every
 other value is a leaf. ``register_pytree_node(cls, flatten, unflatten)`` adds a
 user type: ``flatten(x) -> (children, aux)``, ``unflatten(aux, children) -> x``.
@@ -12,6 +12,7 @@ The structure (``TreeDef``) is hashable and comparable, so it can key a cache
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from typing import Any, Callable, NamedTuple
 
 
@@ -47,6 +48,8 @@ def _sort_key(k):
 
 
 register_pytree_node(dict, _dict_flatten, _dict_unflatten, lambda d, aux: aux[1])
+register_pytree_node(OrderedDict, lambda d: (list(d.values()), (OrderedDict, tuple(d))), _dict_unflatten,
+                     lambda d, aux: aux[1])  # insertion order, as JAX keeps it
 register_pytree_node(list, lambda x: (list(x), None), lambda aux, ch: list(ch))
 register_pytree_node(tuple, lambda x: (list(x), None), lambda aux, ch: tuple(ch))
 register_pytree_node(type(None), lambda x: ([], None), lambda aux, ch: None)
@@ -185,6 +188,16 @@ def keystr(path: tuple, prefix: str = "") -> str:
 
 def leaf_names(tree, prefix: str = "", is_leaf: Callable | None = None) -> list[str]:
     return [keystr(p, prefix) for p, _ in flatten_with_path(tree, is_leaf)[0]]
+
+
+def named_leaves(tree, prefix: str = "", is_leaf: Callable | None = None) -> dict:
+    """Dotted leaf name -> leaf (``{"params": {"w1": x}}`` -> ``{"params.w1": x}``), in flatten order."""
+    return {keystr(p, prefix): leaf for p, leaf in flatten_with_path(tree, is_leaf)[0]}
+
+
+def leaf_paths(treedef: TreeDef) -> list[tuple]:
+    """The path of every leaf of a structure, in flatten order."""
+    return [p for p, _ in flatten_with_path(treedef.unflatten(range(treedef.num_leaves)))[0]]
 
 
 def unflatten(treedef: TreeDef, leaves):

@@ -2,14 +2,18 @@
 
 ``build_train_step(cfg, mesh, preset, optimizer)`` traces
 
-    step(*params, *opt_state, tokens, labels) -> (*new_params, *new_opt_state, loss)
+    step(params, opt_state, batch) -> (new_params, new_opt_state, metrics, loss)
 
-with ``value_and_grad`` of the language-model loss (``models.lm``) and the
-optimizer's traced update (``optim``), and partitions it over ``mesh``. A preset
-is nothing but annotations: in_specs for the parameters, optimizer state and
-tokens, and ``mesh_split`` on the residual stream, the logits, the gradients,
-the new optimizer state and the new parameters. Every output is laid out like
-the matching input, so the step iterates on local shards with ``sr.run_local``.
+on pytrees (``params`` a dict name -> weight, ``opt_state`` the optimizer's
+state tree, ``batch`` ``{"tokens", "labels"}``) with ``value_and_grad`` of the
+language-model loss (``models.lm``) and the optimizer's traced update
+(``optim``), and partitions it over ``mesh``. The program's inputs are named by
+their leaf paths (``params.wq``, ``opt_state.m.wq``, ``batch.tokens``), and so
+are checkpoint tensors. A preset is nothing but annotations: in_specs for the
+parameters, optimizer state and tokens, and ``mesh_split`` on the residual
+stream, the logits, the gradients, the new optimizer state and the new
+parameters. Every output is laid out like the matching input, so the step
+iterates on local shards with ``sr.run_local``.
 
 Presets (roles -> mesh axes; an axis the mesh lacks is dropped, so the
 single-role presets use every axis of a 2-d mesh):
@@ -42,7 +46,6 @@ update. float16 steps use ``DynamicLossScale``.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import time
 from collections import OrderedDict
@@ -51,14 +54,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .autodiff import value_and_grad
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .exec.backend import to_host
 from .exec.runner import Runtime, communicator, run_local_checked, shard, unshard
 from .mesh import Mesh
 from .models.lm import LMConfig, init_params, is_stacked, lm_loss_and_metrics, param_kind, param_shapes
 from . import numpy as snp
+from . import pytree
 from .ops.control import scan
-from .optim import AdamW, DynamicLossScale, Optimizer
+from .optim import AdamW, DynamicLossScale, Optimizer, slot_tree
 from .partition import partition
 from .program import SPMDProgram
 from .reference import evaluate
@@ -168,12 +172,14 @@ def update_spec(shape, spec, axes, mesh: Mesh, first_dim: int = 0) -> tuple:
 
 @dataclass
 class Layout:
-    """Every input's spec by name, and the update spec of each per-parameter value."""
+    """Every input's spec by leaf name (``params.wq``, ``opt_state.m.wq``, ``batch.tokens``: the names the
+    traced step gives them), and the update spec of each per-parameter value."""
     mesh: Mesh
     preset: Preset
-    specs: "OrderedDict[str, tuple]"
+    specs: dict  # leaf name -> spec of that input (and of the output that replaces it)
     update: dict  # parameter name -> spec of its gradient, optimizer state and updated block
     use: dict  # parameter name -> spec of the weight where the model uses it (FSDP: gathered to this)
+    slots: list  # the optimizer's StateSlots
 
     def annotate(self, x, spec):
         """``x`` pinned to ``spec`` with ``mesh_split``; on a one-device mesh there is nothing to say."""
@@ -185,6 +191,11 @@ class Layout:
             return self.annotate(x, moe_activation_spec(p, role, x.ndim))
         model = p.model if role == "logits" else None
         return self.annotate(x, (p.batch or None, p.seq or None, model or None))
+
+    def annotate_state(self, state: dict) -> dict:
+        """The new optimizer state tree, each slot pinned to its input's spec (so the step iterates)."""
+        paths, tree = pytree.flatten_with_path(state)
+        return tree.unflatten(self.annotate(x, self.specs[pytree.keystr(p, "opt_state")]) for p, x in paths)
 
 
 MOE_ROLES = ("groups", "expert_in", "expert_hidden")
@@ -216,52 +227,53 @@ def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer)
     use = OrderedDict((n, param_spec(n, s, preset)) for n, s in shapes.items())
     update = {n: update_spec(s, use[n], preset.update, mesh, first_dim=int(is_stacked(n)))  # never the scanned dim
               for n, s in shapes.items()}
-    specs = OrderedDict((n, update[n] if preset.shard_params else use[n]) for n in shapes)
-    for slot in optimizer.state_layout(shapes, cfg.master_dtype):
-        specs[slot.name] = update[slot.param] if slot.param else (None,) * len(slot.shape)
-    specs["tokens"] = specs["labels"] = (preset.batch or None, preset.seq or None)
+    slots = optimizer.state_layout(shapes, cfg.master_dtype)
+    specs = {f"params.{n}": update[n] if preset.shard_params else use[n] for n in shapes}
+    for slot in slots:
+        specs[state_leaf_name(slot)] = update[slot.param] if slot.param else (None,) * len(slot.shape)
+    specs["batch.tokens"] = specs["batch.labels"] = (preset.batch or None, preset.seq or None)
     for name, spec in specs.items():
         parse_spec(spec, mesh, len(spec), name)  # fail early, naming the value
-    return Layout(mesh, preset, specs, update, use)
+    return Layout(mesh, preset, specs, update, use, slots)
+
+
+def state_leaf_name(slot) -> str:
+    """The traced step's name of an optimizer state slot: its path under ``opt_state``."""
+    return pytree.keystr(slot.key, "opt_state")
 
 
 # ---------------------------------------------------------------- the traced step
 def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatches: int = 1):
-    """``step(*params, *opt_state, tokens, labels) -> (*new_params, *new_opt_state, loss)``, annotated."""
-    names = list(param_shapes(cfg))
-    slots = optimizer.state_layout(param_shapes(cfg), cfg.master_dtype)
-    n, s = len(names), len(slots)
+    """``step(params, opt_state, batch) -> (new_params, new_opt_state, metrics, loss)``, annotated: ``params``
+    a dict name -> weight, ``opt_state`` the optimizer's state tree, ``batch`` ``{"tokens", "labels"}``,
+    ``metrics`` a dict of scalars ({} for a dense model)."""
+    order = list(param_shapes(cfg))  # the model takes its weights in this order
+    scaled = isinstance(optimizer, DynamicLossScale)
 
-    def step(*args):
-        params, state, tokens, labels = args[:n], args[n:n + s], args[n + s], args[n + s + 1]
+    def step(params, opt_state, batch):
         # Mixed precision: the model runs on 16-bit copies, so activations, gradients and the collectives
         # on them are 16-bit; FSDP gathers the (16-bit) copy of each sharded weight where it is used.
-        compute = [snp.astype(p, cfg.dtype) for p in params]
+        compute = {n: snp.astype(p, cfg.dtype) for n, p in params.items()}
         if layout.preset.shard_params:
-            compute = [layout.annotate(p, layout.use[name]) for name, p in zip(names, compute)]
-        scale = optimizer.loss_scale(list(state))
-        scaled = isinstance(optimizer, DynamicLossScale)
+            compute = {n: layout.annotate(p, layout.use[n]) for n, p in compute.items()}
+        scale = optimizer.loss_scale(opt_state)
 
         def loss_and_grads(compute, tokens, labels):
-            def loss_fn(*ps):
-                loss, metrics = lm_loss_and_metrics(cfg, ps, tokens, labels, layout.activation)
+            def loss_fn(ps):
+                loss, metrics = lm_loss_and_metrics(cfg, [ps[n] for n in order], tokens, labels, layout.activation)
                 return (loss * scale, metrics) if scaled else (loss, metrics)
-            (loss, metrics), grads = value_and_grad(loss_fn, argnums=tuple(range(n)), has_aux=True)(*compute)
+            (loss, metrics), grads = value_and_grad(loss_fn, has_aux=True)(compute)
             loss = loss / scale if scaled else loss
-            return loss, metrics, [layout.annotate(g, layout.update[name]) for name, g in zip(names, grads)]
+            return loss, metrics, {n: layout.annotate(g, layout.update[n]) for n, g in grads.items()}
         if microbatches == 1:
-            loss, metrics, grads = loss_and_grads(compute, tokens, labels)
+            loss, metrics, grads = loss_and_grads(compute, batch["tokens"], batch["labels"])
         else:
-            loss, metrics, grads = accumulate(loss_and_grads, compute, tokens, labels, microbatches)
-        grads = [snp.astype(g, p.dtype) for g, p in zip(grads, params)]  # reduced in 16 bits, updated in master
-        new_params, new_state = optimizer.update(list(params), grads, list(state))
-        new_params = [layout.annotate(p, layout.update[name]) for name, p in zip(names, new_params)]
-        new_state = [layout.annotate(x, layout.specs[slot.name]) for slot, x in zip(slots, new_state)]
-        return (*new_params, *new_state, *(metrics[k] for k in metric_names(cfg)), loss)
-
-    arg_names = names + [slot.name for slot in slots] + ["tokens", "labels"]
-    step.__signature__ = inspect.Signature([inspect.Parameter(a, inspect.Parameter.POSITIONAL_ONLY)
-                                            for a in arg_names])
+            loss, metrics, grads = accumulate(loss_and_grads, compute, batch["tokens"], batch["labels"],
+                                              microbatches)
+        grads = {n: snp.astype(g, params[n].dtype) for n, g in grads.items()}  # reduced in 16 bits, updated in master
+        new_params, new_state = optimizer.update(params, grads, opt_state)
+        new_params = {n: layout.annotate(p, layout.update[n]) for n, p in new_params.items()}
+        return new_params, layout.annotate_state(new_state), {k: metrics[k] for k in metric_names(cfg)}, loss
     return step
 
 
@@ -274,17 +286,32 @@ def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):
 
     def body(acc, batch_m):
         loss, _, grads = loss_and_grads(params, *batch_m)
-        return (acc[0] + snp.astype(loss, acc[0].dtype), [a + g for a, g in zip(acc[1], grads)]), None
-    init = (snp.zeros((), np.result_type(params[0].dtype, np.float32)), [snp.zeros(p.shape, p.dtype) for p in params])
+        return (acc[0] + snp.astype(loss, acc[0].dtype), {n: a + grads[n] for n, a in acc[1].items()}), None
+    dtype = np.result_type(next(iter(params.values())).dtype, np.float32)
+    init = (snp.zeros((), dtype), {n: snp.zeros(p.shape, p.dtype) for n, p in params.items()})
     (loss, grads), _ = scan(body, init, (split(tokens), split(labels)))
-    return loss * (1.0 / microbatches), {}, [g * (1.0 / microbatches) for g in grads]
+    return loss * (1.0 / microbatches), {}, {n: g * (1.0 / microbatches) for n, g in grads.items()}
 
 
-def input_specs(cfg: LMConfig, optimizer: Optimizer) -> list:
-    """Example arrays (shape, dtype) of the step's inputs, in order."""
-    params = OrderedDict((k, np.zeros(v, cfg.master_dtype)) for k, v in param_shapes(cfg).items())
+def input_specs(cfg: LMConfig, optimizer: Optimizer) -> tuple:
+    """Example arrays (shape, dtype) of the step's inputs: (params, opt_state, batch) trees."""
+    params = {k: np.zeros(v, cfg.master_dtype) for k, v in param_shapes(cfg).items()}
     batch = np.zeros((cfg.batch, cfg.seq), TOKEN_DTYPE)
-    return [*params.values(), *optimizer.init_state(params).values(), batch, batch]
+    return params, optimizer.init_state(params), {"tokens": batch, "labels": batch}
+
+
+def step_specs(graph, layout: Layout) -> tuple[list, list]:
+    """(in_specs, out_specs) of the traced step, flat in the graph's order: inputs by leaf name, each new
+    parameter and state slot like the input it replaces, metrics and loss replicated."""
+    ins = [layout.specs[n] for n in graph.param_names]
+    outs = [layout.specs[_output_name(path)] if path[0] in (0, 1) else ()
+            for path in pytree.leaf_paths(graph.out_tree)]
+    return ins, outs
+
+
+def _output_name(path: tuple) -> str:
+    """The input an output of ``(new_params, new_opt_state, ...)`` replaces: its path under that argument."""
+    return pytree.keystr(path[1:], ("params", "opt_state")[path[0]])
 
 
 def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
@@ -303,8 +330,8 @@ def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimize
     preset = _preset(preset).on(mesh)
     layout = make_layout(cfg, mesh, preset, optimizer)
     graph = trace(train_step_fn(cfg, optimizer, layout, microbatches), *input_specs(cfg, optimizer))
-    specs = list(layout.specs.values())
-    program = partition(graph, mesh, in_specs=specs, out_specs=specs[:-2] + [()] * (len(metric_names(cfg)) + 1))
+    in_specs, out_specs = step_specs(graph, layout)
+    program = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs)
     return TrainStep(cfg, mesh, preset, optimizer, layout, graph, program)
 
 
@@ -345,8 +372,10 @@ def _world():
 # ---------------------------------------------------------------- running it
 @dataclass
 class TrainStep:
-    """A partitioned training step. State = parameters then optimizer state, in ``state_names`` order;
-    global state is an OrderedDict name -> array, local state a list of this rank's TRUE blocks.
+    """A partitioned training step. Its state is the pytree ``{"params": {name: weight}, "opt_state": the
+    optimizer's state tree}``: global (``init``, ``gather``, ``reference_step``) or this rank's TRUE blocks
+    (``shard_state``, ``step``, ``load``). ``state_names`` are the state's dotted leaf names in program order
+    (``params.wq``, ``opt_state.m.wq``), the names of the program's inputs and of checkpoint tensors.
     ``metrics`` holds the last step's extra scalars (MoE: 'aux_loss', 'dropped_fraction')."""
     cfg: LMConfig
     mesh: Mesh
@@ -361,63 +390,104 @@ class TrainStep:
 
     def __post_init__(self):
         self.param_names = list(param_shapes(self.cfg))
-        self.state_names = [io.name for io in self.program.inputs[:-2]]
+        self.state_names = [io.name for io in self.program.inputs if not io.name.startswith("batch.")]
+        self._state_ios = self.program.inputs[:len(self.state_names)]
+        self._batch_ios = self.program.inputs[len(self.state_names):]
+        names = {"params": {n: f"params.{n}" for n in self.param_names},
+                 "opt_state": slot_tree(self.layout.slots, map(state_leaf_name, self.layout.slots))}
+        order, self._state_tree = pytree.flatten(names)
+        self._order = [order.index(n) for n in self.state_names]  # program order -> tree leaf order
 
     def _metrics(self, outs) -> dict:
         names = metric_names(self.cfg)
         self.metrics = {k: float(v) for k, v in zip(names, outs[len(outs) - 1 - len(names):-1])}
         return self.metrics
 
-    def init(self, seed: int = 0) -> "OrderedDict[str, np.ndarray]":
+    def _flat(self, state) -> list:
+        """The leaves of a state tree in program order (the tree must be a TrainStep state)."""
+        leaves = pytree.flatten_like(state, self._state_tree, "a TrainStep state")
+        return [leaves[k] for k in self._order]
+
+    def _tree(self, flat) -> dict:
+        """The state tree of leaves in program order."""
+        leaves = [None] * len(flat)
+        for k, x in zip(self._order, flat):
+            leaves[k] = x
+        return self._state_tree.unflatten(leaves)
+
+    def named(self, state) -> "OrderedDict[str, object]":
+        """Dotted leaf name -> leaf of a state tree, in program order."""
+        return OrderedDict(zip(self.state_names, self._flat(state)))
+
+    def init(self, seed: int = 0) -> dict:
         """Global initial state: parameters from ``seed`` (the same on every mesh) and fresh optimizer state."""
-        params = init_params(self.cfg, seed)
-        return OrderedDict(**params, **self.optimizer.init_state(params))
+        params = dict(init_params(self.cfg, seed))
+        return {"params": params, "opt_state": self.optimizer.init_state(params)}
 
-    def shard_state(self, state: dict, rank: int) -> list:
+    def shard_state(self, state: dict, rank: int) -> dict:
         """``rank``'s TRUE blocks of the global ``state`` (sliced once; the step then keeps them local)."""
-        return [shard(np.asarray(state[io.name]), io.sharding, self.mesh, rank) for io in self.program.inputs[:-2]]
+        return self._tree([shard(np.asarray(x), io.sharding, self.mesh, rank)
+                           for x, io in zip(self._flat(state), self._state_ios)])
 
-    def step(self, local_state: list, tokens, labels, comm=None) -> tuple[list, float]:
+    def _batch(self, tokens, labels) -> list:
+        """The batch inputs in program order."""
+        batch = {"batch.tokens": tokens, "batch.labels": labels}
+        return [np.asarray(batch[io.name], TOKEN_DTYPE) for io in self._batch_ios]
+
+    def step(self, local_state: dict, tokens, labels, comm=None) -> tuple[dict, float]:
         """One step on this rank's blocks; ``tokens``/``labels`` are the global batch (every rank the same).
         Returns (new local state, loss)."""
         rank = Runtime.of(comm).rank
         error = check_batch(tokens, labels, self.cfg)  # agreed on in the run's preparation: raises on every rank
-        batch = [] if error else [shard(np.asarray(x, TOKEN_DTYPE), io.sharding, self.mesh, rank)
-                                  for x, io in zip((tokens, labels), self.program.inputs[-2:])]
-        outs = run_local_checked(self.program, [*local_state, *batch], comm=comm, error=error)
+        batch = [] if error else [shard(x, io.sharding, self.mesh, rank)
+                                  for x, io in zip(self._batch(tokens, labels), self._batch_ios)]
+        outs = run_local_checked(self.program, [*self._flat(local_state), *batch], comm=comm, error=error)
         self._metrics(outs)
-        return list(outs[:len(self.state_names)]), float(outs[-1])
+        return self._tree(outs[:len(self.state_names)]), float(outs[-1])
 
-    def reference_step(self, state: dict, tokens, labels) -> tuple["OrderedDict[str, np.ndarray]", float]:
+    def reference_step(self, state: dict, tokens, labels) -> tuple[dict, float]:
         """The same step, unpartitioned, on global arrays (``sr.evaluate`` of the traced graph)."""
-        outs = evaluate(self.graph, *[state[n] for n in self.state_names], np.asarray(tokens, TOKEN_DTYPE),
-                        np.asarray(labels, TOKEN_DTYPE))
+        outs = evaluate(self.graph, *self._flat(state), *self._batch(tokens, labels))
         self._metrics(outs)
-        return OrderedDict(zip(self.state_names, outs[:len(self.state_names)])), float(outs[-1])
+        return self._tree(outs[:len(self.state_names)]), float(outs[-1])
 
-    def gather(self, local_state: list, comm=None) -> "OrderedDict[str, np.ndarray]":
+    def gather(self, local_state: dict, comm=None) -> dict:
         """Collective: the global state from every rank's blocks."""
         mc = communicator(self.mesh, comm)
-        out = OrderedDict()
-        for x, io in zip(local_state, self.program.inputs[:-2]):
+        out = []
+        for x, io in zip(self._flat(local_state), self._state_ios):
             padded = _pad_to(to_host(x), io.sharding.local_shape(io.shape, self.mesh))
-            out[io.name] = np.asarray(unshard(padded, io.sharding, io.shape, mc))
-        return out
+            out.append(np.asarray(unshard(padded, io.sharding, io.shape, mc)))
+        return self._tree(out)
 
     # ------------------------------------------------------------ checkpoints
-    def save(self, directory, local_state: list, step: int | None = None, comm=None) -> None:
-        """Collective: save this rank's blocks of the state (sharded, atomic; see ``checkpoint``)."""
-        save_checkpoint(directory, dict(zip(self.state_names, local_state)), self.program, comm=comm, step=step)
+    def save(self, directory, local_state: dict, step: int | None = None, comm=None) -> None:
+        """Collective: save this rank's blocks of the state (sharded, atomic; see ``checkpoint``), one tensor
+        per state leaf, named by its dotted path (``params.wq``, ``opt_state.m.wq``)."""
+        save_checkpoint(directory, self.named(local_state), self.program, comm=comm, step=step)
 
-    def load(self, directory, comm=None, strict: bool = True) -> list:
+    def load(self, directory, comm=None, strict: bool = True) -> dict:
         """Collective: this rank's blocks of a saved state, whatever mesh and preset saved it.
 
         The checkpoint must hold exactly this model's parameters and optimizer state at their shapes and dtypes
         (a checkpoint of another config fails, naming each mismatched tensor); ``strict=False`` loads the ones
-        that match and returns None for the others."""
-        expect = {io.name: (io.shape, io.dtype) for io in self.program.inputs[:-2]}
-        blocks = load_checkpoint(directory, self.mesh, self.program, comm=comm, expect=expect, strict=strict)
-        return [blocks.get(n) for n in self.state_names]
+        that match and leaves None for the others. Checkpoints written before the state was a pytree (flat
+        names: ``wq``, ``m_wq``, ``step``) load too, each tensor mapped to its leaf (``legacy_names``)."""
+        stored = _stored_names(directory)
+        legacy = self.legacy_names() if stored and not any(n in stored for n in self.state_names) else {}
+        name = lambda n: legacy.get(n, n)
+        ios = {name(io.name): io for io in self._state_ios}
+        blocks = load_checkpoint(directory, self.mesh, {n: io.sharding for n, io in ios.items() if n in stored},
+                                 comm=comm, expect={n: (io.shape, io.dtype) for n, io in ios.items()},
+                                 strict=strict)
+        return self._tree([blocks.get(name(n)) for n in self.state_names])
+
+    def legacy_names(self) -> dict:
+        """State leaf name -> the flat name checkpoints written before state trees gave it (``params.wq`` ->
+        ``wq``, ``opt_state.m.wq`` -> ``m_wq``)."""
+        names = {f"params.{n}": n for n in self.param_names}
+        names.update((state_leaf_name(slot), slot.name) for slot in self.layout.slots)
+        return names
 
     # ------------------------------------------------------------ reports
     def memory_report(self) -> dict:
@@ -426,9 +496,8 @@ class TrainStep:
         gradients, updates: peak minus inputs). ``*_global`` give the unsharded sizes."""
         held = {"params": 0, "opt_state": 0, "batch": 0}
         whole = dict(held)
-        for k, io in enumerate(self.program.inputs):
-            kind = "params" if k < len(self.param_names) else "batch" if io.name in ("tokens", "labels") \
-                else "opt_state"
+        for io in self.program.inputs:
+            kind = io.name.split(".", 1)[0]
             item = np.dtype(io.dtype).itemsize
             held[kind] += math.prod(io.sharding.local_shape(io.shape, self.mesh)) * item
             whole[kind] += math.prod(io.shape) * item
@@ -446,6 +515,15 @@ class TrainStep:
             g["bytes_in"] += c["bytes_in"]
             g["wire_bytes"] += c["wire_bytes"]
         return list(groups.values())
+
+
+def _stored_names(directory) -> set:
+    """The tensor names of the checkpoint in ``directory`` (empty when it cannot be read: ``load_checkpoint``
+    then fails on every rank, saying why)."""
+    try:
+        return set(checkpoint_info(directory)["tensors"])
+    except (OSError, ValueError, KeyError):
+        return set()
 
 
 def check_batch(tokens, labels, cfg: LMConfig) -> str | None:

@@ -192,7 +192,7 @@ def _cases() -> list[Case]:
             other = sr.build_train_step(sr.LMConfig(layers=2, d=8, heads=2, ffn=16, vocab=32, seq=4, batch=2), mesh,
                                         "dp", sr.SGD(lr=0.1))
             fault("load into a model with 2 layers and vocab 32")
-            other.load(HERE + "/ckpt")""", ["'embed': stored float32[16, 8], the model needs float32[32, 8]",
+            other.load(HERE + "/ckpt")""", ["'params.embed': stored float32[16, 8], the model needs float32[32, 8]",
                                              "needed by the model, not in the checkpoint"],
              every_rank="a checkpoint must match the model it is loaded into (pass strict=False for a partial load)"),
     ]

@@ -76,8 +76,9 @@ def test_two_steps_match_the_reference(shape, preset, reverse):
     local, losses = train(ts, ts.shard_state(state, WORLD.Get_rank()), data)
     got = ts.gather(local, WORLD)
     all_losses = WORLD.allgather(losses)
-    for name in want[0]:
-        np.testing.assert_allclose(got[name], want[0][name], rtol=1e-9, atol=1e-12, err_msg=name)
+    got, want_state = ts.named(got), ts.named(want[0])
+    for name in want_state:
+        np.testing.assert_allclose(got[name], want_state[name], rtol=1e-9, atol=1e-12, err_msg=name)
     for rank_losses in all_losses:
         np.testing.assert_allclose(rank_losses, want[1], rtol=1e-12)
 
@@ -104,6 +105,8 @@ def test_checkpoint_resumes_the_loss_curve_on_another_mesh(shared_dir):
     reloaded = second.load(shared_dir, comm=WORLD)
     restored = second.gather(reloaded, WORLD)
     _, tail = train(second, reloaded, data[1:])
+    restored, saved = second.named(restored), first.named(saved)
+    assert list(restored) == list(saved)
     for name in saved:
         assert np.array_equal(restored[name], saved[name]), name
     np.testing.assert_allclose(head + tail, straight, rtol=1e-12)
@@ -133,8 +136,9 @@ def test_moe_two_steps_match_the_reference(shape, preset):
     local, losses = train(ts, ts.shard_state(state, WORLD.Get_rank()), data)
     got = ts.gather(local, WORLD)
     all_losses = WORLD.allgather(losses)
-    for name in want[0]:
-        np.testing.assert_allclose(got[name], want[0][name], rtol=1e-8, atol=1e-10, err_msg=name)
+    got, want_state = ts.named(got), ts.named(want[0])
+    for name in want_state:
+        np.testing.assert_allclose(got[name], want_state[name], rtol=1e-8, atol=1e-10, err_msg=name)
     for rank_losses in all_losses:
         np.testing.assert_allclose(rank_losses, want[1], rtol=1e-7)  # gating (aux loss) runs in float32
     assert sum(g["count"] for g in ts.comm_summary() if g["kind"].startswith("all_to_all")) == 4

@@ -63,8 +63,8 @@ def test_fsdp_gathers_each_weight_once_reduce_scatters_each_gradient_and_keeps_w
 def test_fsdp_megatron_shards_weights_over_data_inside_each_model_block():
     ts = step_for((2, 4), "fsdp_megatron")
     spec = {io.name: io.sharding for io in ts.program.inputs}
-    assert spec["l0_wq"].dims == (("data",), ("model",)) and spec["embed"].dims == (("model",), ("data",))
-    assert spec["l0_ln1_g"].dims == (("data",),) and spec["m_l0_wq"] == spec["l0_wq"]
+    assert spec["params.l0_wq"].dims == (("data",), ("model",)) and spec["params.embed"].dims == (("model",), ("data",))
+    assert spec["params.l0_ln1_g"].dims == (("data",),) and spec["opt_state.m.l0_wq"] == spec["params.l0_wq"]
     got = set(kinds(ts))
     assert {("all_gather", ("data",)), ("reduce_scatter", ("data",)), ("all_reduce", ("model",))} <= got
     mega = step_for((2, 4), "megatron").memory_report()
@@ -81,6 +81,7 @@ def test_fsdp_loss_curve_and_state_equal_data_parallel(shape):
     (s_fsdp, l_fsdp), (s_dp, l_dp) = train_simulated(fsdp, state, feed), train_simulated(dp, state, feed)
     np.testing.assert_allclose(l_fsdp, l_dp, rtol=1e-12)
     assert l_fsdp[-1] < l_fsdp[0]
+    s_fsdp, s_dp = dp.named(s_fsdp), dp.named(s_dp)
     for name in s_dp:
         np.testing.assert_allclose(s_fsdp[name], s_dp[name], rtol=1e-10, atol=1e-13, err_msg=name)
 

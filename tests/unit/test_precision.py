@@ -181,16 +181,14 @@ def test_float16_loss_scaling_skips_overflowing_steps_on_every_rank_and_adapts_t
     ts = build_train_step(LMConfig(**TINY, dtype="float16"), train_mesh((4,), "fsdp"), "fsdp", opt)
     state = ts.init(0)
     batch = next(data.batches(data.encode(data.corpus(50)), TINY["batch"], TINY["seq"]))
-    names = ts.state_names
-
     def body(comm):
         local, trace = ts.shard_state(state, comm.Get_rank()), []
         for _ in range(8):
             before = ts.gather(local, comm)
             local, loss = ts.step(local, *batch, comm=comm)
             after = ts.gather(local, comm)
-            moved = any(not np.array_equal(before[n], after[n]) for n in names[:len(ts.param_names)])
-            trace.append((float(after["loss_scale"]), float(after["good_steps"]), moved))
+            moved = any(not np.array_equal(before["params"][n], after["params"][n]) for n in ts.param_names)
+            trace.append((float(after["opt_state"]["loss_scale"]), float(after["opt_state"]["good_steps"]), moved))
         return trace
     with np.errstate(over="ignore", invalid="ignore"):
         traces = run_simulated(4, body)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import spmd_runtime as sr
+from spmd_runtime import pytree
 from spmd_runtime.comm import run_simulated
 from spmd_runtime.data import ALPHABET, DICKENS, batches, corpus, decode, encode
 from spmd_runtime.models.lm import LMConfig, init_params, lm_loss, param_shapes
@@ -53,6 +54,7 @@ def step_for(shape, preset, cfg=CFG, optimizer=OPT):
 
 
 def assert_state_close(got, want, rtol=1e-9, atol=1e-12):
+    got, want = pytree.named_leaves(got), pytree.named_leaves(want)
     assert list(got) == list(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=name)
@@ -69,7 +71,8 @@ def test_two_steps_match_the_unpartitioned_reference(preset, shape):
     got, losses = train_simulated(ts, state, data)
     assert_state_close(got, want)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
-    assert not any(np.array_equal(got[n], state[n]) for n in ts.param_names), "every parameter must move"
+    assert not any(np.array_equal(got["params"][n], state["params"][n]) for n in ts.param_names), \
+        "every parameter must move"
 
 
 def test_outputs_are_laid_out_like_inputs_so_the_step_iterates_on_local_shards():
@@ -112,8 +115,8 @@ def local_bytes(io, mesh):
 def test_wus_holds_one_eighth_of_the_optimizer_state_per_rank():
     ts = step_for((8,), "wus")
     state = [io for io in ts.program.inputs[N_PARAMS:-2]]
-    counter = [io for io in state if io.name == "step"]
-    moments = [io for io in state if io.name != "step"]
+    counter = [io for io in state if io.name == "opt_state.step"]
+    moments = [io for io in state if io.name != "opt_state.step"]
     assert len(counter) == 1 and counter[0].shape == () and len(moments) == 2 * N_PARAMS
     total = sum(math.prod(io.shape) * np.dtype(io.dtype).itemsize for io in moments)
     held = sum(local_bytes(io, ts.mesh) for io in moments)
@@ -149,9 +152,9 @@ def test_wus_reduce_scatters_gradients_all_gathers_weights_and_moves_the_dp_byte
 def test_megatron_wus_shards_the_update_over_data_inside_each_model_block():
     ts = step_for((2, 4), "megatron_wus")
     spec = {io.name: io.sharding for io in ts.program.inputs}
-    assert spec["l0_wq"].dims == ((), ("model",)) and spec["m_l0_wq"].dims == (("data",), ("model",))
-    assert spec["embed"].dims == (("model",), ()) and spec["v_embed"].dims == (("model",), ("data",))
-    assert spec["l0_ln1_g"].is_replicated and spec["m_l0_ln1_g"].dims == (("data",),)
+    assert spec["params.l0_wq"].dims == ((), ("model",)) and spec["opt_state.m.l0_wq"].dims == (("data",), ("model",))
+    assert spec["params.embed"].dims == (("model",), ()) and spec["opt_state.v.embed"].dims == (("model",), ("data",))
+    assert spec["params.l0_ln1_g"].is_replicated and spec["opt_state.m.l0_ln1_g"].dims == (("data",),)
     kinds = {(c["kind"], c["axes"]) for c in ts.program.comm_summary()}
     assert ("reduce_scatter", ("data",)) in kinds and ("all_gather", ("data",)) in kinds
     assert ("all_reduce", ("model",)) in kinds  # Megatron's activation all-reduces
@@ -189,9 +192,7 @@ def test_checkpoint_saved_on_2x4_restores_identically_on_4_and_1(tmp_path):
     assert sr.checkpoint_info(tmp_path / "ckpt")["step"] == 1
     for shape, preset in (((4,), "wus"), ((1,), "dp")):
         restored = load_simulated(step_for(shape, preset), tmp_path / "ckpt")
-        assert list(restored) == list(state)
-        for name in state:
-            assert np.array_equal(restored[name], state[name]), name
+        assert_state_close(restored, state, rtol=0, atol=0)
 
 
 def test_training_resumed_from_a_checkpoint_continues_the_same_loss_curve(tmp_path):
@@ -302,41 +303,41 @@ def test_config_errors_state_the_rule():
 
 # ---------------------------------------------------------------- optimizers
 def run_update(opt, params, grads, state):
-    n, s = len(params), len(state)
-    graph = sr.trace(lambda *a: [*sum(opt.update(list(a[:n]), list(a[n:2 * n]), list(a[2 * n:])), [])],
-                     *params, *grads, *state)
-    outs = sr.evaluate(graph, *params, *grads, *state)
-    return outs[:n], outs[n:n + s]
+    """One traced update on dicts (params, grads) and the state tree; returns (new params, new state)."""
+    graph = sr.trace(opt.update, params, grads, state)
+    return graph.out_tree.unflatten(sr.evaluate(graph, *pytree.flatten((params, grads, state))[0]))
 
 
 def test_adamw_matches_its_formula_for_two_steps():
     rng = np.random.default_rng(0)
     opt = AdamW(lr=0.01, b1=0.8, b2=0.9, eps=1e-6, weight_decay=0.5, warmup=4)
-    params = [rng.standard_normal((3, 4)), rng.standard_normal(4)]
-    state = list(opt.init_state({"w": params[0], "g": params[1]}).values())
-    assert state[0].dtype == np.float32 and state[0].shape == ()
-    p, m, v = [x.copy() for x in params], [np.zeros_like(x) for x in params], [np.zeros_like(x) for x in params]
+    params = {"w": rng.standard_normal((3, 4)), "g": rng.standard_normal(4)}
+    state = opt.init_state(params)
+    assert sorted(state) == ["m", "step", "v"] and sorted(state["m"]) == sorted(state["v"]) == ["g", "w"]
+    assert state["step"].dtype == np.float32 and state["step"].shape == ()
+    p, m, v = dict(params), {k: np.zeros_like(x) for k, x in params.items()}, {k: 0 * x for k, x in params.items()}
     for t in (1, 2):
-        grads = [rng.standard_normal(x.shape) for x in params]
+        grads = {k: rng.standard_normal(x.shape) for k, x in params.items()}
         params, state = run_update(opt, params, grads, state)
         lr = 0.01 * min(t / 4, 1.0)
-        for i in range(2):
+        for i in ("w", "g"):
             m[i] = 0.8 * m[i] + 0.2 * grads[i]
             v[i] = 0.9 * v[i] + 0.1 * grads[i] ** 2
             step = (m[i] / (1 - 0.8 ** t)) / (np.sqrt(v[i] / (1 - 0.9 ** t)) + 1e-6)
             p[i] = p[i] - lr * (step + (0.5 * p[i] if p[i].ndim >= 2 else 0.0))  # gains/biases not decayed
             np.testing.assert_allclose(params[i], p[i], rtol=1e-12)
-        assert float(state[0]) == t
+            np.testing.assert_allclose(state["m"][i], m[i], rtol=1e-12)
+        assert float(state["step"]) == t
 
 
 def test_sgd_momentum_matches_its_formula():
     opt = SGD(lr=0.1, momentum=0.5)
-    params, grads = [np.array([1.0, 2.0])], [np.array([0.5, -1.0])]
-    state = list(opt.init_state({"w": params[0]}).values())
+    params, grads = {"w": np.array([1.0, 2.0])}, {"w": np.array([0.5, -1.0])}
+    state = opt.init_state(params)
     params, state = run_update(opt, params, grads, state)
     params, state = run_update(opt, params, grads, state)
-    np.testing.assert_allclose(state[0], [0.75, -1.5])  # 0.5 * g + g
-    np.testing.assert_allclose(params[0], [1.0 - 0.1 * 0.5 - 0.1 * 0.75, 2.0 + 0.1 + 0.15])
+    np.testing.assert_allclose(state["mom"]["w"], [0.75, -1.5])  # 0.5 * g + g
+    np.testing.assert_allclose(params["w"], [1.0 - 0.1 * 0.5 - 0.1 * 0.75, 2.0 + 0.1 + 0.15])
 
 
 # ---------------------------------------------------------------- data
@@ -359,3 +360,25 @@ def test_batches_are_next_character_windows_identical_for_a_seed():
         for row_x, row_y in zip(x, y):
             start = int(np.flatnonzero([np.array_equal(ids[s:s + 16], row_x) for s in range(len(ids) - 16)])[0])
             assert ids[start + 16] == row_y[-1]
+
+
+# ---------------------------------------------------------------- checkpoints from before state pytrees
+FLAT_CKPT = __import__("pathlib").Path(__file__).parents[1] / "data" / "flat_names_checkpoint"
+
+
+@pytest.mark.parametrize("shape,preset", [((1,), "dp"), ((2, 2), "megatron_wus")], ids=["1", "2x2"])
+def test_a_checkpoint_with_flat_names_from_before_state_trees_loads(shape, preset):
+    """tests/data/flat_names_checkpoint was written by the code before parameter dicts (tensors 'embed',
+    'm_embed', 'v_embed', 'step'; 2 ranks, wus, AdamW(lr=1e-2)) after one step from init(seed=3) on the batch
+    below: it loads onto the state tree, each slot where the same step puts it now."""
+    cfg = LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2)
+    stored = sr.checkpoint_info(FLAT_CKPT)["tensors"]
+    assert {"embed", "m_embed", "v_embed", "step"} <= set(stored) and not any("." in n for n in stored)
+    ts = step_for(shape, preset, cfg, AdamW(lr=1e-2))
+    rng = np.random.default_rng(7)
+    x, y = rng.integers(0, 16, (2, 4)), rng.integers(0, 16, (2, 4))
+    want, _ = ts.reference_step(ts.init(seed=3), x, y)
+    got = load_simulated(ts, FLAT_CKPT)
+    assert float(got["opt_state"]["step"]) == 1.0
+    assert_state_close(got, want, rtol=1e-5, atol=1e-7)  # float32, reduced in another order
+    assert set(ts.legacy_names().values()) == set(stored)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import spmd_runtime as sr
+from spmd_runtime import pytree
 from simulated import run_everywhere
 from spmd_runtime.models.lm import LMConfig, init_params, lm_loss
 from spmd_runtime.optim import AdamW
@@ -48,9 +49,10 @@ def test_partitioned_scan_step_matches_the_reference_step(shape, preset, microba
     state = ts.init(0)
     tokens, labels = batch()
     want_state, want_loss = ts.reference_step(state, tokens, labels)
-    for outs in run_everywhere(ts.program, *state.values(), tokens, labels):
+    batch_ = {"tokens": np.asarray(tokens, np.int32), "labels": np.asarray(labels, np.int32)}
+    for outs in run_everywhere(ts.program, state["params"], state["opt_state"], batch_):
         assert float(outs[-1]) == pytest.approx(want_loss, rel=1e-12)
-        for got, want in zip(outs[:-1], want_state.values()):
+        for got, want in zip(outs[:-1], ts.named(want_state).values()):
             np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
@@ -59,7 +61,7 @@ def test_accumulated_step_equals_the_whole_batch_step():
     state = build(CFG, (1,), "dp").init(0)
     (s1, l1), (s4, l4) = (build(CFG, (1,), "dp", m).reference_step(state, tokens, labels) for m in (1, 4))
     assert l4 == pytest.approx(l1, rel=1e-12)
-    for a, b in zip(s1.values(), s4.values()):
+    for a, b in zip(pytree.flatten(s1)[0], pytree.flatten(s4)[0]):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
