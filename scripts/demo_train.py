@@ -205,6 +205,7 @@ def sample(ts, state, chars=160, temperature=0.7, seed=0):
     context = list(encode(grammar_text(4, seed=12345)[:cfg.seq]))
     for _ in range(chars):
         logits = sr.evaluate(graph, *params, np.array([context[-cfg.seq:]], np.int32))[0][0, -1] / temperature
+        logits = logits[:len(ALPHABET)]  # the last id is no character (an undertrained model may pick it)
         logits = logits.astype(np.float64)
         p = np.exp(logits - logits.max())
         context.append(int(rng.choice(len(p), p=p / p.sum())))
