@@ -351,8 +351,10 @@ def run_shards(body, args: list[list], shards: Shards, xp) -> list[list]:
     return [env[o] for o in body.outputs]
 
 
+# ``mesh``, the specs and ``results`` are graph attributes; a program's region instruction (run by its binder) has
+# only its partitioned body and the manual axes
 @opdef.kernel(SHARD_MAP)
-def _shard_map_kernel(xp, *operands, body, mesh, manual, in_specs, out_specs, results):
+def _shard_map_kernel(xp, *operands, body, manual, mesh=None, in_specs=(), out_specs=(), results=()):
     shards = Shards(mesh, manual)
     args = [[x[shards.block(s, spec, x.shape)] for s in range(len(shards))] for x, spec in zip(operands, in_specs)]
     outs = []
