@@ -27,6 +27,8 @@ SHELL_BLOCKS = {
 # Python blocks that are fragments (names the reader supplies): compiled here, not run; first line -> why
 PY_FRAGMENTS = {
     "def rnn(h, ws, b):": "uses the reader's x, w, h, ws; tests/unit/test_loops.py runs scan/fori_loop/while_loop/cond",
+    "def matmul_reduce_scatter(a, b):                     # inside any traced, auto-partitioned function":
+        "uses the reader's mesh; tests/unit/test_shard_map.py runs it (reduce_scatter_matmul)",
 }
 
 
