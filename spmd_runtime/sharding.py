@@ -43,10 +43,13 @@ class Sharding:
     reduce_op: str = "sum"
 
     def __post_init__(self):
-        dims = tuple(tuple(d) for d in self.dims)
-        object.__setattr__(self, "dims", dims)
-        object.__setattr__(self, "partial", tuple(self.partial))
-        used = [a for d in dims for a in d] + list(self.partial)
+        dims, partial = self.dims, self.partial
+        if type(dims) is not tuple or not all(type(d) is tuple for d in dims):  # propagation builds tuples
+            dims = tuple(tuple(d) for d in dims)
+            object.__setattr__(self, "dims", dims)
+        if type(partial) is not tuple:
+            object.__setattr__(self, "partial", tuple(partial))
+        used = sum(dims, self.partial)
         if len(used) != len(set(used)):
             raise ValueError(f"a mesh axis may shard a tensor at most once; got {self}")
         if self.reduce_op not in REDUCE_OPS:
@@ -68,7 +71,7 @@ class Sharding:
     @property
     def axes(self) -> tuple[str, ...]:
         """Every mesh axis that splits some dim, in dim order."""
-        return tuple(a for d in self.dims for a in d)
+        return sum(self.dims, ())
 
     @property
     def is_replicated(self) -> bool:

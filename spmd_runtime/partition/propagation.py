@@ -12,6 +12,7 @@ defined with the op in ``spmd_runtime/ops/``; this module is the engine and the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..graph import Graph
 from ..mesh import Mesh
@@ -34,28 +35,55 @@ def propagate(graph: Graph, mesh: Mesh, fixed: dict[int, Sharding], seeds=None) 
         raise NotImplementedError(f"sharding propagation needs a rule for every op; got no rule for {missing}")
     seeds = seeds or {}
     sh: dict[int, Sharding | None] = {n.id: fixed.get(n.id, seeds.get(n.id)) for n in graph.nodes}
+    sweeps = _Sweeps(graph, mesh, sh, fixed, rules)
     for level in (ELEMENTWISE_LEVEL, BROADCAST_LEVEL, DOT_LEVEL):
-        while _sweep(graph, mesh, sh, fixed, level, rules):
+        while sweeps.sweep(level):
             pass
     origin = {n.id: "user" if n.id in fixed else "propagated" if sh[n.id] else "default" for n in graph.nodes}
     done = {n.id: sh[n.id] or Sharding.replicated(len(n.shape)) for n in graph.nodes}
     return Propagation(done, origin)
 
 
-def _sweep(graph, mesh, sh, fixed, level, rules) -> bool:
-    changed = False
-    for node in graph.nodes:
-        r = rules[node.op]
-        if r.level <= level and node.inputs:
-            cand = r.forward(node, [sh[i] for i in node.inputs], graph, mesh)
-            changed |= _update(node.id, cand, graph, mesh, sh, fixed)
-    for node in reversed(graph.nodes):
-        r = rules[node.op]
-        if r.level <= level and node.inputs and sh[node.id] is not None:
-            cands = r.backward(node, sh[node.id], [sh[i] for i in node.inputs], graph, mesh)
-            for i, cand in zip(node.inputs, cands):
-                changed |= _update(i, cand, graph, mesh, sh, fixed)
-    return changed
+class _Sweeps:
+    """Forward then backward passes over the nodes. A rule is a function of the shardings it reads, so a
+    node whose operands and result kept their shardings since its last visit would propose the same again:
+    a change to a value marks it and its users for another visit each way, and unmarked nodes are skipped.
+    Same updates in the same order as visiting every node; what is saved is re-running rules on settled
+    parts of the graph."""
+
+    def __init__(self, graph, mesh, sh, fixed, rules):
+        self.graph, self.mesh, self.sh, self.fixed = graph, mesh, sh, fixed
+        self.rules = [rules[n.op] for n in graph.nodes]
+        self.users: list[list[int]] = [[] for _ in graph.nodes]
+        for n in graph.nodes:
+            for i in set(n.inputs):
+                self.users[i].append(n.id)
+        self.forward_due = [True] * len(graph.nodes)
+        self.backward_due = [True] * len(graph.nodes)
+
+    def sweep(self, level) -> bool:
+        graph, mesh, sh, rules, nodes = self.graph, self.mesh, self.sh, self.rules, self.graph.nodes
+        forward_due, backward_due = self.forward_due, self.backward_due
+        changed = False
+        for node in nodes:
+            if forward_due[node.id] and node.inputs and rules[node.id].level <= level:
+                forward_due[node.id] = False
+                cand = rules[node.id].forward(node, [sh[i] for i in node.inputs], graph, mesh)
+                changed |= self._update(node.id, cand)
+        for node in reversed(nodes):
+            if backward_due[node.id] and node.inputs and rules[node.id].level <= level and sh[node.id] is not None:
+                backward_due[node.id] = False
+                cands = rules[node.id].backward(node, sh[node.id], [sh[i] for i in node.inputs], graph, mesh)
+                for i, cand in zip(node.inputs, cands):
+                    changed |= self._update(i, cand)
+        return changed
+
+    def _update(self, vid, cand) -> bool:
+        if not _update(vid, cand, self.graph, self.mesh, self.sh, self.fixed):
+            return False
+        for n in (vid, *self.users[vid]):  # their rules read this value
+            self.forward_due[n] = self.backward_due[n] = True
+        return True
 
 
 def _update(vid, cand, graph, mesh, sh, fixed) -> bool:
@@ -72,6 +100,7 @@ def _update(vid, cand, graph, mesh, sh, fixed) -> bool:
     return True
 
 
+@lru_cache(maxsize=65536)  # few distinct (sharding, shape) pairs recur over and over in a model's graph
 def legalize(s: Sharding, shape, mesh: Mesh) -> Sharding:
     """Keep, per dim, the longest prefix of axes with no more shards than elements (uneven splits are
     fine, empty shards are waste); drop partials."""
@@ -87,6 +116,7 @@ def legalize(s: Sharding, shape, mesh: Mesh) -> Sharding:
     return Sharding(tuple(dims))
 
 
+@lru_cache(maxsize=65536)
 def merge(cur: Sharding, cand: Sharding) -> Sharding:
     """``cur`` refined by ``cand``: a dim takes cand's axes when cur's are a prefix of them,
     minus axes already used elsewhere; on conflict ``cur`` wins."""
