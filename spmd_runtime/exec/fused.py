@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .. import opdef
@@ -78,10 +80,33 @@ def bind_fusion(ins, xp, operand_dtypes, scratch: Scratch):
 
 
 def _numpy_chain(fusion: Fusion, scratch: Scratch):
-    """Steps as ufuncs with out=: intermediates in shared scratch (slots freed after last use), result fresh."""
+    """Steps as ufuncs with out=: intermediates in shared scratch (slots freed after last use), result fresh or
+    donated. A chain over more than ``BLOCK`` elements runs block by block (``_blocks``), each block through
+    every step, so its intermediates stay in cache instead of streaming through memory once per step."""
+    plan = _scratch_plan(fusion)
+    blocks = _blocks(fusion) if len(fusion.steps) > 1 and BLOCK > 0 else None
+    if blocks is None:
+        return _whole(fusion, plan, [scratch.get(fusion.shape, np.dtype(d), k) for k, d in plan.slots])
+    return _blocked(fusion, plan, blocks, scratch)
+
+
+# Elements a block runs through a whole chain: its live intermediates fit in a core's L2. $SPMD_FUSE_BLOCK sets
+# it; 0 runs every chain whole (one full pass per step).
+BLOCK = int(os.environ.get("SPMD_FUSE_BLOCK", "16384"))
+
+
+class _ScratchPlan:
+    """Per step: the ufunc, where its operands lie in the value list [params, consts, temps], and the scratch
+    slot (dtype, index) of its result (None for the last step: the result buffer)."""
+
+    def __init__(self, steps, slots):
+        self.steps, self.slots = steps, slots
+
+
+def _scratch_plan(fusion: Fusion) -> _ScratchPlan:
     n_params, n_consts, last = len(fusion.shapes), len(fusion.consts), len(fusion.steps) - 1
     index = _RefIndex(n_params, n_consts)
-    plan, free, holder, last_use, made = [], {}, {}, {}, {}
+    steps, slots, free, holder, last_use, made = [], [], {}, {}, {}, {}
     for k, (_, refs) in enumerate(fusion.steps):
         for r in refs:
             last_use[r] = k
@@ -96,18 +121,66 @@ def _numpy_chain(fusion: Fusion, scratch: Scratch):
                 pool.append(made.get(fusion.dtypes[k], 0))
                 made[fusion.dtypes[k]] = pool[-1] + 1
             slot = holder[f"t{k}"] = pool.pop()
-        plan.append((_numpy_step(op, fusion.dtypes[k]), [index[r] for r in refs], slot, fusion.dtypes[k]))
-    consts, shape, dtype, donate = fusion.consts, fusion.shape, fusion.dtype, fusion.donate
-    steps = [(fn, idx, None if slot is None else scratch.get(shape, np.dtype(d), slot)) for fn, idx, slot, d in plan]
-    views = fusion.views
+            slots.append((slot, fusion.dtypes[k]))
+        steps.append((_numpy_step(op, fusion.dtypes[k]), [index[r] for r in refs]))
+    return _ScratchPlan(steps, slots)
+
+
+def _whole(fusion: Fusion, plan: _ScratchPlan, outs):
+    consts, shape, dtype, donate, views = fusion.consts, fusion.shape, fusion.dtype, fusion.donate, fusion.views
+    steps = [(fn, idx, out) for (fn, idx), out in zip(plan.steps[:-1], outs)]
+    last_fn, last_idx = plan.steps[-1]
 
     def run(*args):
         env = views(args) + consts
-        for fn, idx, out in steps[:-1]:
+        for fn, idx, out in steps:
             env.append(fn(*[env[i] for i in idx], out=out))
-        fn, idx, _ = steps[-1]
         out = args[donate] if donate >= 0 else np.empty(shape, dtype)
-        return fn(*[env[i] for i in idx], out=out)
+        return last_fn(*[env[i] for i in last_idx], out=out)
+    return run
+
+
+def _blocks(fusion: Fusion):
+    """The index of every block of the result, or None when it is too small to split. Blocks split the
+    leading dims: integer indices on the dims before ``axis``, a range of ``step`` along it, whole trailing
+    dims; an operand of size 1 along a dim (broadcast) takes index 0 / its whole extent there."""
+    shape = fusion.shape
+    if int(np.prod(shape)) < 2 * BLOCK:
+        return None
+    axis, inner = len(shape), 1
+    while axis > 0 and inner * shape[axis - 1] <= BLOCK:
+        axis, inner = axis - 1, inner * shape[axis - 1]
+    axis = max(axis - 1, 0)
+    step = max(1, BLOCK // int(np.prod(shape[axis + 1:])))
+    return [(*lead, slice(j, min(j + step, shape[axis]))) for lead in np.ndindex(*shape[:axis])
+            for j in range(0, shape[axis], step)], axis, step
+
+
+def _operand_index(block, operand_shape, axis):
+    return tuple((0 if d < axis else slice(None)) if operand_shape[d] == 1 else b for d, b in enumerate(block))
+
+
+def _blocked(fusion: Fusion, plan: _ScratchPlan, blocks, scratch: Scratch):
+    blocks, axis, step = blocks
+    block_shape = (step, *fusion.shape[axis + 1:])
+    held = [scratch.get(block_shape, np.dtype(d), ("block", k)) for k, d in plan.slots]
+    tail = blocks[-1][axis].stop - blocks[-1][axis].start
+    tail_of = {id(h): h[:tail] for h in held}  # one view per buffer: a select in place checks identity
+    tails = [tail_of[id(h)] for h in held]
+    work = [([_operand_index(b, s, axis) for s in fusion.shapes], b,
+             held if b[axis].stop - b[axis].start == step else tails) for b in blocks]
+    consts, shape, dtype, donate, views = fusion.consts, fusion.shape, fusion.dtype, fusion.donate, fusion.views
+    steps, (last_fn, last_idx) = plan.steps[:-1], plan.steps[-1]
+
+    def run(*args):
+        operands = views(args)
+        out = args[donate] if donate >= 0 else np.empty(shape, dtype)
+        for operand_index, block, temps in work:
+            env = [a[i] for a, i in zip(operands, operand_index)] + consts
+            for (fn, idx), t in zip(steps, temps):
+                env.append(fn(*[env[i] for i in idx], out=t))
+            last_fn(*[env[i] for i in last_idx], out=out[block])
+        return out
     return run
 
 
