@@ -69,8 +69,14 @@ def _ranks(ranks) -> str:
 
 
 def _waits(name):
-    """Watchdog description of a wrapper blocked in MPI: the primitive and its mesh axes."""
-    return watchdog.collective(lambda frame: f"MPI {name} over mesh axes {frame.f_locals.get('axes')}")
+    """Watchdog description of a wrapper blocked in MPI: the primitive and its mesh axes (and whom it waits for)."""
+    return watchdog.collective(lambda frame: f"MPI {name} over mesh axes {frame.f_locals.get('axes')}", _group)
+
+
+def _group(frame):
+    """The communicator a MeshCommunicator wrapper waits on: its axes' sub-communicator (the world until split)."""
+    mc, axes = frame.f_locals["self"], frame.f_locals.get("axes")
+    return mc._subs.get((axes,) if isinstance(axes, str) else tuple(axes)) or mc.comm
 
 
 def _peer(rank: int | None) -> int:
@@ -162,10 +168,11 @@ class MeshCommunicator:
         """Block j of ``send`` goes to sub-rank j; block i of ``recv`` comes from sub-rank i (k equal blocks)."""
         self.sub(axes).Alltoall(send, recv)
 
-    @watchdog.collective(lambda f: f"MPI Sendrecv (to {f.f_locals.get('dest')}, from {f.f_locals.get('source')})")
+    @watchdog.collective(lambda f: f"MPI Sendrecv (to {f.f_locals.get('dest')}, from {f.f_locals.get('source')})",
+                         lambda f: [f.f_locals.get("dest"), f.f_locals.get("source")]
+                         if isinstance(f.f_locals["self"].comm, MPI.Comm) else [])
     def Sendrecv(self, send, dest: int | None, recv, source: int | None) -> None:
         """Send ``send`` to world rank ``dest`` while receiving ``recv`` from ``source``; None = no partner."""
-        # recvtag 0, never ANY_TAG: the watchdog's control messages travel on the world communicator too
         self.comm.Sendrecv(send, _peer(dest), recvbuf=recv, source=_peer(source), recvtag=0)
 
     @watchdog.collective(lambda frame: "MPI Barrier on the world communicator")

@@ -10,8 +10,12 @@ one process (``SPMD_ABORT_ON_ERROR=0`` opts out), like ``python -m mpi4py``:
   status 1 the normal way (no abort, no second traceback).
 - SIGINT and SIGTERM abort the whole job, also while the rank is blocked
   inside an MPI call (``signal.set_wakeup_fd`` wakes the watchdog thread).
-- the watchdog thread (``watchdog.py``): ``SPMD_TIMEOUT``.
-- ``atexit`` (before MPI_Finalize): stop the watchdog.
+- the watchdog thread (``watchdog.py``): a rank blocked in a collective that an
+  exited peer will never join aborts the job within seconds, naming that peer;
+  ``SPMD_TIMEOUT`` bounds any other wait.
+- ``atexit`` (before MPI_Finalize): the watchdog's exit barrier (a rank whose
+  script ended answers "exited" while it waits for the others), then the
+  watchdog stops with no control message left in flight.
 """
 from __future__ import annotations
 
@@ -58,7 +62,8 @@ def install() -> bool:
     _state.update(comm=comm, rank=comm.Get_rank(), size=comm.Get_size())
     sys.excepthook = _excepthook
     signal_fd = _install_signal_handlers()
-    _state["watchdog"] = watchdog.Watchdog(comm, abort_job, watchdog.timeout_seconds(), signal_fd).start()
+    control = comm.Dup()  # the watchdog's own communicator: its messages and exit barrier match nothing else
+    _state["watchdog"] = watchdog.Watchdog(control, abort_job, watchdog.timeout_seconds(), signal_fd).start()
     atexit.register(_at_exit)  # registered after mpi4py's import, so it runs before MPI_Finalize
     return True
 
@@ -111,9 +116,10 @@ def _install_signal_handlers() -> int | None:
 
 
 def _at_exit() -> None:
-    dog = _state.get("watchdog")
+    dog = _state.pop("watchdog", None)
     if dog is not None:
-        dog.stop()
+        dog.leave()
+        dog.comm.Free()
 
 
 __all__ = ["install", "abort_job", "launched_by_mpi"]
