@@ -49,6 +49,7 @@ class Case:
     limit: float = 10.0
     argv: list | None = None  # a CLI command instead of a script (per-rank MPMD allowed: a list of argv)
     every_rank: str | None = None  # a line every rank must print
+    succeeds: bool = False  # not a fault: the job must exit 0 (and no rank may be aborted)
 
 
 def one_rank_computes(rank: int) -> str:
@@ -114,14 +115,29 @@ def _cases() -> list[Case]:
              env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
         Case("SIGKILL of a rank", one_rank_computes(1), ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "Killed (signal 9)"],
              send=(1, signal.SIGKILL)),  # the launcher names the pid; each rank printed its pid when ready
-        Case("early exit of a rank", """
+        Case("early exit of a rank (sys.exit(0)), default SPMD_TIMEOUT", """
             p = program()
             if RANK == 1:
                 fault("sys.exit(0) before the run")
                 sys.exit(0)
-            sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waited", "no peer completed it within SPMD_TIMEOUT",
-                               "ranks that never arrived there: [1]"],
-             env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),  # no exit announcement: see watchdog.py
+            sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waits at the ranks' agreement on 'preparing the run'",
+                               "which rank(s) [1] will never join: they exited",
+                               "[0]   rank 1: exited: its script ended"]),
+        Case("a rank makes one sr.run call fewer, 4 ranks", """
+            p = program()
+            sr.run(p, X)
+            if RANK == 2:
+                fault("rank 2's script returns after one run")
+            else:
+                sr.run(p, X)""", ["which rank(s) [2] will never join: they exited"], n=4),
+        Case("ranks finish at different times (legal: exit 0)", """
+            p = program()
+            sr.run(p, X)
+            if RANK == 0:
+                time.sleep(3)  # the others wait in the next run's agreement meanwhile: they ask, rank 0 answers
+            sr.run(p, X)
+            if RANK == 1:
+                time.sleep(1)  # the others wait at the exit barrier meanwhile""", [], n=4, succeeds=True, limit=30),
         Case("different inputs on one rank", """
             p = program()
             fault("rank 1 passes other values")
@@ -317,6 +333,10 @@ def test_fault_ends_the_job_fast_naming_rank_and_reason(case, results):
     r = results[case.name]
     out = r["output"]
     assert r["rc"] is not None, f"the job hung (killed after {HANG} s):\n{out}"
+    if case.succeeds:
+        assert r["rc"] == 0 and "abort" not in out.lower(), f"this job must succeed; got status {r['rc']}:\n{out}"
+        assert not r["orphans"], f"processes of the job left behind: {r['orphans']}"
+        return
     assert r["rc"] != 0, f"a fault must end the job with a non-zero status; got 0:\n{out}"
     assert r["seconds"] < case.limit, f"the job must end within {case.limit} s of the fault; took {r['seconds']:.1f}"
     assert not r["orphans"], f"processes of the job left behind: {r['orphans']}"
