@@ -56,6 +56,7 @@ import numpy as np
 from .autodiff import value_and_grad
 from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .exec.backend import to_host
+from .comm.communicator import agree
 from .exec.runner import Runtime, communicator, run_local_checked, shard, unshard
 from .mesh import Mesh
 from .models.lm import LMConfig, init_params, is_stacked, lm_loss_and_metrics, param_kind, param_shapes
@@ -346,21 +347,26 @@ def build_train_step_on_root(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: 
     otherwise repeat the same deterministic work, N times over on shared cores)."""
     comm = comm if comm is not None else _world()
     check_experts(cfg, mesh, _preset(preset).on(mesh))  # on every rank, before rank 0 goes off alone
-    step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer, microbatches))
+    step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer, microbatches),
+                       "tracing and partitioning the training step on rank 0")
     return comm.bcast(step, root=0)
 
 
-def run_on_root(comm, fn):
+def run_on_root(comm, fn, what: str = "the work done on rank 0"):
     """Collective: rank 0 runs ``fn`` (its result is returned there, None elsewhere) while the other ranks
     wait SLEEPING: an MPI wait spins, and with more ranks than cores the spinning ranks would take the
-    cores rank 0 needs."""
-    result = fn() if comm.Get_rank() == 0 else None
-    if not hasattr(comm, "Ibarrier"):
-        comm.Barrier()
-        return result
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.002)
+    cores rank 0 needs. An exception in ``fn`` becomes the same one-line ``AgreedError`` on every rank."""
+    result = error = None
+    if comm.Get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - agreed below, so the other ranks do not wait for a result
+            error = f"{type(e).__name__}: {e}"
+    if hasattr(comm, "Ibarrier"):
+        request = comm.Ibarrier()
+        while not request.Test():
+            time.sleep(0.002)
+    agree(comm, error, what)
     return result
 
 

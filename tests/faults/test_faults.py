@@ -199,6 +199,14 @@ def _cases() -> list[Case]:
             fault("rank 1 cannot write its block")
             sr.save_checkpoint(HERE + "/ckpt", {"a": -X[RANK * 4:(RANK + 1) * 4]}, p, step=2)""", [],
              every_rank="got errors on rank(s) [1]: OSError: no space left on device (injected)"),
+        Case("trace error on rank 0 in build_train_step_on_root", """
+            from spmd_runtime import train
+            train.lm_loss_and_metrics = lambda cfg, ps, *rest: float(ps[0])  # float() on a traced Tensor
+            cfg = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2)
+            fault("rank 0 traces a loss that calls float() on a Tensor")
+            train.build_train_step_on_root(cfg, sr.train_mesh((SIZE,), "dp"), "dp", sr.SGD(lr=0.1))""", [],
+             every_rank="AgreedError: tracing and partitioning the training step on rank 0 must succeed on every "
+                        "rank; got errors on rank(s) [0]: TypeError: float() needs values"),
         Case("checkpoint of another model config", """
             cfg = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2)
             mesh = sr.train_mesh((SIZE,), "dp")

@@ -382,3 +382,18 @@ def test_a_checkpoint_with_flat_names_from_before_state_trees_loads(shape, prese
     assert float(got["opt_state"]["step"]) == 1.0
     assert_state_close(got, want, rtol=1e-5, atol=1e-7)  # float32, reduced in another order
     assert set(ts.legacy_names().values()) == set(stored)
+
+
+def test_a_trace_error_on_rank_0_is_one_agreed_error_on_every_rank(monkeypatch):
+    """build_train_step_on_root traces on rank 0 only: its failure must not leave the other ranks waiting."""
+    from spmd_runtime import train
+    monkeypatch.setattr(train, "lm_loss_and_metrics", lambda cfg, ps, *rest: float(ps[0]))  # float() on a Tensor
+    cfg = LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2)
+
+    def body(comm):
+        with pytest.raises(sr.AgreedError, match=r"tracing and partitioning the training step on rank 0 must "
+                                                 r"succeed on every rank; got errors on rank\(s\) \[0\]: "
+                                                 r"TypeError: float\(\) needs values") as got:
+            train.build_train_step_on_root(cfg, train_mesh((2,), "dp"), "dp", SGD(lr=0.1), comm)
+        return got.value.ranks
+    assert run_simulated(2, body) == [[0], [0]]
