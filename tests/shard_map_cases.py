@@ -138,6 +138,14 @@ def _pytree_auto(a, b):
     return snp.sum(snp.reshape(prod, (k, a.shape[0] // k) + a.shape[1:]), axis=0), a + 1.0
 
 
+def _closure(mesh):
+    """The body closes over ``b``, a value of the enclosing trace: whole on every shard, its cotangent summed."""
+    def f(a, b):
+        local = lambda x: sr.psum(snp.sum(x * b, axis=0, keepdims=True), "x")
+        return sr.shard_map(local, mesh, in_specs=P("x"), out_specs=P())(a)
+    return f
+
+
 def _batch_on_y(mesh):
     """Partially manual: the batch dim stays automatic over y, the feature dim is manual over x."""
     region = sr.shard_map(lambda x, w: sr.psum(x @ w, "x"), mesh, in_specs=(P(None, "x"), P("x")), out_specs=P(),
@@ -164,6 +172,8 @@ CASES = [
          lambda kx, ky: [(3 * kx, 4)], (P("x"),), P("x")),
     Case("ring_attention", ring_attention, attention, lambda kx, ky: [(2 * kx, 4)] * 3, (P("x"),) * 3, P("x")),
     Case("pytree", _pytree_region, _pytree_auto, lambda kx, ky: [(2 * kx, 3)] * 2, (P("x"), P("x")), None),
+    Case("closure", _closure, lambda a, b: snp.sum(a * b, axis=0, keepdims=True), lambda kx, ky: [(2 * kx, 3), (3,)],
+         (P("x"), P()), P()),
     Case("partial_manual_batch_on_y", _batch_on_y, _batch_on_y_auto, lambda kx, ky: [(4 * ky, 2 * kx), (2 * kx, 3)],
          (P("y", "x"), P("x")), P("y"), two_d=True),
 ]

@@ -274,6 +274,9 @@ def _trace_region(flat_fn, mesh, manual, leaves, in_sh, out_specs_for):
     local = [TensorSpec(_local(x.shape, s, mesh, f"argument leaf {k} {x.node.spec}"), x.dtype)
              for k, (x, s) in enumerate(zip(leaves, in_sh))]
     stack = _regions.__dict__.setdefault("stack", [])
+    if stack:
+        raise NotImplementedError("a shard_map inside another shard_map's body is not supported; got a nested "
+                                  "call (merge the regions, or name more axes in the outer one's axis_names)")
     stack.append(Region(mesh, manual, current_graph()))
     try:
         body, out_def = trace_body(flat_fn, local, [f"block{k}" for k in range(len(local))], "a shard_map body")

@@ -134,6 +134,13 @@ def test_a_block_shape_that_disagrees_with_the_specs_is_refused():
         _trace(wrong_count, (4,), (4,))
 
 
+def test_a_nested_region_is_refused():
+    inner = sr.shard_map(lambda x: x, MESH2, in_specs=P(), out_specs=P())
+    outer = sr.shard_map(inner, MESH2, in_specs=P("x"), out_specs=P("x"))
+    with pytest.raises(NotImplementedError, match="shard_map inside another shard_map's body is not supported"):
+        _trace(outer, (4,))
+
+
 def test_a_spec_naming_an_automatic_axis_is_refused():
     region = sr.shard_map(lambda x: x, MESH2, in_specs=P("y"), out_specs=P(), axis_names="x")
     with pytest.raises(ValueError, match=r"manual axes \('x',\) only.*P\('y'\)"):
