@@ -15,12 +15,19 @@ kernel runs its body shard by shard in lockstep and calls them across the shards
 evaluator simulates per-shard execution). A collective is legal only at the top level of a region body
 (not inside a scan / cond body within it): the check is at trace time, on every rank alike.
 
-Autodiff: the VJP of a region is a region running the body's VJP, with JAX's unchecked-replication
-convention (``check_rep=False``): the cotangent of an output not split over a manual axis is divided by
-that axis' size on each shard, and the cotangent of an operand replicated over manual axes is summed over
-them. The collectives then transpose as: psum -> psum (the divided shares summed: on a replicated
-cotangent this is the broadcast psum transposes to under replication typing), all_gather <-> psum_scatter,
-ppermute -> the inverse permutation, all_to_all -> the inverse all_to_all, axis_index: no gradient.
+Replication typing (JAX's ``check_vma``): every body value varies over a set of manual axes (a block
+split over them) or is the same on every shard along the others. A block varies over its in_spec's axes;
+psum / pmax / pmin make a value the same along their axes; the other collectives and axis_index make it
+vary. Where a value that is the same along some axes meets one that varies (an add, a collective over
+those axes), the body is rewritten with an explicit ``pbroadcast`` (identity on values). An output not
+split over a manual axis is shard 0's block along it (each shard is assumed to hold the same, unchecked);
+when its type says it varies there, its cotangent goes to shard 0 along it (the exact derivative).
+
+Autodiff: the VJP of a region is a region running the body's VJP (the forward recomputed inside it).
+With the typing the transposes are exact and communication-free where they can be: psum <-> pbroadcast
+(the cotangent of a psum is already the same on every shard), all_gather <-> psum_scatter, ppermute ->
+the inverse permutation, all_to_all -> the inverse all_to_all, axis_index: no gradient; a value
+replicated into the region gets its cotangent summed by the transpose of its pbroadcast.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ import numpy as np
 
 from .. import opdef
 from ..autodiff import backward_from
-from ..bodies import BodyGraph, inline, leaves_as_tensors, pytree_unflatten, trace_body
+from ..bodies import BodyGraph, inline, leaves_as_tensors, pytree_unflatten, trace_body, tracing
 from ..dtypes import is_low_precision
 from ..exec import loops as run_loops
 from ..graph import TensorSpec
@@ -53,7 +60,9 @@ PSUM_SCATTER = define("psum_scatter")  # attrs: axes, dim
 PALL_TO_ALL = define("pall_to_all")  # attrs: axes, split_dim, concat_dim
 PPERMUTE = define("ppermute")  # attrs: axes, perm ((source, destination) shard numbers along axes)
 AXIS_INDEX = define("axis_index")  # attrs: axes
-GROUP_OPS = frozenset(op.name for op in (PSUM, PALL_GATHER, PSUM_SCATTER, PALL_TO_ALL, PPERMUTE, AXIS_INDEX))
+PBROADCAST = define("pbroadcast")  # attrs: axes; the same value, now typed as varying over axes
+COLLECTIVES = (PSUM, PALL_GATHER, PSUM_SCATTER, PALL_TO_ALL, PPERMUTE)
+GROUP_OPS = frozenset(op.name for op in COLLECTIVES + (AXIS_INDEX, PBROADCAST))
 REDUCIBLE = ("float16", "bfloat16", "float32", "float64", "int32", "int64")  # what every reduction path sums
 
 
@@ -187,6 +196,13 @@ def ppermute(x, axis_name, perm):
     return emit(PPERMUTE, [x], {"axes": axes, "perm": pairs}, x.shape, x.dtype)
 
 
+def pbroadcast(x, axis_name):
+    """``x`` unchanged, typed as varying over ``axis_name`` (inserted for you where needed; its transpose is psum)."""
+    x = core.asarray(x)
+    _, axes = _enclosing("pbroadcast", axis_name)
+    return emit(PBROADCAST, [x], {"axes": axes}, x.shape, x.dtype)
+
+
 def axis_index(axis_name):
     """This shard's number along ``axis_name`` (an int32 scalar; major first over a tuple of axes)."""
     _, axes = _enclosing("axis_index", axis_name)
@@ -201,7 +217,7 @@ def shard_map(f, mesh: Mesh | None = None, in_specs=None, out_specs=None, axis_n
     output, or pytrees of them matching the arguments / outputs (a spec applies to every leaf below it).
     Splits must be even. ``axis_names``: the manual axes (default: every axis of ``mesh``, the context mesh
     when None); the others stay automatic. An output not split over a manual axis is taken from shard 0
-    along it (each shard is assumed to hold the same value, unchecked)."""
+    along it (each shard is assumed to hold the same value, unchecked; the gradient is that of shard 0's)."""
     def wrapped(*args):
         m = mesh if mesh is not None else get_mesh(required_by="sr.shard_map")
         manual = _manual_axes(m, axis_names)
@@ -285,14 +301,54 @@ def _trace_region(flat_fn, mesh, manual, leaves, in_sh, out_specs_for):
     _check_body_annotations(body, manual)
     out_sh = [_parse(s, mesh, manual, body.nodes[o].shape, f"out_specs of output leaf {k} {body.nodes[o].spec}")
               for k, (s, o) in enumerate(zip(out_specs_for(out_def), body.outputs))]
+    body, out_varying = _typed(body, in_sh, out_sh, mesh, manual)
     results = [TensorSpec(tuple(n * mesh.axis_size(axes) for n, axes in zip(body.nodes[o].shape, s.dims)),
                           body.nodes[o].dtype) for o, s in zip(body.outputs, out_sh)]
     captured = [Tensor(current_graph(), c) for c in body.captured]
     in_sh = list(in_sh) + [Sharding.replicated(t.ndim) for t in captured]  # closed-over values: whole on every shard
     node = emit(SHARD_MAP, leaves + captured, {"body": body, "mesh": mesh, "manual": manual, "in_specs": tuple(in_sh),
-                                               "out_specs": tuple(out_sh), "results": tuple(results)},
+                                               "out_specs": tuple(out_sh), "results": tuple(results),
+                                               "out_varying": out_varying},
                 (), "float32")
     return [emit(LOOP_OUT, [node], {"index": k}, s.shape, s.dtype) for k, s in enumerate(results)], out_def
+
+
+def _typed(body, in_sh, out_sh, mesh, manual) -> tuple[BodyGraph, tuple]:
+    """``body`` re-emitted with a ``pbroadcast`` wherever a value the same along some manual axes meets one that
+    varies over them (so every transpose is exact), and per output the manual axes it varies over though its
+    out_spec does not split it (its forward value is shard 0's there)."""
+    size1 = {a for a in manual if mesh.axis_size(a) == 1}  # nothing varies over a single shard
+    typed = BodyGraph(parent=body.parent)
+    typed.captured, env, vary, widened = list(body.captured), {}, {}, {}
+    with tracing(typed):
+        for k, p in enumerate(body.params):
+            t = typed.add_param(body.nodes[p].spec, body.param_names[k])
+            env[p], vary[t.id] = t, frozenset(in_sh[k].axes) - size1 if k < len(in_sh) else frozenset()
+        typed._param_of = {c: env[body._param_of[c]].id for c in body.captured}
+
+        def widen(t, want):
+            missing = tuple(a for a in manual if a in want - vary[t.id])
+            if not missing or not floating(t.dtype):
+                return t
+            if (t.id, missing) not in widened:
+                widened[t.id, missing] = out = emit(PBROADCAST, [t], {"axes": missing}, t.shape, t.dtype)
+                vary[out.id] = vary[t.id] | set(missing)
+            return widened[t.id, missing]
+
+        for node in body.nodes:
+            if node.id in env:
+                continue
+            ins = [env[i] for i in node.inputs]
+            axes = frozenset(node.attrs.get("axes", ())) - size1 if node.op in GROUP_OPS else frozenset()
+            if node.op in (op.name for op in COLLECTIVES):
+                ins = [widen(ins[0], vary[ins[0].id] | axes)]
+            want = frozenset().union(*(vary[t.id] for t in ins))
+            ins = [widen(t, want) for t in ins]
+            out = emit(node.op, ins, dict(node.attrs), node.shape, node.dtype)
+            vary[out.id] = (want - axes) if node.op == PSUM.name else (want | axes)
+            env[node.id] = out
+    typed.outputs = [env[o].id for o in body.outputs]
+    return typed, tuple(tuple(a for a in manual if a in vary[o] - set(s.axes)) for o, s in zip(typed.outputs, out_sh))
 
 
 def _check_body_annotations(body, manual):
@@ -357,7 +413,7 @@ def run_shards(body, args: list[list], shards: Shards, xp) -> list[list]:
 # ``mesh``, the specs and ``results`` are graph attributes; a program's region instruction (run by its binder) has
 # only its partitioned body and the manual axes
 @opdef.kernel(SHARD_MAP)
-def _shard_map_kernel(xp, *operands, body, manual, mesh=None, in_specs=(), out_specs=(), results=()):
+def _shard_map_kernel(xp, *operands, body, manual, mesh=None, in_specs=(), out_specs=(), results=(), out_varying=()):
     shards = Shards(mesh, manual)
     args = [[x[shards.block(s, spec, x.shape)] for s in range(len(shards))] for x, spec in zip(operands, in_specs)]
     outs = []
@@ -421,6 +477,11 @@ def _ppermute_group(xp, blocks, *, shards, axes, perm):
     return _per_group(shards, axes, blocks, send)
 
 
+@opdef.kernel(PBROADCAST)
+def _pbroadcast_group(xp, blocks, *, shards, axes):
+    return list(blocks)
+
+
 @opdef.kernel(AXIS_INDEX)
 def _axis_index_group(xp, *, shards, axes):
     return [xp.asarray(shards.index(s, axes), "int32") for s in range(len(shards))]
@@ -439,7 +500,7 @@ def _dims_of(node) -> tuple[int, ...]:
     return (a["dim"],) if "dim" in a else (a["split_dim"], a["concat_dim"]) if "split_dim" in a else ()
 
 
-@opdef.propagation(PSUM, PPERMUTE, level=ELEMENTWISE_LEVEL)
+@opdef.propagation(PSUM, PPERMUTE, PBROADCAST, level=ELEMENTWISE_LEVEL)
 def _same_layout_propagation():
     fwd = lambda node, ins, g, mesh: None if ins[0] is None else ins[0].without_partial()
     bwd = lambda node, out, ins, g, mesh: [out.without_partial()]
@@ -498,6 +559,11 @@ def _ppermute_partition(ctx, node):
     return ctx.emit_like(node, COLLECTIVE_PERMUTE, [x], {"pairs": tuple(pairs)}, x.sharding)
 
 
+@opdef.partition(PBROADCAST)
+def _pbroadcast_partition(ctx, node):
+    return ctx.value(node.inputs[0])  # a type, no data moved
+
+
 @opdef.partition(AXIS_INDEX)
 def _axis_index_partition(ctx, node):
     index = ctx.shard_index(node.attrs["axes"])
@@ -507,10 +573,16 @@ def _axis_index_partition(ctx, node):
 # ---------------------------------------------------------------- VJPs
 @opdef.vjp(PSUM)
 def _psum_vjp(node, g, ops, y):
+    """``g`` is the same on every shard along the axes (so is the psum): it is each summand's cotangent."""
     a = node.attrs
     if a["op"] == "sum":
-        return [lambda: psum(g, a["axes"])]
-    return [lambda: core.where(core.equal(ops[0], y), psum(g, a["axes"]), core.zeros(g.shape, g.dtype))]
+        return [lambda: pbroadcast(g, a["axes"])]
+    return [lambda: core.where(core.equal(ops[0], y), pbroadcast(g, a["axes"]), core.zeros(g.shape, g.dtype))]
+
+
+@opdef.vjp(PBROADCAST)
+def _pbroadcast_vjp(node, g, ops, y):
+    return [lambda: psum(g, node.attrs["axes"])]
 
 
 @opdef.vjp(PALL_GATHER)
@@ -543,7 +615,9 @@ def _axis_index_vjp(node, g, ops, y):
 @opdef.vjp(SHARD_MAP)
 def _shard_map_vjp(node, ct, operands, result):
     """A region running the body's VJP (the forward recomputed inside it): operands' blocks and the results'
-    cotangent blocks in, the floating operands' cotangent blocks out."""
+    cotangent blocks in, the floating operands' cotangent blocks out. The body is typed, so a cotangent is
+    the same along the axes its value is (an output's, by its out_spec; an operand's, by the psum that
+    transposes its pbroadcast)."""
     a = node.attrs
     body, mesh, manual, in_sh, out_sh = a["body"], a["mesh"], a["manual"], a["in_specs"], a["out_specs"]
     float_res = [k for k, s in enumerate(a["results"]) if floating(s.dtype)]
@@ -551,19 +625,14 @@ def _shard_map_vjp(node, ct, operands, result):
     cts = [ct.parts[k] if ct.parts.get(k) is not None else zeros_like(a["results"][k]) for k in float_res]
     n = len(operands)
 
-    def unmentioned(s: Sharding) -> tuple[str, ...]:
-        return tuple(x for x in manual if x not in s.axes and mesh.axis_size(x) > 1)
-
     def backward_body(*blocks):
         start = len(current_graph().nodes)
         outs = inline(body, list(blocks[:n]))
         seeds = {}
         for k, c in zip(float_res, blocks[n:]):
-            copies = mesh.axis_size(unmentioned(out_sh[k]))  # each holds the whole: its share of the cotangent
-            c = c if copies == 1 else c * np.asarray(1.0 / copies, c.dtype)
+            c = _from_shard_zero(c, a["out_varying"][k])
             seeds[outs[k].id] = seeds[outs[k].id] + c if outs[k].id in seeds else c
-        grads = backward_from(seeds, [blocks[i] for i in float_ops], start)
-        return [psum(gr, unmentioned(in_sh[i])) if unmentioned(in_sh[i]) else gr for gr, i in zip(grads, float_ops)]
+        return backward_from(seeds, [blocks[i] for i in float_ops], start)
 
     outs, _ = _trace_region(backward_body, mesh, manual, list(operands) + cts,
                             list(in_sh) + [out_sh[k] for k in float_res], lambda _: [in_sh[i] for i in float_ops])
@@ -573,9 +642,18 @@ def _shard_map_vjp(node, ct, operands, result):
     return grads
 
 
+def _from_shard_zero(ct, axes):
+    """``ct`` on the shards at coordinate 0 along ``axes``, zeros elsewhere: the cotangent of an output that the
+    forward took from shard 0 along axes it varies over."""
+    for a in axes:
+        ct = core.where(core.equal(axis_index(a), 0), ct, core.zeros(ct.shape, ct.dtype))
+    return ct
+
+
 # ---------------------------------------------------------------- the region's other parts, beside their machinery
 opdef.propagation(SHARD_MAP, level=ELEMENTWISE_LEVEL)(partition_manual.region_propagation)
 opdef.partition(SHARD_MAP)(partition_manual.partition_region)
 opdef.bind(SHARD_MAP)(run_loops.bind_region)
 
-__all__ = ["shard_map", "psum", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all", "ppermute", "axis_index"]
+__all__ = ["shard_map", "psum", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all", "ppermute", "axis_index",
+           "pbroadcast"]

@@ -87,12 +87,45 @@ def test_partially_manual_region_keeps_the_batch_split_over_the_automatic_axis()
     assert str(body.inputs[0].sharding) == "[y, R]"  # the block keeps its batch split
 
 
-def test_region_gradient_psums_over_manual_axes_the_operand_is_replicated_on():
-    mesh = sr.Mesh((2, 2), ("x", "y"))
-    region, _, args = build(next(c for c in CASES if c.name == "psum_matmul"), mesh, grad=True)
-    program = sr.partition(region, mesh)
-    kinds = collectives(program)
-    assert ("all_reduce", ("y",)) in kinds  # a and b are whole along y: their cotangent shares are summed
+def _grad_plan(name, mesh):
+    region, _, args = build(next(c for c in CASES if c.name == name), mesh, grad=True)
+    return region, sr.partition(region, mesh)
+
+
+MESH22 = sr.Mesh((2, 2), ("x", "y"))
+
+
+def test_a_psum_transposes_to_a_pbroadcast_that_moves_nothing():
+    _, program = _grad_plan("psum_matmul", MESH22)
+    assert collectives(program) == []  # Megatron's g: all-reduce forward, identity backward
+
+
+def test_a_value_replicated_into_the_region_gets_its_cotangent_summed_over_the_axes_it_meets():
+    graph, program = _grad_plan("closure", MESH22)
+    assert collectives(program) == [("all_reduce", ("x",))]  # b met the x-split blocks; nothing over y
+    region = next(n for n in graph.nodes if n.op == "shard_map")
+    assert [n.attrs["axes"] for n in region.attrs["body"].nodes if n.op == "pbroadcast"] == [("x",)]
+
+
+@pytest.mark.parametrize("name,kind", [("all_gather", "reduce_scatter"), ("reduce_scatter_matmul", "all_gather"),
+                                       ("all_to_all", "all_to_all")])
+def test_collectives_transpose_to_their_pair(name, kind):
+    _, program = _grad_plan(name, sr.Mesh((4,), ("x",)))
+    assert kind in program.collectives()
+
+
+def test_a_ppermute_transposes_to_the_inverse_permutation():
+    _, program = _grad_plan("ppermute_shift", sr.Mesh((4,), ("x",)))
+    pairs = {i.attrs["pairs"] for i in _instrs(program) if i.op == "collective_permute"}
+    forward, inverse = (tuple(sorted((i, (i + step) % 4) for i in range(4))) for step in (1, -1))
+    assert pairs == {forward, inverse}  # the recomputed forward's shift and its transpose
+
+
+def _instrs(program):
+    for ins in program.instrs:
+        yield ins
+        if ins.op == "shard_map":
+            yield from _instrs(ins.attrs["body"])
 
 
 # ---------------------------------------------------------------- bad input: the rule named
