@@ -21,6 +21,17 @@ from .mesh import Mesh
 
 # all_to_allv: the resharding planner's exchange of block intersections (point-to-point rounds within a group).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute", "all_to_allv")
+# Those the scheduler may split into a ``<kind>_start`` / ``<kind>_done`` pair (partition/schedule.py).
+ASYNC_KINDS = COLLECTIVES[:5]
+
+
+def collective_kind(op: str) -> str | None:
+    """The collective an instruction runs: ``op`` itself or, for a ``<kind>_start``, its kind; else None
+    (a ``<kind>_done`` only waits for its start)."""
+    if op in COLLECTIVES:
+        return op
+    kind = op[:-6] if op.endswith("_start") else None
+    return kind if kind in ASYNC_KINDS else None
 
 # What one local flop costs in bytes on the wire: ~10 GB/s between ranks vs ~100 GFLOP/s per rank.
 # Strategies trade the two: gathering operands to skip an all-reduce replicates the matmul on every rank.

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from .cost import COLLECTIVES, group_size, wire_bytes
+from .cost import collective_kind, group_size, wire_bytes
 
 _active = threading.local()  # per thread: the simulated world runs one rank per thread
 _recorders: dict = {}  # (directory, rank) -> Recorder, kept for the whole process
@@ -90,13 +90,15 @@ def instrument(interpreter):
 
 def _timed(fn, ins, program, rec):
     args = {"slot": ins.out, "shape": list(ins.shape), "dtype": ins.dtype, "bytes": ins.nbytes}
-    cat = "compute"
-    if ins.op in COLLECTIVES:
-        cat, k = "comm", group_size(ins.op, ins.attrs, program.mesh)
+    cat, kind = "compute", collective_kind(ins.op)
+    if kind:
+        cat, k = "comm", group_size(kind, ins.attrs, program.mesh)
         axes = ins.attrs.get("axes", program.mesh.axis_names)
         b_in = program.instrs[ins.args[0]].nbytes
         args.update(group=list(axes), group_size=k,
-                    wire_bytes=wire_bytes(ins.op, k, b_in, ins.nbytes))
+                    wire_bytes=wire_bytes(kind, k, b_in, ins.nbytes))
+    elif ins.op.endswith("_done") and collective_kind(ins.op[:-5] + "_start"):
+        cat = "comm"  # the wait of a nonblocking collective (partition/schedule.py)
 
     def step(*xs):
         start = time.time_ns()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .mesh import Mesh
-from .cost import DEFAULT_MODEL, CostModel, group_size, wire_bytes
+from .cost import DEFAULT_MODEL, CostModel, collective_kind, group_size, wire_bytes
 from .opdef import lookup
 from .dtypes import LOW_PRECISION, dtype as parse_dtype
 from .program_check import check_program
@@ -79,14 +79,15 @@ class SPMDProgram:
         sizes = {i.out: i.nbytes for i in self.instrs}
         out = []
         for ins in self.instrs:
-            if lookup(ins.op).collective and ins.attrs.get("axes", True):  # axes (): an exchange kept home
-                k = group_size(ins.op, ins.attrs, self.mesh)
+            kind = collective_kind(ins.op)  # a start/done pair counts once, at its start
+            if kind and ins.attrs.get("axes", True):  # axes (): an exchange kept home
+                k = group_size(kind, ins.attrs, self.mesh)
                 b_in = sizes[ins.args[0]]
                 sent = ins.attrs.get("wire_bytes")
-                out.append({"kind": ins.op, "axes": tuple(ins.attrs.get("axes", self.mesh.axis_names)),
+                out.append({"kind": kind, "axes": tuple(ins.attrs.get("axes", self.mesh.axis_names)),
                             "group_size": k, "bytes_in": b_in, "bytes_out": ins.nbytes,
-                            "wire_bytes": wire_bytes(ins.op, k, b_in, ins.nbytes, sent),
-                            "predicted_s": model.seconds(ins.op, k, b_in, ins.nbytes, sent)})
+                            "wire_bytes": wire_bytes(kind, k, b_in, ins.nbytes, sent),
+                            "predicted_s": model.seconds(kind, k, b_in, ins.nbytes, sent)})
             for body in _bodies(ins):
                 trips = ins.attrs.get("length", 1)
                 out += [{**c, "trips": c.get("trips", 1) * trips, "wire_bytes": c["wire_bytes"] * trips,

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import opdef
 from .comm import collectives
+from .cost import ASYNC_KINDS
 from .dtypes import LOW_PRECISION, dtype as parse_dtype
 
 REDUCE_KINDS = frozenset({"sum", "max", "min", "prod", "mean", "any", "all"})
@@ -51,6 +52,7 @@ def check_program(program) -> None:
         except ProgramError as e:
             raise ProgramError(f"{where}: {e}") from None
         defined.add(ins.out)
+    _check_async_pairs(program)
     params = {i.out for i in program.instrs if i.op == "parameter"}
     for io in program.inputs:
         _dtype(io.dtype, f"input {io.name!r} dtype")
@@ -86,6 +88,35 @@ def _check_instr(ins, program, defined: set) -> None:
         _check_value(name, value, program)
 
 
+def _async_half(op: str) -> str | None:
+    """'start' / 'done' for the halves of a split collective (partition/schedule.py), else None."""
+    for half in ("start", "done"):
+        if op.endswith("_" + half) and op[:-len(half) - 1] in ASYNC_KINDS:
+            return half
+    return None
+
+
+def _check_async_pairs(program) -> None:
+    """Every ``<kind>_start`` is waited for by exactly one ``<kind>_done(%start, %operand)`` of its kind."""
+    by_slot = {i.out: i for i in program.instrs}
+    waited: set[int] = set()
+    for ins in program.instrs:
+        if _async_half(ins.op) != "done":
+            continue
+        start = by_slot.get(ins.args[0]) if len(ins.args) == 2 else None
+        if start is None or start.op != ins.op[:-len("done")] + "start" or start.args[0] != ins.args[1] \
+                or start.out in waited:
+            raise ProgramError(f"instruction %{ins.out} = {ins.op}: a done takes (its own start, the start's "
+                               f"operand), each start waited for once; got operands {list(ins.args)}")
+        waited.add(start.out)
+        if ins.donate not in (-1, 1) or (ins.donate == 1 and start.op != "all_reduce_start"):
+            raise ProgramError(f"instruction %{ins.out} = {ins.op}: only an all-reduce's done may donate, and only "
+                               f"its operand (position 1); got donate={ins.donate}")
+    unwaited = [i.out for i in program.instrs if _async_half(i.op) == "start" and i.out not in waited]
+    if unwaited:
+        raise ProgramError(f"every collective start must have its done; got none for slot(s) {unwaited}")
+
+
 @functools.lru_cache(maxsize=None)
 def _attribute_names(op: str, n_args: int) -> tuple[frozenset, frozenset]:
     """(required, optional) attribute names of ``op``: its kernel's keyword parameters."""
@@ -94,6 +125,11 @@ def _attribute_names(op: str, n_args: int) -> tuple[frozenset, frozenset]:
                          "collective_permute": collectives.collective_permute}
     if op in INTERPRETER_OPS:
         return frozenset(INTERPRETER_OPS[op]), frozenset(INTERPRETER_OPTIONAL.get(op, ()))
+    half = _async_half(op)
+    if half == "done":
+        return frozenset(), frozenset()
+    if half == "start":
+        op = op[:-len("_start")]
     if op in array_collectives:
         fn, skip = array_collectives[op], 2  # (mc, x)
     else:

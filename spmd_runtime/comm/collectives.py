@@ -21,6 +21,13 @@ values that do not outlive one program run. ``in_place=True`` (all_reduce on
 host buffers) reduces into the dying operand with ``MPI.IN_PLACE``. The
 functions below are ``bind(...)(x)`` with fresh buffers.
 
+``bind(..., nonblocking=True)`` returns ``start(x) -> Pending`` instead: the same
+layouts and buffers, but the MPI call is the nonblocking one (``Iallreduce``,
+``Iallgather``, ``Ireduce_scatter_block``, ``Ialltoall``, ``Irecv`` + ``Isend``
+for a permute) and ``Pending.wait()`` gives the result (the scheduled programs'
+``*_start`` / ``*_done`` pairs, ``partition/schedule.py``). Device arrays staged
+through the host and 16-bit floats run blocking at the start (no overlap there).
+
 Wire bytes (per rank, ring algorithms, S = local bytes) are in each docstring;
 they are the denominators of the cost model and of the bus-bandwidth figures.
 16-bit floats travel as 16 bits and are reduced in float32 (``low_precision.py``).
@@ -30,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from spmd_runtime.comm import low_precision
+from spmd_runtime.comm import low_precision, watchdog
 from spmd_runtime.comm.communicator import mpi_op
 from spmd_runtime.dtypes import is_low_precision
 
@@ -80,16 +87,60 @@ def collective_permute(mc, x, pairs):
     return _bind_fresh(mc, "collective_permute", x, pairs=pairs)(x)
 
 
-def bind(mc, kind: str, xp, shape, dtype, *, reuse: bool = True, in_place: bool = False, **attrs):
+def bind(mc, kind: str, xp, shape, dtype, *, reuse: bool = True, in_place: bool = False, nonblocking: bool = False,
+         **attrs):
     """``f(x)`` running collective ``kind`` with ``attrs`` on ``xp`` arrays of ``shape``/``dtype``; see the module doc.
+    ``nonblocking``: ``start(x) -> Pending`` instead.
 
     Collective on first use of a new axes tuple (the sub-communicator split), like every collective.
     """
     if kind not in _BINDERS:
         raise ValueError(f"collective kind must be one of {sorted(_BINDERS)}; got {kind!r}")
+    what = f"{kind} over mesh axes {attrs.get('axes', 'of the permute pairs')}"
+    if nonblocking and (is_low_precision(dtype) or xp is not np):  # staged or emulated: blocking at the start
+        run = bind(mc, kind, xp, shape, dtype, reuse=reuse, in_place=in_place, **attrs)
+        return lambda x: Pending((), run(x), None, what)
     if is_low_precision(dtype):  # 16-bit floats: moved as uint16, reduced in float32 (low_precision.py)
         return low_precision.bind(bind, mc, kind, xp, tuple(shape), np.dtype(dtype), reuse=reuse, **attrs)
-    return _BINDERS[kind](_Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse), in_place=in_place, **attrs)
+    plan = _Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse, nonblocking)
+    run = _BINDERS[kind](plan, in_place=in_place, **attrs)
+    return plan.starter(run, what) if nonblocking else run
+
+
+class Pending:
+    """An issued nonblocking collective: its MPI requests and the result they fill (read it after ``wait``).
+    Holds the operand too: MPI reads the send buffer until the requests complete."""
+
+    __slots__ = ("requests", "value", "operand", "what")
+
+    def __init__(self, requests, value, operand, what: str):
+        self.requests, self.value, self.operand, self.what = requests, value, operand, what
+
+    def __repr__(self):
+        return f"Pending({self.what}, {len(self.requests)} request(s))"
+
+    def test(self) -> bool:
+        """One MPI_Test: drives MPI's progress engine (all in-flight operations, not just this one)."""
+        return self.requests[0].Test() if self.requests else True
+
+    @watchdog.collective(lambda frame: f"MPI Wait for the {frame.f_locals['self'].what}")
+    def wait(self):
+        for request in self.requests:
+            request.Wait()
+        value = self.value
+        return value.result() if isinstance(value, _After) else value
+
+
+class _After:
+    """A result computed from a receive buffer once it is complete (a copying layout move)."""
+
+    __slots__ = ("post", "recv")
+
+    def __init__(self, post, recv):
+        self.post, self.recv = post, recv
+
+    def result(self):
+        return self.post(self.recv)
 
 
 def _bind_fresh(mc, kind, x, **attrs):
@@ -99,9 +150,45 @@ def _bind_fresh(mc, kind, x, **attrs):
 class _Plan:
     """What every binder needs: the array module, the shapes, and buffers made once (reuse) or per call."""
 
-    def __init__(self, mc, xp, shape, dtype, reuse):
+    def __init__(self, mc, xp, shape, dtype, reuse, nonblocking=False):
         self.mc, self.xp, self.shape, self.dtype, self.reuse = mc, xp, shape, dtype, reuse
-        self.host = xp is np
+        self.host, self.nonblocking, self.issued = xp is np, nonblocking, []
+
+    def method(self, comm, name: str):
+        """``comm``'s MPI collective ``name``; nonblocking plans call its ``I`` variant and keep the request."""
+        if not self.nonblocking:
+            return getattr(comm, name)
+        start, issued = getattr(comm, "I" + name[0].lower() + name[1:]), self.issued
+        return lambda *args: issued.append(start(*args))
+
+    def sendrecv(self, comm):
+        """``f(send, dest, recv, source)``: one Sendrecv, or (nonblocking) an Irecv and an Isend, tag 0."""
+        if not self.nonblocking:
+            sendrecv = comm.Sendrecv
+            return lambda s, dest, r, source: sendrecv(s, dest, 0, r, source, 0)
+        irecv, isend, issued, null = comm.Irecv, comm.Isend, self.issued, MPI.PROC_NULL
+
+        def post(s, dest, r, source):
+            if source != null:
+                issued.append(irecv(r, source, 0))
+            if dest != null:
+                issued.append(isend(s, dest, 0))
+        return post
+
+    def after(self, post):
+        """``post`` for a layout move that reads the received data: deferred to the wait when nonblocking."""
+        return (lambda recv: _After(post, recv)) if self.nonblocking else post
+
+    def starter(self, run, what: str):
+        """``start(x) -> Pending`` from a binder's ``run`` whose MPI calls left their requests in ``issued``."""
+        issued = self.issued
+
+        def start(x):
+            value = run(x)
+            requests = tuple(issued)
+            issued.clear()
+            return Pending(requests, value, x, what)
+        return start
 
     def buffer(self, shape):
         """A zero-argument maker of a receive buffer: the same one every call when reusing."""
@@ -130,7 +217,7 @@ def _bind_all_reduce(plan, in_place, axes, op="sum"):
     mop, k = mpi_op(op), plan.mc.axis_size(axes)  # a bad op is rejected even where k == 1 needs no MPI call
     if k == 1:
         return _same if in_place else _copy
-    allreduce, contiguous = plan.mc.sub(axes).Allreduce, plan.contiguous()
+    allreduce, contiguous = plan.method(plan.mc.sub(axes), "Allreduce"), plan.contiguous()
     if in_place and plan.host:
         def run_in_place(x):
             x = contiguous(x)  # a strided operand is copied once, then reduced in place
@@ -152,7 +239,7 @@ def _bind_all_gather(plan, in_place, axes, dim):
     if k == 1:
         return _copy
     front = _front_shape(shape, dim)
-    call, to_front = plan.mpi(plan.mc.sub(axes).Allgather), _to_front_fn(plan, dim, front)
+    call, to_front = plan.mpi(plan.method(plan.mc.sub(axes), "Allgather")), _to_front_fn(plan, dim, front)
     recv_buffer = plan.buffer((k * front[0],) + front[1:])
 
     def run(x):
@@ -170,7 +257,8 @@ def _bind_reduce_scatter(plan, in_place, axes, dim, op="sum"):
     if k == 1:
         return _copy
     front = _front_shape(shape, dim)
-    reduce_scatter_block, to_front = plan.mc.sub(axes).Reduce_scatter_block, _to_front_fn(plan, dim, front)
+    reduce_scatter_block = plan.method(plan.mc.sub(axes), "Reduce_scatter_block")
+    to_front = _to_front_fn(plan, dim, front)
     call, recv_buffer = plan.mpi(lambda s, r: reduce_scatter_block(s, r, mop)), plan.buffer((front[0] // k,) + front[1:])
 
     def run(x):
@@ -192,7 +280,7 @@ def _bind_all_to_all(plan, in_place, axes, split_dim, concat_dim):
     send_shape = _front_shape(blocked, split_dim)
     block = send_shape[1:]
     merged = block[:concat_dim] + (k * block[concat_dim],) + block[concat_dim + 1:]
-    call = plan.mpi(plan.mc.sub(axes).Alltoall)
+    call = plan.mpi(plan.method(plan.mc.sub(axes), "Alltoall"))
     if split_dim == 0:
         to_send = plan.contiguous()
     else:
@@ -203,7 +291,7 @@ def _bind_all_to_all(plan, in_place, axes, split_dim, concat_dim):
         recv_buffer, merge = plan.buffer(merged), _same
     else:
         recv_buffer = plan.buffer(send_shape)
-        merge = lambda recv: xp.moveaxis(recv, 0, concat_dim).reshape(merged)
+        merge = plan.after(lambda recv: xp.moveaxis(recv, 0, concat_dim).reshape(merged))
 
     def run(x):
         recv = recv_buffer()
@@ -219,12 +307,12 @@ def _bind_collective_permute(plan, in_place, pairs):
         return _copy
     if source is None and dest is None:
         return lambda x: xp.zeros(shape, dtype)
-    sendrecv, contiguous = mc.comm.Sendrecv, plan.contiguous()
+    sendrecv, contiguous = plan.sendrecv(mc.comm), plan.contiguous()
     to_peer, from_peer = _peer(dest), _peer(source)
     if source is None:  # nothing arrives: fresh zeros (a reused buffer could have been written in place)
-        call = plan.mpi(lambda s, r: sendrecv(s, to_peer, 0, None, from_peer, 0))
+        call = plan.mpi(lambda s, r: sendrecv(s, to_peer, None, from_peer))
         return lambda x: (call(contiguous(x), None), xp.zeros(shape, dtype))[1]
-    call, recv_buffer = plan.mpi(lambda s, r: sendrecv(s, to_peer, 0, r, from_peer, 0)), plan.buffer(shape)
+    call, recv_buffer = plan.mpi(lambda s, r: sendrecv(s, to_peer, r, from_peer)), plan.buffer(shape)
     if dest is None:
         def receive_only(x):
             recv = recv_buffer()
@@ -344,4 +432,4 @@ def _check_divisible(shape, dim: int, k: int, what: str) -> None:
         )
 
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute", "all_to_allv"]
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute", "all_to_allv", "Pending"]

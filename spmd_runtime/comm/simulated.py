@@ -233,6 +233,27 @@ class SimulatedComm:
 
         recv.reshape(-1)[...] = self._step("Alltoall", send, combine)
 
+    # -- nonblocking collectives: run in lockstep at the start (every rank starts them in the same order) ------
+
+    def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+        return _completed(self.Allreduce(sendbuf, recvbuf, op))
+
+    def Iallgather(self, sendbuf, recvbuf):
+        return _completed(self.Allgather(sendbuf, recvbuf))
+
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
+        return _completed(self.Reduce_scatter_block(sendbuf, recvbuf, op))
+
+    def Ialltoall(self, sendbuf, recvbuf):
+        return _completed(self.Alltoall(sendbuf, recvbuf))
+
+    def Isend(self, buf, dest: int, tag: int = 0):
+        return _completed(self.Send(buf, dest, tag))
+
+    def Irecv(self, buf, source: int, tag: int = 0):
+        """The message is taken at ``Wait`` (sends are buffered, so nothing blocks before it)."""
+        return _Request(lambda: self.Recv(buf, source, tag))
+
     # -- point to point (buffered sends: Sendrecv cannot deadlock) ------------------------------
 
     def Send(self, buf, dest: int, tag: int = 0) -> None:
@@ -304,6 +325,25 @@ class SimulatedComm:
             return out
 
         return self._step("Split", (int(color), int(key)), combine)
+
+
+class _Request:
+    """A simulated MPI request: ``Wait`` finishes the operation once; ``Test`` reports whether it has."""
+
+    def __init__(self, finish=None):
+        self._finish = finish
+
+    def Wait(self) -> None:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+    def Test(self) -> bool:
+        return self._finish is None
+
+
+def _completed(_=None) -> _Request:
+    return _Request()
 
 
 def _buffer(buf) -> np.ndarray:

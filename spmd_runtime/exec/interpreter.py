@@ -11,6 +11,7 @@ from functools import partial
 from ..opdef import lookup
 from ..program import SPMDProgram
 from .buffers import output_buffers
+from .overlap import with_progress
 
 
 class Interpreter:
@@ -19,7 +20,7 @@ class Interpreter:
         instrs = program.instrs
         self.keep_fresh = output_buffers(program)  # collectives whose result may leave the run: no reuse
         self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == "parameter"]
-        self.steps = [(i.out, self._bind(i), i.args, i.free) for i in instrs if i.op != "parameter"]
+        self.steps = with_progress(self, [(i.out, self._bind(i), i.args, i.free) for i in instrs if i.op != "parameter"])
         self.output_slots = [o.slot for o in program.outputs]
 
     def _bind(self, ins):

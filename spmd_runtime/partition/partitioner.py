@@ -19,6 +19,7 @@ from ..comm.simulated import is_lead_rank
 from ..program import Instr, IOSpec, ShardingReport, SPMDProgram
 from ..sharding import Sharding, parse_spec, parse_spec_free
 from .fusion import fuse_elementwise, fusion_enabled
+from .schedule import overlap_budget as _budget, overlap_enabled, schedule_collectives
 from .propagation import propagate
 from .resharding import plan_cost, plan_reshard
 
@@ -112,7 +113,7 @@ def _moves_nothing(step, mesh: Mesh) -> bool:
 
 
 def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: bool | None = None,
-              cost_profile=None) -> SPMDProgram:
+              cost_profile=None, overlap: bool | None = None, overlap_budget: int | None = None) -> SPMDProgram:
     """Partition ``graph`` over ``mesh`` into one SPMD program.
 
     ``in_specs`` / ``out_specs``: one ``mesh_split``-style spec per graph
@@ -120,6 +121,9 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     An out spec that disagrees with a value's own annotation reshards at the output.
     ``fuse``: fuse elementwise chains into ``fusion`` instructions (``partition/fusion.py``); None (default)
     fuses unless ``$SPMD_FUSE`` is 0.
+    ``overlap``: split collectives into start/done pairs scheduled around the compute (``partition/schedule.py``);
+    None (default) splits unless ``$SPMD_ASYNC`` is 0. ``overlap_budget``: bytes of receive buffers in flight
+    at once (default ``$SPMD_ASYNC_BUDGET``, else 64 MiB).
     ``cost_profile``: a profile file from ``python -m spmd_runtime calibrate`` (or a ``CostModel``) that prices
     the collectives when choosing strategies and resharding plans; default: $SPMD_COST_PROFILE, else the
     ring-formula wire bytes.
@@ -128,6 +132,7 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     with using(model):
         program = _partition(graph, mesh, in_specs, out_specs)
     program = fused_program(program) if fusion_enabled(fuse) else program
+    program = scheduled_program(program, _budget(overlap_budget)) if overlap_enabled(overlap) else program
     program.cost_model = model
     return program
 
@@ -161,6 +166,24 @@ def fused_program(program: SPMDProgram) -> SPMDProgram:
     slots = {i.out for i in instrs}
     return SPMDProgram(program.mesh, instrs, inputs, outputs, list(program.notes), program.report, program.in_tree,
                        program.out_tree, {s: n for s, n in program.names.items() if s in slots})
+
+
+def scheduled_program(program: SPMDProgram, budget: int) -> SPMDProgram:
+    """``program`` with its collectives split into start/done pairs (partition/schedule.py), frees and donations
+    redone; an all-reduce whose operand dies at its done reduces into it (``MPI.IN_PLACE``)."""
+    scheduled = schedule_collectives(program, budget)
+    if scheduled is None:
+        return program
+    instrs, inputs, outputs, names, in_place = scheduled
+    keep = {o.slot for o in outputs}
+    _assign_frees(instrs, keep)
+    _assign_donations(instrs, keep)
+    for slot in in_place:
+        done = instrs[slot]
+        if done.args[1] in done.free:
+            done.donate = 1
+    return SPMDProgram(program.mesh, instrs, inputs, outputs, list(program.notes), program.report, program.in_tree,
+                       program.out_tree, names)
 
 
 def _resolve_unconstrained(graph: Graph, mesh: Mesh, in_specs, out_specs) -> Graph:

@@ -1,0 +1,95 @@
+"""Running the scheduler's start/done pairs (partition/schedule.py) and making their progress.
+
+A start binds its collective once, nonblocking (``collectives.bind(..., nonblocking=True)``): per run it
+posts the MPI call and returns the ``Pending`` handle; the done waits on it (a watchdog wait site, so a
+stuck collective is still named with its instruction) and returns the result. An all-reduce whose done
+donates its operand reduces into it (``MPI.IN_PLACE``); receive buffers are kept across runs as the
+blocking binders keep them.
+
+Progress: MPICH advances nonblocking collectives only inside MPI calls (unless ``MPICH_ASYNC_PROGRESS=1``
+gives it a thread). With ``SPMD_PROGRESS=test`` (the default) every instruction that runs while a
+collective is in flight is followed by one ``MPI_Test`` of the oldest in-flight request, which drives the
+whole progress engine; which instructions those are is known from the schedule, so the rest pay nothing.
+``SPMD_PROGRESS=none`` leaves progress to MPI (the waits, or its async-progress thread).
+"""
+from __future__ import annotations
+
+import os
+
+from .. import opdef
+from ..comm import collectives
+from ..partition.schedule import DONES, STARTS, pairs
+
+PROGRESS_ENV = "SPMD_PROGRESS"
+PROGRESS_MODES = ("test", "none")
+
+
+def progress_mode() -> str:
+    mode = os.environ.get(PROGRESS_ENV, "test").strip().lower()
+    if mode not in PROGRESS_MODES:
+        raise ValueError(f"{PROGRESS_ENV} must be one of {list(PROGRESS_MODES)}; got {mode!r}")
+    return mode
+
+
+def _in_flight(interp) -> list:
+    """The interpreter's issued, not yet waited-for collectives (oldest first)."""
+    return interp.__dict__.setdefault("in_flight", [])
+
+
+def _done_of(interp, start_slot: int):
+    table = interp.__dict__.get("_dones")
+    if table is None:
+        table = interp._dones = pairs(interp.program)
+    return interp.program.instrs[table[start_slot]]
+
+
+@opdef.bind(*STARTS.values())
+def _bind_start(interp, ins):
+    done, operand = _done_of(interp, ins.out), interp.program.instrs[ins.args[0]]
+    start = collectives.bind(interp.mc, ins.op[:-len("_start")], interp.xp, operand.shape, operand.dtype,
+                             **ins.attrs, reuse=done.out not in interp.keep_fresh, in_place=done.donate == 1,
+                             nonblocking=True)
+    in_flight = _in_flight(interp)
+
+    def run(x):
+        pending = start(x)
+        in_flight.append(pending)
+        return pending
+    return run
+
+
+@opdef.bind(*DONES.values())
+def _bind_done(interp, ins):
+    in_flight = _in_flight(interp)
+
+    def run(pending, operand):
+        in_flight.remove(pending)
+        return pending.wait()
+    return run
+
+
+def with_progress(interp, steps: list) -> list:
+    """``steps`` with a progress test after each instruction that runs while a collective is in flight."""
+    if progress_mode() == "none" or not any(i.op in STARTS_NAMES for i in interp.program.instrs):
+        return steps
+    in_flight, open_, out = _in_flight(interp), 0, []
+    ops = {i.out: i.op for i in interp.program.instrs}
+    for out_slot, fn, args, free in steps:
+        op = ops[out_slot]
+        open_ += (op in STARTS_NAMES) - (op in DONES_NAMES)
+        poke = open_ > 0 and op not in STARTS_NAMES and op not in DONES_NAMES
+        out.append((out_slot, _poked(fn, in_flight) if poke else fn, args, free))
+    return out
+
+
+def _poked(fn, in_flight):
+    def step(*args):
+        result = fn(*args)
+        if in_flight:
+            in_flight[0].test()
+        return result
+    return step
+
+
+STARTS_NAMES = frozenset(r.name for r in STARTS.values())
+DONES_NAMES = frozenset(r.name for r in DONES.values())

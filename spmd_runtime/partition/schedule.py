@@ -1,0 +1,145 @@
+"""Latency hiding: collectives split into a start and a done, so communication overlaps computation.
+
+XLA's ``all-reduce-start`` / ``all-reduce-done`` and its latency-hiding scheduler, reduced to what an
+in-order interpreter can use. Runs once after partitioning (and fusion); the compute instructions keep
+their order and only the collectives move:
+
+- ``<kind>_start(%x, attrs...)`` goes right after ``%x`` exists and posts MPI's nonblocking collective
+  (``Iallreduce``, ``Iallgather``, ``Ireduce_scatter_block``, ``Ialltoall``, ``Irecv`` + ``Isend``); its
+  value is the request handle;
+- ``<kind>_done(%start, %x)`` goes just before the collective's first user and waits; its value is the
+  collective's result. It names ``%x`` too: MPI reads ``%x`` until then, so ``%x`` stays alive and
+  unwritten; ``%x!`` marks an all-reduce reduced in place into ``%x`` (``MPI.IN_PLACE``).
+
+Memory budget: the receive buffers of the collectives in flight at any point stay within ``budget``
+bytes; a start that would exceed it moves later, as far as its done allows. FSDP's weight all-gathers,
+whose operands exist from the top of the program, thus prefetch as many layers ahead as the budget holds.
+
+A collective stays one blocking instruction when nothing would run between its start and its done, when
+it feeds another collective, or when it moves 16-bit floats (emulated by several collectives).
+``partition(overlap=False)`` or ``SPMD_ASYNC=0`` turns the pass off; ``SPMD_ASYNC_BUDGET`` (bytes) or
+``partition(overlap_budget=...)`` sets the budget.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import replace
+
+import numpy as np
+
+from ..cost import ASYNC_KINDS
+from ..dtypes import is_low_precision
+from ..opdef import define, lookup
+from ..program import Instr, SPMDProgram
+
+ASYNC_ENV, BUDGET_ENV = "SPMD_ASYNC", "SPMD_ASYNC_BUDGET"
+DEFAULT_BUDGET = 64 << 20  # bytes of receive buffers in flight
+
+# A start's value is the request handle (read only, never a buffer); a done's is the fresh result (or, in place,
+# its operand's buffer: ``donate`` 1). Binders: exec/overlap.py.
+STARTS = {k: define(f"{k}_start", "program", read_only=True, collective=True) for k in ASYNC_KINDS}
+DONES = {k: define(f"{k}_done", "program", fresh=True) for k in ASYNC_KINDS}
+
+
+def overlap_enabled(overlap: bool | None) -> bool:
+    """``overlap`` itself, or for None whether ``$SPMD_ASYNC`` allows the split (anything but 0; default on)."""
+    return os.environ.get(ASYNC_ENV, "1").strip() != "0" if overlap is None else bool(overlap)
+
+
+def overlap_budget(budget: int | None) -> int:
+    """``budget`` itself, or ``$SPMD_ASYNC_BUDGET`` (bytes), or ``DEFAULT_BUDGET``."""
+    if budget is not None:
+        value, where = budget, "overlap_budget"
+    else:
+        raw, where = os.environ.get(BUDGET_ENV, str(DEFAULT_BUDGET)), f"${BUDGET_ENV}"
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{where} must be a whole number of bytes; got {raw!r}") from None
+    if not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{where} must be a whole number of bytes >= 0; got {value!r}")
+    return int(value)
+
+
+def schedule_collectives(program: SPMDProgram, budget: int):
+    """``(instrs, inputs, outputs, names, in_place)`` of ``program`` with its collectives split (slots
+    renumbered; frees and donations left for the partitioner to redo; ``in_place``: the done slots whose
+    all-reduce may reduce into its dying operand), or None when no collective is worth splitting."""
+    instrs, n = program.instrs, len(program.instrs)
+    users: dict[int, list[int]] = defaultdict(list)
+    for ins in instrs:
+        for a in dict.fromkeys(ins.args):
+            users[a].append(ins.out)
+    work = np.array([not lookup(i.op).collective and i.op != "parameter" for i in instrs] + [False])
+    load = np.zeros(n + 1, np.int64)  # bytes in flight just before each instruction (gap g: before %g)
+    moved: dict[int, tuple[int, int]] = {}
+    for ins in instrs:
+        window = _window(ins, instrs, users, n)
+        if window is None:
+            continue
+        first, done = window
+        start = _earliest_fit(load, first, done, ins.nbytes, budget)
+        if start is None or not work[start:done].any():
+            continue  # over budget, or nothing to hide it behind: stays blocking
+        load[start:done] += ins.nbytes
+        moved[ins.out] = (start, done)
+    if not moved:
+        return None
+    order = _order(n, moved)
+    new, started = {}, {}
+    for pos, (what, slot) in enumerate(order):
+        (started if what == "start" else new)[slot] = pos
+    out = []
+    for pos, (what, slot) in enumerate(order):
+        ins = instrs[slot]
+        if what == "instr":
+            out.append(replace(ins, out=pos, args=tuple(new[a] for a in ins.args), free=(), donate=-1))
+        elif what == "start":
+            out.append(replace(ins, op=f"{ins.op}_start", out=pos, args=(new[ins.args[0]],), free=(), donate=-1))
+        else:
+            out.append(replace(ins, op=f"{ins.op}_done", out=pos, args=(started[slot], new[ins.args[0]]), attrs={},
+                               free=(), donate=-1))
+    inputs = [replace(i, slot=new[i.slot]) for i in program.inputs]
+    outputs = [replace(o, slot=new[o.slot]) for o in program.outputs]
+    names = {new[s]: name for s, name in program.names.items() if s in new}
+    in_place = [new[s] for s in moved if instrs[s].donate == 0 and users[instrs[s].args[0]] == [s]]
+    return out, inputs, outputs, names, in_place
+
+
+def _window(ins: Instr, instrs, users, n) -> tuple[int, int] | None:
+    """(earliest start gap, done gap) of a collective worth splitting, else None. Gap g lies just before %g."""
+    if ins.op not in ASYNC_KINDS or is_low_precision(ins.dtype) or not ins.args:
+        return None
+    readers = users.get(ins.out, [])
+    if any(lookup(instrs[u].op).collective for u in readers):
+        return None  # a chain of collectives (a multi-step reshard) stays blocking: its done would be its start
+    return max(ins.args) + 1, min(readers) if readers else n
+
+
+def _earliest_fit(load, first: int, done: int, size: int, budget: int) -> int | None:
+    """The earliest gap in [first, done) from which ``size`` more bytes stay within ``budget`` up to ``done``."""
+    if size > budget or first >= done:
+        return None
+    peak_after = np.maximum.accumulate(load[first:done][::-1])[::-1]  # max load from each gap up to done
+    fits = np.flatnonzero(peak_after + size <= budget)
+    return first + int(fits[0]) if fits.size else None
+
+
+def _order(n: int, moved: dict) -> list[tuple[str, int]]:
+    """The new instruction order: at each gap the dones due there, then the starts, then the instruction."""
+    starts, dones = defaultdict(list), defaultdict(list)
+    for slot, (start, done) in sorted(moved.items()):
+        starts[start].append(slot)
+        dones[done].append(slot)
+    order = []
+    for gap in range(n + 1):
+        order += [("done", s) for s in dones[gap]] + [("start", s) for s in starts[gap]]
+        if gap < n and gap not in moved:
+            order.append(("instr", gap))
+    return order
+
+
+def pairs(program: SPMDProgram) -> dict[int, int]:
+    """start slot -> its done slot."""
+    return {i.args[0]: i.out for i in program.instrs if i.op.endswith("_done") and i.op[:-5] in DONES}
