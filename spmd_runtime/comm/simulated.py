@@ -23,7 +23,7 @@ import itertools
 import pickle
 import sys
 import threading
-from collections import defaultdict, deque
+from collections import defaultdict
 
 import numpy as np
 from mpi4py import MPI
@@ -95,7 +95,11 @@ class _World:
         self._barriers: list[threading.Barrier] = []
         self._group_ids = itertools.count()
         self.mail = threading.Condition()
-        self.mailboxes: dict[tuple, deque] = defaultdict(deque)
+        # Messages match receives in posting order, as in MPI: the n-th send on (group, source, dest, tag) goes
+        # to the n-th receive posted there, however the receives' waits are ordered (nonblocking receives).
+        self.messages: dict[tuple, np.ndarray] = {}
+        self.sent: dict[tuple, int] = defaultdict(int)
+        self.posted: dict[tuple, int] = defaultdict(int)
 
     def new_group(self, members) -> "_Group":
         return _Group(self, tuple(members), next(self._group_ids))
@@ -251,8 +255,11 @@ class SimulatedComm:
         return _completed(self.Send(buf, dest, tag))
 
     def Irecv(self, buf, source: int, tag: int = 0):
-        """The message is taken at ``Wait`` (sends are buffered, so nothing blocks before it)."""
-        return _Request(lambda: self.Recv(buf, source, tag))
+        """Matched now (posting order), taken at ``Wait`` (sends are buffered, so nothing blocks before it)."""
+        if source == MPI.PROC_NULL:
+            return _completed()
+        ticket = self._post(source, tag)
+        return _Request(lambda: self._receive(buf, ticket))
 
     # -- point to point (buffered sends: Sendrecv cannot deadlock) ------------------------------
 
@@ -260,16 +267,27 @@ class SimulatedComm:
         if dest == MPI.PROC_NULL:
             return
         message = _buffer(buf).copy()
-        world = self._group.world
+        world, key = self._group.world, (self._group.id, self._rank, self._check_peer(dest), tag)
         with world.mail:
-            world.mailboxes[(self._group.id, self._rank, self._check_peer(dest), tag)].append(message)
+            world.messages[key, world.sent[key]] = message
+            world.sent[key] += 1
             world.mail.notify_all()
 
     def Recv(self, buf, source: int, tag: int = 0, status=None) -> None:
         if source == MPI.PROC_NULL:
             return
+        self._receive(buf, self._post(source, tag))
+
+    def _post(self, source: int, tag: int) -> tuple:
+        """A ticket: (channel, the number of receives posted on it before this one)."""
+        world, key = self._group.world, (self._group.id, self._check_peer(source), self._rank, tag)
+        with world.mail:
+            world.posted[key] += 1
+            return key, world.posted[key] - 1
+
+    def _receive(self, buf, ticket) -> None:
         recv = _buffer(buf)
-        message = self._wait_for_message((self._group.id, self._check_peer(source), self._rank, tag))
+        message = self._wait_for_message(ticket)
         if message.nbytes > recv.nbytes or message.dtype != recv.dtype:
             raise ValueError(
                 f"Recv needs a buffer of the message's dtype and at least its size; got a {message.dtype} "
@@ -286,15 +304,15 @@ class SimulatedComm:
             raise ValueError(f"simulated peers must be ranks in [0, {self.size}) (no wildcards); got {peer}")
         return peer
 
-    def _wait_for_message(self, key) -> np.ndarray:
+    def _wait_for_message(self, ticket) -> np.ndarray:
         world = self._group.world
         with world.mail:
-            ready = world.mail.wait_for(lambda: world.mailboxes[key] or world.aborted, timeout=world.timeout)
-            if world.mailboxes[key]:
-                return world.mailboxes[key].popleft()
+            ready = world.mail.wait_for(lambda: ticket in world.messages or world.aborted, timeout=world.timeout)
+            if ticket in world.messages:
+                return world.messages.pop(ticket)
         if ready:
             raise _Aborted(f"Recv aborted because another simulated rank failed")
-        raise TimeoutError(f"simulated Recv must get its message within {world.timeout}s; got none for {key}")
+        raise TimeoutError(f"simulated Recv must get its message within {world.timeout}s; got none for {ticket}")
 
     # -- small Python objects ----------------------------------------------------------------
 

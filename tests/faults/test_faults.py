@@ -113,6 +113,18 @@ def _cases() -> list[Case]:
             sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waited", "at an MPI collective in instruction %",
                                "= all_reduce(axes=('x',), op=sum)", "ranks that never arrived there: [1]"],
              env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
+        Case("SIGSTOP of a rank while a nonblocking all-reduce is in flight", """
+            p = sr.partition(sr.trace(lambda a, w: a.sum() + snp.exp(w).sum(), sr.TensorSpec((4 * SIZE,), "float64"),
+                                      sr.TensorSpec((4,), "float64")), MESH, in_specs=[("x",), None], fuse=False)
+            if RANK == 1:
+                def stop(xp, x, kind, axes):
+                    fault("SIGSTOP before the all-reduce's start: rank 0 waits at its done")
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                replace_kernel("reduce", stop)
+            sr.run(p, X, np.ones(4))""", ["[0] spmd_runtime: rank 0 waited", "at MPI Wait for the all_reduce over mesh "
+                                          "axes ('x',) in instruction %", "= all_reduce_done()",
+                                          "ranks that never arrived there: [1]"],
+             env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
         Case("SIGKILL of a rank", one_rank_computes(1), ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "Killed (signal 9)"],
              send=(1, signal.SIGKILL)),  # the launcher names the pid; each rank printed its pid when ready
         Case("early exit of a rank (sys.exit(0)), default SPMD_TIMEOUT", """
