@@ -83,6 +83,34 @@ def test_two_steps_match_the_reference(shape, preset, reverse):
         np.testing.assert_allclose(rank_losses, want[1], rtol=1e-12)
 
 
+def overlap_cases() -> list[tuple[tuple, str, bool]]:
+    """One case of the table above (the suite's time): Megatron with weight-update sharding on the first 2-d
+    mesh (all-reduces, reduce-scatters and all-gathers split), or 1-d Megatron where the world is prime.
+    Every case of the table runs scheduled (the default) in ``test_two_steps_match_the_reference``."""
+    table = cases()
+    return [next((c for c in table if c[1] == "megatron_wus"), ((N,), "megatron", False))]
+
+
+@pytest.mark.parametrize("shape,preset,reverse", overlap_cases(),
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_overlapped_step_equals_the_blocking_step(shape, preset, reverse, monkeypatch):
+    """Start/done pairs run with MPI's nonblocking collectives (partition/schedule.py): the same bits as the
+    blocking program, at every world size."""
+    mesh = mesh_of(shape, preset, reverse)
+    overlapped = build_train_step_on_root(CFG, mesh, preset, OPT, WORLD)
+    monkeypatch.setenv("SPMD_ASYNC", "0")
+    blocking = build_train_step_on_root(CFG, mesh, preset, OPT, WORLD)
+    split = sum(i.op.endswith("_start") for i in overlapped.program.instrs)
+    state, data = overlapped.init(seed=1), feed(2)
+    got, got_losses = train(overlapped, overlapped.shard_state(state, WORLD.Get_rank()), data)
+    want, want_losses = train(blocking, blocking.shard_state(state, WORLD.Get_rank()), data)
+    assert N == 1 or split > 0, "the scheduler split no collective"
+    assert not any(i.op.endswith("_start") for i in blocking.program.instrs)
+    assert got_losses == want_losses
+    for g, w, io in zip(got, want, overlapped.program.inputs):
+        np.testing.assert_array_equal(g, w, err_msg=io.name)
+
+
 @pytest.fixture
 def shared_dir():
     path = WORLD.bcast(tempfile.mkdtemp(prefix="spmd_train_") if WORLD.Get_rank() == 0 else None, root=0)
