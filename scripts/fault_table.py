@@ -54,7 +54,7 @@ def _message(rank: int, lines: list[str]) -> str:
         if t.startswith("spmd_runtime:") or t.startswith("Abort("):
             break
         block.append(t)
-    head = re.sub(rf"^spmd_runtime: (rank {rank}: )?", "", block[0])
+    head = re.sub(rf"^spmd_runtime: (rank {rank}: )?", "", block[0])  # the watcher's line keeps its prefix
     if any(t.startswith("Traceback") for t in block):
         return f"{head} … {block[-1].strip()}"
     return " / ".join([head] + [t.strip() for t in block[1:] if t.startswith(" ")])

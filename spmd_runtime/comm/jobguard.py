@@ -13,21 +13,25 @@ one process (``SPMD_ABORT_ON_ERROR=0`` opts out), like ``python -m mpi4py``:
 - the watchdog thread (``watchdog.py``): a rank blocked in a collective that an
   exited peer will never join aborts the job within seconds, naming that peer;
   ``SPMD_TIMEOUT`` bounds any other wait.
+- a watcher process per host (``deathwatch.py``) names a rank that ends
+  without a word (SIGKILL, the OOM killer, a crash in C code).
 - ``atexit`` (before MPI_Finalize): the watchdog's exit barrier (a rank whose
   script ended answers "exited" while it waits for the others), then the
-  watchdog stops with no control message left in flight.
+  watchdog stops with no control message left in flight, and the watcher is
+  told the job ends normally.
 """
 from __future__ import annotations
 
 import atexit
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 
-from spmd_runtime.comm import watchdog
+from spmd_runtime.comm import deathwatch, watchdog
 from spmd_runtime.comm.communicator import AgreedError
 
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE",
@@ -60,6 +64,7 @@ def install() -> bool:
     if comm.Get_size() < 2:
         return False
     _state.update(comm=comm, rank=comm.Get_rank(), size=comm.Get_size())
+    _start_deathwatch(comm)
     sys.excepthook = _excepthook
     signal_fd = _install_signal_handlers()
     control = comm.Dup()  # the watchdog's own communicator: its messages and exit barrier match nothing else
@@ -74,6 +79,8 @@ def abort_job(message: str, comm=None, code: int = 1) -> None:
     if not _aborting.acquire(blocking=False):
         while True:  # another thread is aborting the job
             time.sleep(1)
+    if "host_lead_pid" in _state:  # this rank says why itself: its host's watcher need not
+        deathwatch.tell(_state["host_lead_pid"], "abort")
     try:
         sys.stderr.write(message.rstrip("\n") + "\n")
         sys.stderr.flush()
@@ -115,11 +122,28 @@ def _install_signal_handlers() -> int | None:
     return read
 
 
+def _start_deathwatch(comm) -> None:
+    """The lowest rank of each host starts the watcher that names a rank killed without a word (deathwatch.py)."""
+    host = socket.gethostname()
+    local = {r: pid for r, (h, pid) in enumerate(comm.allgather((host, os.getpid()))) if h == host}
+    _state["host_lead_pid"] = local[min(local)]
+    if min(local) == comm.Get_rank():
+        _state["watcher"] = deathwatch.start(local, host)
+
+
 def _at_exit() -> None:
     dog = _state.pop("watchdog", None)
     if dog is not None:
         dog.leave()
         dog.comm.Free()
+    if "host_lead_pid" in _state:  # every rank passed the exit barrier: the watcher's work is done
+        deathwatch.tell(_state.pop("host_lead_pid"), "bye")
+    watcher = _state.pop("watcher", None)
+    if watcher is not None:
+        try:
+            watcher.wait(timeout=1)
+        except Exception:  # noqa: BLE001 - it ends when the ranks on this host do
+            pass
 
 
 __all__ = ["install", "abort_job", "launched_by_mpi"]

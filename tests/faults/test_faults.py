@@ -125,8 +125,9 @@ def _cases() -> list[Case]:
                                           "axes ('x',) in instruction %", "= all_reduce_done()",
                                           "ranks that never arrived there: [1]"],
              env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
-        Case("SIGKILL of a rank", one_rank_computes(1), ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "Killed (signal 9)"],
-             send=(1, signal.SIGKILL)),  # the launcher names the pid; each rank printed its pid when ready
+        Case("SIGKILL of a rank", one_rank_computes(1), ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "Killed (signal 9)",
+                                                          "[0] spmd_runtime (watcher of the ranks on "],
+             send=(1, signal.SIGKILL)),  # the host's watcher names the rank (and pid), the launcher a pid
         Case("early exit of a rank (sys.exit(0)), default SPMD_TIMEOUT", """
             p = program()
             if RANK == 1:
@@ -229,7 +230,8 @@ def _cases() -> list[Case]:
                     os.kill(os.getpid(), signal.SIGKILL)
                 checkpoint._write_npy = killed
             sr.save_checkpoint(HERE + "/ckpt", {"a": -X[RANK * 4:(RANK + 1) * 4]}, p, step=2)""",
-             ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "Killed (signal 9)"]),
+             ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "Killed (signal 9)",
+              "rank 1 (pid ", "it ended before the job's exit barrier"]),
         Case("checkpoint of another model config", """
             cfg = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2)
             mesh = sr.train_mesh((SIZE,), "dp")
@@ -301,7 +303,7 @@ def _launch(case: Case, where: str) -> dict:
         rc = None
     end = time.time()
     reader.join(timeout=5)
-    orphans = _leftovers(proc.pid)
+    orphans = _leftovers(proc.pid, where)
     for pid in orphans:  # clean up after a failing case; the assertion below reports them
         _kill(pid)
     if rc is None:
@@ -327,16 +329,25 @@ def _inject(case: Case, where: str, proc) -> float | None:
     return at
 
 
-def _leftovers(session: int) -> list[int]:
-    """Processes of the job's session still alive a moment after mpiexec returned."""
+def _leftovers(session: int, where: str) -> list[int]:
+    """Processes of the job still alive a moment after mpiexec returned: of its session, or (a host's
+    watcher has a session of its own) with the case's FAULT_DIR in their environment."""
     for _ in range(20):
         out = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat="], capture_output=True, text=True).stdout
         alive = [int(p) for p, s, st in (line.split() for line in out.splitlines())
-                 if int(s) == session and not st.startswith("Z")]
+                 if (int(s) == session or _runs_in(int(p), where)) and not st.startswith("Z")]
         if not alive:
             return []
         time.sleep(0.1)
     return alive
+
+
+def _runs_in(pid: int, where: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"FAULT_DIR={where}\0".encode() in f.read()
+    except OSError:
+        return False
 
 
 def _kill(pid: int) -> None:
@@ -380,8 +391,11 @@ def test_fault_ends_the_job_fast_naming_rank_and_reason(case, results):
     for text in case.expect:
         assert text in out, f"expected {text!r} in the output:\n{out}"
     if case.send and case.send[1] == signal.SIGKILL:
-        pid = open(os.path.join(r["where"], f"pid.{case.send[0]}")).read()
-        assert f"[{case.send[0]}] rank {case.send[0]} has pid {pid}" in out and f"PID {pid} RUNNING" in out
+        rank, pid = case.send[0], open(os.path.join(r["where"], f"pid.{case.send[0]}")).read()
+        assert f"rank {rank} (pid {pid}): killed" in out and "ended before the job's exit barrier" \
+            in out, f"the host's watcher must name the killed rank:\n{out}"
+    elif "SIGKILL" not in case.name:
+        assert "watcher of the ranks" not in out, f"a rank that says why it ends needs no watcher's report:\n{out}"
     if case.every_rank:
         for rank in range(case.n):  # each rank's own line (hydra may glue another rank's partial line in front)
             assert re.search(rf"\[{rank}\] spmd_runtime: rank {rank}: [^\n]*{re.escape(case.every_rank)}", out), \
