@@ -57,6 +57,16 @@ class Tensor:
     def __array__(self, *args, **kwargs):  # np.exp(t), np.asarray(t): NumPy would need the values
         self._no_value("a NumPy function (np.exp, np.asarray, ...)")
 
+    def __array_function__(self, func, types, args, kwargs):  # np.sum(t) would call t.sum(out=None): say why
+        from spmd_runtime import numpy as snp  # here: spmd_runtime.numpy imports this module
+        name = func.__name__
+        if name in ("shape", "ndim", "size") and len(args) == 1 and not kwargs:  # known while tracing
+            return getattr(self, name)
+        instead = f"snp.{name}" if hasattr(snp, name) else "spmd_runtime.numpy"
+        raise TypeError(f"np.{name} needs values, and a traced Tensor has none: values are not known while tracing; "
+                        f"use {instead} (import spmd_runtime.numpy as snp) and read values from sr.run's outputs; "
+                        f"got {self!r}")
+
     __float__ = lambda self: self._no_value("float()")
     __int__ = lambda self: self._no_value("int()")
     __complex__ = lambda self: self._no_value("complex()")

@@ -127,3 +127,13 @@ def test_tracing_errors_say_what_to_use_instead():
     graph = sr.trace(body, sr.TensorSpec((3, 4), "float64"))
     x = np.arange(12.0).reshape(3, 4)
     np.testing.assert_array_equal(sr.evaluate(graph, x)[0], 3 * x)
+
+
+@pytest.mark.parametrize("fn,name", [(np.sum, "sum"), (np.mean, "mean"), (np.concatenate, "concatenate")])
+def test_a_numpy_array_function_on_a_traced_tensor_names_the_snp_function(fn, name):
+    """np.sum(t) used to fail inside NumPy with "sum() got an unexpected keyword argument 'out'"."""
+    arg = (lambda a: fn([a, a])) if name == "concatenate" else fn
+    with pytest.raises(TypeError, match=rf"np.{name} needs values, and a traced Tensor has none: values are not "
+                                        rf"known while tracing; use snp.{name} "):
+        sr.trace(arg, sr.TensorSpec((4,), "float32"))
+    assert sr.trace(lambda a: a * np.ndim(a) + np.size(a) + np.shape(a)[0], sr.TensorSpec((4,), "float32"))
