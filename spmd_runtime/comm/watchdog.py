@@ -8,7 +8,8 @@ Python stack a few times a second, and talks to the peers' monitor threads with
 small control messages on a communicator of its own (a duplicate of the world).
 
 - A thread blocked at the same marked frame for ``PROBE_EVERY`` seconds (2)
-  asks the peers that frame waits for "where are you?" (again every 2 s). A
+  asks the peers that frame waits for "where are you?" (again every 2 s,
+  except the peers that answered they wait at the same collective). A
   peer whose script ended answers "exited" (see ``leave``); when the thread is
   still blocked ``CONFIRM`` seconds later, the job is aborted with that rank
   named: an early exit ends the job in about 3 s, whatever ``SPMD_TIMEOUT``.
@@ -138,6 +139,7 @@ class Watchdog:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._seen: dict[int, list] = {}  # thread id -> [innermost marked frame, first seen, last probe]
         self._exited: dict[int, tuple] = {}  # peer -> (its 'exited' answer, when it came)
+        self._heard: dict[int, tuple] = {}  # peer -> (its last 'here' answer, when it came)
         self._sent, self._received = [0] * self.size, [0] * self.size  # control messages, per peer
         self._sends: list = []  # send requests not yet complete
         self._exiting = threading.Event()  # set once this rank's script ended (see ``leave``)
@@ -227,8 +229,10 @@ class Watchdog:
             self._report_exit(site, now - first, gone)
         if now - probed >= PROBE_EVERY and not self._exiting.is_set():
             held[2] = now
-            for p in peers:
-                if p not in self._exited:
+            mine = where(site)
+            for p in peers:  # a peer that answered it waits at this same collective cannot leave before us
+                heard = self._heard.get(p)
+                if p not in self._exited and not (heard and heard[1] >= first and mine in heard[0]):
                     self._send(p, ("where?", None))
 
     # ------------------------------------------------------------------ control messages
@@ -252,6 +256,8 @@ class Watchdog:
             self._send(peer, self._answer())
         elif kind == "exited":
             self._exited.setdefault(peer, (payload, time.monotonic()))
+        elif kind == "here":
+            self._heard[peer] = (payload, time.monotonic())
         return peer, kind, payload
 
     def _answer(self) -> tuple:
