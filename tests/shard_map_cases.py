@@ -153,6 +153,14 @@ def _batch_on_y(mesh):
     return lambda x, w: region(sr.mesh_split(x, mesh, P("y", sr.UNCONSTRAINED)), w)
 
 
+def _contract_on_y(mesh):
+    """Partially manual: rows manual over x; the contraction dim split over the automatic y, which the
+    partitioner handles inside the body (partial sums over y reduced there)."""
+    region = sr.shard_map(lambda a, w: snp.tanh(a @ w), mesh, in_specs=(P("x"), P()), out_specs=P("x"),
+                          axis_names=("x",))
+    return lambda a, w: region(sr.mesh_split(a, mesh, P("x", "y")), sr.mesh_split(w, mesh, P("y")))
+
+
 def _batch_on_y_auto(x, w):
     return x @ w
 
@@ -176,6 +184,8 @@ CASES = [
          (P("x"), P()), P()),
     Case("partial_manual_batch_on_y", _batch_on_y, _batch_on_y_auto, lambda kx, ky: [(4 * ky, 2 * kx), (2 * kx, 3)],
          (P("y", "x"), P("x")), P("y"), two_d=True),
+    Case("partial_manual_contract_on_y", _contract_on_y, lambda a, w: snp.tanh(a @ w),
+         lambda kx, ky: [(2 * kx, 3 * ky), (3 * ky, 5)], (P("x", "y"), P("y")), P("x"), two_d=True),
 ]
 
 

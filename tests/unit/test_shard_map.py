@@ -88,6 +88,13 @@ def test_partially_manual_region_keeps_the_batch_split_over_the_automatic_axis()
     assert str(body.inputs[0].sharding) == "[y, R]"  # the block keeps its batch split
 
 
+def test_partially_manual_region_reduces_an_automatic_contraction_inside_the_body():
+    region, _, _ = _plans("partial_manual_contract_on_y", sr.Mesh((2, 2), ("x", "y")))
+    assert collectives(region) == [("all_reduce", ("y",))]  # entering moved nothing; y's partial sums reduced
+    body = next(i for i in region.instrs if i.op == "shard_map").attrs["body"]
+    assert [str(i.sharding) for i in body.inputs] == ["[R, y]", "[y, R]"]
+
+
 def _grad_plan(name, mesh):
     region, _, args = build(next(c for c in CASES if c.name == name), mesh, grad=True)
     return region, sr.partition(region, mesh)
