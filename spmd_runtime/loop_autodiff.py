@@ -19,6 +19,7 @@ import numpy as np
 
 from .autodiff import backward_from
 from .bodies import TUPLE_DTYPE, TUPLE_SHAPE, BodyGraph, extract, inline, tracing
+from .dtypes import is_floating
 from .graph import TensorSpec
 from .ops.core import zeros
 
@@ -40,7 +41,7 @@ class TupleCotangent:
 
 
 def floating(dtype) -> bool:
-    return np.issubdtype(np.dtype(dtype), np.floating)
+    return is_floating(dtype)  # bfloat16 too, which NumPy does not count as np.floating
 
 
 def loop_out_vjp(node, g, ops, y):

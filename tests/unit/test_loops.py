@@ -57,6 +57,28 @@ def deep_scan(length):
     return sr.trace(f, sr.TensorSpec((8, 4), "float64"), sr.TensorSpec((length, 4, 4), "float64"))
 
 
+def test_bfloat16_carries_and_xs_are_differentiated():
+    """bfloat16 is floating although NumPy does not say so: the reverse scan must not drop its gradients."""
+    pytest.importorskip("ml_dtypes")
+
+    def loss(h, ws, unrolled):
+        if unrolled:
+            for k in range(ws.shape[0]):
+                h = snp.tanh(h @ ws[k])
+        else:
+            h, _ = sr.scan(lambda h, w: (snp.tanh(h @ w), None), h, ws)
+        return snp.sum(snp.astype(h, "float32"))
+    rng = np.random.default_rng(0)
+    args = [sr.TensorSpec((2, 4), "bfloat16"), sr.TensorSpec((3, 4, 4), "bfloat16")]
+    values = [rng.standard_normal(a.shape).astype(sr.dtypes.dtype("bfloat16")) for a in args]
+    grads = [sr.evaluate(sr.trace(sr.grad(lambda h, w, u=u: loss(h, w, u), (0, 1)), *args), *values)
+             for u in (False, True)]
+    for scanned, unrolled in zip(*grads):
+        assert np.abs(np.asarray(scanned, np.float32)).max() > 0.1
+        np.testing.assert_allclose(np.asarray(scanned, np.float32), np.asarray(unrolled, np.float32), rtol=2e-2,
+                                   atol=2e-2)
+
+
 def test_body_is_partitioned_once_whatever_the_length():
     mesh = sr.Mesh((2,), ("x",))
     short, long = (sr.partition(deep_scan(n), mesh, in_specs=[("x", None), None]) for n in (2, 64))
