@@ -15,6 +15,16 @@ bytes, the expert weights held per rank (and globally) and the dropped-token fra
 same active parameters per token has ``--ffn`` = top_k x the expert hidden dim:
     mpiexec -n 8 python scripts/bench_train.py --mesh 4,2 --preset moe --moe --experts 8 --ffn 512
     mpiexec -n 8 python scripts/bench_train.py --mesh 4,2 --preset dp --ffn 1024
+
+``--preset pipeline`` (meshes stage[,data[,model]], ``--microbatches`` M = the pipeline's micro-batches): the
+line adds a "pipeline" object: S, M, the GPipe bubble (S-1)/(M+S-1), and the MEASURED bubble: every
+iteration of the pipeline loops (forward and backward) is timed on every rank, and the time of the
+iterations in which the rank's stage holds no micro-batch (stage s is busy at iterations s..s+M-1) over
+the time of all of them, per rank; also the shift's collective_permute wire bytes and the layer parameter
+bytes per rank vs in all. In the vectorised GSPMD schedule a bubble iteration computes on zeros, so the
+bubble costs compute time rather than idle waiting.
+    mpiexec -n 8 python scripts/bench_train.py --mesh 2,2,2 --preset pipeline --layers 8 --microbatches 4
+``--layers L --partition-only`` prints partition seconds and instruction counts (layers scanned by default).
 """
 from __future__ import annotations
 
@@ -49,9 +59,11 @@ def parse_args(argv=None):
     ap.add_argument("--moe-every", type=int, default=2)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--capacity-factor", type=float, default=2.0)
-    ap.add_argument("--scan-layers", action="store_true", help="layers as one sr.scan over stacked parameters")
-    ap.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="with --scan-layers")
-    ap.add_argument("--microbatches", type=int, default=1, help="gradient accumulation over this many slices")
+    ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                    help="layers as one sr.scan over stacked parameters (default: dense models scan, MoE unroll)")
+    ap.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="with scanned layers")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="gradient accumulation over this many slices (pipeline preset: its micro-batches)")
     ap.add_argument("--partition-only", action="store_true",
                     help="only trace and partition: print partition seconds and instruction counts")
     return ap.parse_args(argv)
@@ -83,6 +95,7 @@ import numpy as np  # noqa: E402  (after the thread count is in the environment)
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from spmd_runtime.exec import loops  # noqa: E402
 from spmd_runtime.models.lm import LMConfig  # noqa: E402
 from spmd_runtime.optim import make_optimizer  # noqa: E402
 from spmd_runtime.train import build_train_step, run_on_root, train_mesh  # noqa: E402
@@ -104,8 +117,9 @@ def build(args, comm):
     return comm.bcast(run_on_root(comm, build_timed), root=0)
 
 
-def timed_steps(ts, local, comm, args):
-    """Median seconds per step (max over ranks), and the first and last loss."""
+def timed_steps(ts, local, comm, args, clock=None):
+    """Median seconds per step (max over ranks), and the first and last loss. ``clock``: cleared after the
+    warm-up steps, so it times the measured steps only."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -118,6 +132,8 @@ def timed_steps(ts, local, comm, args):
         losses.append(loss)
         if i >= args.warmup:
             times.append(elapsed)
+        elif clock and i == args.warmup - 1:
+            clock.clear()
     return float(np.median(times)), losses
 
 
@@ -136,7 +152,7 @@ def main():
     ts, build_seconds = build(ARGS, comm)
     if ARGS.partition_only:
         if comm.Get_rank() == 0:
-            print(json.dumps({"layers": ARGS.layers, "scan_layers": ARGS.scan_layers, "preset": ARGS.preset,
+            print(json.dumps({"layers": ARGS.layers, "scan_layers": ts.cfg.scanned, "preset": ARGS.preset,
                               "mesh": list(ts.mesh.shape), "partition_s": build_seconds,
                               "instructions": len(ts.program.instrs),
                               "instructions_with_bodies": count_instructions(ts.program)}))
@@ -145,8 +161,10 @@ def main():
         raise SystemExit(f"--mesh {ARGS.mesh} needs {ts.mesh.size} ranks; got {comm.Get_size()}")
     local = ts.shard_state(ts.init(0), comm.Get_rank())
     load_start = os.getloadavg()
-    median, losses = timed_steps(ts, local, comm, ARGS)
+    clock = LoopClock() if ts.preset.stage else None
+    median, losses = timed_steps(ts, local, comm, ARGS, clock)
     rss = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX)  # KiB on Linux
+    pipeline = pipeline_report(ts, clock, comm, ARGS.steps) if clock else None
     if comm.Get_rank() == 0:
         cfg = ts.cfg
         print(json.dumps({
@@ -158,12 +176,73 @@ def main():
             "wire_bytes_per_step": ts.program.wire_bytes, "collectives_per_step": len(ts.program.comm_summary()),
             "max_rss_bytes_per_rank": rss * 1024, "program_peak_bytes_per_rank": ts.program.peak_bytes(),
             "memory_per_rank": ts.memory_report(), "instructions": len(ts.program.instrs),
-            "instructions_with_bodies": count_instructions(ts.program), "scan_layers": ARGS.scan_layers,
+            "instructions_with_bodies": count_instructions(ts.program), "scan_layers": cfg.scanned,
             "remat": ARGS.remat, "microbatches": ARGS.microbatches, "build_s": build_seconds,
             "loss_first": losses[0], "loss_last": losses[-1],
             "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg()),
             **({"moe": moe_report(ts)} if cfg.moe_every else {}),
+            **({"pipeline": pipeline} if clock else {}),
         }))
+
+
+class LoopClock:
+    """Seconds of every run of every loop body bound from now on, by body program (``exec.loops`` binds each
+    body once per rank; its ``run`` is wrapped here, so the other runs pay nothing)."""
+
+    def __init__(self):
+        self.seconds: dict[int, list[float]] = {}
+        original = loops._bound
+
+        def bound(interp, program):
+            body = original(interp, program)
+            record, run = self.seconds.setdefault(id(program), []), body.run
+
+            def timed(inputs):
+                t0 = time.perf_counter()
+                out = run(inputs)
+                record.append(time.perf_counter() - t0)
+                return out
+            body.run = timed
+            return body
+        loops._bound = bound
+
+    def clear(self):
+        for record in self.seconds.values():
+            record.clear()
+
+
+def pipeline_report(ts, clock: LoopClock, comm, steps: int) -> dict:
+    """GPipe bubble in theory and measured per rank from the per-iteration times of the pipeline loops (the
+    scans whose body shifts by a collective_permute), wire bytes of the shifts, layer bytes per rank."""
+    axis = ts.preset.stage[0]
+    s, m = ts.mesh.axis_size(axis), ARGS.microbatches
+    stage = ts.mesh.coords(comm.Get_rank())[axis]
+    idle = busy = 0.0
+    for ins in ts.program.instrs:
+        body = ins.attrs.get("body") if ins.op == "scan" else None
+        if body is None or not any(c["kind"] == "collective_permute" for c in body.comm_summary()):
+            continue
+        n = ins.attrs["length"]
+        for k, sec in enumerate(clock.seconds.get(id(body), [])):  # `steps` runs of n iterations
+            t = k % n if not ins.attrs["reverse"] else n - 1 - k % n
+            if stage <= t < stage + m:
+                busy += sec
+            else:
+                idle += sec
+    per_rank = comm.gather((idle, busy), root=0)
+    if comm.Get_rank() != 0:
+        return None
+    fractions = [i / (i + b) if i + b else float("nan") for i, b in per_rank]
+    layers = [io for io in ts.program.inputs[:len(ts.param_names)] if io.name.startswith("layers_")]
+    item = lambda io: np.dtype(io.dtype).itemsize
+    return {"stages": s, "microbatches": m, "bubble_theory": (s - 1) / (m + s - 1),
+            "bubble_measured_per_rank": fractions, "bubble_measured_mean": float(np.mean(fractions)),
+            "pipeline_loop_s_per_step_per_rank": [(i + b) / steps for i, b in per_rank],
+            "permute_wire_bytes_per_step": sum(g["wire_bytes"] for g in ts.comm_summary()
+                                               if g["kind"] == "collective_permute"),
+            "layer_param_bytes_per_rank": sum(int(np.prod(io.sharding.local_shape(io.shape, ts.mesh))) * item(io)
+                                              for io in layers),
+            "layer_param_bytes_global": sum(int(np.prod(io.shape)) * item(io) for io in layers)}
 
 
 def moe_report(ts) -> dict:

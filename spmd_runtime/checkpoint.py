@@ -34,6 +34,7 @@ import re
 import shutil
 import uuid
 import zlib
+from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
@@ -336,8 +337,24 @@ def _siblings(final: Path, tag: str) -> list[Path]:
 
 # ------------------------------------------------------------------ load
 
+@dataclass(frozen=True)
+class StackOf:
+    """A view: the tensor is its ``parts`` stacked on a new leading dim (part i is slice i), e.g. a
+    stacked-layers weight [layers, ...] stored as one tensor per layer."""
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SliceOf:
+    """A view: the tensor is slice ``index`` of the leading dim of ``source``, e.g. one layer's weight
+    stored inside a stacked-layers tensor."""
+    source: str
+    index: int
+
+
+
 def load_checkpoint(directory, mesh: Mesh, shardings=None, comm=None, expect=None, strict: bool = True,
-                    verify: bool | None = None, like=None):
+                    verify: bool | None = None, like=None, views=None):
     """Collectively load every tensor of a checkpoint: name -> this rank's TRUE local block.
 
     ``shardings``: name -> Sharding or mesh_split spec on ``mesh`` (any mesh
@@ -350,12 +367,14 @@ def load_checkpoint(directory, mesh: Mesh, shardings=None, comm=None, expect=Non
     (default True, or ``SPMD_CHECKPOINT_VERIFY=0``) checks each block read
     against its crc32 in the metadata. Block files that are symlinks are
     refused. Each rank memory-maps only the stored blocks that overlap its
-    own block. Raises CheckpointError on every rank if any rank fails.
+    own block. ``views``: name -> ``StackOf`` / ``SliceOf``, how to read a tensor the checkpoint stores in
+    another layout (used only for names it does not hold, when it holds every source); each rank still
+    reads only the overlapping parts of the sources. Raises CheckpointError on every rank if any rank fails.
     """
     comm = _world(comm, mesh)
     if verify is None:
         verify = os.environ.get("SPMD_CHECKPOINT_VERIFY", "1").strip().lower() not in ("0", "off", "no", "false")
-    out, error = _capture(_load_local, directory, mesh, shardings, comm.Get_rank(), expect, strict, verify)
+    out, error = _capture(_load_local, directory, mesh, shardings, comm.Get_rank(), expect, strict, verify, views)
     if error is None and like is not None:  # ``like``: a pytree whose dotted leaf paths name the tensors
         out, error = _capture(_like, out, like)
     _agree(comm, error, "load_checkpoint")
@@ -376,11 +395,11 @@ def checkpoint_info(directory) -> dict:
     return _read_metadata(_find_checkpoint(directory))
 
 
-def _load_local(directory, mesh: Mesh, shardings, rank: int, expect, strict: bool, verify: bool) -> dict:
+def _load_local(directory, mesh: Mesh, shardings, rank: int, expect, strict: bool, verify: bool, views) -> dict:
     path = _find_checkpoint(directory)
     meta = _read_metadata(path)
-    stored = _matching(meta["tensors"], _expected(shardings, expect), set(expect or ()), expect is not None, strict,
-                       path)
+    stored = _matching(_with_views(meta["tensors"], views or {}, path), _expected(shardings, expect),
+                       set(expect or ()), expect is not None, strict, path)
     specs = _load_specs(shardings, mesh, stored)
     unknown = sorted(set(specs) - set(stored) - (set(meta["tensors"]) if not strict else set()))
     if unknown:
@@ -392,6 +411,31 @@ def _load_local(directory, mesh: Mesh, shardings, rank: int, expect, strict: boo
         sharding = _resolve_sharding(specs.get(name, Sharding.replicated(len(shape))), shape, mesh, name)
         out[name] = _assemble(path, name, entry, shape, sharding, mesh, rank, verify)
     return out
+
+
+def _with_views(stored: dict, views: dict, path: Path) -> dict:
+    """``stored`` with an entry per view whose sources it holds all of (the sources then leave it)."""
+    entries, used = dict(stored), set()
+    for name, view in views.items():
+        sources = view.parts if isinstance(view, StackOf) else (view.source,)
+        if name in stored or not sources or any(s not in stored for s in sources):
+            continue
+        first = stored[sources[0]]
+        if isinstance(view, StackOf):
+            odd = [s for s in sources if (stored[s]["shape"], stored[s]["dtype"]) != (first["shape"], first["dtype"])]
+            if odd:
+                raise ValueError(f"the parts of stacked tensor {name!r} must share one shape and dtype; got {odd} "
+                                 f"differing from {sources[0]!r} {first['dtype']}{first['shape']} in {path}")
+            shape = [len(sources)] + list(first["shape"])
+        else:
+            if not first["shape"] or not 0 <= view.index < first["shape"][0]:
+                raise ValueError(f"{name!r} is slice {view.index} of the leading dim of {view.source!r}; got "
+                                 f"shape {first['shape']} in {path}")
+            shape = list(first["shape"][1:])
+        entries[name] = {"shape": shape, "dtype": first["dtype"], "view": view,
+                         "sources": {s: stored[s] for s in sources}}
+        used.update(sources)
+    return {n: e for n, e in entries.items() if n not in used}
 
 
 def _expected(shardings, expect) -> dict:
@@ -427,8 +471,22 @@ def _matching(stored: dict, wanted: dict, required: set, exact_names: bool, stri
 
 def _assemble(path: Path, name: str, entry: dict, shape, sharding: Sharding, mesh: Mesh, rank: int,
               verify: bool) -> np.ndarray:
-    """This rank's block, copied from the overlapping parts of the stored blocks."""
-    mine = sharding.block_bounds(shape, mesh, sharding.block_index(mesh, rank))
+    """This rank's block, copied from the overlapping parts of the stored blocks (or of a view's sources)."""
+    return _read(path, name, entry, sharding.block_bounds(shape, mesh, sharding.block_index(mesh, rank)), verify)
+
+
+def _read(path: Path, name: str, entry: dict, mine, verify: bool) -> np.ndarray:
+    """The block ``mine`` (bounds per dim) of the stored tensor or view ``entry``."""
+    view = entry.get("view")
+    if isinstance(view, SliceOf):
+        return _read(path, view.source, entry["sources"][view.source], [(view.index, view.index + 1)] + list(mine),
+                     verify)[0]
+    if isinstance(view, StackOf):
+        (a, b), rest = mine[0], mine[1:]
+        out = np.empty([b - a] + [hi - lo for lo, hi in rest], dtype=np.dtype(entry["dtype"]))
+        for j in range(a, b):
+            out[j - a] = _read(path, view.parts[j], entry["sources"][view.parts[j]], rest, verify)
+        return out
     out = np.empty([b - a for a, b in mine], dtype=np.dtype(entry["dtype"]))
     filled = 0
     for blk in entry["blocks"]:
@@ -489,4 +547,5 @@ def _read_metadata(path: Path) -> dict:
     return meta
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_info", "CheckpointError", "local_block_slices"]
+__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_info", "CheckpointError", "local_block_slices", "StackOf",
+           "SliceOf"]

@@ -37,6 +37,10 @@ single-role presets use every axis of a 2-d mesh):
   the update layout between steps and all-gathered where the model uses them (kept live from the forward
   to their last backward use: one all-gather per weight per step).
 - ``fsdp_megatron``: megatron, with weights, gradients and optimizer state also sharded over "data".
+- ``pipeline`` (GSPMD pipelining, scanned layers): the stacked layer dim on "stage" (S stages of L/S
+  consecutive layers, each rank holding its stage's parameters and optimizer state), run as ONE loop of
+  M + S - 1 iterations over ``microbatches`` = M micro-batches (GPipe), the stage shift one
+  collective_permute per iteration; batch on "data", megatron dims on "model" where the mesh has them.
 
 Mixed precision (``LMConfig(dtype="bfloat16" | "float16")``): the inputs (master weights, optimizer
 state) are ``cfg.master_dtype`` (float32); the step casts the weights to ``cfg.dtype`` before use, so
@@ -59,7 +63,8 @@ from .exec.backend import to_host
 from .comm.communicator import agree
 from .exec.runner import Runtime, communicator, run_local_checked, shard, unshard
 from .mesh import Mesh
-from .models.lm import LMConfig, init_params, is_stacked, lm_loss_and_metrics, param_kind, param_shapes
+from .models.lm import (BLOCK_PARAMS, STACKED, LMConfig, block_shapes, init_params, is_stacked, layer_views,
+                        lm_loss_and_metrics, param_kind, param_shapes, pipelined_layers)
 from . import numpy as snp
 from . import pytree
 from .ops.control import scan
@@ -87,12 +92,13 @@ class Preset:
     doc: str = ""
     experts: tuple[str, ...] = ()
     shard_params: bool = False  # FSDP: weights held in their update layout, all-gathered before use
+    stage: tuple[str, ...] = ()  # pipeline: the stacked layer dim split into stages over these axes
 
     def on(self, mesh: Mesh) -> "Preset":
         """This preset with the axes ``mesh`` lacks dropped."""
         keep = lambda axes: tuple(a for a in axes if a in mesh.axis_names)
         return dataclasses.replace(self, batch=keep(self.batch), seq=keep(self.seq), model=keep(self.model),
-                                   update=keep(self.update), experts=keep(self.experts))
+                                   update=keep(self.update), experts=keep(self.experts), stage=keep(self.stage))
 
 
 BOTH = ("data", "model")
@@ -116,13 +122,20 @@ PRESETS = {
                        "weights all-gathered before use"),
     "fsdp_megatron": Preset("fsdp_megatron", batch=("data",), model=("model",), update=("data",), shard_params=True,
                             doc="megatron, with weights, gradients and optimizer state also sharded over data"),
+    "pipeline": Preset("pipeline", batch=("data",), model=("model",), stage=("stage",),
+                       doc="GPipe: layer stages on stage (one collective_permute per iteration), batch on data, "
+                           "megatron dims on model"),
 }
+PIPELINE_AXES = ("stage", "data", "model")
 
 
 def train_mesh(shape, preset: str = "dp") -> Mesh:
     """The mesh a preset expects: 2-d meshes are ("data", "model"); a 1-d mesh is ("model",) for
-    ``megatron`` (pure tensor parallelism) and ("data",) otherwise."""
+    ``megatron`` (pure tensor parallelism) and ("data",) otherwise. ``pipeline`` meshes are ("stage",),
+    ("stage", "data") or ("stage", "data", "model")."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if preset == "pipeline" and 1 <= len(shape) <= 3:
+        return Mesh(shape, PIPELINE_AXES[:len(shape)])
     if len(shape) == 2:
         return Mesh(shape, BOTH)
     if len(shape) == 1:
@@ -150,6 +163,8 @@ def param_spec(name: str, shape, preset: Preset) -> tuple:
     dim = MEGATRON_DIMS.get(param_kind(name))
     if preset.model and dim is not None:
         spec[dim + is_stacked(name)] = preset.model  # stacked layers: after the layer dim
+    if preset.stage and is_stacked(name):
+        spec[0] = preset.stage  # pipeline: rank j holds the layers of stage j
     if preset.experts and param_kind(name) in EXPERT_PARAMS:
         spec[0] = preset.experts
     return tuple(spec)
@@ -191,7 +206,8 @@ class Layout:
         if role in MOE_ROLES:
             return self.annotate(x, moe_activation_spec(p, role, x.ndim))
         model = p.model if role == "logits" else None
-        return self.annotate(x, (p.batch or None, p.seq or None, model or None))
+        stage = (p.stage or None,) if x.ndim == 4 else ()  # inside the pipeline: (stages, batch, seq, d)
+        return self.annotate(x, stage + (p.batch or None, p.seq or None, model or None))
 
     def annotate_state(self, state: dict) -> dict:
         """The new optimizer state tree, each slot pinned to its input's spec (so the step iterates)."""
@@ -250,6 +266,7 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
     ``metrics`` a dict of scalars ({} for a dense model)."""
     order = list(param_shapes(cfg))  # the model takes its weights in this order
     scaled = isinstance(optimizer, DynamicLossScale)
+    run_layers = pipeline_layers(cfg, layout, microbatches) if layout.preset.stage else None
 
     def step(params, opt_state, batch):
         # Mixed precision: the model runs on 16-bit copies, so activations, gradients and the collectives
@@ -261,12 +278,13 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
 
         def loss_and_grads(compute, tokens, labels):
             def loss_fn(ps):
-                loss, metrics = lm_loss_and_metrics(cfg, [ps[n] for n in order], tokens, labels, layout.activation)
+                loss, metrics = lm_loss_and_metrics(cfg, [ps[n] for n in order], tokens, labels, layout.activation,
+                                                     run_layers)
                 return (loss * scale, metrics) if scaled else (loss, metrics)
             (loss, metrics), grads = value_and_grad(loss_fn, has_aux=True)(compute)
             loss = loss / scale if scaled else loss
             return loss, metrics, {n: layout.annotate(g, layout.update[n]) for n, g in grads.items()}
-        if microbatches == 1:
+        if microbatches == 1 or run_layers:
             loss, metrics, grads = loss_and_grads(compute, batch["tokens"], batch["labels"])
         else:
             loss, metrics, grads = accumulate(loss_and_grads, compute, batch["tokens"], batch["labels"],
@@ -276,6 +294,33 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
         new_params = {n: layout.annotate(p, layout.update[n]) for n, p in new_params.items()}
         return new_params, layout.annotate_state(new_state), {k: metrics[k] for k in metric_names(cfg)}, loss
     return step
+
+
+def pipeline_layers(cfg: LMConfig, layout: Layout, microbatches: int):
+    """The pipeline preset's ``run_layers``: stages over the stage axes, each micro-batch's residual split like
+    the batch, each stage's weights split like megatron's."""
+    p = layout.preset
+    specs = {k: param_spec(STACKED + k, (cfg.layers,) + shape, dataclasses.replace(p, stage=()))[1:]
+             for k, shape in block_shapes(cfg).items() if k in BLOCK_PARAMS}
+    return pipelined_layers(layout.mesh, microbatches, p.stage[0], specs, (p.batch or None, p.seq or None, None))
+
+
+def check_pipeline(cfg: LMConfig, mesh: Mesh, preset: Preset, microbatches: int) -> None:
+    """A pipeline preset needs its stage axis in the mesh, scanned (dense) layers, and a stage count that
+    divides the layers."""
+    if not preset.stage:
+        return
+    if len(preset.stage) != 1 or preset.stage[0] not in mesh.axis_names:
+        raise ValueError(f"preset {preset.name!r} runs pipeline stages over mesh axis {preset.stage}, which must "
+                         f"be one axis of the mesh; got axes {mesh.axis_names} (e.g. train_mesh((2, 2, 2), "
+                         f"'pipeline') names them {PIPELINE_AXES})")
+    stages = mesh.axis_size(preset.stage[0])
+    if not cfg.scanned:
+        raise ValueError(f"preset {preset.name!r} pipelines the scanned layers; got an unrolled model "
+                         f"(scan_layers={cfg.scan_layers}, moe_every={cfg.moe_every})")
+    if cfg.layers % stages:
+        raise ValueError(f"preset {preset.name!r} needs the stage count to divide the layers; got {stages} stages "
+                         f"(mesh axis {preset.stage[0]!r}) for layers={cfg.layers}")
 
 
 def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):
@@ -318,13 +363,15 @@ def _output_name(path: tuple) -> str:
 def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
                      microbatches: int = 1) -> "TrainStep":
     """Trace and partition one training step of ``cfg`` over ``mesh`` with ``preset`` (name or Preset);
-    ``microbatches`` > 1 accumulates gradients over that many slices of the batch (one optimizer update)."""
+    ``microbatches`` > 1 accumulates gradients over that many slices of the batch (one optimizer update);
+    with the ``pipeline`` preset they are the pipeline's micro-batches."""
     if not isinstance(microbatches, int) or microbatches < 1 or cfg.batch % microbatches:
         raise ValueError(f"microbatches must be a positive int dividing the batch; got microbatches="
                          f"{microbatches!r} for batch={cfg.batch}")
     if microbatches > 1 and cfg.moe_every:
         raise ValueError(f"gradient accumulation supports dense models (it returns no MoE metrics); got "
                          f"microbatches={microbatches} with moe_every={cfg.moe_every}")
+    check_pipeline(cfg, mesh, _preset(preset), microbatches)
     optimizer = optimizer or AdamW()
     if np.dtype(cfg.dtype) == np.float16 and not isinstance(optimizer, DynamicLossScale):
         optimizer = DynamicLossScale(optimizer)  # float16 gradients underflow without it
@@ -347,6 +394,7 @@ def build_train_step_on_root(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: 
     otherwise repeat the same deterministic work, N times over on shared cores)."""
     comm = comm if comm is not None else _world()
     check_experts(cfg, mesh, _preset(preset).on(mesh))  # on every rank, before rank 0 goes off alone
+    check_pipeline(cfg, mesh, _preset(preset), microbatches)
     step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer, microbatches),
                        "tracing and partitioning the training step on rank 0")
     return comm.bcast(step, root=0)
@@ -477,15 +525,19 @@ class TrainStep:
 
         The checkpoint must hold exactly this model's parameters and optimizer state at their shapes and dtypes
         (a checkpoint of another config fails, naming each mismatched tensor); ``strict=False`` loads the ones
-        that match and leaves None for the others. Checkpoints written before the state was a pytree (flat
-        names: ``wq``, ``m_wq``, ``step``) load too, each tensor mapped to its leaf (``legacy_names``)."""
+        that match and leaves None for the others. Layers saved unrolled (one tensor per layer) load into
+        stacked layers and vice versa (``models.lm.layer_views``). Checkpoints written before the state was a
+        pytree (flat names: ``wq``, ``m_wq``, ``step``) load too, each tensor mapped to its leaf
+        (``legacy_names``)."""
         stored = _stored_names(directory)
         legacy = self.legacy_names() if stored and not any(n in stored for n in self.state_names) else {}
         name = lambda n: legacy.get(n, n)
         ios = {name(io.name): io for io in self._state_ios}
-        blocks = load_checkpoint(directory, self.mesh, {n: io.sharding for n, io in ios.items() if n in stored},
+        views = layer_views(self.cfg, ios)
+        blocks = load_checkpoint(directory, self.mesh, {n: io.sharding for n, io in ios.items()
+                                                        if n in stored or n in views},
                                  comm=comm, expect={n: (io.shape, io.dtype) for n, io in ios.items()},
-                                 strict=strict)
+                                 strict=strict, views=views)
         return self._tree([blocks.get(name(n)) for n in self.state_names])
 
     def legacy_names(self) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -22,9 +23,11 @@ import numpy as np
 
 from .. import dtypes
 from .. import numpy as snp
+from ..checkpoint import SliceOf, StackOf
 from ..dtypes import FLOATING
 from ..nn import gelu
 from ..ops.control import scan
+from ..pipeline import pipeline
 from .moe import MoEConfig, check_moe, moe_ffn, one_hot
 
 STACKED = "layers_"  # with scan_layers, block parameter k of every layer is "layers_<k>", shape (layers, ...)
@@ -54,8 +57,10 @@ class LMConfig:
     top_k: int = 2
     capacity_factor: float = 2.0
     aux_coef: float = 0.01
-    scan_layers: bool = False  # layers as ONE sr.scan over parameters stacked on a leading layer dim
-    remat: str = "none"  # with scan_layers, what the backward pass recomputes: "none", "full" or "dots"
+    # layers as ONE sr.scan over parameters stacked on a leading layer dim; None (default): scanned for dense
+    # models, unrolled for MoE ones (their MoE and dense blocks differ; see ``scanned``)
+    scan_layers: bool | None = None
+    remat: str = "none"  # with scanned layers, what the backward pass recomputes: "none", "full" or "dots"
 
     def __post_init__(self):
         if self.d % self.heads:
@@ -73,17 +78,26 @@ class LMConfig:
                 dtypes.dtype(value)  # bfloat16 without ml_dtypes: say which package is missing
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"LMConfig remat must be one of {sorted(REMAT_POLICIES)}; got {self.remat!r}")
+        if self.scan_layers not in (None, True, False):
+            raise ValueError(f"LMConfig scan_layers must be True, False or None (auto); got {self.scan_layers!r}")
         if self.scan_layers and self.moe_every:
             raise ValueError(f"LMConfig scan_layers stacks identical dense blocks; got moe_every={self.moe_every} "
-                             f"(MoE blocks have other parameters): use scan_layers=False")
-        if self.remat != "none" and not self.scan_layers:
+                             f"(MoE blocks have other parameters): use scan_layers=False or None")
+        if self.remat != "none" and not self.scanned:
             raise ValueError(f"LMConfig remat={self.remat!r} rematerialises the scanned layers; it needs "
-                             f"scan_layers=True")
+                             f"scan_layers=True (or None with a dense model)")
         if self.moe_every or self.experts:
             if not 1 <= self.moe_every <= self.layers:
                 raise ValueError(f"LMConfig moe_every must be in [1, layers] for a mixture of experts (every "
                                  f"moe_every-th block is MoE); got moe_every={self.moe_every}, layers={self.layers}")
             check_moe(self.experts, self.top_k, self.capacity_factor)
+
+    @property
+    def scanned(self) -> bool:
+        """Whether the layers run as one scan over stacked parameters: ``scan_layers``, or when it is None
+        (the default) for dense models. MoE models stay unrolled: a scan over groups of ``moe_every``
+        blocks is not built."""
+        return (not self.moe_every) if self.scan_layers is None else self.scan_layers
 
     @property
     def master_dtype(self) -> str:
@@ -106,16 +120,21 @@ class LMConfig:
         return self.batch * self.seq
 
 
+def block_shapes(cfg: LMConfig) -> dict:
+    """Block parameter kind -> shape of one layer's parameter."""
+    d, f, e = cfg.d, cfg.ffn, cfg.experts
+    return {"ln1_g": (d,), "ln1_b": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
+            "ln2_g": (d,), "ln2_b": (d,), "w1": (d, f), "w2": (f, d), "wg": (d, e), "we1": (e, d, f),
+            "we2": (e, f, d)}
+
+
 def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
     """name -> shape, in the order the traced loss takes them."""
-    d, f, e = cfg.d, cfg.ffn, cfg.experts
-    block = {"ln1_g": (d,), "ln1_b": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
-             "ln2_g": (d,), "ln2_b": (d,), "w1": (d, f), "w2": (f, d), "wg": (d, e), "we1": (e, d, f),
-             "we2": (e, f, d)}
+    d, block = cfg.d, block_shapes(cfg)
     shapes = OrderedDict(embed=(cfg.vocab, d), pos=(cfg.seq, d))
-    if cfg.scan_layers:
+    if cfg.scanned:
         shapes.update((STACKED + k, (cfg.layers,) + block[k]) for k in BLOCK_PARAMS)
-    for i in range(0 if cfg.scan_layers else cfg.layers):
+    for i in range(0 if cfg.scanned else cfg.layers):
         shapes.update((f"l{i}_{k}", block[k]) for k in cfg.block_params(i))
     shapes.update(lnf_g=(d,), lnf_b=(d,))
     if not cfg.tied:
@@ -131,14 +150,32 @@ def param_kind(name: str) -> str:
 
 
 def is_stacked(name: str) -> bool:
-    """Whether ``name`` holds one block parameter of every layer on a leading layer dim (scan_layers)."""
+    """Whether ``name`` holds one block parameter of every layer on a leading layer dim (scanned layers)."""
     return name.startswith(STACKED)
+
+
+def layer_views(cfg: LMConfig, names) -> dict:
+    """How a checkpoint of the other layer layout reads into ``names`` (parameters, and optimizer state named
+    <prefix><parameter>): a stacked "<prefix>layers_<k>" is the stack of "<prefix>l<i>_<k>" over the layers,
+    an unrolled "<prefix>l<i>_<k>" is slice i of "<prefix>layers_<k>". The stacked layout is a view of the
+    same parameters, so checkpoints written either way load into both."""
+    views = {}
+    for name in names:
+        stacked = re.fullmatch(rf"(.*){STACKED}({'|'.join(BLOCK_PARAMS)})", name)
+        unrolled = re.fullmatch(rf"(.*)l(\d+)_({'|'.join(BLOCK_PARAMS)})", name)
+        if stacked:
+            prefix, kind = stacked.groups()
+            views[name] = StackOf(tuple(f"{prefix}l{i}_{kind}" for i in range(cfg.layers)))
+        elif unrolled and not cfg.moe_every:
+            prefix, i, kind = unrolled.groups()
+            views[name] = SliceOf(f"{prefix}{STACKED}{kind}", int(i))
+    return views
 
 
 def init_params(cfg: LMConfig, seed: int = 0) -> "OrderedDict[str, np.ndarray]":
     """GPT-2 style initialisation, drawn from ``seed`` in name order: the same arrays on every rank and mesh.
     With scan_layers the layer parameters are the same arrays as without, stacked."""
-    if cfg.scan_layers:
+    if cfg.scanned:
         flat = init_params(dataclasses.replace(cfg, scan_layers=False, remat="none"), seed)
         return OrderedDict((n, np.stack([flat[f"l{i}_{param_kind(n)}"] for i in range(cfg.layers)])
                             if is_stacked(n) else flat[n]) for n in param_shapes(cfg))
@@ -174,11 +211,11 @@ def lm_loss(cfg: LMConfig, params, tokens, labels, annotate=no_annotation):
     return lm_loss_and_metrics(cfg, params, tokens, labels, annotate)[0]
 
 
-def lm_loss_and_metrics(cfg: LMConfig, params, tokens, labels, annotate=no_annotation):
+def lm_loss_and_metrics(cfg: LMConfig, params, tokens, labels, annotate=no_annotation, run_layers=None):
     """(loss, metrics): metrics is {} for a dense model, else {'aux_loss', 'dropped_fraction'} (traced
     scalars: the summed load-balancing losses, and the fraction of routed token-expert assignments dropped
-    at full experts, over all MoE blocks)."""
-    logits, gatings = _forward(cfg, params, tokens, annotate)
+    at full experts, over all MoE blocks). ``run_layers``: how the scanned layers run (``_forward``)."""
+    logits, gatings = _forward(cfg, params, tokens, annotate, run_layers)
     logits = annotate(logits, "logits")
     if dtypes.is_low_precision(logits.dtype):  # the softmax cross-entropy in float32, as mixed precision does
         logits = snp.astype(logits, "float32")
@@ -198,20 +235,19 @@ def lm_logits(cfg: LMConfig, params, tokens, annotate=no_annotation):
     return _forward(cfg, params, tokens, annotate)[0]
 
 
-def _forward(cfg: LMConfig, params, tokens, annotate):
-    """Logits and the Gating of every MoE block."""
+def _forward(cfg: LMConfig, params, tokens, annotate, run_layers=None):
+    """Logits and the Gating of every MoE block. ``run_layers(block, x, stacked)`` runs the scanned layers
+    (default: one ``sr.scan``; the pipeline preset passes ``pipelined_layers``)."""
     p = dict(zip(param_shapes(cfg), params))
     x = annotate(embed(cfg, p["embed"], tokens) + positional(p["pos"], tokens.shape[0]), "residual")
     gatings = []
-
-    def attend(x, layer):  # a block's first half: x plus the attention of its first LayerNorm
-        return annotate(x + attention(cfg, layer, layer_norm(x, layer["ln1_g"], layer["ln1_b"])), "residual")
-    if cfg.scan_layers:  # ONE loop over the stacked (dense) layers: traced and partitioned once
-        x, _ = scan(lambda x, layer: (annotate(_dense_ffn(attend(x, layer), layer), "residual"), None), x,
-                    {k: p[STACKED + k] for k in BLOCK_PARAMS}, policy=REMAT_POLICIES[cfg.remat])
-    for i in range(0 if cfg.scan_layers else cfg.layers):
+    if cfg.scanned:  # ONE loop over the stacked (dense) layers: traced and partitioned once
+        block = lambda x, layer: dense_block(cfg, x, layer, annotate)
+        stacked = {k: p[STACKED + k] for k in BLOCK_PARAMS}
+        x = (run_layers or scan_layers)(cfg, block, x, stacked)
+    for i in range(0 if cfg.scanned else cfg.layers):
         layer = {k: p[f"l{i}_{k}"] for k in cfg.block_params(i)}
-        x = attend(x, layer)
+        x = _attend(cfg, x, layer, annotate)
         if cfg.is_moe_block(i):  # groups = sequences: (batch, seq, d) is already (G, S, M)
             a = layer_norm(x, layer["ln2_g"], layer["ln2_b"])
             y, gating = moe_ffn(a, layer["wg"], layer["we1"], layer["we2"], cfg.moe, annotate)
@@ -224,9 +260,56 @@ def _forward(cfg: LMConfig, params, tokens, annotate):
     return logits, gatings
 
 
+def scan_layers(cfg: LMConfig, block, x, stacked):
+    """The layers as ONE scan of ``block`` over the parameters stacked on their leading layer dim."""
+    return scan(lambda x, layer: (block(x, layer), None), x, stacked, policy=REMAT_POLICIES[cfg.remat])[0]
+
+
+def pipelined_layers(mesh, microbatches: int, stage_axis: str = "stage", param_specs=None, state_spec=None):
+    """A ``run_layers`` (``lm_loss_and_metrics``): the L stacked layers as S pipeline stages of L/S consecutive
+    layers each (S the size of mesh axis ``stage_axis``; layer l is on stage l // (L/S), so the layer dim split
+    over that axis is each rank holding its stage), run by ``sr.pipeline`` over ``microbatches`` micro-batches
+    (rows m, m + M, ... of the batch form micro-batch m, so a batch split stays local). Each stage scans its
+    layers. ``param_specs``: block parameter kind -> spec of its dims after the layer dim; ``state_spec``: the
+    spec of one micro-batch's residual (batch / M, seq, d)."""
+    def run(cfg: LMConfig, block, x, stacked):
+        s, m, (b, *rest) = mesh.axis_size(stage_axis), microbatches, x.shape
+        xs = snp.transpose(snp.reshape(x, (b // m, m, *rest)), (1, 0, 2, 3))  # [M, b/M, seq, d]
+        # [L, ...] -> [L/S, S, ...]: stage j's layers at [:, j], scanned by every stage at once
+        params = {k: snp.transpose(snp.reshape(v, (s, cfg.layers // s) + v.shape[1:]), (1, 0, *range(2, v.ndim + 1)))
+                  for k, v in stacked.items()}
+        specs = {k: (None,) + tuple((param_specs or {}).get(k) or (None,) * (v.ndim - 1)) for k, v in stacked.items()}
+        ys = pipeline(lambda p, h: scan_layers(cfg, block, h, p), params, xs, mesh=mesh, stage_axis=stage_axis,
+                      stage_dim=1, param_specs=specs, state_spec=state_spec)
+        return snp.reshape(snp.transpose(ys, (1, 0, 2, 3)), x.shape)
+    return run
+
+
+def dense_block(cfg: LMConfig, x, layer, annotate):
+    """One pre-LayerNorm block on the residual ``x``: (batch, seq, d), or (stages, batch, seq, d) with
+    parameters carrying a leading stage dim too (every pipeline stage at once)."""
+    return annotate(_dense_ffn(_attend(cfg, x, layer, annotate), layer), "residual")
+
+
+def _attend(cfg: LMConfig, x, layer, annotate):
+    """A block's first half: x plus the attention of its first LayerNorm."""
+    return annotate(x + attention(cfg, layer, layer_norm(x, layer["ln1_g"], layer["ln1_b"])), "residual")
+
+
 def _dense_ffn(x, layer):
     """``x`` plus the GELU MLP of its second LayerNorm (a dense block's second half)."""
-    return x + gelu(layer_norm(x, layer["ln2_g"], layer["ln2_b"]) @ layer["w1"]) @ layer["w2"]
+    return x + _matmul(gelu(_matmul(layer_norm(x, layer["ln2_g"], layer["ln2_b"]), layer["w1"])), layer["w2"])
+
+
+def _staged(x) -> str:
+    """The einsum letter of the leading stage dim of a (stages, batch, seq, d) activation, "" for (batch, seq, d)."""
+    return "z" if x.ndim == 4 else ""
+
+
+def _matmul(x, w):
+    """(batch, seq, d) @ (d, e); per stage with a leading stage dim on both."""
+    z = _staged(x)
+    return snp.einsum(f"{z}bsd,{z}de->{z}bse", x, w) if z else x @ w
 
 
 def embed(cfg: LMConfig, table, tokens):
@@ -249,24 +332,27 @@ def positional(pos, batch: int):
 
 
 def layer_norm(x, gain, bias, eps=1e-5):
-    """LayerNorm over the last dim of (batch, seq, d) ``x``."""
+    """LayerNorm over the last dim of (batch, seq, d) ``x`` (or (stages, batch, seq, d) with a per-stage gain)."""
     mu = snp.mean(x, axis=-1, keepdims=True)
     centred = x - mu
     xhat = centred / snp.sqrt(snp.mean(centred * centred, axis=-1, keepdims=True) + eps)
-    b, s, _ = x.shape
-    return snp.einsum("bsd,d->bsd", xhat, gain) + snp.einsum("bs,d->bsd", snp.ones((b, s), x.dtype), bias)
+    z = _staged(x)
+    return (snp.einsum(f"{z}bsd,{z}d->{z}bsd", xhat, gain)
+            + snp.einsum(f"{z}bs,{z}d->{z}bsd", snp.ones(x.shape[:-1], x.dtype), bias))
 
 
 def attention(cfg: LMConfig, w: dict, a):
-    """Causal multi-head self-attention of the normalised residual ``a`` (batch, seq, d)."""
-    b, s, d = a.shape
+    """Causal multi-head self-attention of the normalised residual ``a`` (batch, seq, d) (or with a leading
+    stage dim, every stage with its own weights)."""
+    z = _staged(a)
+    *lead, s, d = a.shape
     h, hd = cfg.heads, d // cfg.heads
-    q, k, v = ((a @ w[name]).reshape(b, s, h, hd) for name in ("wq", "wk", "wv"))
-    scores = snp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(hd))
+    q, k, v = (_matmul(a, w[name]).reshape(*lead, s, h, hd) for name in ("wq", "wk", "wv"))
+    scores = snp.einsum(f"{z}bqhd,{z}bkhd->{z}bhqk", q, k) * (1.0 / math.sqrt(hd))
     causal = snp.asarray(np.tril(np.ones((s, s), dtype=bool)))  # query q sees keys k <= q
     masked = max(MASKED_SCORE, -float(dtypes.finfo(scores.dtype).max) / 2)
     probs = safe_softmax(snp.where(causal, scores, masked))
-    return snp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d) @ w["wo"]
+    return _matmul(snp.einsum(f"{z}bhqk,{z}bkhd->{z}bqhd", probs, v).reshape(*lead, s, d), w["wo"])
 
 
 def safe_softmax(x):
@@ -288,5 +374,6 @@ def cross_entropy(logits, labels):
     return -snp.mean(picked)
 
 
-__all__ = ["LMConfig", "param_shapes", "param_kind", "is_stacked", "init_params", "lm_loss", "lm_loss_and_metrics",
+__all__ = ["LMConfig", "param_shapes", "param_kind", "is_stacked", "layer_views", "pipelined_layers",
+           "init_params", "lm_loss", "lm_loss_and_metrics",
            "lm_logits", "cross_entropy", "embed"]

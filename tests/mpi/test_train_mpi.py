@@ -171,3 +171,42 @@ def test_moe_two_steps_match_the_reference(shape, preset):
     for rank_losses in all_losses:
         np.testing.assert_allclose(rank_losses, want[1], rtol=1e-7)  # gating (aux loss) runs in float32
     assert sum(g["count"] for g in ts.comm_summary() if g["kind"].startswith("all_to_all")) == 4
+
+
+# ---------------------------------------------------------------- GSPMD pipelining
+PIPE_CFG = LMConfig(layers=4, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, dtype="float64")
+
+
+@pytest.mark.skipif(N != 8, reason="the pipeline meshes (stage=2, data=2, model=2) and (stage=4, data=2) need 8 ranks")
+@pytest.mark.parametrize("shape,microbatches", [((2, 2, 2), 2), ((4, 2), 4)], ids=["2x2x2", "4x2"])
+def test_pipeline_loss_curve_matches_the_reference(shape, microbatches):
+    """Three steps of the pipeline preset follow the unpartitioned step of the same (scanned) model, and each
+    rank holds 1/S of the layer parameters."""
+    ts = build_train_step_on_root(PIPE_CFG, train_mesh(shape, "pipeline"), "pipeline", OPT, WORLD, microbatches)
+    plain = build_train_step_on_root(PIPE_CFG, train_mesh((N,), "dp"), "dp", OPT, WORLD)
+    state, data = ts.init(seed=1), feed(1) * 3  # one batch three times: the loss falls
+    want = WORLD.bcast(reference(plain, state, data) if WORLD.Get_rank() == 0 else None, root=0)
+    local, losses = train(ts, ts.shard_state(state, WORLD.Get_rank()), data)
+    got = ts.gather(local, WORLD)
+    all_losses = WORLD.allgather(losses)
+    layer_blocks = [(b.shape, io.shape) for b, io in zip(local, ts.program.inputs) if io.name.startswith("layers_")]
+    for name in want[0]:
+        np.testing.assert_allclose(got[name], want[0][name], rtol=1e-9, atol=1e-12, err_msg=name)
+    for rank_losses in all_losses:
+        np.testing.assert_allclose(rank_losses, want[1], rtol=1e-12)
+    assert want[1][2] < want[1][0]
+    # this rank's stage: 1/S of every stacked layer parameter (its L/S layers), the megatron dims further split
+    assert len(layer_blocks) == 10 and all(block[0] * shape[0] == whole[0] and np.prod(block) * shape[0] <= np.prod(whole)
+                                           for block, whole in layer_blocks)
+
+
+@pytest.mark.skipif(N < 2, reason="a pipeline needs 2 or more ranks")
+@pytest.mark.parametrize("bad", ["no stage axis", "stages do not divide layers"])
+def test_bad_pipeline_setups_raise_on_every_rank(bad):
+    if bad == "no stage axis":
+        mesh, cfg, message = train_mesh((N,), "dp"), PIPE_CFG, "which must be one axis of the mesh"
+    else:
+        mesh, cfg = train_mesh((N,), "pipeline"), LMConfig(**{**PIPE_CFG.__dict__, "layers": N + 1})
+        message = f"needs the stage count to divide the layers; got {N} stages"
+    with pytest.raises(ValueError, match=message):
+        build_train_step_on_root(cfg, mesh, "pipeline", OPT, WORLD, 2)

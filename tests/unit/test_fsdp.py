@@ -64,8 +64,10 @@ def test_fsdp_gathers_each_weight_once_reduce_scatters_each_gradient_and_keeps_w
 def test_fsdp_megatron_shards_weights_over_data_inside_each_model_block():
     ts = step_for((2, 4), "fsdp_megatron")
     spec = {io.name: io.sharding for io in ts.program.inputs}
-    assert spec["params.l0_wq"].dims == (("data",), ("model",)) and spec["params.embed"].dims == (("model",), ("data",))
-    assert spec["params.l0_ln1_g"].dims == (("data",),) and spec["opt_state.m.l0_wq"] == spec["params.l0_wq"]
+    assert spec["params.layers_wq"].dims == ((), ("data",), ("model",))
+    assert spec["params.embed"].dims == (("model",), ("data",))
+    assert spec["params.layers_ln1_g"].dims == ((), ("data",))
+    assert spec["opt_state.m.layers_wq"] == spec["params.layers_wq"]
     got = set(kinds(ts))
     assert {("all_gather", ("data",)), ("reduce_scatter", ("data",)), ("all_reduce", ("model",))} <= got
     mega = step_for((2, 4), "megatron").memory_report()

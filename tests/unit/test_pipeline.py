@@ -1,5 +1,7 @@
 """GSPMD pipelining (simulated world): outputs and gradients equal the sequential stages, the per-iteration
-shift is ONE collective_permute of one stage's state, and bad stage setups fail clearly."""
+shift is ONE collective_permute of one stage's state, and bad stage setups fail clearly; the LM's
+``pipeline`` training preset follows the unpipelined model's loss curve and holds one stage per rank."""
+import dataclasses
 import inspect
 
 import numpy as np
@@ -7,7 +9,8 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
-from simulated import run_everywhere
+from simulated import run_everywhere, train_simulated
+from spmd_runtime.optim import AdamW
 
 S, M, B, D = 4, 3, 2, 5
 
@@ -75,3 +78,63 @@ def test_bad_stage_setups_raise(mesh, stages_, message):
     with pytest.raises(ValueError, match=message):
         sr.trace(lambda w, x: sr.pipeline(stages, w, x, mesh=mesh), sr.TensorSpec((stages_, D, D)),
                  sr.TensorSpec((M, B, D)))
+
+
+# ---------------------------------------------------------------- the LM's pipeline preset
+LM = sr.LMConfig(layers=4, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, dtype="float64")
+
+
+def lm_step(shape, microbatches, cfg=LM):
+    return sr.build_train_step(cfg, sr.train_mesh(shape, "pipeline"), "pipeline", AdamW(lr=1e-2),
+                               microbatches=microbatches)
+
+
+def lm_batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [tuple(rng.integers(0, LM.vocab, (LM.batch, LM.seq)).astype("int32") for _ in range(2)) for _ in range(n)]
+
+
+def test_pipeline_preset_loss_curve_equals_the_unpipelined_model():
+    """(stage=2, data=2, model=2), 2 micro-batches: three steps on 8 simulated ranks follow the loss curve and
+    state of the plain scanned model's unpartitioned step (sr.evaluate)."""
+    ts = lm_step((2, 2, 2), 2)
+    plain = sr.build_train_step(LM, sr.train_mesh((1,), "dp"), "dp", AdamW(lr=1e-2))
+    state, data = ts.init(0), lm_batches(1) * 3  # one batch three times: the loss must fall
+    want_state, want_losses = state, []
+    for x, y in data:
+        want_state, loss = plain.reference_step(want_state, x, y)
+        want_losses.append(loss)
+    got_state, losses = train_simulated(ts, state, data)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
+    assert want_losses[2] < want_losses[0]  # it trains
+    for name, want in want_state.items():
+        np.testing.assert_allclose(got_state[name], want, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_pipeline_preset_shifts_by_collective_permutes_and_holds_one_stage_of_layers_per_rank():
+    S, M_ = 4, 4
+    ts = lm_step((S, 2), M_)
+    permutes = [c for c in ts.program.comm_summary() if c["kind"] == "collective_permute"]
+    mb_state = LM.batch // M_ // 2 * LM.seq * LM.d * 8  # one micro-batch's residual on one data shard
+    # one shift per iteration, forward loop and backward loop: M + S - 1 trips each
+    assert [(c["trips"], c["bytes_in"]) for c in permutes] == [(M_ + S - 1, mb_state)] * 2
+    summary = {c["kind"]: c for c in ts.comm_summary()}
+    assert summary["collective_permute"]["bytes_in"] == 2 * mb_state and summary["collective_permute"]["wire_bytes"] > 0
+    layer_bytes = sum(np.prod(io.shape) * 8 for io in ts.program.inputs if io.name.startswith("layers_"))
+    local = sum(np.prod(io.sharding.local_shape(io.shape, ts.mesh)) * 8 for io in ts.program.inputs
+                if io.name.startswith("layers_"))
+    assert local * S == layer_bytes  # 1/S of the layer parameters (the model axis absent here)
+    assert all(io.sharding.dims[0] == ("stage",) for io in ts.program.inputs if "layers_" in io.name)
+
+
+@pytest.mark.parametrize("cfg,shape,message", [
+    (LM, None, "runs pipeline stages over mesh axis \\('stage',\\), which must be one axis of the mesh; got "
+               "axes \\('data', 'model'\\)"),
+    (dataclasses.replace(LM, layers=3), (2, 2), "needs the stage count to divide the layers; got 2 stages "
+                                               "\\(mesh axis 'stage'\\) for layers=3"),
+    (dataclasses.replace(LM, scan_layers=False), (2,), "pipelines the scanned layers; got an unrolled model"),
+], ids=["no stage axis", "stages do not divide layers", "unrolled"])
+def test_bad_pipeline_presets_raise(cfg, shape, message):
+    mesh = sr.train_mesh((2, 2), "megatron") if shape is None else sr.train_mesh(shape, "pipeline")
+    with pytest.raises(ValueError, match=message):
+        sr.build_train_step(cfg, mesh, "pipeline", microbatches=2)

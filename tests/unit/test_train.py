@@ -152,9 +152,11 @@ def test_wus_reduce_scatters_gradients_all_gathers_weights_and_moves_the_dp_byte
 def test_megatron_wus_shards_the_update_over_data_inside_each_model_block():
     ts = step_for((2, 4), "megatron_wus")
     spec = {io.name: io.sharding for io in ts.program.inputs}
-    assert spec["params.l0_wq"].dims == ((), ("model",)) and spec["opt_state.m.l0_wq"].dims == (("data",), ("model",))
+    # stacked layers (the default): the layer dim is never split, the update goes on the dims after it
+    m = spec["opt_state.m.layers_wq"]
+    assert spec["params.layers_wq"].dims == ((), (), ("model",)) and m.dims == ((), ("data",), ("model",))
     assert spec["params.embed"].dims == (("model",), ()) and spec["opt_state.v.embed"].dims == (("model",), ("data",))
-    assert spec["params.l0_ln1_g"].is_replicated and spec["opt_state.m.l0_ln1_g"].dims == (("data",),)
+    assert spec["params.layers_ln1_g"].is_replicated and spec["opt_state.m.layers_ln1_g"].dims == ((), ("data",))
     kinds = {(c["kind"], c["axes"]) for c in ts.program.comm_summary()}
     assert ("reduce_scatter", ("data",)) in kinds and ("all_gather", ("data",)) in kinds
     assert ("all_reduce", ("model",)) in kinds  # Megatron's activation all-reduces
@@ -170,9 +172,11 @@ def test_comm_summaries_of_the_presets():
     assert mega[("all_reduce", ("data",))] == N_PARAMS + 1 and mega[("all_reduce", ("model",))] >= 2
     assert set(mega) <= {("all_reduce", ("data",)), ("all_reduce", ("model",)), ("all_gather", ("model",))}
     seq = kinds(step_for((8,), "seq"))
-    # keys and values are gathered along the sequence (2 per layer) and their gradients reduce-scattered;
-    # the positional table's rows are used only where their positions are, so its gradient is gathered
-    assert seq == {("all_gather", ("data",)): 2 * CFG.layers + 1, ("reduce_scatter", ("data",)): 2 * CFG.layers,
+    # keys and values are gathered along the sequence (2 per layer; the scanned layers' backward loop gathers
+    # them again from the saved sequence shards: 2 more) and their gradients reduce-scattered; the positional
+    # table's rows are used only where their positions are, so its gradient is gathered
+    assert CFG.scanned
+    assert seq == {("all_gather", ("data",)): 4 * CFG.layers + 1, ("reduce_scatter", ("data",)): 2 * CFG.layers,
                    ("all_reduce", ("data",)): N_PARAMS}
 
 
@@ -259,7 +263,8 @@ def numpy_loss(cfg, p, tokens, labels):
     b, s, d = x.shape
     h, hd = cfg.heads, d // cfg.heads
     for i in range(cfg.layers):
-        w = {k: p[f"l{i}_{k}"] for k in ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")}
+        w = {k: p[f"l{i}_{k}"] if f"l{i}_{k}" in p else p[f"layers_{k}"][i]  # unrolled or stacked layers
+             for k in ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")}
         a = ln(x, w["ln1_g"], w["ln1_b"])
         q, k, v = ((a @ w[n]).reshape(b, s, h, hd) for n in ("wq", "wk", "wv"))
         scores = np.where(np.tril(np.ones((s, s), bool)), np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd), -np.inf)

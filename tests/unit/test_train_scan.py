@@ -12,7 +12,8 @@ import pytest
 import spmd_runtime as sr
 from spmd_runtime import pytree
 from simulated import run_everywhere
-from spmd_runtime.models.lm import LMConfig, init_params, lm_loss
+from spmd_runtime.comm import run_simulated
+from spmd_runtime.models.lm import LMConfig, init_params, lm_loss, param_shapes
 from spmd_runtime.optim import AdamW
 
 CFG = LMConfig(layers=2, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=4, dtype="float64", scan_layers=True)
@@ -28,6 +29,11 @@ def build(cfg, shape, preset, microbatches=1):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return sr.build_train_step(cfg, sr.train_mesh(shape, preset), preset, OPT, microbatches=microbatches)
+
+
+def test_layers_are_scanned_by_default_for_dense_models_and_unrolled_for_moe():
+    assert LMConfig().scanned and not LMConfig(moe_every=2, experts=2).scanned
+    assert "layers_wq" in param_shapes(LMConfig()) and "l1_we1" in param_shapes(LMConfig(moe_every=2, experts=2))
 
 
 def test_scanned_layers_compute_the_unrolled_loss():
@@ -82,4 +88,37 @@ def test_bad_accumulation_and_remat_settings_raise():
                                          "microbatches=3 for batch=4"):
         build(CFG, (1,), "dp", 3)
     with pytest.raises(ValueError, match="it needs scan_layers=True"):
-        LMConfig(remat="full")
+        LMConfig(remat="full", scan_layers=False)
+    with pytest.raises(ValueError, match="it needs scan_layers=True"):
+        LMConfig(remat="full", moe_every=1, experts=2)  # MoE models stay unrolled by default
+    with pytest.raises(ValueError, match="scan_layers stacks identical dense blocks; got moe_every=1"):
+        LMConfig(scan_layers=True, moe_every=1, experts=2)
+
+
+@pytest.mark.parametrize("saved_scanned", [False, True], ids=["unrolled->stacked", "stacked->unrolled"])
+def test_checkpoints_load_across_the_stacked_and_unrolled_layouts(tmp_path, saved_scanned):
+    """The stacked layout is a view of the same parameters: a checkpoint saved in one layout (and on one
+    mesh) loads into the other, every rank's blocks equal to its blocks of the same state in that layout."""
+    unrolled = dataclasses.replace(CFG, layers=3, scan_layers=False)
+    scanned = dataclasses.replace(unrolled, scan_layers=True)
+    saver = build(scanned if saved_scanned else unrolled, (2, 2), "megatron_wus")
+    loader = build(unrolled if saved_scanned else scanned, (4,), "wus")
+    rng = np.random.default_rng(3)
+    state = saver.init(0)
+    state = type(state)((k, (v + rng.standard_normal(v.shape)).astype(v.dtype)) for k, v in state.items())
+    path = str(tmp_path / "ckpt")
+
+    def body(comm):
+        saver.save(path, saver.shard_state(state, comm.Get_rank()), step=1, comm=comm)
+        return loader.load(path, comm=comm)
+    flat = {k: v for k, v in state.items() if "layers_" not in k}  # the same state in the loader's layout
+    for name, v in state.items():
+        if saved_scanned and "layers_" in name:
+            flat.update((name.replace("layers_", f"l{i}_"), v[i]) for i in range(3))
+    if not saved_scanned:
+        flat = {n: np.stack([state[n.replace("layers_", f"l{i}_")] for i in range(3)]) if "layers_" in n
+                else state[n] for n in loader.state_names}
+    assert any("layers_" in n for n in (loader.state_names if not saved_scanned else saver.state_names))
+    for rank, blocks in enumerate(run_simulated(4, body)):
+        for got, want in zip(blocks, loader.shard_state(flat, rank)):
+            np.testing.assert_array_equal(got, want)
