@@ -233,7 +233,7 @@ def pipeline_report(ts, clock: LoopClock, comm, steps: int) -> dict:
     if comm.Get_rank() != 0:
         return None
     fractions = [i / (i + b) if i + b else float("nan") for i, b in per_rank]
-    layers = [io for io in ts.program.inputs[:len(ts.param_names)] if io.name.startswith("layers_")]
+    layers = [io for io in ts.program.inputs[:len(ts.param_names)] if io.name.startswith("params.layers_")]
     item = lambda io: np.dtype(io.dtype).itemsize
     return {"stages": s, "microbatches": m, "bubble_theory": (s - 1) / (m + s - 1),
             "bubble_measured_per_rank": fractions, "bubble_measured_mean": float(np.mean(fractions)),

@@ -189,15 +189,20 @@ def test_pipeline_loss_curve_matches_the_reference(shape, microbatches):
     local, losses = train(ts, ts.shard_state(state, WORLD.Get_rank()), data)
     got = ts.gather(local, WORLD)
     all_losses = WORLD.allgather(losses)
-    layer_blocks = [(b.shape, io.shape) for b, io in zip(local, ts.program.inputs) if io.name.startswith("layers_")]
-    for name in want[0]:
-        np.testing.assert_allclose(got[name], want[0][name], rtol=1e-9, atol=1e-12, err_msg=name)
+    blocks = ts.named(local)
+    layer_blocks = [(blocks[io.name].shape, io.shape) for io in ts.program.inputs
+                    if io.name.startswith("params.layers_")]
+    got, want_state = ts.named(got), ts.named(want[0])
+    assert len(want_state) > 20
+    for name in want_state:
+        np.testing.assert_allclose(got[name], want_state[name], rtol=1e-9, atol=1e-12, err_msg=name)
     for rank_losses in all_losses:
         np.testing.assert_allclose(rank_losses, want[1], rtol=1e-12)
     assert want[1][2] < want[1][0]
     # this rank's stage: 1/S of every stacked layer parameter (its L/S layers), the megatron dims further split
-    assert len(layer_blocks) == 10 and all(block[0] * shape[0] == whole[0] and np.prod(block) * shape[0] <= np.prod(whole)
-                                           for block, whole in layer_blocks)
+    assert len(layer_blocks) == 10
+    assert all(block[0] * shape[0] == whole[0] and np.prod(block) * shape[0] <= np.prod(whole)
+               for block, whole in layer_blocks)
 
 
 @pytest.mark.skipif(N < 2, reason="a pipeline needs 2 or more ranks")

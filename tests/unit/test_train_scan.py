@@ -4,6 +4,7 @@ a program whose size does not grow with depth, and remat's lower peak memory."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 
 import numpy as np
@@ -13,6 +14,7 @@ import spmd_runtime as sr
 from spmd_runtime import pytree
 from simulated import run_everywhere
 from spmd_runtime.comm import run_simulated
+from spmd_runtime.exec.runner import shard
 from spmd_runtime.models.lm import LMConfig, init_params, lm_loss, param_shapes
 from spmd_runtime.optim import AdamW
 
@@ -103,22 +105,26 @@ def test_checkpoints_load_across_the_stacked_and_unrolled_layouts(tmp_path, save
     scanned = dataclasses.replace(unrolled, scan_layers=True)
     saver = build(scanned if saved_scanned else unrolled, (2, 2), "megatron_wus")
     loader = build(unrolled if saved_scanned else scanned, (4,), "wus")
-    rng = np.random.default_rng(3)
-    state = saver.init(0)
-    state = type(state)((k, (v + rng.standard_normal(v.shape)).astype(v.dtype)) for k, v in state.items())
+    rng = np.random.default_rng(3)  # optimizer state too, so m and v differ from the weights
+    state = sr.pytree.tree_map(lambda v: (v + rng.standard_normal(np.shape(v))).astype(v.dtype), saver.init(0))
     path = str(tmp_path / "ckpt")
 
     def body(comm):
         saver.save(path, saver.shard_state(state, comm.Get_rank()), step=1, comm=comm)
-        return loader.load(path, comm=comm)
-    flat = {k: v for k, v in state.items() if "layers_" not in k}  # the same state in the loader's layout
-    for name, v in state.items():
-        if saved_scanned and "layers_" in name:
-            flat.update((name.replace("layers_", f"l{i}_"), v[i]) for i in range(3))
-    if not saved_scanned:
-        flat = {n: np.stack([state[n.replace("layers_", f"l{i}_")] for i in range(3)]) if "layers_" in n
-                else state[n] for n in loader.state_names}
-    assert any("layers_" in n for n in (loader.state_names if not saved_scanned else saver.state_names))
+        return loader.named(loader.load(path, comm=comm))
+    saved = saver.named(state)
+
+    def in_loader_layout(name):  # the same tensor, read from the saved state by hand
+        if name in saved:
+            return saved[name]
+        if "layers_" in name:
+            return np.stack([saved[name.replace("layers_", f"l{i}_")] for i in range(3)])
+        i = int(re.search(r"\.l(\d+)_", name).group(1))
+        return saved[re.sub(r"\.l\d+_", ".layers_", name)][i]
+    assert any("layers_" in n for n in loader.state_names + saver.state_names) and len(loader.state_names) > 20
+    ios = {io.name: io for io in loader.program.inputs}
     for rank, blocks in enumerate(run_simulated(4, body)):
-        for got, want in zip(blocks, loader.shard_state(flat, rank)):
-            np.testing.assert_array_equal(got, want)
+        assert list(blocks) == loader.state_names
+        for name, got in blocks.items():
+            want = shard(np.asarray(in_loader_layout(name)), ios[name].sharding, loader.mesh, rank)
+            np.testing.assert_array_equal(got, want, err_msg=name)
