@@ -21,40 +21,111 @@ from .trace import mesh_split
 
 
 def pipeline(stage_fn, stage_params, microbatches, *, mesh, stage_axis="stage", policy=None, stage_dim=0,
-             param_specs=None, state_spec=None):
-    """Run ``microbatches`` [M, ...] through S pipelined stages; returns the outputs [M, ...].
+             param_specs=None, state_spec=None, circular=False):
+    """Run ``microbatches`` [M, ...] through V pipelined stages; returns the outputs [M, ...].
 
     ``stage_fn(stage_params, x)`` computes every stage at once: the leaves of ``stage_params`` have a
-    stage dim S (dim ``stage_dim``, 0 by default), ``x`` is [S, ...] (stage i's input at x[i]) and the result
-    has x's shape. ``policy``: the remat policy of the loop body (e.g. "nothing_saveable").
-    ``param_specs`` (a pytree like ``stage_params`` with spec tuples as leaves) and ``state_spec`` give the mesh_split specs of the other
-    dims of each parameter and of one micro-batch (default: replicated), so stages combine with data and
-    model parallelism."""
+    stage dim (dim ``stage_dim``, 0 by default), ``x`` is [stages, ...] (stage i's input at x[i]) and the
+    result has x's shape. ``policy``: the remat policy of the loop body (e.g. "nothing_saveable").
+    ``param_specs`` (a pytree like ``stage_params`` with spec tuples as leaves) and ``state_spec`` give the
+    mesh_split specs of the other dims of each parameter and of one micro-batch (default: replicated), so
+    stages combine with data and model parallelism.
+
+    GPipe (default): the V stages are blocked over the S devices of ``stage_axis`` (V / S adjacent stages
+    each), M + V - 1 iterations, bubble (V - 1) / (M + V - 1). ``circular=True`` (Lingvo/GSPMD circular
+    pipelining): device s holds the R = V / S non-adjacent stages s, s + S, ...; a micro-batch goes round
+    the devices R times, ``stage_fn`` gets the one stage each device runs at this iteration ([S, ...]
+    leaves), M must be a multiple of S, M R + S - 1 iterations of one stage each, bubble
+    (S - 1) / (M R + S - 1)."""
     leaves, treedef = pytree_flatten(stage_params)
     check_stages(mesh, stage_axis, [p.shape[stage_dim] if p.ndim > stage_dim else None for p in leaves],
                  [tuple(p.shape) for p in leaves])
-    s = leaves[0].shape[stage_dim]
     specs = [None] * len(leaves) if param_specs is None else \
         pytree.flatten_like(param_specs, pytree.flatten(stage_params)[1], "pipeline param_specs", is_spec)
-
-    def split_param(p, spec):
-        rest = list(spec) if spec is not None else [None] * (p.ndim - 1)
-        return mesh_split(p, mesh, tuple(rest[:stage_dim]) + (stage_axis,) + tuple(rest[stage_dim:]))
-    params = pytree_unflatten(treedef, [split_param(p, sp) for p, sp in zip(leaves, specs)])
     microbatches = snp.asarray(microbatches)
+    state_spec = tuple(state_spec) if state_spec is not None else (None,) * (microbatches.ndim - 1)
+    split = lambda x: mesh_split(x, mesh, (stage_axis,) + state_spec)
+    run = _circular if circular else _gpipe
+    return run(stage_fn, leaves, treedef, specs, microbatches, mesh, stage_axis, stage_dim, split, policy)
+
+
+def _split_param(p, spec, mesh, axis, at: int, extra=()):
+    """``p`` pinned: the stage axis on dim ``at``, ``extra`` entries before it, ``spec`` on the other dims."""
+    rest = list(spec) if spec is not None else [None] * (p.ndim - 1 - len(extra))
+    return mesh_split(p, mesh, tuple(rest[:at]) + tuple(extra) + (axis,) + tuple(rest[at:]))
+
+
+def _shift(state, rows: int):
+    """``state`` moved ``rows`` along the stage dim (zeros come in): one collective_permute when it is split."""
+    return snp.lax_pad(state, np.zeros((), state.dtype), [(rows, -rows, 0)] + [(0, 0, 0)] * (state.ndim - 1))
+
+
+def _gpipe(stage_fn, leaves, treedef, specs, microbatches, mesh, axis, stage_dim, split, policy):
+    s = leaves[0].shape[stage_dim]
+    params = pytree_unflatten(treedef, [_split_param(p, sp, mesh, axis, stage_dim) for p, sp in zip(leaves, specs)])
     shape = (s,) + microbatches.shape[1:]
-    state_spec = (stage_axis,) + (tuple(state_spec) if state_spec is not None else (None,) * (len(shape) - 1))
-    split = lambda x: mesh_split(x, mesh, state_spec)
     xs = snp.concatenate([microbatches, snp.zeros((s - 1,) + shape[1:], microbatches.dtype)], 0)
     first = snp.broadcast_in_dim(snp.arange(s) == 0, shape, (0,))
 
     def step(state, x):
-        shifted = snp.lax_pad(state, np.zeros((), state.dtype), [(1, -1, 0)] + [(0, 0, 0)] * (len(shape) - 1))
-        state = split(snp.where(first, snp.broadcast_in_dim(x, shape, tuple(range(1, len(shape)))), shifted))
+        state = split(snp.where(first, snp.broadcast_in_dim(x, shape, tuple(range(1, len(shape)))), _shift(state, 1)))
         state = split(stage_fn(params, state))
         return state, state
     _, ys = scan(step, split(snp.zeros(shape, microbatches.dtype)), xs, policy=policy)
     return ys[s - 1:, s - 1]
+
+
+def _circular(stage_fn, leaves, treedef, specs, microbatches, mesh, axis, stage_dim, split, policy):
+    v, s, m = leaves[0].shape[stage_dim], mesh.axis_size(axis), microbatches.shape[0]
+    r = v // s
+    if m % s:
+        raise ValueError(f"a circular pipeline feeds micro-batches in groups of the {axis!r} axis size; got {m} "
+                         f"micro-batches for {s} devices (use a multiple of {s})")
+    # stage r * S + j on device j: [V] -> [R, S], the S dim split
+    stacked = [_split_param(snp.reshape(p, p.shape[:stage_dim] + (r, s) + p.shape[stage_dim + 1:]), sp, mesh, axis,
+                            stage_dim, extra=(None,)) for p, sp in zip(leaves, specs)]
+    sched = circular_schedule(m, s, r)
+    shape = (s,) + microbatches.shape[1:]
+    zeros = snp.zeros(((r - 1) * s,) + shape[1:], microbatches.dtype)
+    pieces = [part for g in range(m // s) for part in (microbatches[g * s:(g + 1) * s], zeros)]
+    xs = snp.concatenate(pieces + [snp.zeros((s - 1,) + shape[1:], microbatches.dtype)], 0)
+    first = snp.broadcast_in_dim(snp.arange(s) == 0, shape, (0,))
+
+    def pick(p, sel):  # each device's stage of this iteration: sel [R, S] one-hot
+        mask = snp.broadcast_in_dim(snp.astype(sel, p.dtype), p.shape, (stage_dim, stage_dim + 1))
+        return snp.sum(p * mask, axis=stage_dim)
+
+    def step(state, inputs):
+        x, sel, fresh = inputs
+        # device 0 takes a new micro-batch, or what device S - 1 produced (the wrap-around); the others shift
+        fresh = snp.broadcast_in_dim(fresh, shape, ())
+        wrapped = snp.where(fresh, snp.broadcast_in_dim(x, shape, tuple(range(1, len(shape)))), _shift(state, 1 - s))
+        state = split(snp.where(first, wrapped, _shift(state, 1)))
+        params = pytree_unflatten(treedef, [pick(p, sel) for p in stacked])
+        state = split(stage_fn(params, state))
+        return state, state
+    inputs = (xs, snp.asarray(sched["stage_of"]), snp.asarray(sched["fresh"]))
+    _, ys = scan(step, split(snp.zeros(shape, microbatches.dtype)), inputs, policy=policy)
+    return snp.concatenate([ys[t:t + s, s - 1] for t in sched["exits"]], 0)
+
+
+def circular_schedule(m: int, s: int, r: int) -> dict:
+    """The circular schedule of M micro-batches (groups of S) on S devices going round R times: per
+    iteration t of M R + S - 1, ``stage_of[t, k, j]`` (one-hot: device j runs its k-th stage, k * S + j),
+    ``fresh[t]`` (device 0 takes a new micro-batch), and ``exits``: the first iteration at which each group
+    leaves device S - 1 after its last round (its S micro-batches leave on consecutive iterations)."""
+    t_all = m * r + s - 1
+    stage_of = np.zeros((t_all, r, s), bool)
+    fresh = np.zeros(t_all, bool)
+    for t in range(t_all):
+        for j in range(s):
+            u = t - j  # when what device j holds entered device 0 for this round
+            g, w = divmod(u, s * r) if u >= 0 else (0, 0)
+            stage_of[t, w // s, j] = True
+        g, w = divmod(t, s * r)
+        fresh[t] = w < s and g * s + w < m
+    exits = [g * s * r + (r - 1) * s + s - 1 for g in range(m // s)]
+    return {"stage_of": stage_of, "fresh": fresh, "exits": exits}
 
 
 def is_spec(x) -> bool:
@@ -75,4 +146,4 @@ def check_stages(mesh, stage_axis: str, stages: list, shapes=None) -> None:
                          f"{stages[0]} stages on {mesh.axis_size(stage_axis)} devices")
 
 
-__all__ = ["pipeline", "check_stages"]
+__all__ = ["pipeline", "check_stages", "circular_schedule"]
