@@ -65,13 +65,20 @@ class Optimizer:
     def _slots(self, shapes, dtype) -> list[StateSlot]:
         raise NotImplementedError
 
-    def update(self, params: dict, grads: dict, state: dict) -> tuple[dict, dict]:
-        """Traced: (new params, new state) from the params, their gradients (same keys) and the state tree."""
+    def update(self, params: dict, grads: dict, state: dict, matrices=None) -> tuple[dict, dict]:
+        """Traced: (new params, new state) from the params, their gradients (same keys) and the state tree.
+        ``matrices``: the names of the weight matrices (weight decay applies to them only); default: the
+        params with 2 or more dims (a caller whose params stack layers on a leading dim names them)."""
         raise NotImplementedError
 
     def loss_scale(self, state: dict):
         """Traced: the factor the loss is multiplied by before differentiation (1: none)."""
         return 1.0
+
+
+def is_matrix(name: str, p, matrices) -> bool:
+    """Whether weight decay applies to ``p``: named in ``matrices``, or by default 2 or more dims."""
+    return name in matrices if matrices is not None else p.ndim >= 2
 
 
 def _per_param(prefix: str, shapes, dtype) -> list[StateSlot]:
@@ -89,11 +96,11 @@ class SGD(Optimizer):
     def _slots(self, shapes, dtype):
         return _per_param("mom", shapes, dtype)
 
-    def update(self, params, grads, state):
+    def update(self, params, grads, state, matrices=None):
         new_params, new_bufs = {}, {}
         for name, p in params.items():
             g = grads[name]
-            if self.weight_decay and p.ndim >= 2:
+            if self.weight_decay and is_matrix(name, p, matrices):
                 g = g + self.weight_decay * p
             new_bufs[name] = self.momentum * state["mom"][name] + g
             new_params[name] = p - self.lr * new_bufs[name]
@@ -118,7 +125,7 @@ class AdamW(Optimizer):
         return [StateSlot("step", (), "float32", None)] + _per_param("m", shapes, dtype) + _per_param("v", shapes,
                                                                                                       dtype)
 
-    def update(self, params, grads, state):
+    def update(self, params, grads, state, matrices=None):
         t = state["step"] + 1.0
         tt = snp.astype(t, next(iter(params.values())).dtype)
         lr = self._lr(tt)
@@ -130,7 +137,7 @@ class AdamW(Optimizer):
             m = new_m[name] = self.b1 * state["m"][name] + (1.0 - self.b1) * g
             v = new_v[name] = self.b2 * state["v"][name] + (1.0 - self.b2) * (g * g)
             direction = (m * c1) / (snp.sqrt(v * c2) + self.eps)
-            if self.weight_decay and p.ndim >= 2:
+            if self.weight_decay and is_matrix(name, p, matrices):
                 direction = direction + self.weight_decay * p
             new_params[name] = p - lr * direction
         return new_params, {"step": t, "m": new_m, "v": new_v}
@@ -168,14 +175,14 @@ class DynamicLossScale(Optimizer):
     def loss_scale(self, state):
         return state["loss_scale"]
 
-    def update(self, params, grads, state):
+    def update(self, params, grads, state, matrices=None):
         scale, good = state["loss_scale"], state["good_steps"]
         inv = 1.0 / scale
         grads = {n: g * snp.astype(inv, g.dtype) for n, g in grads.items()}
         # g * 0 is 0 for a finite g and NaN for inf/NaN: one sum per gradient flags any non-finite value.
         flags = [snp.sum(snp.astype(g, "float32") * 0.0) for g in grads.values()]
         finite = sum(flags[1:], flags[0]) == 0.0
-        new_params, new_inner = self.inner.update(params, grads, state["inner"])
+        new_params, new_inner = self.inner.update(params, grads, state["inner"], matrices)
         keep = lambda new, old: snp.where(finite, new, old)
         new_params = pytree.tree_map(keep, new_params, params)
         new_inner = pytree.tree_map(keep, new_inner, state["inner"])

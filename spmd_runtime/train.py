@@ -267,6 +267,8 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
     order = list(param_shapes(cfg))  # the model takes its weights in this order
     scaled = isinstance(optimizer, DynamicLossScale)
     run_layers = pipeline_layers(cfg, layout, microbatches) if layout.preset.stage else None
+    # weight decay on matrices only, whether or not the layers are stacked on a leading dim
+    matrices = {n for n, shape in param_shapes(cfg).items() if len(shape) - is_stacked(n) >= 2}
 
     def step(params, opt_state, batch):
         # Mixed precision: the model runs on 16-bit copies, so activations, gradients and the collectives
@@ -290,7 +292,7 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
             loss, metrics, grads = accumulate(loss_and_grads, compute, batch["tokens"], batch["labels"],
                                               microbatches)
         grads = {n: snp.astype(g, params[n].dtype) for n, g in grads.items()}  # reduced in 16 bits, updated in master
-        new_params, new_state = optimizer.update(params, grads, opt_state)
+        new_params, new_state = optimizer.update(params, grads, opt_state, matrices)
         new_params = {n: layout.annotate(p, layout.update[n]) for n, p in new_params.items()}
         return new_params, layout.annotate_state(new_state), {k: metrics[k] for k in metric_names(cfg)}, loss
     return step

@@ -64,6 +64,22 @@ def test_partitioned_scan_step_matches_the_reference_step(shape, preset, microba
             np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_scanned_step_updates_like_the_unrolled_step():
+    """Stacking changes no update: LayerNorm gains stacked to [layers, d] are still not weight-decayed."""
+    tokens, labels = batch()
+    opt = AdamW(lr=1e-2, weight_decay=0.1)
+    steps = [sr.build_train_step(dataclasses.replace(CFG, scan_layers=s), sr.train_mesh((1,), "dp"), "dp", opt)
+             for s in (False, True)]
+    (flat, flat_loss), (stacked, stacked_loss) = (ts.reference_step(ts.init(0), tokens, labels) for ts in steps)
+    assert stacked_loss == pytest.approx(flat_loss, rel=1e-13)
+    for name, got in steps[1].named(stacked).items():
+        if "layers_" in name:
+            want = np.stack([steps[0].named(flat)[name.replace("layers_", f"l{i}_")] for i in range(CFG.layers)])
+        else:
+            want = steps[0].named(flat)[name]
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15, err_msg=name)
+
+
 def test_accumulated_step_equals_the_whole_batch_step():
     tokens, labels = batch()
     state = build(CFG, (1,), "dp").init(0)
