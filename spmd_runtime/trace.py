@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 
 import numpy as np
@@ -58,7 +59,7 @@ class Tensor:
         self._no_value("a NumPy function (np.exp, np.asarray, ...)")
 
     def __array_function__(self, func, types, args, kwargs):  # np.sum(t) would call t.sum(out=None): say why
-        from spmd_runtime import numpy as snp  # here: spmd_runtime.numpy imports this module
+        snp = sys.modules["spmd_runtime.numpy"]  # loaded by the package; importing it here would be a cycle
         name = func.__name__
         if name in ("shape", "ndim", "size") and len(args) == 1 and not kwargs:  # known while tracing
             return getattr(self, name)
