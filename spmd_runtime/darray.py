@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .comm import collectives
 from .exec.backend import get_array_module, to_host
 from .exec.runner import block_slices, communicator, run_local, shard, unshard
 from .graph import TensorSpec
@@ -61,8 +60,6 @@ class DArray:
 def _global_value(d: DArray, mc):
     xp = get_array_module("cupy" if type(d.local).__module__.startswith("cupy") else "numpy")
     x = xp.asarray(d.local)
-    if d.sharding.partial:
-        x = collectives.all_reduce(mc, x, d.sharding.partial, d.sharding.reduce_op)
     padded = d.sharding.local_shape(d.shape, d.mesh)
     widths = [(0, want - have) for have, want in zip(x.shape, padded)]
     if any(w for _, w in widths):

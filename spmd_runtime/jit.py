@@ -25,7 +25,7 @@ from .mesh import Mesh, get_mesh
 from .partition import partition
 from .profile import profiling
 from .sharding import P, Sharding, parse_spec
-from .trace import trace
+from .trace import mesh_split, trace
 
 
 def jit(fn=None, *, mesh: Mesh | None = None, in_specs=None, out_specs=None, static_argnums=(), profile=None,
@@ -110,10 +110,14 @@ class Jitted:
         return program, leaves
 
     def _build(self, mesh, static, dynamic, leaves, tree):
-        specs = self._input_specs(dynamic, leaves)
+        specs, reduce_to = self._input_specs(dynamic, leaves)
         fn, positions = self.fn, [i for i in range(len(static) + len(dynamic)) if i not in static]
 
         def traced(*dyn):
+            if reduce_to:  # partial DArrays where final values are declared: the planner completes the sums
+                flat = pytree.flatten(dyn)[0]
+                dyn = tree.unflatten(mesh_split(x, mesh, reduce_to[k]) if k in reduce_to else x
+                                     for k, x in enumerate(flat))
             full = [None] * (len(static) + len(dyn))
             for i, v in static.items():
                 full[i] = v
@@ -129,18 +133,24 @@ class Jitted:
                                                _is_spec, "out_specs")
             return partition(graph, mesh, in_specs=specs, out_specs=outs)
 
-    def _input_specs(self, dynamic, leaves) -> list:
+    def _input_specs(self, dynamic, leaves) -> tuple[list, dict]:
+        """(one spec per leaf, {leaf: declared Sharding} for partial DArrays declared as final values)."""
         specs = [None] * len(leaves) if self.in_specs is None else \
             pytree.broadcast_prefix(tuple(self.in_specs) if isinstance(self.in_specs, list) else self.in_specs,
                                     dynamic, _is_spec, "in_specs")
         names = [pytree.keystr(p, "args") for p, _ in pytree.flatten_with_path(dynamic)[0]]
+        reduce_to = {}
         for k, (x, spec) in enumerate(zip(leaves, specs)):
             if isinstance(x, DArray):
-                if spec is not None and x.mesh is not None and _sharding(spec, x) != x.sharding:
-                    raise ValueError(f"in_specs must match the layout of a DArray argument; got {spec!r} for "
-                                     f"{names[k]}, laid out as {x.sharding} (reshard it with sr.device_put)")
+                declared = x.sharding if spec is None else _sharding(spec, x)
+                if declared != x.sharding and not (x.sharding.partial and not declared.partial):
+                    raise ValueError(f"in_specs must match the layout of a DArray argument (a partial one may be "
+                                     f"declared final: its sums are completed); got {spec!r} for {names[k]}, laid "
+                                     f"out as {x.sharding} (reshard it with sr.device_put)")
+                if declared != x.sharding:
+                    reduce_to[k] = declared
                 specs[k] = x.sharding
-        return specs
+        return specs, reduce_to
 
     def _split(self, args):
         bad = [i for i in self.static if not 0 <= i < len(args)]

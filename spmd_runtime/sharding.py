@@ -165,6 +165,8 @@ class P(tuple):
         return f"P({', '.join(items)})"
 
     def __eq__(self, other):
+        if not isinstance(other, tuple):
+            return NotImplemented  # tuple.__eq__ would answer NotImplemented, which is truthy
         return tuple.__eq__(self, other) and (self.partial, self.reduce_op) == \
             (getattr(other, "partial", ()), getattr(other, "reduce_op", "sum"))
 

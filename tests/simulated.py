@@ -34,6 +34,17 @@ def train_simulated(ts, state, batches):
     return results[0]
 
 
+def errors_on_every_rank(n, fn):
+    """Each simulated rank's error message from ``fn(comm)`` ("Type: message"), or None where it returned."""
+    def body(comm):
+        try:
+            fn(comm)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return None
+    return run_simulated(n, body)
+
+
 def collectives(program):
     """(kind, axes) of every collective, in program order."""
     return [(c["kind"], c["axes"]) for c in program.comm_summary()]

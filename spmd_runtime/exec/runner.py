@@ -174,14 +174,21 @@ def block_slices(shape, sharding, mesh, rank) -> tuple[slice, ...]:
 
 
 def shard(x, sharding, mesh, rank, pad=False):
-    """This rank's true block of the global array ``x``; ``pad=True`` zero-pads it to the ceil size."""
+    """This rank's true block of the global array ``x``; ``pad=True`` zero-pads it to the ceil size.
+    Partial over some axes (a pending sum): the block on coordinate 0 along them, zeros elsewhere, so the
+    summands add up to ``x`` (max/min: ``x`` everywhere)."""
     block = x[block_slices(x.shape, sharding, mesh, rank)]
+    if sharding.partial and sharding.reduce_op == "sum" and mesh.index_along(rank, sharding.partial):
+        block = np.zeros_like(block)
     widths = [(0, want - have) for have, want in zip(block.shape, sharding.local_shape(x.shape, mesh))]
     return np.pad(block, widths) if pad and any(w for _, w in widths) else block
 
 
 def unshard(local, sharding, shape, mc):
-    """The global array from every rank's (padded) block: all-gathers along each split dim, then trims."""
+    """The global array from every rank's (padded) block: completes pending reductions (all-reduce), all-gathers
+    along each split dim, then trims."""
+    if sharding.partial:
+        local = collectives.all_reduce(mc, local, sharding.partial, sharding.reduce_op)
     for dim, axes in enumerate(sharding.dims):
         if axes:
             local = collectives.all_gather(mc, local, axes, dim)[(slice(None),) * dim + (slice(0, shape[dim]),)]

@@ -14,6 +14,7 @@ import numpy as np
 from .. import opdef
 from ..dtypes import ACCUMULATE, is_floating, is_low_precision, result_type
 from ..opdef import BROADCAST_LEVEL, ELEMENTWISE_LEVEL, define
+from ..partition.pending_sums import sum_carriers
 from ..partition.propagation import combine
 from ..partition.reshape_map import map_reshape_sharding
 from ..partition.resharding import plan_cost
@@ -346,8 +347,10 @@ def _elementwise_propagation():
 
 @opdef.propagation(MESH_SPLIT, level=ELEMENTWISE_LEVEL)
 def _mesh_split_propagation():
-    fwd = lambda node, ins, g, mesh: node.attrs["sharding"]
-    bwd = lambda node, out, ins, g, mesh: [node.attrs["sharding"]]
+    """The annotation is the value's sharding (pinned); dims it leaves UNCONSTRAINED are refined from the operand
+    like an elementwise op's (``propagation.refine_free``), and the operand is offered the result's layout."""
+    fwd = lambda node, ins, g, mesh: ins[0]
+    bwd = lambda node, out, ins, g, mesh: [out]
     return fwd, bwd
 
 
@@ -435,14 +438,28 @@ def _constant_partition(ctx, node):
 
 @opdef.partition(MESH_SPLIT)
 def _mesh_split_partition(ctx, node):
-    return ctx.reshard(ctx.value(node.inputs[0]), node.attrs["sharding"])
+    return ctx.reshard(ctx.value(node.inputs[0]), ctx.sharding(node.id))  # UNCONSTRAINED dims: as propagated
 
 
 @opdef.partition(*ELEMENTWISE_LIKE)
 def _elementwise_partition(ctx, node):
     target = ctx.sharding(node.id)
-    args = [ctx.reshard(ctx.value(i), target) for i in node.inputs]
+    operands = _pending_sum_operands(ctx, node, target) or [target] * len(node.inputs)
+    args = [ctx.reshard(ctx.value(i), s) for i, s in zip(node.inputs, operands)]
     return ctx.emit_like(node, node.op, args, node.attrs, target)
+
+
+def _pending_sum_operands(ctx, node, target: Sharding):
+    """Where the wanted result is a pending sum and the op is linear in its partial operands: the operand
+    layouts that keep the sum pending, so no collective runs here. None otherwise (operands are completed)."""
+    if not target.partial or target.reduce_op != "sum":
+        return None
+    pending = [ctx.value(i).sharding.partial if ctx.value(i).sharding.reduce_op == "sum" else None
+               for i in node.inputs]
+    carriers = sum_carriers(node.op, pending)
+    if carriers is None or pending[carriers[0]] != target.partial:
+        return None
+    return [target if j in carriers else target.without_partial() for j in range(len(node.inputs))]
 
 
 @opdef.partition(TRANSPOSE)

@@ -17,10 +17,11 @@ from ..mesh import Mesh
 from ..opdef import OPS, lookup
 from ..comm.simulated import is_lead_rank
 from ..program import Instr, IOSpec, ShardingReport, SPMDProgram
-from ..sharding import Sharding, parse_spec, parse_spec_free
+from ..sharding import Sharding, parse_spec_free
 from .fusion import fuse_elementwise, fusion_enabled
+from .pending_sums import keep_sums_pending
+from .propagation import propagate, refine_free
 from .schedule import overlap_budget as _budget, overlap_enabled, schedule_collectives
-from .propagation import propagate
 from .resharding import plan_cost, plan_reshard
 
 @dataclass(frozen=True)
@@ -138,10 +139,13 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
 
 
 def _partition(graph, mesh, in_specs, out_specs) -> SPMDProgram:
-    graph = _resolve_unconstrained(graph, mesh, in_specs, out_specs)
-    fixed = _user_shardings(graph, mesh, in_specs)
-    out_targets = _output_shardings(graph, mesh, out_specs, fixed)
-    prop = propagate(graph, mesh, fixed)
+    free: dict[int, tuple[int, ...]] = {}  # value -> dims its in/out spec leaves UNCONSTRAINED
+    fixed = _user_shardings(graph, mesh, in_specs, free)
+    out_specs = _output_shardings(graph, mesh, out_specs, fixed, free)
+    prop = propagate(graph, mesh, fixed, free=free)
+    out_targets = {k: refine_free(s, dims, prop.shardings[graph.outputs[k]]) if dims else s
+                   for k, (s, dims) in out_specs.items()}
+    keep_sums_pending(graph, prop.shardings, fixed)
     ctx = PartitionContext(graph, mesh, prop.shardings)
     live = _live_nodes(graph)
     for node in graph.nodes:
@@ -186,51 +190,9 @@ def scheduled_program(program: SPMDProgram, budget: int) -> SPMDProgram:
                        program.out_tree, names)
 
 
-def _resolve_unconstrained(graph: Graph, mesh: Mesh, in_specs, out_specs) -> Graph:
-    """``graph`` with every UNCONSTRAINED spec dim filled in by a first propagation that ignores those
-    annotations: the dim takes what propagation would give it, minus axes the spec already uses.
-    mesh_split nodes are replaced in a copy (the caller's graph is not changed); in/out specs are
-    recorded on the copy for ``_user_shardings`` / ``_output_shardings``."""
-    free_nodes = {n.id: (n.attrs["sharding"], n.attrs["unconstrained"]) for n in graph.nodes
-                  if n.op == "mesh_split" and n.attrs.get("unconstrained")}
-    free_io = {}
-    for ids, specs, what in ((graph.params, in_specs, "input"), (graph.outputs, out_specs, "output")):
-        for k, (vid, spec) in enumerate(zip(ids, _specs(specs, ids, what))):
-            if spec is not None:
-                sharding, free = parse_spec_free(spec, mesh, len(graph[vid].shape), f"{what} {k}")
-                if free:
-                    free_io[(what, k)] = (vid, sharding, free)
-    if not free_nodes and not free_io:
-        return graph
-    # first pass: the loose annotations pass shardings through like an elementwise op
-    first = Graph([Node(n.id, "convert", n.inputs, {"dtype": n.dtype}, n.shape, n.dtype) if n.id in free_nodes
-                   else n for n in graph.nodes], graph.params, graph.param_names, graph.outputs)
-    fixed = _user_shardings(first, mesh, [None if ("input", k) in free_io else s
-                                          for k, s in enumerate(_specs(in_specs, graph.params, "input"))])
-    seeds = propagate(first, mesh, fixed).shardings
-    out = Graph(list(graph.nodes), graph.params, graph.param_names, graph.outputs, graph.in_tree, graph.out_tree)
-    for vid, (sharding, free) in free_nodes.items():
-        out.nodes[vid] = _with_attrs(graph[vid], sharding=_fill(sharding, free, seeds[vid]), unconstrained=())
-    out.resolved_specs = {key: _fill(sharding, free, seeds[vid]) for key, (vid, sharding, free) in free_io.items()}
-    return out
-
-
-def _fill(sharding: Sharding, free, seed: Sharding) -> Sharding:
-    used, dims = set(sharding.axes) | set(sharding.partial), list(sharding.dims)
-    for d in free:
-        dims[d] = tuple(a for a in seed.dims[d] if a not in used)
-        used |= set(dims[d])
-    return Sharding(tuple(dims), sharding.partial, sharding.reduce_op)
-
-
-def _with_attrs(node: Node, **changes) -> Node:
-    attrs = {k: v for k, v in {**node.attrs, **changes}.items() if k != "unconstrained" or v}
-    return Node(node.id, node.op, node.inputs, attrs, node.shape, node.dtype)
-
-
-def _parse_io(graph, spec, mesh, vid, what, k) -> Sharding:
-    resolved = getattr(graph, "resolved_specs", {}).get((what, k))
-    return resolved if resolved is not None else parse_spec(spec, mesh, len(graph[vid].shape), f"{what} {k}")
+def _parse_io(graph, spec, mesh, vid, what, k) -> tuple[Sharding, tuple[int, ...]]:
+    """An in/out spec as a Sharding (UNCONSTRAINED dims replicated there) and its UNCONSTRAINED dims."""
+    return parse_spec_free(spec, mesh, len(graph[vid].shape), f"{what} {k}")
 
 
 def _name_notes(ctx: PartitionContext, node: Node, before: int) -> None:
@@ -249,11 +211,16 @@ def _partition_node(ctx: PartitionContext, node: Node) -> LocalValue:
     return fn(ctx, node)
 
 
-def _user_shardings(graph, mesh, in_specs) -> dict[int, Sharding]:
+def _user_shardings(graph, mesh, in_specs, free=None) -> dict[int, Sharding]:
+    """value -> the user's sharding (in_specs and mesh_split annotations); ``free`` collects the dims of in_specs
+    left UNCONSTRAINED (a mesh_split node keeps its own in its ``unconstrained`` attribute)."""
     fixed: dict[int, Sharding] = {}
     for k, (vid, spec) in enumerate(zip(graph.params, _specs(in_specs, graph.params, "input"))):
         if spec is not None:
-            _fix(fixed, vid, _parse_io(graph, spec, mesh, vid, "input", k), graph, mesh)
+            sharding, dims = _parse_io(graph, spec, mesh, vid, "input", k)
+            _fix(fixed, vid, sharding, graph, mesh)
+            if dims and free is not None:
+                free[vid] = dims
     for node in graph.nodes:
         if node.op == "mesh_split":
             if node.attrs["mesh"] != mesh:
@@ -263,14 +230,19 @@ def _user_shardings(graph, mesh, in_specs) -> dict[int, Sharding]:
     return fixed
 
 
-def _output_shardings(graph, mesh, out_specs, fixed) -> dict[int, Sharding]:
-    """Out specs by output position; each also annotates its value unless the user already did."""
+def _output_shardings(graph, mesh, out_specs, fixed, free) -> dict[int, tuple[Sharding, tuple[int, ...]]]:
+    """Out specs by output position (sharding, UNCONSTRAINED dims); each also annotates its value unless the
+    user already did, leaving those dims free for propagation. The output then takes the spec's pinned dims
+    and the propagated value's free ones."""
     targets = {}
     for k, (vid, spec) in enumerate(zip(graph.outputs, _specs(out_specs, graph.outputs, "output"))):
         if spec is not None:
-            targets[k] = _parse_io(graph, spec, mesh, vid, "output", k)
-            targets[k].check(mesh, graph[vid].shape, what=_describe(graph, graph[vid]))
-            fixed.setdefault(vid, targets[k])
+            sharding, dims = targets[k] = _parse_io(graph, spec, mesh, vid, "output", k)
+            sharding.check(mesh, graph[vid].shape, what=_describe(graph, graph[vid]))
+            if vid not in fixed:
+                fixed[vid] = sharding
+                if dims:
+                    free[vid] = dims
     return targets
 
 

@@ -6,6 +6,11 @@ reduce, then contractions. A value's sharding only ever becomes strictly more
 specific (``merge``), which guarantees termination, and user annotations are
 never overridden. Values still unknown at the end are replicated.
 
+An annotation may leave dims free (``UNCONSTRAINED`` in a spec: a mesh_split's
+``unconstrained`` attribute, or ``free`` for inputs and outputs): its other dims
+are pinned, and the free ones are refined by propagation like any unannotated
+value, with the axes the pinned dims leave unused.
+
 Each op's rule (level, forward, backward) is part of its record (``opdef.OpDef.propagation``),
 defined with the op in ``spmd_runtime/ops/``; this module is the engine and the helpers rules share.
 """
@@ -26,16 +31,20 @@ class Propagation:
     origin: dict[int, str]  # "user", "propagated" or "default" (nothing known: replicated)
 
 
-def propagate(graph: Graph, mesh: Mesh, fixed: dict[int, Sharding], seeds=None) -> Propagation:
+def propagate(graph: Graph, mesh: Mesh, fixed: dict[int, Sharding], seeds=None, free=None) -> Propagation:
     """Complete shardings for every node; ``fixed`` holds the user's annotations, ``seeds`` starting
-    shardings that propagation may refine (a loop body's parameters, from outside the loop)."""
+    shardings that propagation may refine (a loop body's parameters, from outside the loop), ``free``
+    value -> dims of its annotation left UNCONSTRAINED (mesh_split nodes say theirs themselves)."""
     rules = {n.op: OPS[n.op].propagation for n in graph.nodes if n.op in OPS}
     missing = sorted({n.op for n in graph.nodes if rules.get(n.op) is None})
     if missing:
         raise NotImplementedError(f"sharding propagation needs a rule for every op; got no rule for {missing}")
     seeds = seeds or {}
+    free = {**{n.id: n.attrs["unconstrained"] for n in graph.nodes if n.attrs.get("unconstrained")}, **(free or {})}
+    pinned = {vid: s for vid, s in fixed.items() if not free.get(vid)}
+    loose = {vid: (s, frozenset(free[vid])) for vid, s in fixed.items() if free.get(vid)}
     sh: dict[int, Sharding | None] = {n.id: fixed.get(n.id, seeds.get(n.id)) for n in graph.nodes}
-    sweeps = _Sweeps(graph, mesh, sh, fixed, rules)
+    sweeps = _Sweeps(graph, mesh, sh, (pinned, loose), rules)
     for level in (ELEMENTWISE_LEVEL, BROADCAST_LEVEL, DOT_LEVEL):
         while sweeps.sweep(level):
             pass
@@ -87,17 +96,29 @@ class _Sweeps:
 
 
 def _update(vid, cand, graph, mesh, sh, fixed) -> bool:
-    if cand is None or vid in fixed:
+    pinned, loose = fixed
+    if cand is None or vid in pinned:
         return False
     if hasattr(cand, "refine"):  # the results of a control node (partition/loops.py) refine part by part
         new = cand.refine(sh[vid], graph.nodes[vid], mesh)
     else:
         cand = legalize(cand, graph.nodes[vid].shape, mesh)
         new = cand if sh[vid] is None else merge(sh[vid], cand)
+    if vid in loose:
+        new = refine_free(*loose[vid], new)
     if new == sh[vid] or (sh[vid] is None and not new.axes):
         return False
     sh[vid] = new
     return True
+
+
+def refine_free(annotation: Sharding, free: frozenset, new: Sharding) -> Sharding:
+    """``new`` on the annotation's free dims, the annotation on its pinned dims (and its pending reduction);
+    a free dim drops the axes a pinned dim uses."""
+    used = {a for d, axes in enumerate(annotation.dims) if d not in free for a in axes} | set(annotation.partial)
+    dims = [tuple(a for a in new.dims[d] if a not in used) if d in free else axes
+            for d, axes in enumerate(annotation.dims)]
+    return Sharding(tuple(dims), annotation.partial, annotation.reduce_op)
 
 
 @lru_cache(maxsize=65536)  # few distinct (sharding, shape) pairs recur over and over in a model's graph

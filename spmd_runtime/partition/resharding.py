@@ -72,8 +72,11 @@ class Plan:
 def plan_reshard(src: Sharding, dst: Sharding, shape: tuple[int, ...], mesh: Mesh, itemsize: int = 4,
                  model: CostModel | None = None) -> Plan:
     """The cheapest steps found that turn a tensor of global ``shape`` laid out as ``src`` into ``dst``."""
-    if dst.partial and (dst.partial, dst.reduce_op) != (src.partial, src.reduce_op):
-        raise ValueError(f"resharding can only keep partial sums as they are, not create them; got {src} -> {dst}")
+    if not reachable(src, dst):
+        raise ValueError(f"resharding can keep pending (partial) reductions as they are or complete them, not "
+                         f"create them or change their axes; got {src} -> {dst} (a value declared partial over "
+                         f"{','.join(dst.partial)} must come from a reduction over a dim split on those axes, or "
+                         f"from an input declared so; declare it without partial= to get final values)")
     return _plan(src, dst, tuple(shape), mesh, int(itemsize), model or active_model())
 
 
@@ -82,7 +85,14 @@ def plan_cost(src: Sharding, dst: Sharding, shape, dtype, mesh: Mesh, model: Cos
     call in progress unless ``model`` is given)."""
     if src == dst:
         return 0.0
+    if not reachable(src, dst):
+        return math.inf  # a strategy that cannot end in the wanted layout is never chosen
     return plan_reshard(src, dst, shape, mesh, np.dtype(dtype).itemsize, model).cost
+
+
+def reachable(src: Sharding, dst: Sharding) -> bool:
+    """Whether a plan src -> dst exists: a pending reduction is kept as it is or completed, never created."""
+    return not dst.partial or (dst.partial, dst.reduce_op) == (src.partial, src.reduce_op)
 
 
 @lru_cache(maxsize=1 << 16)

@@ -6,6 +6,8 @@ import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.comm import run_simulated
 
+from simulated import errors_on_every_rank
+
 MESH = sr.Mesh((2, 2), ("data", "model"))
 
 
@@ -130,14 +132,7 @@ def test_jit_of_a_partial_sum_input_reduces_it():
 
 
 # ---------------------------------------------------------------- errors on every rank
-def _errors(n, fn):
-    def body(comm):
-        try:
-            fn(comm)
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {e}"
-        return None
-    return run_simulated(n, body)
+_errors = errors_on_every_rank
 
 
 def test_jit_with_different_shapes_on_different_ranks_raises_everywhere():
@@ -186,6 +181,14 @@ def test_in_specs_structure_must_match_the_arguments():
     f = sr.jit(lambda d: d["a"] * 1.0, mesh=MESH, in_specs=({"b": sr.P()},))
     with pytest.raises(ValueError, match="in_specs must match the arguments' structure"):
         f.lower({"a": np.ones(2, "float32")})
+
+
+def test_in_specs_structure_differing_from_one_ranks_arguments_raises_everywhere():
+    def call(comm):
+        args = {"b": np.ones(2, "float32")} if comm.Get_rank() == 1 else {"a": np.ones(2, "float32")}
+        sr.jit(lambda d: [v * 1.0 for v in d.values()], mesh=MESH, in_specs=({"a": sr.P()},), comm=comm)(args)
+    for e in _errors(4, call):
+        assert e is not None and "errors on rank(s) [1]" in e and "in_specs must match the arguments' structure" in e
 
 
 def test_from_local_with_wrong_block_raises_everywhere():

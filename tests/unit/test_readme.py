@@ -2,8 +2,9 @@
 
 Python blocks run, in order, each in a fresh namespace, as ONE 8-rank job (the README's 2x4 mesh); rank 0's
 output is checked for what each block prints. The ```text picture must be what visualize_sharding draws.
-Shell blocks need a cluster, a fresh venv or minutes (the demo and the whole suite): each is listed in
-SHELL_BLOCKS with where it is covered, so a new block cannot go unexercised unnoticed.
+Shell blocks run in tests/unit/test_readme_shell.py as written where practical (temp dir, small settings); the
+lines that need a cluster, a fresh venv or minutes are listed there and in SHELL_BLOCKS with where they are
+covered, so a new block cannot go unexercised unnoticed.
 """
 import json
 import re
@@ -17,11 +18,11 @@ BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README.read_text(), flags=re.S | re
 
 # first line of each shell block -> why it is not run here, and what covers it
 SHELL_BLOCKS = {
-    "scripts/demo.sh": "runs the 8-rank demo (minutes); CI runs scripts/test.sh, which is the second line",
-    "module load openmpi": "needs a site MPI and a fresh venv",
-    "scripts/launch.sh -n 16": "needs a cluster; the launcher's --dry-run is tested with the scripts",
-    "python -m spmd_runtime show PROGRAM.json": "placeholders; tests/unit/test_cli_mpiexec.py and test_api_cli.py "
-                                                 "run show, run (npz and sharded directories) and profile",
+    "scripts/demo.sh": "the 8-rank demo (minutes): test_readme_shell runs its training job small; CI runs "
+                       "scripts/test.sh, the second line",
+    "module load openmpi": "needs a site MPI and a fresh venv: test_readme_shell runs its last line",
+    "scripts/launch.sh -n 16": "needs a cluster: test_readme_shell runs both lines with --dry-run",
+    "python -m spmd_runtime show PROGRAM.json": "test_readme_shell runs it as written (2 ranks) on a saved program",
 }
 
 # Python blocks that are fragments (names the reader supplies): compiled here, not run; first line -> why
@@ -42,6 +43,7 @@ def python_blocks():
 # what rank 0 prints in each Python block that runs, in order
 EXPECTED_OUTPUT = [
     ["[data, R] on Mesh(data=2, model=4), global shape [8, 16]", "(8, 16) ['all_reduce']"],
+    ["[] ['reduce_scatter']", "True"],
     ["SPMDProgram on Mesh(data=2, model=4)", "'kind': 'all_reduce'"],
     ["'kind': '"],
 ]
