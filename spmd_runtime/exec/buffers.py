@@ -9,11 +9,13 @@ buffer, and any other op may return a view of its operands.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..opdef import lookup
 
 
-def output_buffers(program) -> frozenset[int]:
-    """Slots of the instructions that made a buffer some program output may be, or view."""
+def buffer_owners(program) -> dict[int, frozenset]:
+    """Per slot, the instructions whose buffers its value may be or view (none for read-only values)."""
     owners: dict[int, frozenset] = {}
     for ins in program.instrs:
         record = lookup(ins.op)
@@ -25,4 +27,55 @@ def output_buffers(program) -> frozenset[int]:
             owners[ins.out] = frozenset({ins.out})
         else:
             owners[ins.out] = frozenset().union(*(owners[a] for a in ins.args))
+    return owners
+
+
+def output_buffers(program) -> frozenset[int]:
+    """Slots of the instructions that made a buffer some program output may be, or view."""
+    owners = buffer_owners(program)
     return frozenset().union(*(owners[o.slot] for o in program.outputs))
+
+
+# ------------------------------------------------------------------ planned result buffers
+# With the ufunc ops: the ops whose binder or kernel (its ``into=``) writes into a given buffer.
+PLANNED_OPS = ("fusion", "einsum", "reduce", "select", "convert")
+
+
+def plans_into(ins) -> bool:
+    """Whether ``ins`` can write its result into a buffer planned for it (and needs one: not in place)."""
+    record = lookup(ins.op)
+    return ins.donate < 0 and bool(ins.shape) and (record.ufunc is not None or ins.op in PLANNED_OPS)
+
+
+def plan_buffers(program, xp) -> dict:
+    """``{slot: array}``: a result buffer, made once, for each instruction that ``plans_into`` and whose value
+    never leaves the run. Buffers are shared by values whose lifetimes do not overlap (same dtype and size):
+    a buffer is busy from its instruction to the last use of any value that may view it (``fresh`` ops own
+    their result, in-place ops write into their operand's, other ops may return views of their operands).
+    Program outputs keep fresh buffers: the caller holds them after the run."""
+    instrs = program.instrs
+    leaves = output_buffers(program)
+    roots = buffer_owners(program)
+    last = {a: k for k, ins in enumerate(instrs) for a in ins.args}
+    busy_until = {}
+    for k, ins in enumerate(instrs):
+        for r in roots[ins.out]:
+            busy_until[r] = max(busy_until.get(r, k), last.get(ins.out, k))
+    position = {ins.out: k for k, ins in enumerate(instrs)}
+    releases: dict[int, list[int]] = {}
+    for owner, until in busy_until.items():
+        releases.setdefault(until, []).append(owner)
+    pools: dict[tuple, list] = {}
+    held: dict[int, tuple] = {}
+    planned: dict[int, object] = {}
+    for k, ins in enumerate(instrs):
+        if plans_into(ins) and ins.out not in leaves:
+            key = (str(ins.dtype), int(np.prod(ins.shape)))
+            pool = pools.setdefault(key, [])
+            flat = pool.pop() if pool else xp.empty(key[1], key[0])
+            planned[ins.out], held[ins.out] = flat.reshape(ins.shape), (key, flat)
+        for owner in releases.get(k, ()):  # free after this instruction ran: never its own result's buffer
+            if owner in held and position[owner] <= k:
+                key, flat = held.pop(owner)
+                pools[key].append(flat)
+    return planned

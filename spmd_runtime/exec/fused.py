@@ -63,31 +63,33 @@ class Fusion:
 def _bind_fusion(interp, ins):
     """The fusion record's binder: one kernel for the chain, scratch shared by the interpreter's fusions."""
     scratch = interp.__dict__.setdefault("fusion_scratch", Scratch(interp.xp))
-    return bind_fusion(ins, interp.xp, [interp.program.instrs[a].dtype for a in ins.args], scratch)
+    return bind_fusion(ins, interp.xp, [interp.program.instrs[a].dtype for a in ins.args], scratch,
+                       getattr(interp, "planned", {}).get(ins.out))
 
 
-def bind_fusion(ins, xp, operand_dtypes, scratch: Scratch):
-    """``f(*operands) -> result`` for fusion instruction ``ins`` on array module ``xp``."""
+def bind_fusion(ins, xp, operand_dtypes, scratch: Scratch, out=None):
+    """``f(*operands) -> result`` for fusion instruction ``ins`` on array module ``xp``; NumPy writes the
+    result into ``out`` (a buffer planned for it, exec/buffers.py) when given."""
     fusion = Fusion(ins)
     if getattr(xp, "__name__", "") == "cupy" and hasattr(xp, "ElementwiseKernel"):
         return _cupy_kernel(fusion, xp, operand_dtypes)
     if xp is np:
-        return _numpy_chain(fusion, scratch)
+        return _numpy_chain(fusion, scratch, out)
     return _generic_chain(fusion, xp)
 
 
 # ------------------------------------------------------------------------------------------- NumPy
 
 
-def _numpy_chain(fusion: Fusion, scratch: Scratch):
+def _numpy_chain(fusion: Fusion, scratch: Scratch, planned=None):
     """Steps as ufuncs with out=: intermediates in shared scratch (slots freed after last use), result fresh or
     donated. A chain over more than ``BLOCK`` elements runs block by block (``_blocks``), each block through
     every step, so its intermediates stay in cache instead of streaming through memory once per step."""
     plan = _scratch_plan(fusion)
     blocks = _blocks(fusion) if len(fusion.steps) > 1 and BLOCK > 0 else None
     if blocks is None:
-        return _whole(fusion, plan, [scratch.get(fusion.shape, np.dtype(d), k) for k, d in plan.slots])
-    return _blocked(fusion, plan, blocks, scratch)
+        return _whole(fusion, plan, [scratch.get(fusion.shape, np.dtype(d), k) for k, d in plan.slots], planned)
+    return _blocked(fusion, plan, blocks, scratch, planned)
 
 
 # Elements a block runs through a whole chain: its live intermediates fit in a core's L2. $SPMD_FUSE_BLOCK sets
@@ -126,8 +128,18 @@ def _scratch_plan(fusion: Fusion) -> _ScratchPlan:
     return _ScratchPlan(steps, slots)
 
 
-def _whole(fusion: Fusion, plan: _ScratchPlan, outs):
-    consts, shape, dtype, donate, views = fusion.consts, fusion.shape, fusion.dtype, fusion.donate, fusion.views
+def _result_buffer(fusion: Fusion, planned):
+    """``f(args) -> the buffer the result goes to``: the donated operand, the planned buffer, or a fresh one."""
+    shape, dtype, donate = fusion.shape, fusion.dtype, fusion.donate
+    if donate >= 0:
+        return lambda args: args[donate]
+    if planned is not None:
+        return lambda args: planned
+    return lambda args: np.empty(shape, dtype)
+
+
+def _whole(fusion: Fusion, plan: _ScratchPlan, outs, planned):
+    consts, views, result = fusion.consts, fusion.views, _result_buffer(fusion, planned)
     steps = [(fn, idx, out) for (fn, idx), out in zip(plan.steps[:-1], outs)]
     last_fn, last_idx = plan.steps[-1]
 
@@ -135,8 +147,7 @@ def _whole(fusion: Fusion, plan: _ScratchPlan, outs):
         env = views(args) + consts
         for fn, idx, out in steps:
             env.append(fn(*[env[i] for i in idx], out=out))
-        out = args[donate] if donate >= 0 else np.empty(shape, dtype)
-        return last_fn(*[env[i] for i in last_idx], out=out)
+        return last_fn(*[env[i] for i in last_idx], out=result(args))
     return run
 
 
@@ -160,7 +171,7 @@ def _operand_index(block, operand_shape, axis):
     return tuple((0 if d < axis else slice(None)) if operand_shape[d] == 1 else b for d, b in enumerate(block))
 
 
-def _blocked(fusion: Fusion, plan: _ScratchPlan, blocks, scratch: Scratch):
+def _blocked(fusion: Fusion, plan: _ScratchPlan, blocks, scratch: Scratch, planned):
     blocks, axis, step = blocks
     block_shape = (step, *fusion.shape[axis + 1:])
     held = [scratch.get(block_shape, np.dtype(d), ("block", k)) for k, d in plan.slots]
@@ -169,12 +180,12 @@ def _blocked(fusion: Fusion, plan: _ScratchPlan, blocks, scratch: Scratch):
     tails = [tail_of[id(h)] for h in held]
     work = [([_operand_index(b, s, axis) for s in fusion.shapes], b,
              held if b[axis].stop - b[axis].start == step else tails) for b in blocks]
-    consts, shape, dtype, donate, views = fusion.consts, fusion.shape, fusion.dtype, fusion.donate, fusion.views
+    consts, views, result = fusion.consts, fusion.views, _result_buffer(fusion, planned)
     steps, (last_fn, last_idx) = plan.steps[:-1], plan.steps[-1]
 
     def run(*args):
         operands = views(args)
-        out = args[donate] if donate >= 0 else np.empty(shape, dtype)
+        out = result(args)
         for operand_index, block, temps in work:
             env = [a[i] for a, i in zip(operands, operand_index)] + consts
             for (fn, idx), t in zip(steps, temps):

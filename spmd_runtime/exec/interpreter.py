@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
+
 from ..opdef import lookup
 from ..program import SPMDProgram
-from .buffers import output_buffers
+from .buffers import output_buffers, plan_buffers
 from .overlap import with_progress
 
 
@@ -19,6 +21,7 @@ class Interpreter:
         self.program, self.mc, self.xp = program, mc, xp
         instrs = program.instrs
         self.keep_fresh = output_buffers(program)  # collectives whose result may leave the run: no reuse
+        self.planned = plan_buffers(program, xp) if xp is np else {}  # result buffers made once (NumPy)
         self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == "parameter"]
         self.steps = with_progress(self, [(i.out, self._bind(i), i.args, i.free) for i in instrs if i.op != "parameter"])
         self.output_slots = [o.slot for o in program.outputs]
@@ -30,11 +33,15 @@ class Interpreter:
         record = lookup(ins.op)
         if ins.donate >= 0 and record.ufunc:
             return partial(_into_operand, getattr(self.xp, record.ufunc), ins.donate)
+        if ins.out in self.planned and record.ufunc:
+            return partial(_into_buffer, getattr(self.xp, record.ufunc), self.planned[ins.out])
         if record.bind is not None:
             return record.bind(self, ins)
         if record.kernel is None:
             raise NotImplementedError(f"the interpreter runs ops with a kernel or a binder; got neither for "
                                       f"{ins.op!r}")
+        if ins.out in self.planned:  # a kernel that takes into= (exec/buffers.PLANNED_OPS)
+            return partial(record.kernel, self.xp, **ins.attrs, into=self.planned[ins.out])
         return partial(record.kernel, self.xp, **ins.attrs)
 
     def run(self, local_inputs) -> list:
@@ -53,3 +60,7 @@ class Interpreter:
 
 def _into_operand(ufunc, position, *args):
     return ufunc(*args, out=args[position])
+
+
+def _into_buffer(ufunc, buffer, *args):
+    return ufunc(*args, out=buffer)

@@ -298,13 +298,21 @@ def _mesh_split_kernel(xp, x, sharding=None, mesh=None, unconstrained=(), name=N
 
 
 @opdef.kernel(SELECT)
-def _select_kernel(xp, cond, a, b):
-    return xp.where(cond, a, b)
+def _select_kernel(xp, cond, a, b, into=None):
+    """``into``: a buffer planned for the result (exec/buffers.py), no operand's."""
+    if into is None:
+        return xp.where(cond, a, b)
+    xp.copyto(into, b)
+    xp.copyto(into, a, where=cond)
+    return into
 
 
 @opdef.kernel(CONVERT)
-def _convert_kernel(xp, x, dtype):
-    return x.astype(dtype)
+def _convert_kernel(xp, x, dtype, into=None):
+    if into is None:
+        return x.astype(dtype)
+    xp.copyto(into, x, casting="unsafe")
+    return into
 
 
 @opdef.kernel(CONSTANT)
@@ -331,9 +339,11 @@ def _transpose_kernel(xp, x, perm):
 
 
 @opdef.kernel(REDUCE)
-def _reduce_kernel(xp, x, kind, axes):
+def _reduce_kernel(xp, x, kind, axes, into=None):
     if kind == "sum" and is_low_precision(x.dtype):  # accumulate 16-bit sums in float32 (dtypes.py)
         return xp.sum(x, axis=tuple(axes), dtype=ACCUMULATE).astype(x.dtype)
+    if into is not None:  # a buffer planned for the result (exec/buffers.py)
+        return reduction(xp, kind)(x, axis=tuple(axes), out=into)
     return reduction(xp, kind)(x, axis=tuple(axes))  # kind comes from a program: allow-listed
 
 

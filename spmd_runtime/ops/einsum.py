@@ -126,8 +126,9 @@ dot = matmul
 
 # ================================================================ kernel
 @opdef.kernel(EINSUM)
-def _einsum_kernel(xp, a, b, spec):
-    """Two-operand einsum as one batched matmul (BLAS), not np.einsum's loops."""
+def _einsum_kernel(xp, a, b, spec, into=None):
+    """Two-operand einsum as one batched matmul (BLAS), not np.einsum's loops; into ``into`` (a buffer of the
+    result's size, planned by exec/buffers.py) when given."""
     (ta, tb), out = spec.split("->")[0].split(","), spec.split("->")[1]
     batch = [c for c in ta if c in tb and c in out]
     contract = [c for c in ta if c in tb and c not in out]
@@ -139,7 +140,11 @@ def _einsum_kernel(xp, a, b, spec):
         prod(batch), prod(free_a), prod(contract))
     b3 = b.transpose([tb.index(c) for c in batch + contract + free_b]).reshape(
         prod(batch), prod(contract), prod(free_b))
-    r = _matmul(xp, a3, b3).reshape([sizes[c] for c in batch + free_a + free_b])
+    if into is not None and not is_low_precision(a.dtype):
+        r = xp.matmul(a3, b3, out=into.reshape(a3.shape[0], a3.shape[1], b3.shape[2]))
+    else:
+        r = _matmul(xp, a3, b3)
+    r = r.reshape([sizes[c] for c in batch + free_a + free_b])
     order = batch + free_a + free_b
     return r.transpose([order.index(c) for c in out])
 

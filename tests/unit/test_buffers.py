@@ -1,12 +1,15 @@
 """Buffers kept across runs: a collective whose result cannot leave the run refills one receive buffer;
 outputs never are (or view) a kept buffer, so a second run leaves the first run's outputs intact."""
+import tracemalloc
+
 import numpy as np
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.comm import run_simulated
-from spmd_runtime.exec.buffers import output_buffers
-from spmd_runtime.exec.runner import shard
+from spmd_runtime.exec.buffers import output_buffers, plan_buffers
+from spmd_runtime.exec.interpreter import Interpreter
+from spmd_runtime.exec.runner import Runtime, shard
 
 MESH = sr.Mesh((4,), ("data",))
 SPEC = sr.TensorSpec((8, 6), "float32")
@@ -42,3 +45,75 @@ def test_outputs_of_a_run_survive_the_next_run():
         return [np.array_equal(o, k) for o, k in zip(outs, kept)] + [np.allclose(kept[0], np.tanh(first) * 2)]
 
     assert all(all(same) for same in run_simulated(MESH.size, body))
+
+
+# ------------------------------------------------------------------ result buffers planned once (plan_buffers)
+def mlp_loss(x, w1, w2):
+    h = snp.tanh(x @ w1) * 2.0 + 1.0
+    return snp.sum(snp.maximum(h @ w2, 0.0), axis=1), snp.exp(snp.sum(x, axis=0))
+
+
+MLP_SPECS = [sr.TensorSpec((256, 128), "float32"), sr.TensorSpec((128, 256), "float32"),
+             sr.TensorSpec((256, 128), "float32")]
+
+
+def second_run_allocation(program, args, planned: bool):
+    """(bytes the second run held at its peak above what was live before it, bytes of its outputs, outputs
+    of both runs) of ``program`` on one rank."""
+    def body(comm):
+        rt = Runtime.of(comm)
+        interp = rt.interpreter(program, rt.communicator(program.mesh), np)
+        if not planned:
+            interp = Interpreter.__new__(Interpreter)
+            interp.__dict__.update(planned={}, program=program, mc=rt.communicator(program.mesh), xp=np,
+                                   keep_fresh=output_buffers(program))
+            interp.params = [(i.out, i.attrs["index"], i.free) for i in program.instrs if i.op == "parameter"]
+            interp.steps = [(i.out, interp._bind(i), i.args, i.free) for i in program.instrs if i.op != "parameter"]
+            interp.output_slots = [o.slot for o in program.outputs]
+        first = interp.run(args)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        second = interp.run(args)
+        peak = tracemalloc.get_traced_memory()[1] - before
+        tracemalloc.stop()
+        return peak, sum(o.nbytes for o in second), first, second
+    return run_simulated(1, body)[0]
+
+
+def test_a_second_run_allocates_nothing_beyond_its_outputs():
+    program = sr.partition(sr.trace(mlp_loss, *MLP_SPECS), sr.Mesh((1,), ("x",)))
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(s.shape).astype(np.float32) * 0.1 for s in MLP_SPECS]
+    peak, out_bytes, first, second = second_run_allocation(program, args, planned=True)
+    unplanned_peak = second_run_allocation(program, args, planned=False)[0]
+    activation = 256 * 256 * 4
+    assert unplanned_peak > out_bytes + activation  # without the plan: every intermediate is a new buffer
+    assert peak <= out_bytes + 16 * 2**10  # with it: the outputs, and a few small Python objects
+    want = sr.evaluate(sr.trace(mlp_loss, *MLP_SPECS), *args)
+    for f, s, w in zip(first, second, want):  # buffers shared by values whose lifetimes never overlap
+        np.testing.assert_allclose(f, w, rtol=1e-5)
+        np.testing.assert_array_equal(f, s)
+
+
+def two_products(x, w1, w2):
+    first = snp.sum(x @ w1, axis=1)  # x @ w1 dies here: x @ w2 can take its buffer
+    return first + snp.sum(x @ w2.T, axis=1)
+
+
+def test_planned_buffers_are_shared_only_by_values_that_never_live_at_once():
+    program = sr.partition(sr.trace(two_products, *MLP_SPECS), sr.Mesh((1,), ("x",)), fuse=False)
+    planned = plan_buffers(program, np)
+    outputs = output_buffers(program)
+    assert planned and not set(planned) & outputs  # outputs are fresh each run
+    position = {i.out: k for k, i in enumerate(program.instrs)}
+    last = {}
+    for k, ins in enumerate(program.instrs):
+        for a in ins.args:
+            last[a] = k
+    by_buffer = {}
+    for slot, buf in planned.items():
+        by_buffer.setdefault(buf.__array_interface__["data"][0], []).append(slot)
+    assert any(len(slots) > 1 for slots in by_buffer.values())  # some buffer serves several values
+    for slots in by_buffer.values():
+        spans = sorted((position[s], last.get(s, position[s])) for s in slots)
+        assert all(end < start for (_, end), (start, _) in zip(spans, spans[1:]))  # one value at a time
