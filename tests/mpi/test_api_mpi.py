@@ -125,3 +125,27 @@ def test_jit_with_different_shapes_on_different_ranks_raises_on_every_rank():
                                          r"same argument shapes.*float32\[4\].*float32\[5\]"):
         f(np.ones(5 if RANK == N - 1 else 4, "float32"))
     assert WORLD.allreduce(1) == N  # nobody is stuck in a collective
+
+
+def test_partial_sums_stay_pending_between_jitted_calls_and_complete_once():
+    """A @ B with the contraction split over every rank comes back as pending sums (no collective); scaled
+    and summed with itself in a function that declares it partial, still none; declared final, one
+    all-reduce (replicated) or one reduce-scatter (rows split). Values against NumPy on every rank."""
+    mesh = sr.Mesh((N,), ("x",))
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((4 * N, 3 * N)), rng.standard_normal((3 * N, 5))
+    pending = sr.P(partial="x")
+    with mesh:
+        matmul = sr.jit(lambda a, b: a @ b, in_specs=(sr.P(None, "x"), sr.P("x")), out_specs=pending)
+        c = matmul(a, b)
+        linear = sr.jit(lambda c: c * 3.0 + c, in_specs=(pending,), out_specs=pending)
+        d = linear(c)
+        completed = {spec: sr.jit(lambda d: d * 1.0, in_specs=(spec,)) for spec in (sr.P(), sr.P("x"))}
+        finals = {spec: f(d) for spec, f in completed.items()}
+        kinds = [matmul.lower(a, b).collectives(), linear.lower(c).collectives()] + \
+            [f.lower(d).collectives() for f in completed.values()]
+        values = [np.asarray(x) for x in (c, d, *finals.values())]
+    assert c.sharding.partial == d.sharding.partial == ("x",)
+    assert kinds == [[], [], ["all_reduce"] if N > 1 else [], ["reduce_scatter"] if N > 1 else []]
+    for got, want in zip(values, [a @ b, 4 * a @ b, 4 * a @ b, 4 * a @ b]):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
