@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .comm import watchdog
 from .exec.backend import get_array_module, to_host
 from .exec.runner import block_slices, communicator, run_local, shard, unshard
 from .graph import TensorSpec
@@ -74,6 +75,7 @@ def _resolve(mesh, spec, ndim: int, what: str) -> tuple[Mesh, Sharding]:
     return mesh, parse_spec(P() if spec is None else spec, mesh, ndim, what)
 
 
+@watchdog.collective(lambda frame: "the ranks' agreement on a distributed array's input (an allgather)")
 def _agree(mc, error: str | None, payload=None) -> list:
     """Every rank's payload; raises on every rank if any rank has an error."""
     gathered = mc.comm.allgather((error, payload))

@@ -18,6 +18,7 @@ import inspect
 import numpy as np
 
 from . import pytree
+from .comm import watchdog
 from .darray import DArray
 from .exec.runner import communicator, run_local, shard
 from .graph import TensorSpec
@@ -215,6 +216,7 @@ def _describe_args(args) -> str:
                                 else x, args))
 
 
+@watchdog.collective(lambda frame: f"the ranks' agreement on jit({frame.f_locals.get('name')}) (an allgather)")
 def _agree_call(mc, digest, error, described, name):
     """One allgather: every rank compiled without error to the same program, or every rank raises."""
     gathered = mc.comm.allgather((digest, error, described))

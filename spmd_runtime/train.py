@@ -60,6 +60,7 @@ import numpy as np
 from .autodiff import value_and_grad
 from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .exec.backend import to_host
+from .comm import watchdog
 from .comm.communicator import agree
 from .exec.runner import Runtime, communicator, run_local_checked, shard, unshard
 from .mesh import Mesh
@@ -413,11 +414,16 @@ def run_on_root(comm, fn, what: str = "the work done on rank 0"):
         except Exception as e:  # noqa: BLE001 - agreed below, so the other ranks do not wait for a result
             error = f"{type(e).__name__}: {e}"
     if hasattr(comm, "Ibarrier"):
-        request = comm.Ibarrier()
-        while not request.Test():
-            time.sleep(0.002)
+        _sleep_until_every_rank_arrives(comm, what)
     agree(comm, error, what)
     return result
+
+
+@watchdog.collective(lambda frame: f"the ranks' barrier after {frame.f_locals.get('what')}")
+def _sleep_until_every_rank_arrives(comm, what: str) -> None:
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.002)
 
 
 def _world():

@@ -143,6 +143,14 @@ def _cases() -> list[Case]:
                 fault("rank 2's script returns after one run")
             else:
                 sr.run(p, X)""", ["which rank(s) [2] will never join: they exited"], n=4),
+        Case("early exit while rank 0 builds the training step, 3 ranks", """
+            cfg = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=3)
+            if RANK == 1:
+                fault("sys.exit(0) instead of build_train_step_on_root")
+                sys.exit(0)
+            sr.build_train_step_on_root(cfg, sr.train_mesh((SIZE,), "dp"), "dp", sr.SGD(lr=0.1))""",
+             ["waits at the ranks' barrier after tracing and partitioning the training step on rank 0",
+              "which rank(s) [1] will never join: they exited"], n=3),
         Case("ranks finish at different times (legal: exit 0)", """
             p = program()
             sr.run(p, X)
