@@ -282,7 +282,7 @@ def _cli_setup(kind: str, where: str) -> list:
         json.dump(doc, open(bad, "w"))
     else:
         open(bad, "w").write(open(good).read()[:200])
-    run = [sys.executable, "-m", "spmd_runtime", "run"]
+    run = [sys.executable, os.path.join(HERE, "cli.py"), "run"]  # python -m spmd_runtime run, after the imports
     tail = ["--inputs", os.path.join(where, "in.npz"), "--out", os.path.join(where, "out.npz")]
     if kind == "truncated-on-1":
         return ["-n", "1", *run, good, *tail, ":", "-n", "1", *run, bad, *tail]
