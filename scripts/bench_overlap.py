@@ -2,6 +2,7 @@
 
     python scripts/bench_overlap.py                      # 2 and 8 ranks, 3 rounds, 4 timed steps each
     python scripts/bench_overlap.py --ranks 2 --rounds 5 --steps 6
+    python scripts/bench_overlap.py --prefetch 3670016   # no MPI: FSDP's weight all-gathers in the listing
 
 For each world size it starts one MPI job per progress setting (MPICH_ASYNC_PROGRESS=0, then 1: MPICH reads it
 at MPI_Init). Inside a job, rank 0 partitions each preset twice, with the scheduler's start/done pairs
@@ -128,6 +129,38 @@ def _time_mpi(collectives):
     return acc
 
 
+# ---------------------------------------------------------------- FSDP prefetch in the listing
+def prefetch(budget: int) -> None:
+    """Each weight all-gather of the fsdp step (4 ranks): where its start and done sit in the program."""
+    import spmd_runtime as sr
+    from spmd_runtime.train import build_train_step
+
+    os.environ["SPMD_ASYNC_BUDGET"] = str(budget)
+    cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8)
+    p = build_train_step(cfg, sr.train_mesh((4,), "fsdp"), "fsdp", sr.AdamW()).program
+    dones = {i.args[0]: i for i in p.instrs if i.op.endswith("_done")}
+    users: dict = {}
+    for i in p.instrs:
+        for a in i.args:
+            users.setdefault(a, i.out)
+    compute = [i.out for i in p.instrs if i.op != "parameter" and not i.op.endswith(("_start", "_done"))]
+    names = {io.slot: io.name for io in p.inputs}
+    print(f"fsdp, 4 ranks, budget {budget} B: {len(p.instrs)} instructions, first compute instruction %{compute[0]}")
+    flight, peak = {}, 0
+    for i in p.instrs:
+        if i.op.endswith("_done"):
+            flight.pop(i.args[0], None)
+        if i.op != "all_gather_start":
+            continue
+        flight[i.out] = i.nbytes
+        peak = max(peak, sum(flight.values()))
+        done = dones[i.out]
+        hidden = sum(i.out < c < done.out for c in compute)
+        print(f"  %{i.out:<4} all_gather_start({names.get(i.args[0], f'%{i.args[0]}'):<22}) {i.nbytes / 2**20:5.2f} MiB"
+              f"   done %{done.out:<4} first use %{users.get(done.out)}   {hidden} compute instructions between")
+    print(f"  peak bytes of all-gathers in flight: {peak} (budget {budget})")
+
+
 # ---------------------------------------------------------------- the driver
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,10 +169,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--async-progress", choices=["both", "0", "1"], default="both",
                         help="MPICH_ASYNC_PROGRESS settings to run (one MPI job each)")
+    parser.add_argument("--prefetch", type=int, metavar="BUDGET",
+                        help="print where the fsdp preset's (4 ranks) weight all-gathers start and are waited for "
+                             "with BUDGET bytes in flight, then exit")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
         job(args.rounds, args.steps)
+        return
+    if args.prefetch is not None:
+        prefetch(args.prefetch)
         return
     mpiexec = os.environ.get("MPIEXEC", "mpiexec")
     print(f"bench_overlap: rounds {args.rounds}, {args.steps} timed steps each; load {os.getloadavg()[0]:.1f} on "
