@@ -47,7 +47,8 @@ def _done_of(interp, start_slot: int):
 def _bind_start(interp, ins):
     done, operand = _done_of(interp, ins.out), interp.program.instrs[ins.args[0]]
     start = collectives.bind(interp.mc, ins.op[:-len("_start")], interp.xp, operand.shape, operand.dtype,
-                             **ins.attrs, reuse=done.out not in interp.keep_fresh, in_place=done.donate == 1,
+                             **ins.attrs, reuse=done.out not in interp.keep_fresh and done.donate != 1,
+                             in_place=done.donate == 1,
                              nonblocking=True)
     in_flight = _in_flight(interp)
 

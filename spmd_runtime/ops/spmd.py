@@ -28,10 +28,11 @@ RESIZE = define("resize", "program")  # a dim trimmed, or zero-padded, to a size
 @opdef.bind(ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PERMUTE)
 def _bind_collective(interp, ins):
     """The collective bound once for its operand's shape and dtype: its receive buffer is kept across runs
-    unless a program output may be it, and an all-reduce into a dying operand runs in place."""
+    unless a program output may be it, and an all-reduce into a dying operand runs in place (where MPI cannot,
+    on device arrays, its result is a fresh buffer: the output analysis counted it as the operand's)."""
     operand = interp.program.instrs[ins.args[0]]
     return collectives.bind(interp.mc, ins.op, interp.xp, operand.shape, operand.dtype, **ins.attrs,
-                            reuse=ins.out not in interp.keep_fresh, in_place=ins.donate == 0)
+                            reuse=ins.out not in interp.keep_fresh and ins.donate != 0, in_place=ins.donate == 0)
 
 
 @opdef.bind(ALL_TO_ALLV)

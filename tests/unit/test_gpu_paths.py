@@ -360,6 +360,25 @@ def test_staged_run_reuses_pinned_buffers(fake_cupy, monkeypatch):
     np.testing.assert_allclose(backend.to_host(runs[-1][-1][0]), expected[0], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "scheduled"])
+def test_an_all_reduced_output_survives_the_next_run(fake_cupy, monkeypatch, overlap):
+    """On device arrays an all-reduce into its dying operand cannot run in place (MPI.IN_PLACE is the host path):
+    its result is then a fresh buffer, never a kept receive buffer that the next run would overwrite."""
+    monkeypatch.setenv("SPMD_CUDA_AWARE", "0")
+    graph = sr.trace(lambda a, w: (a.sum(0), snp.exp(w)), sr.TensorSpec((8, 3), "float64"),
+                     sr.TensorSpec((4,), "float64"))
+    program = sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None), None], overlap=overlap)
+    reduce = next(i for i in program.instrs if i.op in ("all_reduce", "all_reduce_done"))
+    assert reduce.op == ("all_reduce_done" if overlap else "all_reduce") and reduce.donate >= 0
+
+    def body(comm):
+        first = sr.run(program, np.ones((8, 3)), np.zeros(4), comm=comm, backend="cupy")[0]
+        sr.run(program, np.full((8, 3), 2.0), np.zeros(4), comm=comm, backend="cupy")
+        return backend.to_host(first)
+    for got in run_simulated(2, body):
+        np.testing.assert_array_equal(got, np.full(3, 8.0))
+
+
 def test_run_local_keeps_device_blocks(fake_cupy, monkeypatch):
     monkeypatch.setenv("SPMD_CUDA_AWARE", "0")
     mesh = sr.Mesh((2,), ("x",))
