@@ -8,6 +8,7 @@ import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.autodiff import grad
 from spmd_runtime.comm import run_simulated
+from spmd_runtime.cost import collective_kind
 
 from op_cases_gather import INDEXING_CASES, check_partitioned, check_reference, simulated_meshes
 
@@ -27,8 +28,8 @@ def run_everywhere(fn, mesh, in_specs, *args, out_specs=None):
 
 def collectives_with_op(program):
     """(kind, axes, reduction op) of every collective, in program order."""
-    ops = [i.attrs.get("op") for i in program.instrs if i.op in
-           ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")]
+    ops = [i.attrs.get("op") for i in program.instrs if collective_kind(i.op) in
+           ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")]  # a start counts
     return [(c["kind"], c["axes"], op) for c, op in zip(program.comm_summary(), ops)]
 
 
