@@ -78,11 +78,11 @@ def test_failure_on_one_rank_mid_run_aborts_the_whole_job(tmp_path):
         from spmd_runtime.opdef import OPS
         mesh = sr.Mesh((3,), ("x",))
         program = sr.partition(sr.trace(lambda a: (a * 2.0).sum(), sr.TensorSpec((6,), "float64")), mesh, in_specs=[("x",)],
-                               fuse=False)  # the mul stays its own kernel, broken below
+                               fuse=False)  # the local sum stays its own kernel, broken below (a mul may run as a ufunc)
         if MPI.COMM_WORLD.Get_rank() == 1:
-            def broken(xp, *args):
+            def broken(xp, *args, **kwargs):
                 raise FloatingPointError("kernel exploded on purpose")
-            OPS["mul"].kernel = broken
+            OPS["reduce"].kernel = broken
         sr.run(program, np.ones(6))  # ranks 0 and 2 wait in the all-reduce: the abort must end them
         print("unreachable")
     """))
