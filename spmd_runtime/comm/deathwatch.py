@@ -32,6 +32,18 @@ def available() -> bool:
     return hasattr(os, "pidfd_open") and sys.platform.startswith("linux")
 
 
+def pid_space() -> str:
+    """Which ranks share this process's pids: same host name, same boot, same pid namespace (hosts or
+    containers may share a name; a pid means the same process only within one kernel's namespace)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot, namespace = "?", 0
+    return f"{socket.gethostname()}/{boot}/{namespace}"
+
+
 def address(host_lead_pid: int) -> str:
     """The datagram address of the watcher started by the rank with this pid (unique on its host)."""
     return f"{_PREFIX}{host_lead_pid}"

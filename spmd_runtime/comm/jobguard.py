@@ -125,7 +125,8 @@ def _install_signal_handlers() -> int | None:
 def _start_deathwatch(comm) -> None:
     """The lowest rank of each host starts the watcher that names a rank killed without a word (deathwatch.py)."""
     host = socket.gethostname()
-    local = {r: pid for r, (h, pid) in enumerate(comm.allgather((host, os.getpid()))) if h == host}
+    here = deathwatch.pid_space()
+    local = {r: pid for r, (h, pid) in enumerate(comm.allgather((here, os.getpid()))) if h == here}
     _state["host_lead_pid"] = local[min(local)]
     if min(local) == comm.Get_rank():
         _state["watcher"] = deathwatch.start(local, host)
