@@ -223,6 +223,8 @@ class Watchdog:
         ends the job once the thread is still there CONFIRM seconds after the answer (the collective did
         not just complete)."""
         site, first, probed = held
+        if now - first < PROBE_EVERY:  # most waits end sooner: nothing to look up or ask
+            return
         peers = [p for p in waited_for(site) if p != self.rank]
         gone = [p for p in peers if p in self._exited and now - max(self._exited[p][1], first) >= CONFIRM]
         if gone:
