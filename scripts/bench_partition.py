@@ -23,7 +23,8 @@ from spmd_runtime.train import input_specs, make_layout, step_specs, train_step_
 
 
 def build(layers: int, preset_name: str, mesh):
-    cfg = sr.LMConfig(layers=layers, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8)
+    # Layers unrolled (scan_layers=False): the program grows with the model. Scanned, it stays one loop body.
+    cfg = sr.LMConfig(layers=layers, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8, scan_layers=False)
     optimizer = sr.AdamW()
     preset = _preset(preset_name).on(mesh)
     layout = make_layout(cfg, mesh, preset, optimizer)

@@ -45,6 +45,16 @@ class Instr:
     def nbytes(self) -> int:
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
+    def renumbered(self, new: dict, **changes) -> "Instr":
+        """A copy with its slot and operands renamed by ``new`` (old slot -> new slot), frees and donation
+        cleared for the caller to redo, and ``changes`` applied. A passes' rebuild of whole programs:
+        ``dataclasses.replace`` re-runs ``__init__`` and costs several times more."""
+        copy = object.__new__(Instr)
+        copy.__dict__.update(self.__dict__, out=new[self.out], args=tuple(new[a] for a in self.args), free=(),
+                             donate=-1)
+        copy.__dict__.update(changes)
+        return copy
+
 
 @dataclass
 class IOSpec:

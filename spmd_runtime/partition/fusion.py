@@ -163,7 +163,7 @@ def _rebuild(program: SPMDProgram, kept: list[Instr]):
             stack += by_slot[s].args
     order = [i for i in kept if i.out in live]
     new = {i.out: k for k, i in enumerate(order)}
-    instrs = [replace(i, out=new[i.out], args=tuple(new[a] for a in i.args), free=(), donate=-1) for i in order]
+    instrs = [i.renumbered(new) for i in order]
     inputs = [replace(i, slot=new[i.slot]) for i in program.inputs]
     outputs: list[IOSpec] = [replace(o, slot=new[o.slot]) for o in program.outputs]
     return instrs, inputs, outputs

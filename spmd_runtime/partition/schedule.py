@@ -94,7 +94,7 @@ def schedule_collectives(program: SPMDProgram, budget: int):
     for pos, (what, slot) in enumerate(order):
         ins = instrs[slot]
         if what == "instr":
-            out.append(replace(ins, out=pos, args=tuple(new[a] for a in ins.args), free=(), donate=-1))
+            out.append(ins.renumbered(new, out=pos))
         elif what == "start":
             out.append(replace(ins, op=f"{ins.op}_start", out=pos, args=(new[ins.args[0]],), free=(), donate=-1))
         else:
