@@ -190,6 +190,10 @@ class _Plan:
             return Pending(requests, value, x, what)
         return start
 
+    def direct(self) -> bool:
+        """Host buffers, kept across calls, blocking: the binder may call MPI on them with nothing between."""
+        return self.host and self.reuse and not self.nonblocking
+
     def buffer(self, shape):
         """A zero-argument maker of a receive buffer: the same one every call when reusing."""
         xp, dtype = self.xp, self.dtype
@@ -224,6 +228,13 @@ def _bind_all_reduce(plan, in_place, axes, op="sum"):
             allreduce(MPI.IN_PLACE, x, mop)
             return x
         return run_in_place
+    if plan.direct():  # the interpreter's case: one Python frame per call around the MPI call
+        recv = plan.buffer(plan.shape)()
+
+        def run_direct(x):
+            allreduce(x if x.flags.c_contiguous else contiguous(x), recv, mop)
+            return recv
+        return run_direct
     call, recv_buffer = plan.mpi(lambda s, r: allreduce(s, r, mop)), plan.buffer(plan.shape)
 
     def run(x):
@@ -241,6 +252,13 @@ def _bind_all_gather(plan, in_place, axes, dim):
     front = _front_shape(shape, dim)
     call, to_front = plan.mpi(plan.method(plan.mc.sub(axes), "Allgather")), _to_front_fn(plan, dim, front)
     recv_buffer = plan.buffer((k * front[0],) + front[1:])
+    if dim == 0 and plan.direct():  # one Python frame per call around the MPI call
+        recv, contiguous = recv_buffer(), to_front
+
+        def run_direct(x):
+            call(x if x.flags.c_contiguous else contiguous(x), recv)
+            return recv
+        return run_direct
 
     def run(x):
         recv = recv_buffer()
@@ -260,6 +278,13 @@ def _bind_reduce_scatter(plan, in_place, axes, dim, op="sum"):
     reduce_scatter_block = plan.method(plan.mc.sub(axes), "Reduce_scatter_block")
     to_front = _to_front_fn(plan, dim, front)
     call, recv_buffer = plan.mpi(lambda s, r: reduce_scatter_block(s, r, mop)), plan.buffer((front[0] // k,) + front[1:])
+    if dim == 0 and plan.direct():  # one Python frame per call around the MPI call
+        recv, contiguous = recv_buffer(), to_front
+
+        def run_direct(x):
+            reduce_scatter_block(x if x.flags.c_contiguous else contiguous(x), recv, mop)
+            return recv
+        return run_direct
 
     def run(x):
         recv = recv_buffer()
