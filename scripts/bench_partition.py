@@ -3,6 +3,7 @@
     python scripts/bench_partition.py                       # layers 2 8 32, megatron on a (2, 4) mesh
     python scripts/bench_partition.py --layers 2 8 --preset dp --mesh 8 --rounds 3
     python scripts/bench_partition.py --profile 8           # cProfile of one partition, top 25 by own time
+    python scripts/bench_partition.py --cpu                 # CPU seconds of this process (a loaded machine)
 
 Per model: graph nodes, program instructions before fusion (SPMD_FUSE=0 form) and after, seconds to trace,
 to partition (propagation, partition rules, resharding, fusion) and ms per instruction; the minimum over
@@ -20,6 +21,9 @@ import spmd_runtime as sr
 from spmd_runtime.partition import partition
 from spmd_runtime.partition.partitioner import fused_program
 from spmd_runtime.train import input_specs, make_layout, step_specs, train_step_fn, _preset
+
+
+CLOCK = time.perf_counter
 
 
 def build(layers: int, preset_name: str, mesh):
@@ -46,14 +50,17 @@ def main() -> None:
     parser.add_argument("--mesh", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--profile", type=int, metavar="LAYERS", help="cProfile one partition of this size")
+    parser.add_argument("--cpu", action="store_true", help="time with process CPU time instead of wall time")
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.cpu else time.perf_counter
     mesh = sr.train_mesh(tuple(args.mesh), args.preset)
     if args.profile:
         profiler = cProfile.Profile()
         profiler.runcall(build, args.profile, args.preset, mesh)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         return
-    print(f"# {args.preset} on {mesh}, loadavg {os.getloadavg()[0]:.2f} at start")
+    print(f"# {args.preset} on {mesh}, {'CPU' if args.cpu else 'wall'} seconds, loadavg {os.getloadavg()[0]:.2f} at start")
     print(f"{'layers':>6} {'nodes':>7} {'instrs':>7} {'fused':>7} {'trace s':>9} {'partition s':>12} "
           f"{'fuse s':>8} {'ms/instr':>9}")
     best: dict[int, tuple] = {}
