@@ -9,6 +9,8 @@ buffer, and any other op may return a view of its operands.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..opdef import lookup
@@ -37,6 +39,7 @@ def output_buffers(program) -> frozenset[int]:
 
 
 # ------------------------------------------------------------------ planned result buffers
+PLAN_ENV = "SPMD_PLAN_BUFFERS"
 # With the ufunc ops: the ops whose binder or kernel (its ``into=``) writes into a given buffer.
 PLANNED_OPS = ("fusion", "einsum", "reduce", "select", "convert")
 
@@ -52,7 +55,10 @@ def plan_buffers(program, xp) -> dict:
     never leaves the run. Buffers are shared by values whose lifetimes do not overlap (same dtype and size):
     a buffer is busy from its instruction to the last use of any value that may view it (``fresh`` ops own
     their result, in-place ops write into their operand's, other ops may return views of their operands).
-    Program outputs keep fresh buffers: the caller holds them after the run."""
+    Program outputs keep fresh buffers: the caller holds them after the run. ``$SPMD_PLAN_BUFFERS=0``: none
+    planned (every result a new buffer each run; for measuring what the plan saves)."""
+    if os.environ.get(PLAN_ENV, "1").strip() == "0":
+        return {}
     instrs = program.instrs
     leaves = output_buffers(program)
     roots = buffer_owners(program)
