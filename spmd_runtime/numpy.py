@@ -14,7 +14,7 @@ from .ops.einsum import dot, einsum, matmul
 from .ops.gather import scatter_add, take
 from .ops.indexing import argmax, argmin, logsumexp, softmax
 from .ops.slicing import (arange, broadcasted_iota, concatenate, dynamic_slice, dynamic_update_slice, flip,
-    iota, lax_pad, pad, reverse, slice_in_dim, stack, static_slice)
+    iota, lax_pad, pad, reverse, roll, slice_in_dim, stack, static_slice)
 from .ops.top_k import top_k
 from .ops.windows import conv, conv_general_dilated, cumsum, reduce_window
 
@@ -24,6 +24,6 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
            "logical_and", "logical_or", "logical_not", "sum", "max", "min", "amax", "amin", "mean", "var",
            "reshape", "transpose", "swapaxes", "moveaxis", "expand_dims", "squeeze", "broadcast_to", "matmul",
            "dot", "einsum", "astype", "static_slice", "slice_in_dim", "pad", "lax_pad", "concatenate", "stack",
-           "reverse", "flip", "arange", "iota", "broadcasted_iota", "dynamic_slice", "dynamic_update_slice",
+           "reverse", "roll", "flip", "arange", "iota", "broadcasted_iota", "dynamic_slice", "dynamic_update_slice",
            "take", "scatter_add", "conv", "conv_general_dilated", "reduce_window", "cumsum", "argmax",
            "argmin", "logsumexp", "softmax", "top_k"]

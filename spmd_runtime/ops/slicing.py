@@ -25,8 +25,14 @@ changes size. A split dim that changes size takes the plan with the fewest wire 
 - owned (slice / dynamic_slice): each shard writes the result entries it holds into a zero buffer;
   every entry is owned by exactly one shard, so the result is a partial sum that the planner turns
   into an all-reduce, or a reduce-scatter when the result is wanted split.
+- exchange: one all_to_allv sends every result block exactly the operand rows it reads (a window map per
+  dim, interior padding included) when that moves fewer bytes than the plans above.
 - gather: the planner all-gathers the dim, the op runs locally, and a note names the tensor and
-  its shardings (also concatenate along a split dim, interior padding on a split dim).
+  its shardings.
+A concatenation along a split dim reads sliced operands straight from the slices' operand: ``roll`` (the
+last s rows, then the rest) on a dim split evenly is a rotation of the blocks (at most two
+collective_permutes, block numbers modulo k); otherwise one exchange per operand writes its rows into
+the result. The slices then go unused and the partitioner drops them.
 ``dynamic_update_slice`` on a split dim needs no communication: each shard writes the part of the
 (replicated) update that falls in its block.
 """
@@ -48,7 +54,7 @@ from ..trace import Tensor, emit
 from . import core
 from .spmd import ALL_TO_ALLV, block_pairs
 
-__all__ = ["static_slice", "slice_in_dim", "pad", "lax_pad", "concatenate", "stack", "reverse", "flip",
+__all__ = ["static_slice", "slice_in_dim", "pad", "lax_pad", "concatenate", "stack", "roll", "reverse", "flip",
            "arange", "iota", "broadcasted_iota", "dynamic_slice", "dynamic_update_slice"]
 
 SLICE = define("slice")
@@ -188,6 +194,20 @@ def stack(arrays, axis=0) -> Tensor:
         raise ValueError(f"stack needs one or more arrays of one shape; got {[x.shape for x in xs]}")
     axis = core.normalize_axis(axis, xs[0].ndim + 1)
     return concatenate([core.expand_dims(x, axis) for x in xs], axis)
+
+
+def roll(a, shift, axis=None) -> Tensor:
+    """NumPy roll along one axis (None: the flattened array): the last ``shift`` entries first. Traced as the
+    concatenation of two slices, which the partitioner recognises as one rotation of the operand."""
+    x = core.asarray(a)
+    if axis is None:
+        return core.reshape(roll(core.reshape(x, -1), shift, 0), x.shape)
+    axis = core.normalize_axis(axis, x.ndim)
+    n = x.shape[axis]
+    s = operator.index(shift) % n if n else 0
+    if s == 0:
+        return x
+    return concatenate([slice_in_dim(x, n - s, n, axis=axis), slice_in_dim(x, 0, n - s, axis=axis)], axis)
 
 
 def reverse(x, axes) -> Tensor:
@@ -600,8 +620,15 @@ def _concatenate_partition(ctx, node):
     values = [ctx.value(i) for i in node.inputs]
     split = [(i, v.sharding) for i, v in zip(node.inputs, values)
              if ctx.mesh.axis_size(v.sharding.dims[axis]) > 1]
+    sources = [_slice_source(ctx, i, axis) for i in node.inputs]
+    split += [(i, v.sharding) for i, (v, _) in zip(node.inputs, sources)
+              if ctx.mesh.axis_size(v.sharding.dims[axis]) > 1 and i not in dict(split)]
     if split:
-        joined = _concatenate_by_exchanges(ctx, node, values, target, sum(ctx.cost(v, need) for v in values))
+        gather = sum(ctx.cost(v, need) for v, _ in sources)  # a sliced operand: its operand's gather
+        rotated = _rotation(ctx, node, sources, target, gather)
+        if rotated is not None:
+            return rotated
+        joined = _concatenate_by_exchanges(ctx, node, sources, target, gather)
         if joined is not None:
             return joined
         ctx.notes.append(f"concatenate %{node.id} {list(node.shape)} along split dim {axis}: gathers operands "
@@ -610,17 +637,52 @@ def _concatenate_partition(ctx, node):
     return ctx.emit_like(node, CONCATENATE, args, node.attrs, need)
 
 
-def _concatenate_by_exchanges(ctx, node, values, target, wire):
+def _slice_source(ctx, vid, axis):
+    """(value, (start, limit, stride)) read by operand ``vid`` of a concatenation: the operand of a slice that
+    cuts only ``axis`` (its rows then move straight from where they lie, and the slice itself goes unused),
+    else the operand itself, whole."""
+    node = ctx.graph[vid]
+    if node.op == SLICE.name:
+        src, a = ctx.graph[node.inputs[0]], node.attrs
+        if all((a["start"][d], a["limit"][d], a["strides"][d]) == (0, n, 1)
+               for d, n in enumerate(src.shape) if d != axis):
+            return ctx.value(src.id), (a["start"][axis], a["limit"][axis], a["strides"][axis])
+    return ctx.value(vid), (0, node.shape[axis], 1)
+
+
+def _rotation(ctx, node, sources, target, wire):
+    """np.roll (x[n-s:] then x[:n-s], along a dim the result splits evenly) as a rotation of x's blocks: result
+    block j is the tail of block j+q and the head of block j+q+1 (mod k), at most two collective_permutes, when
+    that moves fewer bytes than ``wire``; None otherwise."""
+    axis = node.attrs["axis"]
+    (x, (a0, b0, s0)), (x1, (a1, b1, s1)) = sources if len(sources) == 2 else ((None, (0, 0, 0)),) * 2
+    axes, n = target.dims[axis], node.shape[axis]
+    k = ctx.mesh.axis_size(axes)
+    if x is None or x.slot != x1.slot or (s0, s1, b0, a1, a0) != (1, 1, n, 0, b1) or target.partial or k == 1 \
+            or n % k or x.shape[axis] != n:
+        return None
+    pieces = _shift_pieces(a0, n, k)
+    rows = math.prod(target.local_shape(node.shape, ctx.mesh)) // (n // k) * np.dtype(node.dtype).itemsize
+    moved = ctx.cost(x, Sharding(target.dims)) + sum(hi - lo for lo, hi, _, q in pieces if q % k) * rows
+    if moved > wire:
+        return None
+    y = ctx.reshard(x, Sharding(target.dims))
+    return _assemble(ctx, y, axis, pieces, Sharding(target.dims), node.shape, cyclic=True)
+
+
+def _concatenate_by_exchanges(ctx, node, sources, target, wire):
     """Each operand's rows sent straight to the result blocks that hold them (one all_to_allv each, the
-    later ones written into the earlier result), when that moves fewer bytes than gathering (``wire``)."""
+    later ones written into the earlier result; a sliced operand's rows read from the slice's operand), when
+    that moves fewer bytes than gathering (``wire``)."""
     axis, offset, out = node.attrs["axis"], 0, None
     itemsize, plans = np.dtype(node.dtype).itemsize, []
-    for v in values:
+    for v, (start, limit, stride) in sources:
         if v.sharding.partial or target.partial:
             return None
-        maps = [(-offset, 1, node.shape[d]) if d == axis else None for d in range(len(node.shape))]
+        window = (start - stride * offset, stride, node.shape[axis], start, limit)
+        maps = [window if d == axis else None for d in range(len(node.shape))]
         plans.append((v, window_exchange(v.sharding, target.dims, v.shape, ctx.mesh, maps, itemsize)))
-        offset += v.shape[axis]
+        offset += _count(start, limit, stride)
     if sum(attrs["wire_bytes"] for _, attrs in plans) >= wire:
         return None
     for v, attrs in plans:
@@ -705,8 +767,9 @@ def _pad_partition(ctx, node):
     modes, wire = _choose_modes(ctx, node, x, need, target, kept, shift_pieces, owned_ok=False)
     shift = [d for d, m in sorted(modes.items()) if m == "shift"]
     gather = [d for d, m in sorted(modes.items()) if m == "gather"]
-    if gather and not any(interior):
-        maps = [None if d in kept else (-low[d], 1, node.shape[d]) for d in range(len(x.shape))]
+    if gather:  # interior padding: target entry low + q * (interior + 1) reads operand entry q
+        maps = [None if d in kept else (-low[d], 1, node.shape[d], 0, x.shape[d], interior[d] + 1)
+                for d in range(len(x.shape))]
         moved = _exchanged(ctx, node, x, target, maps, wire + ctx.cost(x, need), fill=value)
         if moved is not None:
             return moved
@@ -861,10 +924,11 @@ def _shift_pieces(offset, n, k):
     return [(r, c, 1, q)] + ([(0, r, 1, q + 1)] if r else [])
 
 
-def _assemble(ctx, v, d, pieces, sharding, shape):
-    """Result block of dim d from pieces of other shards' blocks: slice, collective_permute, concatenate."""
+def _assemble(ctx, v, d, pieces, sharding, shape, cyclic=False):
+    """Result block of dim d from pieces of other shards' blocks: slice, collective_permute, concatenate
+    (``cyclic``: block numbers modulo k, a rotation)."""
     local, parts = list(v.sharding.local_shape(v.shape, ctx.mesh)), []
-    axes = v.sharding.dims[d]
+    axes, k = v.sharding.dims[d], ctx.mesh.axis_size(v.sharding.dims[d])
     for lo, hi, sign, shift in pieces:
         part_local = local[:d] + [hi - lo] + local[d + 1:]
         part = v
@@ -872,8 +936,8 @@ def _assemble(ctx, v, d, pieces, sharding, shape):
             attrs = {"start": tuple(lo if e == d else 0 for e in range(len(local))),
                      "limit": tuple(hi if e == d else s for e, s in enumerate(local)), "strides": (1,) * len(local)}
             part = ctx.emit(SLICE, [v], attrs, v.sharding, v.shape, v.dtype, part_local)
-        if (sign, shift) != (1, 0):
-            pairs = block_pairs(ctx.mesh, axes, sign, shift)
+        if (sign, shift % k if cyclic else shift) != (1, 0):
+            pairs = block_pairs(ctx.mesh, axes, sign, shift, cyclic)
             part = ctx.emit("collective_permute", [part], {"pairs": pairs}, v.sharding, v.shape, v.dtype, part_local)
         parts.append(part)
     if len(parts) == 1:

@@ -94,12 +94,14 @@ def _fill_tail(dim, count, fill, x):
     return x
 
 
-def block_pairs(mesh, axes, sign: int, shift: int) -> list[tuple[int, int]]:
+def block_pairs(mesh, axes, sign: int, shift: int, cyclic: bool = False) -> list[tuple[int, int]]:
     """(sender, receiver) world ranks: the rank holding block j receives block sign*j + shift along
-    ``axes`` from the rank with the same coordinates elsewhere; blocks outside [0, k) send nothing."""
+    ``axes`` from the rank with the same coordinates elsewhere; blocks outside [0, k) send nothing, unless
+    ``cyclic`` (a rotation: block numbers taken modulo k)."""
     k, pairs = mesh.axis_size(axes), []
     for rank in mesh.devices:
         src = sign * mesh.index_along(rank, axes) + shift
+        src = src % k if cyclic else src
         if 0 <= src < k:
             coords = mesh.coords(rank)
             for a in reversed(axes):

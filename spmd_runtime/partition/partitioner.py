@@ -7,7 +7,7 @@ driver reshards the result to the node's propagated sharding.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -38,6 +38,7 @@ class PartitionContext:
         self.values: dict[int, LocalValue] = {}
         self.instrs: list[Instr] = []
         self.notes: list[str] = []
+        self.note_nodes: list[int] = []  # the node each note is about: its notes go if its work is dropped
         self.node: Node | None = None  # the node being partitioned, named in notes
         self._reshard_cache: dict = {}
         self._shared: dict = {}
@@ -153,6 +154,7 @@ def _partition(graph, mesh, in_specs, out_specs) -> SPMDProgram:
             ctx.node, before = node, len(ctx.notes)
             ctx.values[node.id] = ctx.reshard(_partition_node(ctx, node), prop.shardings[node.id])
             _name_notes(ctx, node, before)
+            ctx.note_nodes += [node.id] * (len(ctx.notes) - before)
     ctx.node = None
     outputs = [ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
     return _finish(ctx, graph, prop, outputs)
@@ -283,17 +285,39 @@ def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]
     inputs = [IOSpec(n, ctx.value(p).slot, graph[p].shape, graph[p].dtype, ctx.value(p).sharding)
               for n, p in zip(names, graph.params)]
     outputs = [IOSpec(f"out{k}", r.slot, r.shape, r.dtype, r.sharding) for k, r in enumerate(results)]
-    _assign_frees(ctx.instrs, {o.slot for o in outputs})
-    _assign_donations(ctx.instrs, {o.slot for o in outputs})
-    notes = list(dict.fromkeys(ctx.notes))
+    instrs, renumber = _drop_dead(ctx.instrs, [o.slot for o in outputs] + [i.slot for i in inputs])
+    inputs = [replace(i, slot=renumber[i.slot]) for i in inputs]
+    outputs = [replace(o, slot=renumber[o.slot]) for o in outputs]
+    _assign_frees(instrs, {o.slot for o in outputs})
+    _assign_donations(instrs, {o.slot for o in outputs})
+    dropped = {n for n, v in ctx.values.items() if v.slot not in renumber}
+    notes = list(dict.fromkeys(note for note, n in zip(ctx.notes, ctx.note_nodes + [None] * len(ctx.notes))
+                               if n not in dropped))
     if is_lead_rank():  # every rank partitions the same graph: one copy of each note per job
         for n in notes:
             warnings.warn(f"spmd_runtime partitioner: {n}", stacklevel=3)
     report = ShardingReport({n.id: (prop.shardings[n.id], prop.origin[n.id]) for n in graph.nodes},
                             {graph.name_of(n.id): n.id for n in graph.nodes if graph.name_of(n.id)})
-    names = {ctx.value(n.id).slot: graph.name_of(n.id) for n in graph.nodes
-             if graph.name_of(n.id) and n.id in ctx.values and n.op != "parameter"}
-    return SPMDProgram(mesh, ctx.instrs, inputs, outputs, notes, report, graph.in_tree, graph.out_tree, names)
+    names = {renumber[ctx.value(n.id).slot]: graph.name_of(n.id) for n in graph.nodes
+             if graph.name_of(n.id) and n.id in ctx.values and n.op != "parameter" and ctx.value(n.id).slot in renumber}
+    return SPMDProgram(mesh, instrs, inputs, outputs, notes, report, graph.in_tree, graph.out_tree, names)
+
+
+def _drop_dead(instrs: list[Instr], roots) -> tuple[list[Instr], dict[int, int]]:
+    """The instructions the roots (outputs, parameters) need, slots renumbered densely, and the renumbering.
+    A rule may emit work a later rule bypasses (a concatenation of slices read straight from their operand):
+    every rank drops the same instructions, so no collective is left unmatched."""
+    live, stack = set(), list(roots)
+    while stack:
+        slot = stack.pop()
+        if slot not in live:
+            live.add(slot)
+            stack += instrs[slot].args
+    if len(live) == len(instrs):
+        return instrs, {i.out: i.out for i in instrs}
+    renumber = {i.out: k for k, i in enumerate(i for i in instrs if i.out in live)}
+    return [replace(i, out=renumber[i.out], args=tuple(renumber[a] for a in i.args))
+            for i in instrs if i.out in live], renumber
 
 
 def _assign_frees(instrs: list[Instr], keep: set[int]) -> None:

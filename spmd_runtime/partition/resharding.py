@@ -410,9 +410,11 @@ class ExchangeTable:
 
 @lru_cache(maxsize=1 << 12)
 def exchange_table(src_dims, dst_dims, shape, mesh: Mesh, partial=(), maps=None) -> ExchangeTable:
-    """``maps`` (one per dim, None for the identity): (offset, stride, size): target entry j of a dim of
-    ``size`` is source entry offset + stride * j (entries off the source stay the fill value): slices, pads
-    and shifts along split dims move exactly the entries they need."""
+    """``maps`` (one per dim, None for the identity): (offset, stride, size[, first, end[, dilation]]): target
+    entry j of a dim of ``size`` is source entry offset + stride * j (divided by ``dilation``, read only when it
+    divides exactly), read only from [first, end) of the source (default all); entries that read nothing stay
+    the fill value: slices, pads (interior too), shifts and concatenations of slices along split dims move
+    exactly the entries they need."""
     src_dims, dst_dims = tuple(map(tuple, src_dims)), tuple(map(tuple, dst_dims))
     maps = tuple(maps) if maps is not None else (None,) * len(shape)
     out_shape = tuple(n if m is None else m[2] for n, m in zip(shape, maps))
@@ -501,20 +503,42 @@ def _block(n, axes, mesh, rank):
 
 def _overlaps(n, axes, mesh, lo, hi, window=None):
     """(block index, local source slice, local target slice) of each source block (``axes`` blocks of a dim of
-    size n) holding entries of the target block [lo, hi); ``window`` (offset, stride, size) maps target entry
-    j to source entry offset + stride * j (None: the identity)."""
-    offset, stride = (0, 1) if window is None else window[:2]
+    size n) holding entries of the target block [lo, hi); ``window`` maps target entries to source entries (see
+    ``exchange_table``; None: the identity)."""
+    offset, stride, _, first_read, end_read, dilation = _window(window, n)
     k = mesh.axis_size(axes)
     c = -(-n // k)
     first, last = (lo // c, -(-hi // c)) if window is None else (0, k)
     out = []
     for i in range(first, min(k, last)):
-        s_lo, s_hi = i * c, min((i + 1) * c, n)
-        j0, j1 = max(lo, -(-(s_lo - offset) // stride)), min(hi, -(-(s_hi - offset) // stride))
+        s_lo, s_hi = max(i * c, first_read), min((i + 1) * c, n, end_read)
+        if s_hi <= s_lo:
+            continue
+        # target j reads source (offset + stride * j) / dilation: j = (dilation * s - offset) / stride
+        j0 = max(lo, -(-(dilation * s_lo - offset) // stride))
+        j1 = min(hi, (dilation * (s_hi - 1) - offset) // stride + 1)
+        if dilation > 1:  # stride 1 here: only every dilation-th target entry reads the source
+            j0 += (-(offset + j0)) % dilation
         if j1 > j0:
-            src = offset + stride * j0 - s_lo
-            out.append((i, slice(src, src + stride * (j1 - j0 - 1) + 1, stride), slice(j0 - lo, j1 - lo)))
+            count = (j1 - j0 - 1) // dilation + 1
+            src = (offset + stride * j0) // dilation - i * c  # local index in block i
+            step = stride if dilation == 1 else 1
+            out.append((i, slice(src, src + step * (count - 1) + 1, step),
+                        slice(j0 - lo, j0 - lo + dilation * (count - 1) + 1, dilation)))
     return out
+
+
+def _window(window, n):
+    """(offset, stride, size, first, end, dilation) of a window map: target entry j of the dim reads source
+    entry (offset + stride * j) / dilation when that divides exactly and lies in [first, end) (default: the
+    whole source); the rest keep the fill value. Dilation > 1 (interior padding) needs stride 1."""
+    if window is None:
+        return 0, 1, n, 0, n, 1
+    offset, stride, size, *rest = window
+    first, end, dilation = (list(rest) + [0, n, 1][len(rest):])[:3]
+    if dilation > 1 and stride != 1:
+        raise ValueError(f"a window map with dilation {dilation} needs stride 1; got stride {stride}")
+    return offset, stride, size, first, end, dilation
 
 
 def _split_index(index, axes, mesh) -> dict:
@@ -526,5 +550,5 @@ def _split_index(index, axes, mesh) -> dict:
 
 
 def _count(slices) -> int:
-    """Entries of a box of contiguous slices."""
-    return math.prod(s.stop - s.start for s in slices)
+    """Entries of a box of slices (target slices of a dilated window are strided)."""
+    return math.prod(len(range(s.start, s.stop, s.step or 1)) for s in slices)
