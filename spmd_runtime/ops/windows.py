@@ -21,9 +21,10 @@ Partitioning (GSPMD section 3, spatial partitioning):
   (the edge ranks receive zeros), cuts the window it reads out of that extended block at an offset
   that may grow linearly with i (stride != 1 or shrinking VALID windows), and sets every element
   outside the global dim to the padding value (uneven-shard padding, global edges), then runs the
-  op locally with local padding. Where a halo would be wider than a shard, or an lhs dilation puts
-  the window at a different phase on each shard, the dim is resharded to replicated instead and the
-  program's notes say so: never silently wrong.
+  op locally with local padding. A halo wider than a shard comes from the shards further on, one
+  collective-permute per hop (each moves only the rows the windows read). Where a halo would need more
+  than the other shards hold, or an lhs dilation puts the window at a different phase on each shard,
+  the dim is resharded to replicated instead and the program's notes say so: never silently wrong.
 - conv: batch and output-feature splits are local; an input-feature split on both operands gives
   partial sums (like einsum's contracting dims); with feature groups the feature dims may be split
   together, whole groups per shard. Candidates are ranked by bytes moved, then local work.
@@ -312,8 +313,8 @@ def halo_plan(n, k, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilati
         return f"lhs dilation {lhs_dilation} puts the window at a different phase on each shard"
     left = max(0, max(i * c - f for i, f in firsts.items()))
     right = max(0, max(last - (i + 1) * c + 1 for i, last in lasts.items()))
-    if left > c or right > c:
-        return f"the halo ({left} left, {right} right) is wider than a shard ({c})"
+    if max(left, right) > (k - 1) * c:
+        return f"the halo ({left} left, {right} right) is wider than the other {k - 1} shards ({c} each)"
     # one phase: firsts[i] = (i * co * stride - lo + phase) / lhs_dilation, linear in i
     starts = [left + f - i * c for i, f in firsts.items()]
     step = starts[1] - starts[0] if len(starts) > 1 else 0
@@ -335,20 +336,34 @@ def extend_with_halo(ctx, value, dim, axes, plan: HaloPlan, fill):
     n, k = value.shape[dim], ctx.mesh.axis_size(axes)
     if plan.is_local(n, k):
         return value
-    halos = []
-    for width, start, shift in ((plan.left, plan.block - plan.left, 1), (plan.right, 0, -1)):
-        if width:
-            local = ctx.local_shape(value)
-            local[dim] = width
-            edge = ctx.emit(WINDOW_EDGE, [value], {"dim": dim, "start": start, "stop": start + width},
-                            value.sharding, value.shape, value.dtype, local)
-            halos.append(ctx.emit("collective_permute", [edge], {"pairs": shift_pairs(ctx.mesh, axes, shift)},
-                                  value.sharding, value.shape, value.dtype, local))
+    halos = [_halo(ctx, value, dim, axes, plan.block, width, side) for width, side in ((plan.left, 1), (plan.right, -1))
+             if width]
     local = ctx.local_shape(value)
     local[dim] = plan.length
     attrs = {"dim": dim, "left": plan.left, "right": plan.right, "block": plan.block, "size": n,
              "start": plan.start, "step": plan.step, "length": plan.length, "fill": fill}
     return ctx.emit(HALO_WINDOW, [value, *halos, ctx.shard_index(axes)], attrs, value.sharding, value.shape,
+                    value.dtype, local)
+
+
+def _halo(ctx, value, dim, axes, block, width, side):
+    """The ``width`` elements of ``dim`` just before (side 1) or after (side -1) this shard's block: the
+    neighbour's edge, or, when wider than a block, whole blocks of the shards further on (one collective_permute
+    per hop, nearest last on the left and first on the right), joined in global order."""
+    parts = []
+    for hop in range(1, -(-width // block) + 1):
+        lo, hi = (max(0, hop * block - width), block) if side == 1 else (0, min(block, width - (hop - 1) * block))
+        local = ctx.local_shape(value)
+        local[dim] = hi - lo
+        edge = ctx.emit(WINDOW_EDGE, [value], {"dim": dim, "start": lo, "stop": hi}, value.sharding, value.shape,
+                        value.dtype, local)
+        parts.append(ctx.emit("collective_permute", [edge], {"pairs": shift_pairs(ctx.mesh, axes, side * hop)},
+                              value.sharding, value.shape, value.dtype, local))
+    if len(parts) == 1:
+        return parts[0]
+    local = ctx.local_shape(value)
+    local[dim] = width
+    return ctx.emit("concatenate", parts[::-1] if side == 1 else parts, {"axis": dim}, value.sharding, value.shape,
                     value.dtype, local)
 
 
@@ -427,7 +442,7 @@ def _conv(ctx, node):
     def strategies():
         for choice in itertools.product(*options.values()):
             split = dict(zip(options, choice))
-            if not distinct(split):
+            if not distinct(split) or any(split[f"s{j}"] and split[f"w{j}"] for j in range(len(node.shape) - 2)):
                 continue
             lay = _conv_layout(ctx, node, split, plans)
             local_lhs = lay.lhs.local_shape(lhs.shape, ctx.mesh)
@@ -440,7 +455,7 @@ def _conv(ctx, node):
             yield Strategy(moved, 2 * work, (lay.lhs, lay.rhs), lay.result, plan=(lay, split), tiebreak=changes)
     lay, split = choose(strategies()).plan
     for role, (axes, why) in refused.items():
-        if split[role] != axes:
+        if split[role] != axes and split.get("w" + role[1:]) != axes:
             what = "features" if role == "g" else f"spatial dim {2 + int(role[1:])}"
             ctx.notes.append(f"conv %{node.id}: lhs {what} split over {axes} cannot be computed locally ({why}); "
                              f"that dim is resharded to replicated")
@@ -456,6 +471,8 @@ def _conv_roles(node) -> dict[str, list[tuple[int, int]]]:
     else:
         roles.update(o=[(1, 0), (2, 1)], c=[(0, 1), (1, 1)])
     roles.update({f"s{j}": [(0, 2 + j), (2, 2 + j)] for j in range(nsp)})
+    # a spatial dim contracted: lhs positions and window taps split alike (the kernel-gradient convolution)
+    roles.update({f"w{j}": [(1, 2 + j), (0, 2 + j)] for j in range(nsp)})
     return roles
 
 
@@ -472,7 +489,7 @@ def _conv_options(ctx, node, lhs, rhs, target):
                 continue
             plan = _role_plan(node, role, lhs.shape, rhs.shape, ctx.mesh.axis_size(axes))
             if isinstance(plan, str):
-                if which == 0:
+                if which == 0 and role[0] != "w":  # a contraction is only an alternative: the s role notes
                     refused.setdefault(role, (axes, plan))
                 continue
             if plan is not None:
@@ -486,22 +503,45 @@ def _role_plan(node, role, lhs_shape, rhs_shape, k) -> HaloPlan | str | None:
     a = node.attrs
     if role == "g" and a["groups"] % k:
         return f"{a['groups']} feature groups do not divide into {k} shards"
-    if not role.startswith("s") or k == 1:  # a size-1 axis splits nothing: the op keeps its global padding
+    if role[0] not in "sw" or k == 1:  # a size-1 axis splits nothing: the op keeps its global padding
         return None
     j = int(role[1:])
-    return halo_plan(lhs_shape[2 + j], k, rhs_shape[2 + j], a["strides"][j], a["padding"][j], a["lhs_dilation"][j],
-                     a["rhs_dilation"][j])
+    args = (lhs_shape[2 + j], k, rhs_shape[2 + j], a["strides"][j], a["padding"][j], a["lhs_dilation"][j],
+            a["rhs_dilation"][j])
+    return halo_plan(*args) if role[0] == "s" else contracted_plan(*args)
+
+
+def contracted_plan(n, k, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilation=1) -> HaloPlan | str:
+    """The plan of a spatial dim whose input positions (n, canonical blocks of c) and window taps (blocks of cw)
+    are both split k ways: shard i convolves its taps [i*cw, i*cw + cw) with the input positions they meet,
+    from i*cw*rhs_dilation - low on, for ALL m outputs, giving a partial sum of the result (the
+    kernel-gradient convolution: a local conv, then a reduction of the output)."""
+    if lhs_dilation != 1:
+        return f"lhs dilation {lhs_dilation} on a contracted spatial dim"
+    lo, hi = padding
+    c, cw = block_size(n, k), block_size(window, k)
+    m = out_size(n, window, stride, padding, 1, rhs_dilation)
+    length = (m - 1) * stride + (cw - 1) * rhs_dilation + 1
+    begins = [i * cw * rhs_dilation - lo for i in range(k) if i * cw < window]
+    left = max(0, max(i * c - g for i, g in enumerate(begins)))
+    right = max(0, max(g + length - (i + 1) * c for i, g in enumerate(begins)))
+    if max(left, right) > (k - 1) * c:
+        return f"the halo ({left} left, {right} right) is wider than the other {k - 1} shards ({c} each)"
+    return HaloPlan(c, m, left, right, left - lo, cw * rhs_dilation - c, length, (0, 0))
 
 
 def _conv_layout(ctx, node, split, plans) -> _Layout:
     nsp, grouped = len(node.shape) - 2, "g" in split
     feat_in, feat_out = (split["g"], split["g"]) if grouped else (split["c"], split["o"])
     spatial = tuple(split[f"s{j}"] for j in range(nsp))
-    partial = () if grouped else tuple(a for a in ctx.mesh.axis_names if a in split["c"])
-    lhs = Sharding((split["n"], feat_in) + spatial)
-    rhs = Sharding((feat_out, () if grouped else split["c"]) + ((),) * nsp)
+    taps = tuple(split[f"w{j}"] for j in range(nsp))
+    summed = {a for axes in taps for a in axes} | set(() if grouped else split["c"])
+    partial = tuple(a for a in ctx.mesh.axis_names if a in summed)
+    lhs = Sharding((split["n"], feat_in) + tuple(s or w for s, w in zip(spatial, taps)))
+    rhs = Sharding((feat_out, () if grouped else split["c"]) + taps)
     result = Sharding((split["n"], feat_out) + spatial, partial)
-    chosen = {j: plans[(f"s{j}", axes)] for j, axes in enumerate(spatial) if (f"s{j}", axes) in plans}
+    chosen = {j: plans[(role, axes)] for j in range(nsp) for role, axes in ((f"s{j}", spatial[j]), (f"w{j}", taps[j]))
+              if (role, axes) in plans}
     return _Layout(lhs, rhs, result, chosen, ctx.mesh.axis_size(split["g"]) if grouped else 1)
 
 
@@ -509,6 +549,7 @@ def _emit_conv(ctx, node, lhs, rhs, lay: _Layout, split):
     a, b = ctx.reshard(lhs, lay.lhs), ctx.reshard(rhs, lay.rhs)
     if split.get("c"):  # contracting over a split (maybe uneven) feature dim: padding must add nothing
         a, b = ctx.mask_padding(a, [1], 0), ctx.mask_padding(b, [1], 0)
+    b = ctx.mask_padding(b, [2 + j for j in range(len(node.shape) - 2) if split[f"w{j}"]], 0)  # taps past the end
     pads = list(node.attrs["padding"])
     for j, plan in lay.plans.items():
         a = extend_with_halo(ctx, a, 2 + j, lay.lhs.dims[2 + j], plan, 0)

@@ -17,8 +17,8 @@ def swap(x):
                          sr.P("model", "data"), name="after")
 
 
-def wide_halo(x, k):  # a halo wider than a shard: the conv rule falls back to replicated with a note
-    return snp.conv(sr.mesh_split(x, sr.Mesh((8,), ("x",)), sr.P(None, None, "x"), name="signal"), k, 1, "VALID")
+def wide_halo(x, k):  # a halo wider than the other shards: the conv rule falls back to replicated with a note
+    return snp.conv(sr.mesh_split(x, sr.Mesh((4,), ("x",)), sr.P(None, None, "x"), name="signal"), k, 1, ((4, 4),))
 
 
 @pytest.mark.filterwarnings("ignore:spmd_runtime partitioner")
@@ -29,9 +29,9 @@ def test_names_in_listing_report_and_notes():
     assert program.report["after"] == (sr.Sharding((("model",), ("data",))), "user")
     assert program.report["params.x"][1] == "propagated"
     assert "%1 before: [data, model] (user)" in str(program.report)
-    noted = sr.partition(sr.trace(wide_halo, sr.TensorSpec((2, 3, 13)), sr.TensorSpec((4, 3, 5))),
-                         sr.Mesh((8,), ("x",)))
-    assert noted.notes and all(n.startswith("at tensor %3 = conv float32[2, 4, 9] of %2 ('signal'), %1 ('k'): ")
+    noted = sr.partition(sr.trace(wide_halo, sr.TensorSpec((2, 3, 4)), sr.TensorSpec((4, 3, 9))),
+                         sr.Mesh((4,), ("x",)))
+    assert noted.notes and all(n.startswith("at tensor %3 = conv float32[2, 4, 4] of %2 ('signal'), %1 ('k'): ")
                                for n in noted.notes), noted.notes
     with pytest.raises(KeyError, match="indexed by value id or by a name in"):
         program.report["nope"]
@@ -54,10 +54,10 @@ def test_errors_name_the_value():
 
 
 def test_notes_warn_once_per_job_not_once_per_rank():
-    graph = sr.trace(wide_halo, sr.TensorSpec((2, 3, 13)), sr.TensorSpec((4, 3, 5)))
+    graph = sr.trace(wide_halo, sr.TensorSpec((2, 3, 4)), sr.TensorSpec((4, 3, 9)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        programs = run_simulated(8, lambda comm: sr.partition(graph, sr.Mesh((8,), ("x",))))
+        programs = run_simulated(4, lambda comm: sr.partition(graph, sr.Mesh((4,), ("x",))))
     notes = programs[0].notes
     assert notes and all(p.notes == notes for p in programs)  # every rank keeps them in program.notes
     mine = [w for w in caught if "spmd_runtime partitioner" in str(w.message)]

@@ -103,16 +103,18 @@ def test_api_errors_state_the_rule(fn, match):
 
 # ---------------------------------------------------------------- halo plans, every shard emulated
 def _emulate_shards(x, k, plan, kernel, local_pad, fill):
-    """Each shard's local op from its (NaN-padded) block and its neighbours' edges, as the program runs it."""
+    """Each shard's local op from its (NaN-padded) block and the edges of the shards before and after it (more
+    than one hop away when a halo is wider than a block; zeros past the ends), as the program runs it."""
     c, n = plan.block, len(x)
     blocks = np.concatenate([x, np.full(k * c - n, np.nan)]).reshape(k, c)
+    ends = np.concatenate([np.zeros(plan.left), blocks.ravel(), np.zeros(plan.right)])  # global g at g + left
     outs = []
     for i in range(k):
         halos = []
         if plan.left:
-            halos.append(blocks[i - 1, c - plan.left:] if i > 0 else np.zeros(plan.left))
+            halos.append(ends[i * c:i * c + plan.left])
         if plan.right:
-            halos.append(blocks[i + 1, :plan.right] if i < k - 1 else np.zeros(plan.right))
+            halos.append(ends[(i + 1) * c + plan.left:(i + 1) * c + plan.left + plan.right])
         window = OPS["halo_window"].kernel(np, blocks[i], *halos, np.asarray(i), dim=0, left=plan.left,
                                         right=plan.right, block=c, size=n, start=plan.start, step=plan.step,
                                         length=plan.length, fill=fill)
@@ -149,7 +151,7 @@ def test_halo_plan_reproduces_every_output_block(chunk):
     for n, k, window, stride, lo, hi, ld, rd in (HALO_GRID[i] for i in picks):
         plan = halo_plan(n, k, window, stride, (lo, hi), ld, rd)
         if isinstance(plan, str):
-            assert "wider than a shard" in plan or (ld > 1 and "phase" in plan), plan
+            assert "wider than the other" in plan or (ld > 1 and "phase" in plan), plan
             continue
         planned += 1
         x, w = rng.standard_normal(n), rng.standard_normal(window)
@@ -171,8 +173,11 @@ def test_halo_plan_same_conv_and_aligned_stride():
     assert (strided.left, strided.right, strided.step, strided.out_block) == (1, 0, 0, 2)
     shrinking = halo_plan(10, 4, 5)  # VALID: 6 outputs in blocks of 2 over input blocks of 3
     assert (shrinking.left, shrinking.right, shrinking.start, shrinking.step) == (2, 3, 2, -1)
-    # VALID, 9 outputs in blocks of 2 over input blocks of 2: outputs 2i, 2i + 1 read inputs 2i .. 2i + 5
-    assert halo_plan(13, 8, 5) == "the halo (0 left, 4 right) is wider than a shard (2)"
+    # VALID, 9 outputs in blocks of 2 over input blocks of 2: outputs 2i, 2i + 1 read inputs 2i .. 2i + 5, a
+    # right halo of 4 from the next two shards
+    wide = halo_plan(13, 8, 5)
+    assert (wide.left, wide.right, wide.block, wide.length) == (0, 4, 2, 6)
+    assert halo_plan(4, 4, 9, 1, (4, 4)) == "the halo (4 left, 4 right) is wider than the other 3 shards (1 each)"
 
 
 def test_shift_pairs_follow_the_mesh_and_its_device_order():
@@ -269,13 +274,13 @@ def test_max_pool_edges_are_minus_infinity_not_the_permute_zeros():
     assert_all_ranks(program, [x], expected)
 
 
-def test_halo_wider_than_a_shard_falls_back_to_replicated_with_a_note():
+def test_halo_wider_than_the_other_shards_falls_back_to_replicated_with_a_note():
     with pytest.warns(UserWarning, match="resharded to replicated"):
-        graph, program, args = _program(lambda x, k: snp.conv(x, k, 1, "VALID"), [(2, 3, 13), (4, 3, 5)],
-                                        sr.Mesh((8,), ("x",)), [(None, None, "x"), None])
+        graph, program, args = _program(lambda x, k: snp.conv(x, k, 1, ((4, 4),)), [(2, 3, 4), (4, 3, 9)],
+                                        sr.Mesh((4,), ("x",)), [(None, None, "x"), None])
     assert collectives(program) == [("all_gather", ("x",))]
     assert len(program.notes) == 1 and "spatial dim 2 split over ('x',)" in program.notes[0]
-    assert "wider than a shard" in program.notes[0] and "resharded to replicated" in program.notes[0]
+    assert "wider than the other 3 shards" in program.notes[0] and "resharded to replicated" in program.notes[0]
     assert_all_ranks(program, args, sr.evaluate(graph, *args))
 
 
