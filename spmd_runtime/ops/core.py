@@ -16,8 +16,8 @@ from ..dtypes import ACCUMULATE, is_floating, is_low_precision, result_type
 from ..opdef import BROADCAST_LEVEL, ELEMENTWISE_LEVEL, define
 from ..partition.pending_sums import sum_carriers
 from ..partition.propagation import combine
-from ..partition.reshape_map import map_reshape_sharding
-from ..partition.resharding import plan_cost
+from ..partition.reshape_map import map_reshape_sharding, unaligned_group
+from ..partition.resharding import plan_cost, window_exchange
 from ..partition.strategy import Strategy, choose
 from ..program_check import reduction
 from ..sharding import Sharding
@@ -500,14 +500,49 @@ def _reshape_partition(ctx, node):
     if got is not None:
         candidates.append(Strategy(plan_cost(got, target, node.shape, node.dtype, mesh), operands=(x.sharding,),
                                    result=got))
+    exchange = _reshape_exchange(ctx, node, x)
+    if exchange is not None:
+        candidates.append(Strategy(exchange[0]["wire_bytes"] + plan_cost(exchange[1], target, node.shape, node.dtype,
+                                                                          mesh), operands=(x.sharding,),
+                                   result=exchange[1], plan=exchange))
     if not candidates:
         ctx.notes.append(f"reshape %{node.id} {x.shape}->{node.shape} cannot keep {x.sharding} -> {target} "
                          f"local; it replicates the operand first")
         candidates.append(Strategy(0.0, operands=(Sharding.replicated(len(x.shape)),),
                                    result=Sharding.replicated(len(node.shape))))
     best = choose(candidates)
+    if best.plan is not None:
+        return _emit_reshape_exchange(ctx, node, x, *best.plan)
     x = ctx.reshard(x, best.operands[0])
     return ctx.emit_like(node, RESHAPE.name, [x], {"shape": best.result.local_shape(node.shape, mesh)}, best.result)
+
+
+def _reshape_exchange(ctx, node, x):
+    """A reshape that merges or splits a split dim across unaligned shard boundaries: each shard flattens its
+    block of the group (a contiguous run of the flattened group), one all_to_allv sends every result block the
+    flat entries it holds, and each shard unflattens its block. (exchange attrs, result sharding, the flat
+    layouts) or None where ``unaligned_group`` finds no such group."""
+    group = unaligned_group(x.sharding, x.shape, node.shape, ctx.mesh)
+    if group is None:
+        return None
+    (a, b), (c, d) = group
+    axes, total = x.sharding.dims[a], math.prod(x.shape[a:b + 1])
+    k = ctx.mesh.axis_size(axes)
+    flat_src = -(-x.shape[a] // k) * total // x.shape[a] * k  # k blocks of whole operand rows, flattened
+    flat_dst = -(-node.shape[c] // k) * total // node.shape[c] * k
+    src = Sharding(x.sharding.dims[:a] + (axes,) + x.sharding.dims[b + 1:])
+    src_shape, dst_shape = x.shape[:a] + (flat_src,) + x.shape[b + 1:], x.shape[:a] + (flat_dst,) + x.shape[b + 1:]
+    maps = [(0, 1, flat_dst, 0, total) if e == a else None for e in range(len(src_shape))]
+    attrs = window_exchange(src, src.dims, src_shape, ctx.mesh, maps, np.dtype(x.dtype).itemsize)
+    result = Sharding(x.sharding.dims[:a] + (axes,) + ((),) * (d - c) + x.sharding.dims[b + 1:])
+    return attrs, result, src, src_shape, dst_shape
+
+
+def _emit_reshape_exchange(ctx, node, x, attrs, result, flat, src_shape, dst_shape):
+    local = lambda shape: flat.local_shape(shape, ctx.mesh)  # noqa: E731
+    v = ctx.emit(RESHAPE.name, [x], {"shape": local(src_shape)}, flat, src_shape, x.dtype)
+    v = ctx.emit("all_to_allv", [v], attrs, flat, dst_shape, x.dtype)
+    return ctx.emit_like(node, RESHAPE.name, [v], {"shape": result.local_shape(node.shape, ctx.mesh)}, result)
 
 
 @opdef.partition(REDUCE)

@@ -57,3 +57,19 @@ def map_reshape_sharding(sharding: Sharding, src: tuple[int, ...], dst: tuple[in
 
 def size_of(shape) -> int:
     return math.prod(shape)
+
+
+def unaligned_group(sharding: Sharding, src: tuple[int, ...], dst: tuple[int, ...], mesh: Mesh):
+    """The one dim group of a reshape whose split cannot carry across exactly, as (first, last) src dims and
+    (first, last) dst dims, when the rest of the reshape is the identity, the group is split only on its
+    major dim and nothing is a partial sum: its rows then move by one exchange over the flattened group
+    (see ops/core.py). None otherwise."""
+    groups = [(gi, gj) for gi, gj in dim_groups(src, dst) if len(gi) > 1 or len(gj) > 1]
+    if len(groups) != 1 or sharding.partial:
+        return None
+    (gi, gj), = groups
+    (a, b), (c, d) = (gi[0], gi[-1]), (gj[0], gj[-1])
+    if src[:a] != dst[:c] or src[b + 1:] != dst[d + 1:] or any(sharding.dims[i] for i in range(a + 1, b + 1)) \
+            or mesh.axis_size(sharding.dims[a]) == 1:
+        return None
+    return (a, b), (c, d)
