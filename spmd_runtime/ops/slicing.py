@@ -33,7 +33,8 @@ A concatenation along a split dim reads sliced operands straight from the slices
 last s rows, then the rest) on a dim split evenly is a rotation of the blocks (at most two
 collective_permutes, block numbers modulo k); otherwise one exchange per operand writes its rows into
 the result. The slices then go unused and the partitioner drops them.
-``dynamic_update_slice`` on a split dim needs no communication: each shard writes the part of the
+``dynamic_update_slice`` on a split dim: with static starts, one exchange sends each update row to the
+shard that owns its place (written into its block); with traced starts each shard writes the part of the
 (replicated) update that falls in its block.
 """
 from __future__ import annotations
@@ -829,6 +830,9 @@ def _dynamic_update_slice_partition(ctx, node):
     writes the part of it that falls in its block: no communication beyond the update's resharding."""
     target, update = ctx.sharding(node.id), ctx.value(node.inputs[1])
     x = ctx.reshard(ctx.value(node.inputs[0]), target)
+    placed = _update_by_exchange(ctx, node, x, update, target)
+    if placed is not None:
+        return placed
     starts = [ctx.value(i) for i in node.inputs[2:]]
     kept = [d for d in range(len(x.shape)) if update.shape[d] == x.shape[d]]
     need = Sharding(tuple(target.dims[d] if d in kept else () for d in range(len(x.shape))))
@@ -845,6 +849,23 @@ def _dynamic_update_slice_partition(ctx, node):
     shards = [ctx.shard_index(target.dims[d]) for d in split]
     attrs = {"blocks": blocks, "shape": x.shape, "sizes": update.shape}
     return ctx.emit_like(node, OWNED_DYNAMIC_UPDATE_SLICE, [x, update] + starts + shards, attrs, target)
+
+
+def _update_by_exchange(ctx, node, x, update, target):
+    """With static starts, one all_to_allv sends each update row straight to the shard that owns its place in x,
+    written into x's block (at most the update's bytes; rows already home stay), when that moves no more than
+    replicating the update would; None otherwise (traced starts, partial sums)."""
+    consts = [ctx.graph[i] for i in node.inputs[2:]]
+    if any(c.op != "constant" for c in consts) or target.partial or update.sharding.partial \
+            or not update.sharding.axes:  # a replicated update is written locally, no collective at all
+        return None
+    starts = _clamp([np.asarray(c.attrs["value"]).item() for c in consts], x.shape, update.shape)
+    maps = [(-s, 1, n, 0, m) for s, n, m in zip(starts, x.shape, update.shape)]
+    attrs = window_exchange(update.sharding, target.dims, update.shape, ctx.mesh, maps, np.dtype(x.dtype).itemsize)
+    replicate = ctx.cost(update, Sharding(((),) * len(x.shape)))
+    if attrs["wire_bytes"] > replicate:
+        return None
+    return ctx.emit(ALL_TO_ALLV, [update, x], attrs, target, node.shape, node.dtype)
 
 
 # ---------------------------------------------------------------- planning helpers
