@@ -22,9 +22,10 @@ Partitioning (GSPMD section 3, spatial partitioning):
   that may grow linearly with i (stride != 1 or shrinking VALID windows), and sets every element
   outside the global dim to the padding value (uneven-shard padding, global edges), then runs the
   op locally with local padding. A halo wider than a shard comes from the shards further on, one
-  collective-permute per hop (each moves only the rows the windows read). Where a halo would need more
-  than the other shards hold, or an lhs dilation puts the window at a different phase on each shard,
-  the dim is resharded to replicated instead and the program's notes say so: never silently wrong.
+  collective-permute per hop (each moves only the rows the windows read). Where an lhs dilation puts
+  the window at a different phase on each shard, each shard cuts its window from the dilated input
+  (zeros in the holes) and runs the op without lhs dilation. Where a halo would need more than the
+  other shards hold, the dim is resharded to replicated instead and the program's notes say so.
 - conv: batch and output-feature splits are local; an input-feature split on both operands gives
   partial sums (like einsum's contracting dims); with feature groups the feature dims may be split
   together, whole groups per shard. Candidates are ranked by bytes moved, then local work.
@@ -239,14 +240,17 @@ def window_edge(xp, x, dim, start, stop):
 
 
 @opdef.kernel(HALO_WINDOW)
-def halo_window(xp, x, *halos_and_index, dim, left, right, block, size, start, step, length, fill):
+def halo_window(xp, x, *halos_and_index, dim, left, right, block, size, start, step, length, fill, dilation=1):
     """The ``length`` elements of [left halo | block | right halo] along ``dim`` that this shard's window
     reads, from offset start + step * shard; entries outside the global dim [0, size) (uneven-shard
-    padding, the global edges, past the extended block) hold ``fill``."""
+    padding, the global edges, past the extended block) hold ``fill``. With ``dilation`` > 1: the window of
+    the dilated input from dilated position start + step * shard (see HaloPlan)."""
     *halos, index = halos_and_index
     i = int(index)
     before, after = halos[:1] if left else [], halos[-1:] if right else []
     ext = xp.concatenate(before + [x] + after, axis=dim) if halos else x
+    if dilation > 1:
+        return _dilated_window(xp, ext, dim, i * block - left, size, start + step * i, length, fill, dilation)
     offset = start + step * i
     origin = i * block - left + offset  # global element index of the window's first entry
     t0 = max(0, -offset, -origin)
@@ -257,6 +261,23 @@ def halo_window(xp, x, *halos_and_index, dim, left, right, block, size, start, s
     if t1 > t0:
         lead = (slice(None),) * dim
         out[lead + (slice(t0, t1),)] = ext[lead + (slice(offset + t0, offset + t1),)]
+    return out
+
+
+def _dilated_window(xp, ext, dim, base, size, origin, length, fill, dilation):
+    """Dilated positions [origin, origin + length) of the input whose real element q sits at q * dilation: the
+    elements ``ext`` holds (q in [base, base + len) within [0, size)) where they fall, ``fill`` elsewhere."""
+    shape = list(ext.shape)
+    shape[dim] = length
+    out = xp.full(shape, fill, dtype=ext.dtype)
+    t0 = (-origin) % dilation  # the first window position on a real element
+    q0 = (origin + t0) // dilation
+    count = max(0, -(-(length - t0) // dilation))
+    qa, qb = max(q0, base, 0), min(q0 + count, base + ext.shape[dim], size)
+    if qb > qa:
+        lead, first = (slice(None),) * dim, t0 + (qa - q0) * dilation
+        out[lead + (slice(first, first + (qb - qa - 1) * dilation + 1, dilation),)] = \
+            ext[lead + (slice(qa - base, qb - base),)]
     return out
 
 
@@ -275,6 +296,9 @@ class HaloPlan:
     Shard i extends its input block (``block`` elements) by ``left`` elements of shard i-1 and
     ``right`` of shard i+1, reads ``length`` elements from offset ``start + step * i`` of that
     extended block, and runs the op with local padding ``pad``: exactly ``out_block`` outputs.
+    With ``dilation`` > 1 (an lhs dilation whose window phase differs between shards) the shard instead cuts
+    ``length`` positions of the DILATED input, from dilated position ``start + step * i`` on (zeros in the
+    holes), and runs the op without lhs dilation.
     """
     block: int
     out_block: int
@@ -284,11 +308,12 @@ class HaloPlan:
     step: int
     length: int
     pad: tuple[int, int]
+    dilation: int = 1
 
     def is_local(self, n: int, k: int) -> bool:
         """True when the block itself is what the window reads: no exchange, no cut, no padding to mask."""
         return (self.left == self.right == self.start == self.step == 0 and self.length == self.block
-                and n % k == 0)
+                and n % k == 0 and self.dilation == 1)
 
 
 def halo_plan(n, k, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilation=1) -> HaloPlan | str:
@@ -309,12 +334,13 @@ def halo_plan(n, k, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilati
         end = (min((i + 1) * co, m) - 1) * stride - lo + span_w  # one past its last
         firsts[i], lasts[i] = -(-begin // lhs_dilation), (end - 1) // lhs_dilation
         phases.add(firsts[i] * lhs_dilation - begin)
-    if len(phases) > 1:
-        return f"lhs dilation {lhs_dilation} puts the window at a different phase on each shard"
     left = max(0, max(i * c - f for i, f in firsts.items()))
     right = max(0, max(last - (i + 1) * c + 1 for i, last in lasts.items()))
     if max(left, right) > (k - 1) * c:
         return f"the halo ({left} left, {right} right) is wider than the other {k - 1} shards ({c} each)"
+    if len(phases) > 1:  # the window starts at a different phase on each shard: cut it from the dilated input
+        span = (co - 1) * stride + span_w
+        return HaloPlan(c, co, left, right, -lo, co * stride, span, (0, 0), lhs_dilation)
     # one phase: firsts[i] = (i * co * stride - lo + phase) / lhs_dilation, linear in i
     starts = [left + f - i * c for i, f in firsts.items()]
     step = starts[1] - starts[0] if len(starts) > 1 else 0
@@ -342,6 +368,7 @@ def extend_with_halo(ctx, value, dim, axes, plan: HaloPlan, fill):
     local[dim] = plan.length
     attrs = {"dim": dim, "left": plan.left, "right": plan.right, "block": plan.block, "size": n,
              "start": plan.start, "step": plan.step, "length": plan.length, "fill": fill}
+    attrs.update({"dilation": plan.dilation} if plan.dilation > 1 else {})
     return ctx.emit(HALO_WINDOW, [value, *halos, ctx.shard_index(axes)], attrs, value.sharding, value.shape,
                     value.dtype, local)
 
@@ -550,11 +577,13 @@ def _emit_conv(ctx, node, lhs, rhs, lay: _Layout, split):
     if split.get("c"):  # contracting over a split (maybe uneven) feature dim: padding must add nothing
         a, b = ctx.mask_padding(a, [1], 0), ctx.mask_padding(b, [1], 0)
     b = ctx.mask_padding(b, [2 + j for j in range(len(node.shape) - 2) if split[f"w{j}"]], 0)  # taps past the end
-    pads = list(node.attrs["padding"])
+    pads, lhs_dilation = list(node.attrs["padding"]), list(node.attrs["lhs_dilation"])
     for j, plan in lay.plans.items():
         a = extend_with_halo(ctx, a, 2 + j, lay.lhs.dims[2 + j], plan, 0)
         pads[j] = plan.pad
-    attrs = {**node.attrs, "padding": tuple(pads), "groups": node.attrs["groups"] // lay.group_shards}
+        lhs_dilation[j] = 1 if plan.dilation > 1 else lhs_dilation[j]  # the window is cut already dilated
+    attrs = {**node.attrs, "padding": tuple(pads), "lhs_dilation": tuple(lhs_dilation),
+             "groups": node.attrs["groups"] // lay.group_shards}
     return ctx.emit_like(node, CONV, [a, b], attrs, lay.result)
 
 

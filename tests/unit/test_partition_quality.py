@@ -76,6 +76,11 @@ WIDE_HALO = [
     # rhs dilation 3: a kernel of 3 spans 7, SAME: halos of 3 on 2-wide blocks
     ("conv_dilated_on_4", CONV("SAME", 3), [(2, 3, 8), (4, 3, 3)], M[4], [SPATIAL, None], SPATIAL, [PERMUTE] * 4,
      6 * 6 * 8),
+    # lhs dilation 2 (the input gradient of a stride-2 conv): 19 dilated positions padded 2 + 2, 21 outputs in
+    # 5-blocks; block i reads dilated [5i - 2, 5i + 5), elements ceil((5i - 2) / 2) to (5i + 4) // 2 (the
+    # phase alternates): a left halo of 1 and a right one of 2, each shard cutting its window dilated
+    ("conv_lhs_dilated_on_5", lambda a, k: snp.conv(a, k, 1, ((2, 2),), lhs_dilation=2), [(2, 3, 10), (4, 3, 3)],
+     M[5], [SPATIAL, None], SPATIAL, [PERMUTE] * 2, 3 * 6 * 8),
     # 2-d mesh, cols over y in 2-col blocks, window 7: 3 cols each side of 2 local rows
     ("maxpool_cols_on_2x4", lambda a: snp.reduce_window(a, "max", (1, 7), (1, 1), "SAME"), [(4, 8)], M2x4,
      [("x", "y")], ("x", "y"), [("collective_permute", ("x", "y"))] * 4, 6 * 2 * 8),
