@@ -50,6 +50,15 @@ INTERIOR_PAD = [
     # 22 rows in 5-row blocks, q -> 2 + 2q: q = 6 moves to rank 2 and q = 8 to rank 3, one row each
     ("interior_1_on_5", lambda a: snp.lax_pad(a, -1.5, [(2, 1, 1), (0, 0, 0)]), [(10, 4)], M[5], [ROWS], ROWS,
      [EXCHANGE], 4 * 8),
+    # 14 rows in 7-row blocks, q -> 3 + 2q: block 1 (rows 7-13) takes q = 2..5, q = 2 from rank 0
+    ("interior_1_on_2", lambda a: snp.lax_pad(a, 0.0, [(3, 0, 1), (0, 0, 0)]), [(6, 4)], M[2], [ROWS], ROWS,
+     [EXCHANGE], 4 * 8),
+    # 34 rows in 5-row blocks, q -> 3 + 2q: rank 5 takes q = 12, 13 from rank 6, rank 6 q = 14, 15 from rank 7
+    ("interior_1_on_8", lambda a: snp.lax_pad(a, 0.0, [(3, 0, 1), (0, 0, 0)]), [(16, 4)], M[8], [ROWS], ROWS,
+     [EXCHANGE], 2 * 4 * 8),
+    # cols over y: 18 cols in 5-col blocks, q -> 3 + 2q: y=1 takes col q = 1 from y=0 (2 local rows)
+    ("interior_cols_on_2x4", lambda a: snp.lax_pad(a, 0.0, [(0, 0, 0), (3, 0, 1)]), [(4, 8)], M2x4, [("x", "y")],
+     ("x", "y"), [("all_to_allv", ("y",))], 2 * 8),
 ]
 
 CONV = lambda pad, dil=1: lambda a, k: snp.conv(a, k, padding=pad, rhs_dilation=dil)  # noqa: E731
@@ -110,6 +119,9 @@ KERNEL_GRAD = [
      [PERMUTE, PERMUTE, ALL_REDUCE], 2 * 6 * 8 + 2 * OUT * 4 / 5),
     ("kernel_grad_on_8", KGRAD(((1, 1),)), [(2, 3, 32), (4, 3, 32)], M[8], [SPATIAL, SPATIAL], None,
      [PERMUTE, PERMUTE, ALL_REDUCE], 2 * 6 * 8 + 2 * OUT * 7 // 8),
+    # 2-d mesh, positions and taps over y (x free): as on 4 devices, the all-reduce over y
+    ("kernel_grad_on_2x4", KGRAD(((1, 1),)), [(2, 3, 16), (4, 3, 16)], M2x4, [(None, None, "y")] * 2, None,
+     [("collective_permute", ("x", "y"))] * 2 + [("all_reduce", ("y",))], 2 * 6 * 8 + 2 * OUT * 3 // 4),
     # 2 blocks of 4, one output: every tap meets only its own block's positions, no halo
     ("kernel_grad_valid_on_2", KGRAD("VALID"), [(2, 3, 8), (4, 3, 8)], M[2], [SPATIAL, SPATIAL], None,
      [ALL_REDUCE], 2 * (2 * 4 * 8) // 2),
@@ -149,6 +161,8 @@ DYNAMIC_UPDATE = [
     # cols 0-5 (2-blocks over y) onto cols 5-10 (4-blocks): y=1 takes 2 cols from y=0, 2 rows each
     ("dus_on_2x4", DUS(2, 5), [(8, 16), (4, 6)], M2x4, [("x", "y"), ("x", "y")], ("x", "y"),
      [("all_to_allv", ("y",))], 2 * 2 * 8),
+    # rows 1, 2 both on rank 0: update row 1 comes from rank 1
+    ("dus_on_2", DUS(1, 0), [(6, 4), (2, 4)], M[2], [ROWS, ROWS], ROWS, [EXCHANGE], 4 * 8),
     # a replicated update: every rank writes its own rows, nothing moves
     ("dus_replicated_update", DUS(6, 0), [(16, 8), (4, 8)], M[4], [ROWS, None], ROWS, [], 0),
 ]
