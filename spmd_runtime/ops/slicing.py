@@ -626,12 +626,13 @@ def _concatenate_partition(ctx, node):
               if ctx.mesh.axis_size(v.sharding.dims[axis]) > 1 and i not in dict(split)]
     if split:
         gather = sum(ctx.cost(v, need) for v, _ in sources)  # a sliced operand: its operand's gather
-        rotated = _rotation(ctx, node, sources, target, gather)
+        plans = _exchange_plans(ctx, node, sources, target)
+        exchanged = gather if plans is None else min(gather, sum(a["wire_bytes"] for _, a in plans))
+        rotated = _rotation(ctx, node, sources, target, exchanged)
         if rotated is not None:
             return rotated
-        joined = _concatenate_by_exchanges(ctx, node, sources, target, gather)
-        if joined is not None:
-            return joined
+        if exchanged < gather:
+            return _emit_exchanges(ctx, node, plans, target)
         ctx.notes.append(f"concatenate %{node.id} {list(node.shape)} along split dim {axis}: gathers operands "
                          + ", ".join(f"%{i} {s}" for i, s in split) + f" to {need} and joins locally")
     args = [ctx.reshard(v, need) for v in values]
@@ -654,7 +655,7 @@ def _slice_source(ctx, vid, axis):
 def _rotation(ctx, node, sources, target, wire):
     """np.roll (x[n-s:] then x[:n-s], along a dim the result splits evenly) as a rotation of x's blocks: result
     block j is the tail of block j+q and the head of block j+q+1 (mod k), at most two collective_permutes, when
-    that moves fewer bytes than ``wire``; None otherwise."""
+    that moves no more bytes than ``wire`` (the cheaper of the exchanges and the gather); None otherwise."""
     axis = node.attrs["axis"]
     (x, (a0, b0, s0)), (x1, (a1, b1, s1)) = sources if len(sources) == 2 else ((None, (0, 0, 0)),) * 2
     axes, n = target.dims[axis], node.shape[axis]
@@ -671,11 +672,10 @@ def _rotation(ctx, node, sources, target, wire):
     return _assemble(ctx, y, axis, pieces, Sharding(target.dims), node.shape, cyclic=True)
 
 
-def _concatenate_by_exchanges(ctx, node, sources, target, wire):
-    """Each operand's rows sent straight to the result blocks that hold them (one all_to_allv each, the
-    later ones written into the earlier result; a sliced operand's rows read from the slice's operand), when
-    that moves fewer bytes than gathering (``wire``)."""
-    axis, offset, out = node.attrs["axis"], 0, None
+def _exchange_plans(ctx, node, sources, target):
+    """Each operand's rows sent straight to the result blocks that hold them (a sliced operand's rows read from
+    the slice's operand): (value, all_to_allv attrs) per operand, None for partial sums."""
+    axis, offset = node.attrs["axis"], 0
     itemsize, plans = np.dtype(node.dtype).itemsize, []
     for v, (start, limit, stride) in sources:
         if v.sharding.partial or target.partial:
@@ -684,8 +684,12 @@ def _concatenate_by_exchanges(ctx, node, sources, target, wire):
         maps = [window if d == axis else None for d in range(len(node.shape))]
         plans.append((v, window_exchange(v.sharding, target.dims, v.shape, ctx.mesh, maps, itemsize)))
         offset += _count(start, limit, stride)
-    if sum(attrs["wire_bytes"] for _, attrs in plans) >= wire:
-        return None
+    return plans
+
+
+def _emit_exchanges(ctx, node, plans, target):
+    """One all_to_allv per operand, the later ones written into the earlier result."""
+    out = None
     for v, attrs in plans:
         out = ctx.emit(ALL_TO_ALLV, [v] + ([out] if out is not None else []), attrs, Sharding(target.dims),
                        node.shape, node.dtype)
