@@ -31,8 +31,8 @@ changes size. A split dim that changes size takes the plan with the fewest wire 
   its shardings.
 A concatenation along a split dim reads sliced operands straight from the slices' operand: ``roll`` (the
 last s rows, then the rest) on a dim split evenly is a rotation of the blocks (at most two
-collective_permutes, block numbers modulo k); otherwise one exchange per operand writes its rows into
-the result. The slices then go unused and the partitioner drops them.
+collective_permutes, block numbers modulo k), on an uneven one a single exchange whose window wraps
+around the dim; otherwise one exchange per operand writes its rows into the result. The slices then go unused and the partitioner drops them.
 ``dynamic_update_slice`` on a split dim: with static starts, one exchange sends each update row to the
 shard that owns its place (written into its block); with traced starts each shard writes the part of the
 (replicated) update that falls in its block.
@@ -661,8 +661,10 @@ def _rotation(ctx, node, sources, target, wire):
     axes, n = target.dims[axis], node.shape[axis]
     k = ctx.mesh.axis_size(axes)
     if x is None or x.slot != x1.slot or (s0, s1, b0, a1, a0) != (1, 1, n, 0, b1) or target.partial or k == 1 \
-            or n % k or x.shape[axis] != n:
+            or x.shape[axis] != n:
         return None
+    if n % k:  # uneven blocks: no block-periodic plan, one exchange with a wrapped window instead
+        return _wrapped_exchange(ctx, node, x, a0, target, wire)
     pieces = _shift_pieces(a0, n, k)
     rows = math.prod(target.local_shape(node.shape, ctx.mesh)) // (n // k) * np.dtype(node.dtype).itemsize
     moved = ctx.cost(x, Sharding(target.dims)) + sum(hi - lo for lo, hi, _, q in pieces if q % k) * rows
@@ -670,6 +672,23 @@ def _rotation(ctx, node, sources, target, wire):
         return None
     y = ctx.reshard(x, Sharding(target.dims))
     return _assemble(ctx, y, axis, pieces, Sharding(target.dims), node.shape, cyclic=True)
+
+
+def _wrapped_exchange(ctx, node, x, offset, target, wire):
+    """A rotation as one all_to_allv whose window wraps around the dim (result entry p reads x[(p + offset) mod
+    n]), when it moves no more than ``wire`` and no pair needs two pieces; None otherwise."""
+    if x.sharding.partial:
+        return None
+    axis = node.attrs["axis"]
+    maps = [(offset, 1, node.shape[axis], 0, node.shape[axis], 1, 1) if d == axis else None
+            for d in range(len(node.shape))]
+    try:
+        attrs = window_exchange(x.sharding, target.dims, x.shape, ctx.mesh, maps, np.dtype(node.dtype).itemsize)
+    except ValueError:  # a source block holding both ends of some target block's run
+        return None
+    if attrs["wire_bytes"] > wire:
+        return None
+    return ctx.emit(ALL_TO_ALLV, [x], attrs, Sharding(target.dims), node.shape, node.dtype)
 
 
 def _exchange_plans(ctx, node, sources, target):

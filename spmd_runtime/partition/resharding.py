@@ -410,11 +410,11 @@ class ExchangeTable:
 
 @lru_cache(maxsize=1 << 12)
 def exchange_table(src_dims, dst_dims, shape, mesh: Mesh, partial=(), maps=None) -> ExchangeTable:
-    """``maps`` (one per dim, None for the identity): (offset, stride, size[, first, end[, dilation]]): target
-    entry j of a dim of ``size`` is source entry offset + stride * j (divided by ``dilation``, read only when it
-    divides exactly), read only from [first, end) of the source (default all); entries that read nothing stay
-    the fill value: slices, pads (interior too), shifts and concatenations of slices along split dims move
-    exactly the entries they need."""
+    """``maps`` (one per dim, None for the identity): (offset, stride, size[, first, end[, dilation[, wrap]]]):
+    target entry j of a dim of ``size`` is source entry offset + stride * j (modulo the source size when
+    ``wrap``; divided by ``dilation``, read only when it divides exactly), read only from [first, end) of the
+    source (default all); entries that read nothing stay the fill value: slices, pads (interior too), shifts,
+    rotations and concatenations of slices along split dims move exactly the entries they need."""
     src_dims, dst_dims = tuple(map(tuple, src_dims)), tuple(map(tuple, dst_dims))
     maps = tuple(maps) if maps is not None else (None,) * len(shape)
     out_shape = tuple(n if m is None else m[2] for n, m in zip(shape, maps))
@@ -426,6 +426,9 @@ def exchange_table(src_dims, dst_dims, shape, mesh: Mesh, partial=(), maps=None)
         coords = mesh.coords(q)
         want = [_block(m, d, mesh, q) for m, d in zip(out_shape, dst_dims)]
         per_dim = [_overlaps(n, d, mesh, lo, hi, f) for n, d, (lo, hi), f in zip(shape, src_dims, want, maps)]
+        if any(len({p[0] for p in pieces_of_dim}) < len(pieces_of_dim) for pieces_of_dim in per_dim):
+            raise ValueError(f"a wrapped window map reads one source block twice for one target block (maps {maps}, "
+                             f"source {src_dims}, target {dst_dims}): one exchange cannot carry two pieces per pair")
         for combo in itertools.product(*per_dim):
             fixed = dict(coords)
             for d, (index, _, _) in zip(src_dims, combo):
@@ -505,7 +508,10 @@ def _overlaps(n, axes, mesh, lo, hi, window=None):
     """(block index, local source slice, local target slice) of each source block (``axes`` blocks of a dim of
     size n) holding entries of the target block [lo, hi); ``window`` maps target entries to source entries (see
     ``exchange_table``; None: the identity)."""
-    offset, stride, _, first_read, end_read, dilation = _window(window, n)
+    offset, stride, _, first_read, end_read, dilation, wrap = _window(window, n)
+    if wrap and hi > lo:  # source index modulo n: one linear piece per period the target block spans
+        periods = range((offset + stride * lo) // n, (offset + stride * (hi - 1)) // n + 1)
+        return [p for t in periods for p in _overlaps(n, axes, mesh, lo, hi, (offset - t * n, stride, hi, 0, n))]
     k = mesh.axis_size(axes)
     c = -(-n // k)
     first, last = (lo // c, -(-hi // c)) if window is None else (0, k)
@@ -529,16 +535,17 @@ def _overlaps(n, axes, mesh, lo, hi, window=None):
 
 
 def _window(window, n):
-    """(offset, stride, size, first, end, dilation) of a window map: target entry j of the dim reads source
+    """(offset, stride, size, first, end, dilation, wrap) of a window map: target entry j of the dim reads source
     entry (offset + stride * j) / dilation when that divides exactly and lies in [first, end) (default: the
-    whole source); the rest keep the fill value. Dilation > 1 (interior padding) needs stride 1."""
+    whole source); the rest keep the fill value. Dilation > 1 (interior padding) needs stride 1; ``wrap`` 1
+    takes the source index modulo n (a rotation: np.roll)."""
     if window is None:
-        return 0, 1, n, 0, n, 1
+        return 0, 1, n, 0, n, 1, 0
     offset, stride, size, *rest = window
-    first, end, dilation = (list(rest) + [0, n, 1][len(rest):])[:3]
+    first, end, dilation, wrap = (list(rest) + [0, n, 1, 0][len(rest):])[:4]
     if dilation > 1 and stride != 1:
         raise ValueError(f"a window map with dilation {dilation} needs stride 1; got stride {stride}")
-    return offset, stride, size, first, end, dilation
+    return offset, stride, size, first, end, dilation, wrap
 
 
 def _split_index(index, axes, mesh) -> dict:

@@ -34,10 +34,11 @@ ROLL = [
     # cols in 4-col blocks over y: 3 cols of block j-1 (4 rows of each)
     ("roll_cols_on_2x4", lambda a: snp.roll(a, 3, 1), [(8, 16)], M2x4, [("x", "y")], ("x", "y"),
      [("collective_permute", ("x", "y"))], 3 * 4 * 8),
-    # uneven (4-row blocks of 10 on 3): the two slices' rows go straight from x to their owners, one exchange
-    # each: rank 0 receives rows 6-9 (4 rows) in the first, rank 1 rows 0-3 (4 rows) in the second
-    ("roll_4_of_10_on_3_uneven", lambda a: snp.roll(a, 4, 0), [(10, 8)], M[3], [ROWS], ROWS, [EXCHANGE, EXCHANGE],
-     2 * 4 * 8 * 8),
+    # uneven (4-row blocks of 10 on 3): one exchange whose window wraps around, result p reading x[(p + 6) % 10]:
+    # rank 0 receives rows 6-9 (ranks 1, 2), rank 1 rows 0-3 (rank 0), rank 2 rows 4, 5 (rank 1): 4 rows at most
+    ("roll_4_of_10_on_3_uneven", lambda a: snp.roll(a, 4, 0), [(10, 8)], M[3], [ROWS], ROWS, [EXCHANGE], 4 * 8 * 8),
+    # 13 rows in 4-blocks, p reads x[(p + 8) % 13]: ranks 0, 1 and 2 each send 4 rows
+    ("roll_5_of_13_on_4_uneven", lambda a: snp.roll(a, 5, 0), [(13, 4)], M[4], [ROWS], ROWS, [EXCHANGE], 4 * 4 * 8),
 ]
 
 INTERIOR_PAD = [
