@@ -4,7 +4,8 @@
 program, and a failing seed is a complete reproduction (see test_fuzz_regressions.py).
 Programs chain random ops of the op set (elementwise, broadcasting, reductions,
 transpose, reshape, einsum with fresh operands, where, casts, take, cumsum, arg-reductions,
-logsumexp, pooling, 1-d conv, slicing, flip, pad, concatenate, dynamic_slice, roll, slices of split dims)
+logsumexp, pooling, 1-d conv, slicing, flip, pad, concatenate, dynamic_slice, roll, slices of split dims, and
+on split dims: roll, wide windows, unaligned reshapes, the kernel-gradient conv, interior pad, dynamic updates)
 with random mesh_split
 annotations; meshes have 1 to 8 devices, 1-d and 2-d, sometimes reordered; sizes are
 often uneven. Values are kept bounded (tanh squashing) so float64 tolerances stay tight.
@@ -74,7 +75,8 @@ class _Builder:
         ops = [self.unary, self.binary_same, self.binary_broadcast, self.reduce, self.transpose, self.reshape,
                self.einsum, self.annotate, self.where, self.cast, self.take, self.cumsum, self.arg_reduce,
                self.logsumexp, self.pooling, self.conv1d, self.slice_, self.flip, self.pad, self.concat,
-               self.dynamic_slice, self.top_k, self.roll, self.split_slice]
+               self.dynamic_slice, self.top_k, self.roll, self.split_slice, self.split_roll, self.split_pool,
+               self.split_reshape, self.split_kernel_grad, self.split_interior_pad, self.split_update]
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
             self.pool.append(out)
@@ -246,6 +248,90 @@ class _Builder:
         index = tuple(slice(start, stop, int(self.rng.integers(1, 4))) if e == d else slice(None)
                       for e in range(t.ndim))
         return sr.mesh_split(sr.mesh_split(t, self.mesh, spec)[index], self.mesh, spec)
+
+    def split_spec(self, ndim, d):
+        """Dim d split over a random mesh axis, the others replicated."""
+        axis = self.mesh.axis_names[int(self.rng.integers(len(self.mesh.axis_names)))]
+        return tuple(axis if e == d else None for e in range(ndim))
+
+    def split_roll(self, t):
+        """snp.roll along a dim annotated split, the result split alike: a rotation of the blocks."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        spec = self.split_spec(t.ndim, d)
+        shift = int(self.rng.integers(-2 * t.shape[d], 2 * t.shape[d] + 1))
+        return sr.mesh_split(snp.roll(sr.mesh_split(t, self.mesh, spec), shift, d), self.mesh, spec)
+
+    def split_pool(self, t):
+        """A wide window (up to 7, maybe strided, asymmetric padding) along a split dim: multi-hop halos."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        k, stride = int(self.rng.integers(2, 8)), int(self.rng.integers(1, 3))
+        low, high = (int(v) for v in self.rng.integers(0, k, size=2))
+        if (t.shape[d] + low + high - k) < 0:
+            return None
+        window = tuple(k if e == d else 1 for e in range(t.ndim))
+        strides = tuple(stride if e == d else 1 for e in range(t.ndim))
+        padding = tuple((low, high) if e == d else (0, 0) for e in range(t.ndim))
+        kind = ["max", "sum", "avg"][self.rng.integers(3)]
+        x = sr.mesh_split(t, self.mesh, self.split_spec(t.ndim, d))
+        return snp.tanh(snp.reduce_window(x, kind, window, strides, padding))
+
+    def split_reshape(self, t):
+        """Merge a split dim with the next one (or split a split dim in two), the result split on its major
+        dim: shard boundaries rarely align."""
+        if t.ndim >= 2 and self.rng.random() < 0.5:
+            i = int(self.rng.integers(t.ndim - 1))
+            shape = t.shape[:i] + (t.shape[i] * t.shape[i + 1],) + t.shape[i + 2:]
+            x, out = sr.mesh_split(t, self.mesh, self.split_spec(t.ndim, i)), self.split_spec(len(shape), i)
+            return sr.mesh_split(x.reshape(shape), self.mesh, out)
+        splittable = [i for i, n in enumerate(t.shape) if n in (4, 6, 8, 10, 12)]
+        if not splittable or t.ndim >= 4:
+            return None
+        i = splittable[self.rng.integers(len(splittable))]
+        shape = t.shape[:i] + (2, t.shape[i] // 2) + t.shape[i + 1:] if self.rng.random() < 0.5 else \
+            t.shape[:i] + (t.shape[i] // 2, 2) + t.shape[i + 1:]
+        x, out = sr.mesh_split(t, self.mesh, self.split_spec(t.ndim, i)), self.split_spec(len(shape), i)
+        return sr.mesh_split(x.reshape(shape), self.mesh, out)
+
+    def split_kernel_grad(self, t):
+        """(N, C, W) convolved with a fresh (O, C, K) kernel as wide as most of W, both split on the spatial dim
+        (the kernel-gradient convolution): a local conv, then a reduction of the partial output."""
+        if t.ndim != 3 or t.shape[2] < 2:
+            return None
+        low, high = (int(v) for v in self.rng.integers(0, 3, size=2))
+        taps = int(self.rng.integers(max(1, t.shape[2] - 3), t.shape[2] + low + high + 1))
+        g = self.new_param((int(self.rng.integers(1, 4)), t.shape[1], taps))
+        spec = self.split_spec(3, 2)
+        x, g = sr.mesh_split(t, self.mesh, spec), sr.mesh_split(g, self.mesh, spec)
+        return snp.tanh(snp.conv(x, g, 1, ((low, high),)))
+
+    def split_interior_pad(self, t):
+        """Interior (and edge) padding along a split dim, the result split alike."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        config = [(0, 0, 0)] * t.ndim
+        config[d] = (int(self.rng.integers(-1, 3)), int(self.rng.integers(-1, 3)), int(self.rng.integers(1, 3)))
+        if t.shape[d] + config[d][0] + config[d][1] + (t.shape[d] - 1) * config[d][2] < 1:
+            return None
+        spec = self.split_spec(t.ndim, d)
+        return sr.mesh_split(snp.lax_pad(sr.mesh_split(t, self.mesh, spec), 0.5, config), self.mesh, spec)
+
+    def split_update(self, t):
+        """dynamic_update_slice at a static start (clamped) of a fresh update split along the same dim."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        size = int(self.rng.integers(1, t.shape[d] + 1))
+        u = self.new_param(tuple(size if e == d else n for e, n in enumerate(t.shape)))
+        spec = self.split_spec(t.ndim, d)
+        start = [int(self.rng.integers(-1, t.shape[d] + 1)) if e == d else 0 for e in range(t.ndim)]
+        update = sr.mesh_split(snp.tanh(u), self.mesh, spec)
+        return sr.mesh_split(snp.dynamic_update_slice(sr.mesh_split(t, self.mesh, spec), update, start), self.mesh,
+                             spec)
 
     def dynamic_slice(self, t):
         """A window at a traced start (from data), clamped globally."""
