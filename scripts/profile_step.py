@@ -15,7 +15,8 @@ import time
 import numpy as np
 import spmd_runtime as sr
 from spmd_runtime.exec.runner import Runtime, communicator
-cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8)
+# Layers unrolled: a per-op profile (scanned layers put the whole stack in one "scan" instruction).
+cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8, scan_layers=False)
 ts = sr.build_train_step(cfg, sr.train_mesh((1,), "dp"), "dp", sr.AdamW())
 prog = ts.program
 state = ts.init(0)
