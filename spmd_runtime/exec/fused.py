@@ -83,7 +83,7 @@ def bind_fusion(ins, xp, operand_dtypes, scratch: Scratch, out=None):
 
 def _numpy_chain(fusion: Fusion, scratch: Scratch, planned=None):
     """Steps as ufuncs with out=: intermediates in shared scratch (slots freed after last use), result fresh or
-    donated. A chain over more than ``BLOCK`` elements runs block by block (``_blocks``), each block through
+    donated. With ``BLOCK`` > 0, a chain over more than 2 * BLOCK elements runs block by block (``_blocks``), each block through
     every step, so its intermediates stay in cache instead of streaming through memory once per step."""
     plan = _scratch_plan(fusion)
     blocks = _blocks(fusion) if len(fusion.steps) > 1 and BLOCK > 0 else None
@@ -92,9 +92,12 @@ def _numpy_chain(fusion: Fusion, scratch: Scratch, planned=None):
     return _blocked(fusion, plan, blocks, scratch, planned)
 
 
-# Elements a block runs through a whole chain: its live intermediates fit in a core's L2. $SPMD_FUSE_BLOCK sets
-# it; 0 runs every chain whole (one full pass per step).
-BLOCK = int(os.environ.get("SPMD_FUSE_BLOCK", "16384"))
+# Elements a block runs through a whole chain (its live intermediates fit in a core's L2), set by
+# $SPMD_FUSE_BLOCK; 0 (the default) runs every chain whole, one full pass per step. Off by default: with the
+# result buffers planned (exec/buffers.py) the one-rank training step's elementwise CPU time was higher with
+# 16384-element blocks than whole (min of 3 rounds 98.4 vs 87.5 ms, scripts/profile_step.py): the per-block
+# Python calls cost more than the cache misses they save at these sizes on this machine.
+BLOCK = int(os.environ.get("SPMD_FUSE_BLOCK", "0"))
 
 
 class _ScratchPlan:
