@@ -82,9 +82,10 @@ def bind_fusion(ins, xp, operand_dtypes, scratch: Scratch, out=None):
 
 
 def _numpy_chain(fusion: Fusion, scratch: Scratch, planned=None):
-    """Steps as ufuncs with out=: intermediates in shared scratch (slots freed after last use), result fresh or
-    donated. With ``BLOCK`` > 0, a chain over more than 2 * BLOCK elements runs block by block (``_blocks``), each block through
-    every step, so its intermediates stay in cache instead of streaming through memory once per step."""
+    """Steps as ufuncs with out=: intermediates in shared scratch (slots freed after last use), result into the
+    planned buffer, a donated operand or a fresh one. With ``BLOCK`` > 0, a chain over more than 2 * BLOCK
+    elements runs block by block (``_blocks``), each block through every step, so its intermediates stay in
+    cache instead of streaming through memory once per step."""
     plan = _scratch_plan(fusion)
     blocks = _blocks(fusion) if len(fusion.steps) > 1 and BLOCK > 0 else None
     if blocks is None:
