@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from .comm import collectives
+from .comm import collectives, watchdog
 from .cost import PROFILE_FORMAT, CostModel, wire_bytes
 from .exec.runner import communicator
 from .mesh import Mesh
@@ -67,6 +67,7 @@ def _attrs(kind, mc, k):
             **({"split_dim": 0, "concat_dim": 0} if kind == "all_to_all" else {})}
 
 
+@watchdog.collective(lambda frame: f"calibrate's timing of {frame.f_locals['kind']} (Barrier, allgather)")
 def _time(mc, comm, kind, k, nbytes, repeats) -> float:
     x = np.ones(_elements(kind, k, nbytes), np.float32)
     run = collectives.bind(mc, kind, np, x.shape, x.dtype, **_attrs(kind, mc, k))

@@ -177,17 +177,28 @@ def scatter_from_root(x, spec=None, mesh: Mesh | None = None, root: int = 0, com
             _resolve(mesh, spec, x.ndim, "scatter_from_root")[1].check(mesh, x.shape, "scatter_from_root array")
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = f"{type(e).__name__}: {e}"
-    error, meta = mc.comm.bcast((error, meta), root=root)
+    error, meta = _from_root(mc.comm, (error, meta), root)
     if error is not None:
         raise ValueError(f"scatter_from_root: the root rank {root} could not lay out its array: {error}")
     shape, dtype = meta
     _, sharding = _resolve(mesh, spec, len(shape), "scatter_from_root")
-    if mc.rank == root:
+    local = _scatter_blocks(mc.comm, mc.rank, x, shape, dtype, sharding, mesh, root)
+    return DArray(local, shape, dtype, mesh, sharding, comm)
+
+
+@watchdog.collective(lambda frame: f"scatter_from_root's broadcast from rank {frame.f_locals['root']} (a bcast)")
+def _from_root(comm, payload, root: int):
+    return comm.bcast(payload, root=root)
+
+
+@watchdog.collective(lambda frame: f"scatter_from_root's blocks from rank {frame.f_locals['root']} (Send/Recv)")
+def _scatter_blocks(comm, rank: int, x, shape, dtype, sharding, mesh, root: int):
+    """Root sends each rank its block (buffers, tag 77); returns this rank's block."""
+    if rank == root:
         for r in range(mesh.size):
             if r != root:
-                mc.comm.Send(np.ascontiguousarray(x[block_slices(shape, sharding, mesh, r)]), dest=r, tag=77)
-        local = x[block_slices(shape, sharding, mesh, root)].copy()
-    else:
-        local = np.empty(tuple(s.stop - s.start for s in block_slices(shape, sharding, mesh, mc.rank)), dtype)
-        mc.comm.Recv(local, source=root, tag=77)
-    return DArray(local, shape, dtype, mesh, sharding, comm)
+                comm.Send(np.ascontiguousarray(x[block_slices(shape, sharding, mesh, r)]), dest=r, tag=77)
+        return x[block_slices(shape, sharding, mesh, root)].copy()
+    local = np.empty(tuple(s.stop - s.start for s in block_slices(shape, sharding, mesh, rank)), dtype)
+    comm.Recv(local, source=root, tag=77)
+    return local

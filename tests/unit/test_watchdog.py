@@ -44,3 +44,11 @@ def test_leaving_answers_exited_and_returns_once_every_rank_is_there():
     assert dog._answer() == ("exited", "exited: its script ended (returned, or called sys.exit) and it waits at "
                                        "the job's exit barrier, so it joins no further collective")
     dog.comm.Free()
+
+
+def test_raw_mpi_waits_outside_the_runtime_are_watched_sites():
+    """scatter_from_root's broadcast and blocks and calibrate's timing rounds call MPI directly: an early exit or a
+    hang there must meet the watchdog like any collective."""
+    from spmd_runtime import calibrate, darray
+    for fn in (darray._from_root, darray._scatter_blocks, calibrate._time):
+        assert fn.__code__ in watchdog._SITES, fn.__qualname__
