@@ -111,10 +111,11 @@ class Pending:
     """An issued nonblocking collective: its MPI requests and the result they fill (read it after ``wait``).
     Holds the operand too: MPI reads the send buffer until the requests complete."""
 
-    __slots__ = ("requests", "value", "operand", "what")
+    __slots__ = ("requests", "value", "operand", "what", "comm")
 
-    def __init__(self, requests, value, operand, what: str):
+    def __init__(self, requests, value, operand, what: str, comm=None):
         self.requests, self.value, self.operand, self.what = requests, value, operand, what
+        self.comm = comm  # whose members the wait needs (the watchdog's peers); None: every rank
 
     def __repr__(self):
         return f"Pending({self.what}, {len(self.requests)} request(s))"
@@ -123,7 +124,8 @@ class Pending:
         """One MPI_Test: drives MPI's progress engine (all in-flight operations, not just this one)."""
         return self.requests[0].Test() if self.requests else True
 
-    @watchdog.collective(lambda frame: f"MPI Wait for the {frame.f_locals['self'].what}")
+    @watchdog.collective(lambda frame: f"MPI Wait for the {frame.f_locals['self'].what}",
+                         peers=lambda frame: frame.f_locals["self"].comm)
     def wait(self):
         for request in self.requests:
             request.Wait()
@@ -153,12 +155,14 @@ class _Plan:
     def __init__(self, mc, xp, shape, dtype, reuse, nonblocking=False):
         self.mc, self.xp, self.shape, self.dtype, self.reuse = mc, xp, shape, dtype, reuse
         self.host, self.nonblocking, self.issued = xp is np, nonblocking, []
+        self.comm = None  # the communicator the nonblocking calls went to (a Pending's peers)
 
     def method(self, comm, name: str):
         """``comm``'s MPI collective ``name``; nonblocking plans call its ``I`` variant and keep the request."""
         if not self.nonblocking:
             return getattr(comm, name)
         start, issued = getattr(comm, "I" + name[0].lower() + name[1:]), self.issued
+        self.comm = comm
         return lambda *args: issued.append(start(*args))
 
     def sendrecv(self, comm):
@@ -167,6 +171,7 @@ class _Plan:
             sendrecv = comm.Sendrecv
             return lambda s, dest, r, source: sendrecv(s, dest, 0, r, source, 0)
         irecv, isend, issued, null = comm.Irecv, comm.Isend, self.issued, MPI.PROC_NULL
+        self.comm = comm
 
         def post(s, dest, r, source):
             if source != null:
@@ -181,13 +186,13 @@ class _Plan:
 
     def starter(self, run, what: str):
         """``start(x) -> Pending`` from a binder's ``run`` whose MPI calls left their requests in ``issued``."""
-        issued = self.issued
+        issued, plan = self.issued, self
 
         def start(x):
             value = run(x)
             requests = tuple(issued)
             issued.clear()
-            return Pending(requests, value, x, what)
+            return Pending(requests, value, x, what, plan.comm)
         return start
 
     def direct(self) -> bool:

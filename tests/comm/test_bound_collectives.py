@@ -2,10 +2,13 @@
 kept across calls, ``MPI.IN_PLACE`` reduction into the operand, and strided/F-ordered operands."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+from mpi4py import MPI
 
-from spmd_runtime.comm import MeshCommunicator, collectives, run_simulated
+from spmd_runtime.comm import MeshCommunicator, collectives, run_simulated, watchdog
 from spmd_runtime.comm import testing as ref
 from spmd_runtime.mesh import Mesh
 
@@ -84,3 +87,19 @@ def test_bind_rejects_an_unknown_kind_naming_the_choices():
             collectives.bind(mc, "all_reduce", np, (2,), np.float32, axes=("x",), op="prod")
 
     run_simulated(MESH.size, lambda comm: body(MeshCommunicator(MESH, comm)))
+
+
+def test_a_nonblocking_wait_waits_for_the_members_of_its_communicator_only():
+    """The watchdog asks only the ranks a wait needs: an early exit of a rank outside the group is no reason to
+    abort (a rank is probed only while it is among the wait's peers)."""
+    def body(mc):
+        start = collectives.bind(mc, "all_reduce", np, (4, 6), np.float32, axes=("x",), nonblocking=True)
+        pending = start(np.ones((4, 6), np.float32))
+        np.testing.assert_array_equal(pending.wait(), np.full((4, 6), 2.0))
+        return pending.comm
+
+    for comm in run_simulated(MESH.size, lambda comm: body(MeshCommunicator(MESH, comm))):
+        assert comm is not None and hasattr(comm, "Iallreduce")
+    frame = SimpleNamespace(f_code=collectives.Pending.wait.__code__,
+                            f_locals={"self": collectives.Pending((), None, None, "a test", MPI.COMM_SELF)})
+    assert watchdog.waited_for(frame) == [MPI.COMM_WORLD.Get_rank()]
