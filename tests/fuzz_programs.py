@@ -75,8 +75,7 @@ class _Builder:
         ops = [self.unary, self.binary_same, self.binary_broadcast, self.reduce, self.transpose, self.reshape,
                self.einsum, self.annotate, self.where, self.cast, self.take, self.cumsum, self.arg_reduce,
                self.logsumexp, self.pooling, self.conv1d, self.slice_, self.flip, self.pad, self.concat,
-               self.dynamic_slice, self.top_k, self.roll, self.split_slice, self.split_roll, self.split_pool,
-               self.split_reshape, self.split_kernel_grad, self.split_interior_pad, self.split_update]
+               self.dynamic_slice, self.top_k, self.roll, self.split_slice, self.split_family]
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
             self.pool.append(out)
@@ -253,6 +252,12 @@ class _Builder:
         """Dim d split over a random mesh axis, the others replicated."""
         axis = self.mesh.axis_names[int(self.rng.integers(len(self.mesh.axis_names)))]
         return tuple(axis if e == d else None for e in range(ndim))
+
+    def split_family(self, t):
+        """One of the ops below on a dim annotated split (one slot of the op list, so the mix stays as it was)."""
+        ops = [self.split_roll, self.split_pool, self.split_reshape, self.split_kernel_grad, self.split_interior_pad,
+               self.split_update]
+        return ops[self.rng.integers(len(ops))](t)
 
     def split_roll(self, t):
         """snp.roll along a dim annotated split, the result split alike: a rotation of the blocks."""
