@@ -136,8 +136,8 @@ def prefetch(budget: int) -> None:
     from spmd_runtime.train import build_train_step
 
     os.environ["SPMD_ASYNC_BUDGET"] = str(budget)
-    # Layers unrolled: each layer's weights are gathered where that layer starts. With scan_layers the stacked
-    # weights are gathered once before the loop (prefetch inside a loop body, across iterations, is not done).
+    # Layers unrolled: each layer's weights are gathered where that layer starts. With scan_layers each layer's
+    # slice is gathered inside the loop body where it is used (prefetch across loop iterations is not done).
     cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8, scan_layers=False)
     p = build_train_step(cfg, sr.train_mesh((4,), "fsdp"), "fsdp", sr.AdamW()).program
     dones = {i.args[0]: i for i in p.instrs if i.op.endswith("_done")}

@@ -146,7 +146,7 @@ def _param_names(fn, n: int) -> list[str]:
     return names + [f"arg{i}" for i in range(len(names), n)]
 
 
-def mesh_split(x: Tensor, *mesh_and_spec, name: str | None = None) -> Tensor:
+def mesh_split(x: Tensor, *mesh_and_spec, name: str | None = None, grad_spec=None) -> Tensor:
     """Annotate ``x`` with how it is split over a mesh (GSPMD's ``mesh_split``).
 
     ``mesh_split(x, spec)`` uses the context mesh (``with mesh:`` / ``sr.set_mesh``);
@@ -154,7 +154,10 @@ def mesh_split(x: Tensor, *mesh_and_spec, name: str | None = None) -> Tensor:
     of x: None or -1 (replicated), a mesh axis name, a tuple of names (split over
     several axes, major first), an int mesh dim, or ``UNCONSTRAINED`` (left to
     propagation). ``name`` labels the value in listings, reports, notes and
-    errors. Returns the annotated tensor; propagation completes the rest.
+    errors. ``grad_spec``: the annotation of the cotangent in the backward pass
+    (default: ``spec``), e.g. FSDP's weight gathered for use whose gradient is
+    wanted sharded, so its pending sum becomes a reduce-scatter, not an
+    all-reduce. Returns the annotated tensor; propagation completes the rest.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"mesh_split annotates a traced tensor; got {type(x).__name__}")
@@ -173,4 +176,6 @@ def mesh_split(x: Tensor, *mesh_and_spec, name: str | None = None) -> Tensor:
         attrs["unconstrained"] = free
     if name is not None:
         attrs["name"] = str(name)
+    if grad_spec is not None:
+        attrs["grad_sharding"] = parse_spec_free(grad_spec, mesh, x.ndim, what=f"grad_spec of {what}")[0]
     return emit("mesh_split", [x], attrs, x.shape, x.dtype)  # ops.core.MESH_SPLIT

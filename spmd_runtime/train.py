@@ -65,7 +65,7 @@ from .comm.communicator import agree
 from .exec.runner import Runtime, communicator, run_local_checked, shard, unshard
 from .mesh import Mesh
 from .models.lm import (BLOCK_PARAMS, STACKED, LMConfig, block_shapes, init_params, is_stacked, layer_views,
-                        lm_loss_and_metrics, param_kind, param_shapes, pipelined_layers)
+                        lm_loss_and_metrics, param_kind, param_shapes, pipelined_layers, scan_layers)
 from . import numpy as snp
 from . import pytree
 from .ops.control import scan
@@ -267,7 +267,8 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
     ``metrics`` a dict of scalars ({} for a dense model)."""
     order = list(param_shapes(cfg))  # the model takes its weights in this order
     scaled = isinstance(optimizer, DynamicLossScale)
-    run_layers = pipeline_layers(cfg, layout, microbatches) if layout.preset.stage else None
+    run_layers = (pipeline_layers(cfg, layout, microbatches) if layout.preset.stage
+                  else fsdp_layers(layout) if layout.preset.shard_params and cfg.scanned else None)
     # weight decay on matrices only, whether or not the layers are stacked on a leading dim
     matrices = {n for n, shape in param_shapes(cfg).items() if len(shape) - is_stacked(n) >= 2}
 
@@ -275,8 +276,9 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
         # Mixed precision: the model runs on 16-bit copies, so activations, gradients and the collectives
         # on them are 16-bit; FSDP gathers the (16-bit) copy of each sharded weight where it is used.
         compute = {n: snp.astype(p, cfg.dtype) for n, p in params.items()}
-        if layout.preset.shard_params:
-            compute = {n: layout.annotate(p, layout.use[n]) for n, p in compute.items()}
+        if layout.preset.shard_params:  # stacked layer weights: gathered one layer at a time in the loop
+            compute = {n: p if cfg.scanned and is_stacked(n) else layout.annotate(p, layout.use[n])
+                       for n, p in compute.items()}
         scale = optimizer.loss_scale(opt_state)
 
         def loss_and_grads(compute, tokens, labels):
@@ -297,6 +299,21 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
         new_params = {n: layout.annotate(p, layout.update[n]) for n, p in new_params.items()}
         return new_params, layout.annotate_state(new_state), {k: metrics[k] for k in metric_names(cfg)}, loss
     return step
+
+
+def fsdp_layers(layout: Layout):
+    """FSDP's ``run_layers`` for scanned layers: the stacked weights stay sharded and the loop body gathers each
+    layer's slice where it is used (one layer's weights at a time, as with unrolled layers); the slice's
+    gradient is annotated sharded, so the backward body reduce-scatters it instead of all-reducing it."""
+    use = {n[len(STACKED):]: spec[1:] for n, spec in layout.use.items() if is_stacked(n)}
+    update = {n[len(STACKED):]: spec[1:] for n, spec in layout.update.items() if is_stacked(n)}
+
+    def gathered(w, k):
+        return mesh_split(w, layout.mesh, use[k], grad_spec=update[k]) if layout.mesh.size > 1 else w
+
+    def run(cfg, block, x, stacked):
+        return scan_layers(cfg, lambda x, layer: block(x, {k: gathered(w, k) for k, w in layer.items()}), x, stacked)
+    return run
 
 
 def pipeline_layers(cfg: LMConfig, layout: Layout, microbatches: int):

@@ -293,7 +293,7 @@ def _parameter_kernel(xp, *, index, name=None):
 
 
 @opdef.kernel(MESH_SPLIT)
-def _mesh_split_kernel(xp, x, sharding=None, mesh=None, unconstrained=(), name=None):
+def _mesh_split_kernel(xp, x, sharding=None, mesh=None, unconstrained=(), name=None, grad_sharding=None):
     return x  # an annotation: the same global value
 
 
@@ -663,8 +663,11 @@ def _convert_vjp(node, g, ops, y):
 
 @opdef.vjp(MESH_SPLIT)
 def _mesh_split_vjp(node, g, ops, y):
-    """The cotangent of an annotated value carries the same annotation."""
-    return [emit(MESH_SPLIT, [g], dict(node.attrs), g.shape, g.dtype)]
+    """The cotangent of an annotated value carries the same annotation, or the ``grad_sharding`` asked for."""
+    attrs = dict(node.attrs)
+    if "grad_sharding" in attrs:
+        attrs = {"sharding": attrs.pop("grad_sharding"), "mesh": attrs["mesh"]}
+    return [emit(MESH_SPLIT, [g], attrs, g.shape, g.dtype)]
 
 
 @opdef.vjp(BROADCAST_IN_DIM)

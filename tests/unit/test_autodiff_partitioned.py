@@ -122,3 +122,27 @@ def test_data_parallel_weight_gradient_is_one_all_reduce_each(mesh, with_value):
     assert all(o.sharding.is_replicated for o in program.outputs)
     args = (x, w, b, y)
     run_and_compare(graph, program, args)
+
+
+def test_a_grad_spec_annotates_the_cotangent_so_an_fsdp_gradient_is_one_reduce_scatter():
+    """FSDP: a weight held sharded over "data", gathered for use (mesh_split to replicated), its gradient wanted
+    sharded: grad_spec makes the pending batch sum a reduce-scatter, where the default (the cotangent annotated
+    like the value) all-reduces it and then slices."""
+    mesh = sr.Mesh((4,), ("data",))
+    rng = np.random.default_rng(5)
+    x, w, b, y = (rng.standard_normal(s) for s in ((32, 16), (16, 4), (4,), (32, 4)))
+
+    def loss(grad_spec):
+        def fn(x, w, b, y):
+            return linear_loss(x, sr.mesh_split(w, mesh, (None, None), grad_spec=grad_spec), b, y)
+        return grad(fn, argnums=1)
+
+    kinds = {}
+    for grad_spec in (None, ("data", None)):
+        graph = sr.trace(loss(grad_spec), x, w, b, y)
+        program = sr.partition(graph, mesh, in_specs=[("data", None), ("data", None), None, ("data", None)],
+                               out_specs=[("data", None)])
+        kinds[grad_spec] = sorted((c["kind"], c["bytes_in"]) for c in program.comm_summary())
+        run_and_compare(graph, program, (x, w, b, y))
+    assert ("all_reduce", w.nbytes) in kinds[None]
+    assert kinds[("data", None)] == [("all_gather", w.nbytes // 4), ("reduce_scatter", w.nbytes)]

@@ -74,6 +74,30 @@ def test_fsdp_megatron_shards_weights_over_data_inside_each_model_block():
     assert ts.memory_report()["params"] * 2 == mega["params"]  # megatron's blocks, halved again over data
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scanned_fsdp_gathers_one_layer_at_a_time_inside_the_layer_loop(remat):
+    """With scanned layers the stacked weights stay sharded: the loop body gathers each layer's slice where it is
+    used (trips = layers; with remat, again in the backward loop) and reduce-scatters its gradient there."""
+    cfg = LMConfig(layers=3, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, dtype="float64", remat=remat)
+    ts = step_for((4,), "fsdp", cfg)
+    stacked = [n for n in param_shapes(cfg) if n.startswith("layers_")]
+    body_gathers = [c for c in ts.program.comm_summary() if c["kind"] == "all_gather" and c.get("trips", 1) > 1]
+    assert sum(c["trips"] for c in body_gathers) == len(stacked) * cfg.layers * (1 if remat == "none" else 2)
+    body_scatters = [c for c in ts.program.comm_summary() if c["kind"] == "reduce_scatter" and c.get("trips", 1) > 1]
+    assert sum(c["trips"] for c in body_scatters) == len(stacked) * cfg.layers
+    names = {io.slot: io.name for io in ts.program.inputs}
+    top = [ins for ins in ts.program.instrs if collective_kind(ins.op) == "all_gather"]
+    assert not [ins for ins in top if names.get(ins.args[0], "").startswith("params.layers_")], \
+        "a stacked weight must not be gathered whole before the layer loop"
+
+
+def test_scanned_fsdp_with_remat_holds_less_than_without():
+    peak = {r: step_for((4,), "fsdp", LMConfig(layers=3, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8,
+                                                dtype="float64", remat=r)).program.peak_bytes()
+            for r in ("none", "full")}
+    assert peak["full"] < peak["none"]
+
+
 @pytest.mark.parametrize("shape", [(4,), (2, 2)], ids=["4", "2x2"])
 def test_fsdp_loss_curve_and_state_equal_data_parallel(shape):
     rng = np.random.default_rng(0)

@@ -5,6 +5,8 @@ computes exactly what the blocking one does (simulated world, every preset of th
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -26,8 +28,8 @@ OPT = AdamW(lr=1e-2, weight_decay=0.1)
 M2 = sr.Mesh((2,), ("x",))
 
 
-def traced_step(shape, preset):
-    return build_train_step(CFG, train_mesh(shape, preset), preset, OPT)
+def traced_step(shape, preset, cfg=CFG):
+    return build_train_step(cfg, train_mesh(shape, preset), preset, OPT)
 
 
 def pairs(program):
@@ -112,7 +114,8 @@ def test_scheduled_step_equals_the_blocking_step_bit_for_bit(shape, preset, monk
 
 
 def test_fsdp_weight_gathers_prefetch_within_the_budget(monkeypatch):
-    big = traced_step((4,), "fsdp").program
+    unrolled = dataclasses.replace(CFG, scan_layers=False)  # prefetch across layers (not across loop iterations)
+    big = traced_step((4,), "fsdp", unrolled).program
     gathers = [i for i in big.instrs if i.op == "all_gather_start"]
     assert len(gathers) > 4
     # with room for everything every weight all-gather starts before the first compute
@@ -120,7 +123,7 @@ def test_fsdp_weight_gathers_prefetch_within_the_budget(monkeypatch):
     assert sum(i.out < first_compute for i in gathers) > 4
     budget = 3 * max(i.nbytes for i in gathers)
     monkeypatch.setenv("SPMD_ASYNC_BUDGET", str(budget))
-    small = traced_step((4,), "fsdp").program
+    small = traced_step((4,), "fsdp", unrolled).program
     flight = in_flight_bytes(small)
     assert 0 < max(flight) <= budget
     assert max(flight) > max(i.nbytes for i in gathers)  # more than one gather ahead of its use
