@@ -25,6 +25,7 @@ import functools
 import os
 import sys
 import types
+import threading
 import warnings
 
 import numpy as np
@@ -537,6 +538,7 @@ class HostElementwiseKernel:
 
     _C = {"float32": "float", "float64": "double", "bool": "bool", "int32": "int", "int64": "long long"}
     _built: dict = {}  # source -> compiled function
+    _lock = threading.Lock()  # simulated ranks are threads: one builds, the others wait (no half-written .so)
 
     def __init__(self, fake, in_params, out_params, operation, name, tmp_path):
         import ctypes
@@ -550,13 +552,14 @@ class HostElementwiseKernel:
         source = (f"#include <cmath>\nusing namespace std;\nextern \"C\" void {name}({args}, {self._C[out_dtype]}* "
                   f"out_, long n) {{ for (long i = 0; i < n; ++i) {{ {loads} {self._C[out_dtype]} out;\n"
                   f"{operation}\nout_[i] = out; }} }}\n")
-        if source not in self._built:  # every rank generates the same source: build it once
-            stem = tmp_path / f"{name}_{len(self._built)}"
-            stem.with_suffix(".cpp").write_text(source)
-            subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(stem.with_suffix(".so")),
-                            str(stem.with_suffix(".cpp"))], check=True)
-            self._built[source] = getattr(ctypes.CDLL(str(stem.with_suffix(".so"))), name)
-        self.fn = self._built[source]
+        with self._lock:
+            if source not in self._built:  # every rank generates the same source: build it once
+                stem = tmp_path / f"{name}_{len(self._built)}"
+                stem.with_suffix(".cpp").write_text(source)
+                subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(stem.with_suffix(".so")),
+                                str(stem.with_suffix(".cpp"))], check=True)
+                self._built[source] = getattr(ctypes.CDLL(str(stem.with_suffix(".so"))), name)
+            self.fn = self._built[source]
 
     def __call__(self, *args):
         *ins, out = [self.fake.unwrap(a) for a in args]
