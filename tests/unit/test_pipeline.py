@@ -29,17 +29,17 @@ def sequential(w, xs):
     return np.array(out)
 
 
-def program(mesh, policy=None):
+def program(mesh, policy=None, stage_count=S, microbatches=M, circular=False):
     def loss(w, xs):
-        y = sr.pipeline(stages, w, xs, mesh=mesh, policy=policy)
+        y = sr.pipeline(stages, w, xs, mesh=mesh, policy=policy, circular=circular)
         return snp.sum(y * y), y
 
     def f(w, xs):
         (value, y), grad = sr.value_and_grad(loss, 0, has_aux=True)(w, xs)
         return value, y, grad
     f.__signature__ = inspect.signature(loss)
-    args = [0.5 * np.random.default_rng(0).standard_normal((S, D, D)),
-            np.random.default_rng(1).standard_normal((M, B, D))]
+    args = [0.5 * np.random.default_rng(0).standard_normal((stage_count, D, D)),
+            np.random.default_rng(1).standard_normal((microbatches, B, D))]
     graph = sr.trace(f, *args)
     return graph, sr.partition(graph, mesh), args
 
@@ -72,18 +72,8 @@ def test_shift_is_one_collective_permute_of_one_stage_per_iteration():
 
 
 def circular_program(mesh, v, m):
-    def loss(w, xs):
-        y = sr.pipeline(stages, w, xs, mesh=mesh, circular=True)
-        return snp.sum(y * y), y
-
-    def f(w, xs):
-        (value, y), grad = sr.value_and_grad(loss, 0, has_aux=True)(w, xs)
-        return value, y, grad
-    f.__signature__ = inspect.signature(loss)
-    args = [0.5 * np.random.default_rng(0).standard_normal((v, D, D)),
-            np.random.default_rng(1).standard_normal((m, B, D))]
-    graph = sr.trace(f, *args)
-    return graph, sr.partition(graph, mesh), args
+    """v stages, m micro-batches, circular schedule."""
+    return program(mesh, stage_count=v, microbatches=m, circular=True)
 
 
 @pytest.mark.parametrize("shape,axes,v,m", [((2,), ("stage",), 4, 4), ((2, 2), ("stage", "data"), 6, 2),
