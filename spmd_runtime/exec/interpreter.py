@@ -11,6 +11,7 @@ from functools import partial
 import numpy as np
 
 from ..opdef import lookup
+from ..partition.schedule import pairs
 from ..program import SPMDProgram
 from .buffers import output_buffers, plan_buffers
 from .overlap import with_progress
@@ -23,6 +24,8 @@ class Interpreter:
         self.keep_fresh = output_buffers(program)  # collectives whose result may leave the run: no reuse
         self.planned = plan_buffers(program, xp) if xp is np else {}  # result buffers made once (NumPy)
         self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == "parameter"]
+        self.in_flight: list = []  # issued nonblocking collectives not yet waited for, oldest first
+        self.dones = pairs(program)  # start slot -> done slot: a start binds with its done's flags
         self.steps = with_progress(self, [(i.out, self._bind(i), i.args, i.free) for i in instrs if i.op != "parameter"])
         self.output_slots = [o.slot for o in program.outputs]
 

@@ -18,7 +18,7 @@ import os
 
 from .. import opdef
 from ..comm import collectives
-from ..partition.schedule import DONES, STARTS, pairs
+from ..partition.schedule import DONES, STARTS
 
 PROGRESS_ENV = "SPMD_PROGRESS"
 PROGRESS_MODES = ("test", "none")
@@ -31,26 +31,14 @@ def progress_mode() -> str:
     return mode
 
 
-def _in_flight(interp) -> list:
-    """The interpreter's issued, not yet waited-for collectives (oldest first)."""
-    return interp.__dict__.setdefault("in_flight", [])
-
-
-def _done_of(interp, start_slot: int):
-    table = interp.__dict__.get("_dones")
-    if table is None:
-        table = interp._dones = pairs(interp.program)
-    return interp.program.instrs[table[start_slot]]
-
-
 @opdef.bind(*STARTS.values())
 def _bind_start(interp, ins):
-    done, operand = _done_of(interp, ins.out), interp.program.instrs[ins.args[0]]
+    done, operand = interp.program.instrs[interp.dones[ins.out]], interp.program.instrs[ins.args[0]]
     start = collectives.bind(interp.mc, ins.op[:-len("_start")], interp.xp, operand.shape, operand.dtype,
                              **ins.attrs, reuse=done.out not in interp.keep_fresh and done.donate != 1,
                              in_place=done.donate == 1,
                              nonblocking=True)
-    in_flight = _in_flight(interp)
+    in_flight = interp.in_flight
 
     def run(x):
         pending = start(x)
@@ -61,7 +49,7 @@ def _bind_start(interp, ins):
 
 @opdef.bind(*DONES.values())
 def _bind_done(interp, ins):
-    in_flight = _in_flight(interp)
+    in_flight = interp.in_flight
 
     def run(pending, operand):
         in_flight.remove(pending)
@@ -73,7 +61,7 @@ def with_progress(interp, steps: list) -> list:
     """``steps`` with a progress test after each instruction that runs while a collective is in flight."""
     if progress_mode() == "none" or not any(i.op in STARTS_NAMES for i in interp.program.instrs):
         return steps
-    in_flight, open_, out = _in_flight(interp), 0, []
+    in_flight, open_, out = interp.in_flight, 0, []
     ops = {i.out: i.op for i in interp.program.instrs}
     for out_slot, fn, args, free in steps:
         op = ops[out_slot]
