@@ -62,9 +62,8 @@ class Fusion:
 @opdef.bind(FUSION)
 def _bind_fusion(interp, ins):
     """The fusion record's binder: one kernel for the chain, scratch shared by the interpreter's fusions."""
-    scratch = interp.__dict__.setdefault("fusion_scratch", Scratch(interp.xp))
-    return bind_fusion(ins, interp.xp, [interp.program.instrs[a].dtype for a in ins.args], scratch,
-                       getattr(interp, "planned", {}).get(ins.out))
+    return bind_fusion(ins, interp.xp, [interp.program.instrs[a].dtype for a in ins.args], interp.fusion_scratch,
+                       interp.planned.get(ins.out))
 
 
 def bind_fusion(ins, xp, operand_dtypes, scratch: Scratch, out=None):

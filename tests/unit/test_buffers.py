@@ -3,11 +3,12 @@ outputs never are (or view) a kept buffer, so a second run leaves the first run'
 import tracemalloc
 
 import numpy as np
+import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.comm import run_simulated
-from spmd_runtime.exec.buffers import output_buffers, plan_buffers
+from spmd_runtime.exec.buffers import PLAN_ENV, output_buffers, plan_buffers
 from spmd_runtime.exec.interpreter import Interpreter
 from spmd_runtime.exec.runner import Runtime, shard
 
@@ -61,15 +62,10 @@ def second_run_allocation(program, args, planned: bool):
     """(bytes the second run held at its peak above what was live before it, bytes of its outputs, outputs
     of both runs) of ``program`` on one rank."""
     def body(comm):
-        rt = Runtime.of(comm)
-        interp = rt.interpreter(program, rt.communicator(program.mesh), np)
-        if not planned:
-            interp = Interpreter.__new__(Interpreter)
-            interp.__dict__.update(planned={}, program=program, mc=rt.communicator(program.mesh), xp=np,
-                                   keep_fresh=output_buffers(program))
-            interp.params = [(i.out, i.attrs["index"], i.free) for i in program.instrs if i.op == "parameter"]
-            interp.steps = [(i.out, interp._bind(i), i.args, i.free) for i in program.instrs if i.op != "parameter"]
-            interp.output_slots = [o.slot for o in program.outputs]
+        mc = Runtime.of(comm).communicator(program.mesh)
+        with pytest.MonkeyPatch.context() as env:  # $SPMD_PLAN_BUFFERS=0: every result a new buffer each run
+            env.setenv(PLAN_ENV, "1" if planned else "0")
+            interp = Interpreter(program, mc, np)
         first = interp.run(args)
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
