@@ -209,7 +209,7 @@ def partition_scan(ctx, node):
     ys = [_strip(ag.result.parts[k]) for k in kept]
     program = _partition_body(ctx, node, body, inner, carry + ys, "scan body")
     results = carry + [Sharding(((),) + o.sharding.dims) for o in program.outputs[nc:]]
-    ctx.__dict__.setdefault("_result_position", {})[node.id] = {k: p for p, k in enumerate(list(range(nc)) + kept)}
+    ctx.result_positions[node.id] = {k: p for p, k in enumerate(list(range(nc)) + kept)}
     return _emit_control(ctx, node, args, {"body": program, "length": a["length"], "reverse": a["reverse"],
                                            "num_carry": nc, "num_xs": nx}, results)
 
@@ -241,14 +241,14 @@ def partition_cond(ctx, node):
 
 def _live_results(ctx, node, indices) -> list[int]:
     """The results among ``indices`` that some live ``loop_out`` reads."""
-    if "_live" not in ctx.__dict__:
-        ctx._live = _live_nodes(ctx.graph)
+    if ctx.live_nodes is None:
+        ctx.live_nodes = _live_nodes(ctx.graph)
     read = {n.attrs["index"] for n in ctx.graph.nodes
-            if n.op == "loop_out" and n.inputs[0] == node.id and n.id in ctx._live}
+            if n.op == "loop_out" and n.inputs[0] == node.id and n.id in ctx.live_nodes}
     return [k for k in indices if k in read]
 
 
 def partition_loop_out(ctx, node):
     t, index = ctx.value(node.inputs[0]), node.attrs["index"]
-    position = ctx.__dict__.get("_result_position", {}).get(node.inputs[0], {}).get(index, index)
+    position = ctx.result_positions.get(node.inputs[0], {}).get(index, index)
     return ctx.emit_like(node, "loop_out", [t], {"index": position}, t.sharding.parts[position])

@@ -42,6 +42,10 @@ class PartitionContext:
         self.node: Node | None = None  # the node being partitioned, named in notes
         self._reshard_cache: dict = {}
         self._shared: dict = {}
+        # partition/loops.py: the graph's live nodes (computed once, on the first scan), and per scan node the
+        # position of each traced result among the results it kept (a loop_out reads its result there)
+        self.live_nodes: set | None = None
+        self.result_positions: dict[int, dict[int, int]] = {}
 
     def sharding(self, node_id: int) -> Sharding:
         return self.shardings[node_id]
