@@ -227,10 +227,12 @@ def _bind_all_reduce(plan, in_place, axes, op="sum"):
     if k == 1:
         return _same if in_place else _copy
     allreduce, contiguous = plan.method(plan.mc.sub(axes), "Allreduce"), plan.contiguous()
-    if in_place and plan.host:
+    if in_place and plan.host:  # one Python frame per call around the MPI call
+        in_place_buffer = MPI.IN_PLACE
+
         def run_in_place(x):
-            x = contiguous(x)  # a strided operand is copied once, then reduced in place
-            allreduce(MPI.IN_PLACE, x, mop)
+            x = x if x.flags.c_contiguous else contiguous(x)  # a strided operand is copied once, then reduced in place
+            allreduce(in_place_buffer, x, mop)
             return x
         return run_in_place
     if plan.direct():  # the interpreter's case: one Python frame per call around the MPI call
@@ -310,7 +312,15 @@ def _bind_all_to_all(plan, in_place, axes, split_dim, concat_dim):
     send_shape = _front_shape(blocked, split_dim)
     block = send_shape[1:]
     merged = block[:concat_dim] + (k * block[concat_dim],) + block[concat_dim + 1:]
-    call = plan.mpi(plan.method(plan.mc.sub(axes), "Alltoall"))
+    alltoall = plan.method(plan.mc.sub(axes), "Alltoall")
+    if split_dim == 0 and concat_dim == 0 and plan.direct():  # one Python frame around the MPI call
+        recv, contiguous = plan.buffer(merged)(), _host_contiguous
+
+        def run_direct(x):
+            alltoall(x if x.flags.c_contiguous else contiguous(x), recv)
+            return recv
+        return run_direct
+    call = plan.mpi(alltoall)
     if split_dim == 0:
         to_send = plan.contiguous()
     else:
@@ -337,8 +347,19 @@ def _bind_collective_permute(plan, in_place, pairs):
         return _copy
     if source is None and dest is None:
         return lambda x: xp.zeros(shape, dtype)
-    sendrecv, contiguous = plan.sendrecv(mc.comm), plan.contiguous()
     to_peer, from_peer = _peer(dest), _peer(source)
+    if plan.direct() and source is not None:  # one Python frame around one Sendrecv, as raw mpi4py
+        direct_sendrecv, recv, contiguous = mc.comm.Sendrecv, plan.buffer(shape)(), _host_contiguous
+
+        def run_direct(x):
+            direct_sendrecv(x if x.flags.c_contiguous else contiguous(x), to_peer, 0, recv, from_peer, 0)
+            return recv  # fully overwritten: no memset
+
+        def receive_direct(x):
+            direct_sendrecv(None, to_peer, 0, recv, from_peer, 0)
+            return recv
+        return receive_direct if dest is None else run_direct
+    sendrecv, contiguous = plan.sendrecv(mc.comm), plan.contiguous()
     if source is None:  # nothing arrives: fresh zeros (a reused buffer could have been written in place)
         call = plan.mpi(lambda s, r: sendrecv(s, to_peer, None, from_peer))
         return lambda x: (call(contiguous(x), None), xp.zeros(shape, dtype))[1]

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from spmd_runtime.comm import (
     MeshCommunicator,
+    collectives,
     Transport,
     all_gather,
     all_reduce,
@@ -152,3 +153,60 @@ def test_barrier_and_size_check():
     MeshCommunicator(MESHES[0]).Barrier()
     with pytest.raises(ValueError, match="one MPI process per mesh device"):
         MeshCommunicator(type(MESHES[0])((WORLD.Get_size() + 1,), ("x",)))
+
+
+def _raw_permute(x, pairs, rank):
+    """What this rank receives from one raw mpi4py Sendrecv (zeros when no pair targets it)."""
+    dest = next((d for s, d in pairs if s == rank), MPI.PROC_NULL)
+    source = next((s for s, d in pairs if d == rank), MPI.PROC_NULL)
+    recv = np.zeros_like(x, order="C")
+    WORLD.Sendrecv(None if dest == MPI.PROC_NULL else np.ascontiguousarray(x), dest, 0, recv, source, 0)
+    return recv
+
+
+def _raw_all_to_all(sub, x):
+    recv = np.empty_like(x, order="C")
+    sub.Alltoall(np.ascontiguousarray(x), recv)
+    return recv
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("shape, order", [((4096,), "C"), ((128, 32), "C"), ((128, 32), "F")], ids=["1d", "2d", "2d-F"])
+def test_bound_permute_and_all_to_all_equal_raw_mpi4py_into_one_kept_buffer(mesh, shape, order, make_mc):
+    """The bound host calls (one Sendrecv / Alltoall from one Python frame): every call's result equals the raw
+    mpi4py call's, it is the same receive array every call, and a call allocates nothing of the message's size."""
+    import tracemalloc
+
+    mc, rank, n = make_mc(mesh), WORLD.Get_rank(), mesh.size
+    if n == 1:
+        pytest.skip("one rank: a permute or all_to_all is a local copy, no MPI call")
+    shape = (shape[0] * n,) + shape[1:]
+    axes = mesh.axis_names  # k == n: every rank's group is the world
+    # The shift's ends send only (rank 0: fresh zeros) or receive only (rank n - 1).
+    ring, shift = [(r, (r + 1) % n) for r in range(n)], [(r, r + 1) for r in range(n - 1)]
+    cases = [("collective_permute", {"pairs": ring}, lambda x: _raw_permute(x, ring, rank)),
+             ("collective_permute", {"pairs": shift}, lambda x: _raw_permute(x, shift, rank)),
+             ("all_to_all", {"axes": axes, "split_dim": 0, "concat_dim": 0},
+              lambda x: _raw_all_to_all(mc.sub(axes), x))]
+    checks, message = [], int(np.prod(shape)) * 4
+    for kind, attrs, raw in cases:
+        f = collectives.bind(mc, kind, np, shape, np.float32, **attrs)
+        receives = kind == "all_to_all" or rank in {d for _, d in attrs["pairs"]}  # else fresh zeros, by contract
+        f(np.zeros(shape, np.float32, order=order))  # warm-up: MPI's own first-call setup is not ours to count
+        results = []
+        for seed in range(3):
+            x = np.asarray(local_arrays(mesh, shape, np.float32, seed)[rank], order=order)
+            tracemalloc.start()
+            start = tracemalloc.get_traced_memory()[0]
+            got = f(x)
+            grown = tracemalloc.get_traced_memory()[1] - start
+            tracemalloc.stop()
+            results.append(got)
+            checks.append((kind, got.copy(), raw(x), grown if receives and order == "C" else 0))
+        checks.append((kind, all(g is results[0] for g in results) or not receives, True, 0))
+    for kind, got, expected, grown in checks:
+        if expected is True:
+            assert got, f"a bound host {kind} returned a new receive array"
+            continue
+        assert_same(got, expected)
+        assert grown < message // 2, f"a bound host {kind} allocated {grown} bytes in a call (message {message})"
