@@ -8,7 +8,7 @@ collective_permute as a ring shift), each message size and each communicator
 the raw mpi4py call on the same cached sub-communicator with preallocated
 buffers alternate iteration by iteration (which goes first swaps every
 iteration), so both see the same machine state. Latency = median over
-iterations (as many as fit in SECONDS_PER_ROW, 5 to 200), max over ranks.
+iterations (as many as fit in ``--row-seconds``, 5 to 1000 per second of it), max over ranks.
 The machine is shared and noisy: ``--rounds`` (default 3) passes over every
 row, one after another; every round's row is printed as it ends, then a
 summary per row: each side's minimum over the rounds, their ratio against
@@ -55,8 +55,8 @@ from spmd_runtime.mesh import Mesh
 WORLD = MPI.COMM_WORLD
 FULL_SIZES = [8] + [4**i for i in range(2, 13)]  # 8 B, 16 B, 64 B, ... 16 MiB
 QUICK_SIZES = [8, 1024, 65536, 1 << 20]
-SECONDS_PER_ROW = 0.2  # iteration budget: ~200 iterations of small messages, 5 of large ones
-MIN_ITERS, MAX_ITERS = 5, 200
+SECONDS_PER_ROW = 0.2  # iteration budget (--row-seconds): ~200 iterations of small messages, 5 of large ones
+MIN_ITERS, MAX_ITERS_PER_SECOND = 5, 1000
 
 
 class HostBuffers:
@@ -196,7 +196,8 @@ def iterations_for(ours, raw) -> int:
     start = time.perf_counter()
     ours(), raw()
     pair_seconds = WORLD.allreduce(time.perf_counter() - start, MPI.MAX)
-    return int(min(MAX_ITERS, max(MIN_ITERS, SECONDS_PER_ROW / max(pair_seconds, 1e-9))))
+    most = MAX_ITERS_PER_SECOND * SECONDS_PER_ROW
+    return int(min(most, max(MIN_ITERS, SECONDS_PER_ROW / max(pair_seconds, 1e-9))))
 
 
 def time_side_by_side(ours, raw, iters: int) -> tuple[float, float]:
@@ -283,6 +284,11 @@ def machine_state(when: str) -> str:
     return f"# {when}: load average {load}; {WORLD.Get_size()} ranks on {cores} cores{crowded}"
 
 
+def mpich_settings() -> str:
+    """The MPIR_CVAR_* variables this run was given (yield / polling settings matter when oversubscribed)."""
+    return " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MPIR_CVAR_")) or "none"
+
+
 def run(sizes: list[int], rounds: int, device: bool = False) -> bool:
     global BUF
     # One CUDA-awareness answer for both sides: the Transport's is the one the raw side follows.
@@ -293,7 +299,8 @@ def run(sizes: list[int], rounds: int, device: bool = False) -> bool:
     report(f"# {WORLD.Get_size()} ranks, mesh {mc.mesh}, {MPI.Get_library_version().splitlines()[0]}\n"
            f"# {BUF.mode}; ours = {'one-shot functions' if UNBOUND else 'collectives bound once (the interpreter)'}"
            f"\n{machine_state('before')}\n"
-           f"# {rounds} rounds over every row; in each row ours and mpi4py alternate call by call, median per side"
+           f"# {rounds} rounds over every row, {SECONDS_PER_ROW:g} s per row; in each row ours and mpi4py alternate "
+           f"call by call, median per side\n# MPICH settings from the environment: {mpich_settings()}"
            f"\n{HEADER}")
     rows = [(name, axes, label, nbytes) for name in CASES for label, axes in communicators(mc.mesh) for nbytes in sizes]
     times = [[] for _ in rows]
@@ -314,6 +321,7 @@ def report(line: str) -> None:
 
 
 def main() -> None:
+    global UNBOUND, SECONDS_PER_ROW
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only sizes {QUICK_SIZES}")
     parser.add_argument("--device", action="store_true",
@@ -321,13 +329,16 @@ def main() -> None:
                              "CUDA-aware")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over every row; the summary takes each side's minimum over them (default 3)")
+    parser.add_argument("--row-seconds", type=float, default=SECONDS_PER_ROW,
+                        help=f"time budget of one row in one round (default {SECONDS_PER_ROW}); more steadies the "
+                             "medians of an oversubscribed run")
     parser.add_argument("--unbound", action="store_true",
                         help="time the one-shot functions (bind + call every time) instead of bound collectives")
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1; got {args.rounds}")
-    global UNBOUND
-    UNBOUND = args.unbound
+    if args.rounds < 1 or args.row_seconds <= 0:
+        parser.error(f"--rounds must be at least 1 and --row-seconds positive; got {args.rounds} and "
+                     f"{args.row_seconds}")
+    UNBOUND, SECONDS_PER_ROW = args.unbound, args.row_seconds
     start = time.perf_counter()
     ok = run(QUICK_SIZES if args.quick else FULL_SIZES, args.rounds, device=args.device)
     report(f"# total {time.perf_counter() - start:.1f} s")
