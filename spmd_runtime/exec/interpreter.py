@@ -14,7 +14,7 @@ from ..opdef import lookup
 from ..partition.schedule import pairs
 from ..program import SPMDProgram
 from .buffers import output_buffers, plan_buffers
-from .fused import Scratch
+from .fused import Scratch, compiled_fusions
 from .overlap import with_progress
 
 
@@ -25,6 +25,7 @@ class Interpreter:
         self.keep_fresh = output_buffers(program)  # collectives whose result may leave the run: no reuse
         self.planned = plan_buffers(program, xp) if xp is np else {}  # result buffers made once (NumPy)
         self.fusion_scratch = Scratch(xp)  # intermediates of fused chains, shared by this program's fusions
+        self.cpu_kernels = compiled_fusions(program) if xp is np else {}  # fusion slot -> compiled C loop
         self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == "parameter"]
         self.in_flight: list = []  # issued nonblocking collectives not yet waited for, oldest first
         self.dones = pairs(program)  # start slot -> done slot: a start binds with its done's flags

@@ -1,0 +1,205 @@
+"""Fusions as compiled C loops (exec/cpu_kernels.py): the loop nest a fusion gets, the compiled results
+against the NumPy ufunc chain and the reference evaluator (special values included), the fallbacks."""
+import os
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+
+import spmd_runtime as sr
+import spmd_runtime.numpy as snp
+from spmd_runtime.exec import cpu_kernels
+from spmd_runtime.exec.fused import Fusion, compiled_fusions
+from simulated import run_everywhere
+from test_fusion import CASES, both, fusions
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="needs a C compiler")
+F32 = "float32"
+
+
+@pytest.fixture
+def compiled(monkeypatch, tmp_path):
+    """Every fusion compiled (no size floor), into a fresh cache folder."""
+    monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "1")
+    monkeypatch.setenv(cpu_kernels.MIN_ENV, "0")
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    return tmp_path
+
+
+def ulps(a, b):
+    """Units in the last place between two float arrays (NaN == NaN, same-signed infinities equal)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.array_equal(np.isnan(a), np.isnan(b))
+    ints = {np.dtype("float32"): np.int32, np.dtype("float64"): np.int64}[a.dtype]
+    ia, ib = a.view(ints).astype(np.float64), b.view(ints).astype(np.float64)
+    ia, ib = [np.where(x < 0, np.iinfo(ints).min - x, x) for x in (ia, ib)]  # sign-magnitude -> ordered
+    return np.max(np.where(np.isnan(a), 0, np.abs(ia - ib)), initial=0)
+
+
+# ------------------------------------------------------------------------- the loop nest (table)
+@pytest.mark.parametrize("shape, operands, extents, strides", [
+    ((8, 128, 256), [(8, 128, 256)], [262144], [[1]]),  # contiguous: one flat loop
+    ((8, 128, 256), [(8, 128, 256), (8, 128, 1)], [1024, 256], [[256, 1], [1, 0]]),  # per-row value
+    ((8, 128, 256), [(8, 128, 256), (1, 1, 256)], [1024, 256], [[256, 1], [0, 1]]),  # bias
+    ((4, 1, 6), [(4, 1, 6), (1, 1, 6)], [4, 6], [[6, 1], [0, 1]]),  # extent-1 dims dropped
+    ((2, 3, 4, 5), [(2, 3, 4, 5), (2, 1, 4, 1)], [2, 3, 4, 5], [[60, 20, 5, 1], [4, 0, 1, 0]]),
+    ((), [()], [1], [[1]]),  # a scalar
+])
+def test_a_fusion_loops_over_merged_dims_with_zero_strides_where_an_operand_repeats(shape, operands, extents,
+                                                                                    strides):
+    assert cpu_kernels._loop_nest(shape, operands) == (extents, strides)
+
+
+def test_the_source_is_one_typed_statement_per_step_inside_a_vectorised_inner_loop():
+    fused, _ = both(lambda x, b: snp.exp(x - b), [sr.TensorSpec((4, 6), F32), sr.TensorSpec((4, 1), F32)],
+                    sr.Mesh((1,), ("x",)), [(None, None), (None, None)])
+    (f,) = fusions(fused)
+    source = cpu_kernels.c_function(Fusion(f), [F32, F32], "k")
+    assert source.splitlines() == [
+        "void k(const float* p0, const float* p1, float* out) {",
+        "  for (int64_t i0 = 0; i0 < 4LL; i0++)",
+        "  #pragma omp simd",
+        "  for (int64_t i1 = 0; i1 < 6LL; i1++)",
+        "  {",
+        "    const float t0 = (p0[i0*6LL + i1] - p1[i0]);",
+        "    const float t1 = spmd_expf(t0);" if cpu_kernels._vector_math() else "    const float t1 = expf(t0);",
+        "    out[i0*6LL + i1] = t1;",
+        "  }",
+        "}"]
+
+
+# ------------------------------------------------------------------------- numerics
+TRANSCENDENTAL = {"gelu_mlp", "masked_softmax"}  # exp/tanh: libmvec vs NumPy's SIMD loops, a few ulp apart
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("fn, shapes, in_specs, mesh", CASES, ids=[c[0].__name__ for c in CASES])
+def test_compiled_fusions_agree_with_the_numpy_chain(fn, shapes, in_specs, mesh, dtype, compiled):
+    """Bit-identical where only + - * / sqrt, comparisons, selects and casts run (IEEE order kept, no FMA
+    contraction); within 4 ulp where exp or tanh do."""
+    fused, plain = both(fn, [sr.TensorSpec(s, dtype) for s in shapes], mesh, in_specs)
+    assert compiled_fusions(fused)  # the compiled path runs
+    rng = np.random.default_rng(0)
+    args = [np.abs(rng.standard_normal(s) * 2).astype(dtype) for s in shapes]
+    args[0][0, 0] = np.nan if fn.__name__ == "clamp_cast" else -args[0][0, 0]
+    for rank_got, rank_want in zip(run_everywhere(fused, *args), run_everywhere(plain, *args)):
+        for g, w in zip(rank_got, rank_want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            if fn.__name__ in TRANSCENDENTAL:
+                assert ulps(g, w) <= 4
+            else:
+                np.testing.assert_array_equal(g, w)
+
+
+SPECIAL = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 88.7, 89.0, -87.0, -87.5, -100.0,
+                    -103.9, -104.5, -1e9, 709.0, -707.0, -745.0, -750.0, 3.0, -3.0, 20.0, -20.0, 0.5])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name, fn", [
+    ("exp", lambda x, y: snp.exp(x - y)),  # in range, denormal results, underflow to 0, overflow, NaN
+    ("log", lambda x, y: snp.log(snp.abs(x) + y)),
+    ("tanh", lambda x, y: snp.tanh(x * y)),
+    ("sqrt_div", lambda x, y: snp.sqrt(snp.abs(x)) / (y - 1.0)),
+    ("pow", lambda x, y: snp.abs(x) ** y),
+    ("max_min", lambda x, y: snp.minimum(snp.maximum(x, y), -x)),  # NaN propagates both ways
+    ("select_cmp", lambda x, y: snp.where((x >= y) & (x != 0.0), -x, y * 2.0)),
+    ("neg_abs", lambda x, y: -snp.abs(x) + y),
+])
+def test_special_values_give_numpys_results(name, fn, dtype, compiled):
+    x = SPECIAL.astype(dtype)
+    y = np.resize(np.array([0.0, 1.0, -2.0, np.nan, 0.5, np.inf], dtype), x.shape)
+    fused, plain = both(fn, [sr.TensorSpec(x.shape, dtype)] * 2, sr.Mesh((1,), ("x",)), [(None,)] * 2)
+    assert compiled_fusions(fused)
+    with np.errstate(all="ignore"):
+        (got,), (want,) = run_everywhere(fused, x, y)[0], run_everywhere(plain, x, y)[0]
+    assert ulps(got, want) <= (4 if name in ("exp", "log", "tanh", "pow") else 0), (got, want)
+
+
+@pytest.mark.parametrize("dtype, values", [
+    ("int32", [-7, 0, 3, 2**31 - 1, -2**31]), ("int64", [-7, 0, 3, 2**62, -2**63]), ("uint8", [0, 1, 200, 255, 7])])
+def test_integer_chains_wrap_as_numpy_does(dtype, values, compiled):
+    x = np.array(values, dtype)
+    fn = lambda a: snp.maximum(a * a + a, a - 1)  # overflow wraps; uint8 0 - 1 wraps to 255
+    fused, plain = both(fn, [sr.TensorSpec(x.shape, dtype)], sr.Mesh((1,), ("x",)), [(None,)])
+    assert compiled_fusions(fused)
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(run_everywhere(fused, x)[0][0], run_everywhere(plain, x)[0][0])
+
+
+def test_a_strided_operand_is_read_correctly(compiled):
+    """A transposed operand reaches the loop C-ordered (copied first); the result matches the reference."""
+    fn = lambda a, b: snp.tanh(snp.transpose(a) * 2.0 + b)
+    specs = [sr.TensorSpec((6, 4), F32), sr.TensorSpec((4, 6), F32)]
+    program = sr.partition(sr.trace(fn, *specs), sr.Mesh((2,), ("x",)), in_specs=[(None, "x"), ("x", None)])
+    assert compiled_fusions(program)
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((6, 4)).astype(F32), rng.standard_normal((4, 6)).astype(F32)
+    for (got,) in run_everywhere(program, a, b):
+        assert ulps(got, np.tanh(a.T * np.float32(2.0) + b)) <= 4
+
+
+def test_an_operand_of_another_dtype_than_the_program_says_is_refused(compiled):
+    fused, _ = both(lambda x: snp.exp(x * 2.0), [sr.TensorSpec((8,), F32)], sr.Mesh((1,), ("x",)), [(None,)])
+    (f,) = fusions(fused)
+    from spmd_runtime.exec.fused import _compiled_chain
+    run = _compiled_chain(Fusion(f), compiled_fusions(fused)[f.out], [F32], None)
+    with pytest.raises(ValueError, match=r"must be float32\[8 elements\].*got float64\[8\]"):
+        run(np.zeros(8))
+    np.testing.assert_array_equal(run(np.zeros(8, F32)), np.ones(8, F32))
+
+
+def test_training_step_compiled_matches_unfused(compiled, monkeypatch):
+    cfg = sr.LMConfig(layers=1, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=4)
+    steps = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("SPMD_FUSE", fuse)
+        steps[fuse] = sr.build_train_step(cfg, sr.train_mesh((2,), "megatron"), "megatron", sr.AdamW())
+    assert compiled_fusions(steps["1"].program)
+    state = steps["1"].init(0)
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, 24, (4, 8)), rng.integers(0, 24, (4, 8))
+    args = [state["params"], state["opt_state"], {"tokens": x.astype(np.int32), "labels": y.astype(np.int32)}]
+    for g, w in zip(run_everywhere(steps["1"].program, *args)[0], run_everywhere(steps["0"].program, *args)[0]):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------------- policy and fallbacks
+def program_of_one_big_fusion(n):
+    fused, _ = both(lambda x: snp.tanh(x * 2.0 + 1.0), [sr.TensorSpec((n,), F32)], sr.Mesh((1,), ("x",)),
+                    [(None,)])
+    return fused
+
+
+def test_fusions_below_the_size_floor_stay_numpy_chains(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(cpu_kernels.MIN_ENV, "100")
+    assert compiled_fusions(program_of_one_big_fusion(99)) == {}
+    assert len(compiled_fusions(program_of_one_big_fusion(100))) == 1
+    monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "0")
+    assert compiled_fusions(program_of_one_big_fusion(100)) == {}
+
+
+@pytest.mark.parametrize("cc, says", [("/no/such/cc", "no C compiler"), ("false", "must succeed; got exit 1")])
+def test_no_compiler_or_a_failing_one_says_so_once_and_runs_the_numpy_chain(cc, says, compiled, monkeypatch):
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setattr(cpu_kernels, "_warned", set())
+    program = program_of_one_big_fusion(64)
+    with pytest.warns(RuntimeWarning, match=says):
+        assert compiled_fusions(program) == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per process, not per program
+        assert compiled_fusions(program) == {}
+    x = np.linspace(-2, 2, 64).astype(F32)
+    np.testing.assert_allclose(run_everywhere(program, x)[0][0], np.tanh(x * 2 + 1), rtol=1e-6)
+
+
+def test_a_library_is_compiled_once_and_reused_from_the_cache(compiled):
+    program = program_of_one_big_fusion(32)
+    compiled_fusions(program)
+    (library,) = list(compiled.glob("fusions_*.so"))
+    made = library.stat().st_mtime_ns
+    cpu_kernels.KernelLibrary._loaded.clear()  # a new process: loads from disk, no compile
+    compiled_fusions(program)
+    assert list(compiled.glob("fusions_*.so")) == [library] and library.stat().st_mtime_ns == made
