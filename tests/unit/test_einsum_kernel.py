@@ -1,0 +1,35 @@
+"""The local einsum kernel (ops/einsum.py): contractions as batched BLAS matmuls, and einsums that sum
+over nothing as one broadcasting multiply in the output's order; both against np.einsum."""
+import numpy as np
+import pytest
+
+from spmd_runtime.ops.einsum import _einsum_kernel
+
+SPECS = [  # (spec, lhs shape, rhs shape)
+    ("bsd,d->dbs", (2, 3, 4), (4,)),  # a LayerNorm gain, output batch-first
+    ("bsd,d->bsd", (2, 3, 4), (4,)),
+    ("dbs,d->dbs", (4, 2, 3), (4,)),
+    ("bs,d->bsd", (2, 3), (4,)),  # an additive bias through a ones operand
+    ("b,sd->bsd", (2,), (3, 4)),  # the positional table over the batch
+    ("ab,cd->cadb", (2, 3), (4, 5)),  # an outer product, permuted
+    ("abc,cb->acb", (2, 3, 4), (4, 3)),
+    ("aXY,YZ->aXZ", (2, 3, 4), (4, 5)),  # contractions: the matmul path
+    ("bsd,dbs->d", (2, 3, 4), (4, 2, 3)),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("spec, sa, sb", SPECS, ids=[s[0] for s in SPECS])
+def test_the_kernel_gives_np_einsum_into_a_planned_buffer_or_fresh(spec, sa, sb, dtype):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(sa).astype(dtype), rng.standard_normal(sb).astype(dtype)
+    want = np.einsum(spec, a, b)
+    into = np.empty(want.size, dtype)
+    fresh, planned = _einsum_kernel(np, a, b, spec), _einsum_kernel(np, a, b, spec, into=into)
+    for got in (fresh, planned):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == "float32" else 1e-13)
+    assert np.shares_memory(planned, into)
+    if "," in spec and not set(spec.split("->")[0].replace(",", "")) - set(spec.split("->")[1]):
+        np.testing.assert_array_equal(fresh, want)  # nothing summed: each element one product, exact
+        assert fresh.flags.c_contiguous  # written in the output's order
