@@ -25,7 +25,9 @@ functions below are ``bind(...)(x)`` with fresh buffers.
 layouts and buffers, but the MPI call is the nonblocking one (``Iallreduce``,
 ``Iallgather``, ``Ireduce_scatter_block``, ``Ialltoall``, ``Irecv`` + ``Isend``
 for a permute) and ``Pending.wait()`` gives the result (the scheduled programs'
-``*_start`` / ``*_done`` pairs, ``partition/schedule.py``). Device arrays staged
+``*_start`` / ``*_done`` pairs, ``partition/schedule.py``). A host binding whose
+receive buffer is kept (or that reduces in place) keeps its ``Pending`` too and
+posts from one Python frame: one call in flight per binding, as in a program. Device arrays staged
 through the host and 16-bit floats run blocking at the start (no overlap there).
 
 Wire bytes (per rank, ring algorithms, S = local bytes) are in each docstring;
@@ -102,9 +104,9 @@ def bind(mc, kind: str, xp, shape, dtype, *, reuse: bool = True, in_place: bool 
         return lambda x: Pending((), run(x), None, what)
     if is_low_precision(dtype):  # 16-bit floats: moved as uint16, reduced in float32 (low_precision.py)
         return low_precision.bind(bind, mc, kind, xp, tuple(shape), np.dtype(dtype), reuse=reuse, **attrs)
-    plan = _Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse, nonblocking)
+    plan = _Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse, nonblocking, what)
     run = _BINDERS[kind](plan, in_place=in_place, **attrs)
-    return plan.starter(run, what) if nonblocking else run
+    return plan.starter(run) if nonblocking and not plan.starts_itself else run
 
 
 class Pending:
@@ -152,10 +154,11 @@ def _bind_fresh(mc, kind, x, **attrs):
 class _Plan:
     """What every binder needs: the array module, the shapes, and buffers made once (reuse) or per call."""
 
-    def __init__(self, mc, xp, shape, dtype, reuse, nonblocking=False):
+    def __init__(self, mc, xp, shape, dtype, reuse, nonblocking=False, what=""):
         self.mc, self.xp, self.shape, self.dtype, self.reuse = mc, xp, shape, dtype, reuse
-        self.host, self.nonblocking, self.issued = xp is np, nonblocking, []
+        self.host, self.nonblocking, self.issued, self.what = xp is np, nonblocking, [], what
         self.comm = None  # the communicator the nonblocking calls went to (a Pending's peers)
+        self.starts_itself = False  # the binder returned ``start(x) -> Pending`` itself (``_direct``)
 
     def method(self, comm, name: str):
         """``comm``'s MPI collective ``name``; nonblocking plans call its ``I`` variant and keep the request."""
@@ -184,9 +187,9 @@ class _Plan:
         """``post`` for a layout move that reads the received data: deferred to the wait when nonblocking."""
         return (lambda recv: _After(post, recv)) if self.nonblocking else post
 
-    def starter(self, run, what: str):
+    def starter(self, run):
         """``start(x) -> Pending`` from a binder's ``run`` whose MPI calls left their requests in ``issued``."""
-        issued, plan = self.issued, self
+        issued, plan, what = self.issued, self, self.what
 
         def start(x):
             value = run(x)
@@ -196,8 +199,8 @@ class _Plan:
         return start
 
     def direct(self) -> bool:
-        """Host buffers, kept across calls, blocking: the binder may call MPI on them with nothing between."""
-        return self.host and self.reuse and not self.nonblocking
+        """Host buffers kept across calls: the binder may call MPI on them with nothing between (``_direct``)."""
+        return self.host and self.reuse
 
     def buffer(self, shape):
         """A zero-argument maker of a receive buffer: the same one every call when reusing."""
@@ -226,22 +229,11 @@ def _bind_all_reduce(plan, in_place, axes, op="sum"):
     mop, k = mpi_op(op), plan.mc.axis_size(axes)  # a bad op is rejected even where k == 1 needs no MPI call
     if k == 1:
         return _same if in_place else _copy
+    if in_place and plan.host:  # into the operand: no receive buffer to keep
+        return _direct(plan, plan.mc.sub(axes), "Allreduce", None, mop)
+    if plan.direct():  # the interpreter's case
+        return _direct(plan, plan.mc.sub(axes), "Allreduce", plan.buffer(plan.shape)(), mop)
     allreduce, contiguous = plan.method(plan.mc.sub(axes), "Allreduce"), plan.contiguous()
-    if in_place and plan.host:  # one Python frame per call around the MPI call
-        in_place_buffer = MPI.IN_PLACE
-
-        def run_in_place(x):
-            x = x if x.flags.c_contiguous else contiguous(x)  # a strided operand is copied once, then reduced in place
-            allreduce(in_place_buffer, x, mop)
-            return x
-        return run_in_place
-    if plan.direct():  # the interpreter's case: one Python frame per call around the MPI call
-        recv = plan.buffer(plan.shape)()
-
-        def run_direct(x):
-            allreduce(x if x.flags.c_contiguous else contiguous(x), recv, mop)
-            return recv
-        return run_direct
     call, recv_buffer = plan.mpi(lambda s, r: allreduce(s, r, mop)), plan.buffer(plan.shape)
 
     def run(x):
@@ -257,15 +249,10 @@ def _bind_all_gather(plan, in_place, axes, dim):
     if k == 1:
         return _copy
     front = _front_shape(shape, dim)
-    call, to_front = plan.mpi(plan.method(plan.mc.sub(axes), "Allgather")), _to_front_fn(plan, dim, front)
     recv_buffer = plan.buffer((k * front[0],) + front[1:])
-    if dim == 0 and plan.direct():  # one Python frame per call around the MPI call
-        recv, contiguous = recv_buffer(), to_front
-
-        def run_direct(x):
-            call(x if x.flags.c_contiguous else contiguous(x), recv)
-            return recv
-        return run_direct
+    if dim == 0 and plan.direct():
+        return _direct(plan, plan.mc.sub(axes), "Allgather", recv_buffer())
+    call, to_front = plan.mpi(plan.method(plan.mc.sub(axes), "Allgather")), _to_front_fn(plan, dim, front)
 
     def run(x):
         recv = recv_buffer()
@@ -282,16 +269,12 @@ def _bind_reduce_scatter(plan, in_place, axes, dim, op="sum"):
     if k == 1:
         return _copy
     front = _front_shape(shape, dim)
+    recv_buffer = plan.buffer((front[0] // k,) + front[1:])
+    if dim == 0 and plan.direct():
+        return _direct(plan, plan.mc.sub(axes), "Reduce_scatter_block", recv_buffer(), mop)
     reduce_scatter_block = plan.method(plan.mc.sub(axes), "Reduce_scatter_block")
     to_front = _to_front_fn(plan, dim, front)
-    call, recv_buffer = plan.mpi(lambda s, r: reduce_scatter_block(s, r, mop)), plan.buffer((front[0] // k,) + front[1:])
-    if dim == 0 and plan.direct():  # one Python frame per call around the MPI call
-        recv, contiguous = recv_buffer(), to_front
-
-        def run_direct(x):
-            reduce_scatter_block(x if x.flags.c_contiguous else contiguous(x), recv, mop)
-            return recv
-        return run_direct
+    call = plan.mpi(lambda s, r: reduce_scatter_block(s, r, mop))
 
     def run(x):
         recv = recv_buffer()
@@ -312,15 +295,9 @@ def _bind_all_to_all(plan, in_place, axes, split_dim, concat_dim):
     send_shape = _front_shape(blocked, split_dim)
     block = send_shape[1:]
     merged = block[:concat_dim] + (k * block[concat_dim],) + block[concat_dim + 1:]
-    alltoall = plan.method(plan.mc.sub(axes), "Alltoall")
-    if split_dim == 0 and concat_dim == 0 and plan.direct():  # one Python frame around the MPI call
-        recv, contiguous = plan.buffer(merged)(), _host_contiguous
-
-        def run_direct(x):
-            alltoall(x if x.flags.c_contiguous else contiguous(x), recv)
-            return recv
-        return run_direct
-    call = plan.mpi(alltoall)
+    if split_dim == 0 and concat_dim == 0 and plan.direct():
+        return _direct(plan, plan.mc.sub(axes), "Alltoall", plan.buffer(merged)())
+    call = plan.mpi(plan.method(plan.mc.sub(axes), "Alltoall"))
     if split_dim == 0:
         to_send = plan.contiguous()
     else:
@@ -348,17 +325,8 @@ def _bind_collective_permute(plan, in_place, pairs):
     if source is None and dest is None:
         return lambda x: xp.zeros(shape, dtype)
     to_peer, from_peer = _peer(dest), _peer(source)
-    if plan.direct() and source is not None:  # one Python frame around one Sendrecv, as raw mpi4py
-        direct_sendrecv, recv, contiguous = mc.comm.Sendrecv, plan.buffer(shape)(), _host_contiguous
-
-        def run_direct(x):
-            direct_sendrecv(x if x.flags.c_contiguous else contiguous(x), to_peer, 0, recv, from_peer, 0)
-            return recv  # fully overwritten: no memset
-
-        def receive_direct(x):
-            direct_sendrecv(None, to_peer, 0, recv, from_peer, 0)
-            return recv
-        return receive_direct if dest is None else run_direct
+    if plan.direct() and source is not None:
+        return _permute_direct(plan, mc.comm, to_peer, from_peer, plan.buffer(shape)())
     sendrecv, contiguous = plan.sendrecv(mc.comm), plan.contiguous()
     if source is None:  # nothing arrives: fresh zeros (a reused buffer could have been written in place)
         call = plan.mpi(lambda s, r: sendrecv(s, to_peer, None, from_peer))
@@ -376,6 +344,83 @@ def _bind_collective_permute(plan, in_place, pairs):
         call(contiguous(x), recv)  # fully overwritten: no memset
         return recv
     return run
+
+
+def _direct(plan, comm, name: str, recv, op=None):
+    """A host collective whose receive buffer ``recv`` is kept across calls (the interpreter's case): one Python
+    frame per call around MPI ``name(send, recv[, op])`` on ``comm``, what raw mpi4py pays (the op is passed
+    positionally: a ``*args`` call costs more than the contiguity check); nonblocking: ``start(x) -> Pending``
+    around its ``I`` variant, the handle kept like ``recv`` (one call in flight per binding). ``recv`` None:
+    reduced into the operand (``MPI.IN_PLACE``)."""
+    contiguous, in_place = _host_contiguous, MPI.IN_PLACE
+    if not plan.nonblocking:
+        call = getattr(comm, name)
+
+        def run_in_place(x):
+            x = x if x.flags.c_contiguous else contiguous(x)  # strided: copied once, then reduced in place
+            call(in_place, x, op)
+            return x
+
+        def run_reduce(x):
+            call(x if x.flags.c_contiguous else contiguous(x), recv, op)
+            return recv
+
+        def run_move(x):
+            call(x if x.flags.c_contiguous else contiguous(x), recv)
+            return recv
+        return run_in_place if recv is None else run_move if op is None else run_reduce
+    plan.starts_itself, start = True, getattr(comm, "I" + name[0].lower() + name[1:])
+    pending = Pending((), recv, None, plan.what, comm)
+
+    def start_in_place(x):
+        pending.value = pending.operand = x = x if x.flags.c_contiguous else contiguous(x)
+        pending.requests = (start(in_place, x, op),)
+        return pending
+
+    def start_reduce(x):
+        pending.operand = send = x if x.flags.c_contiguous else contiguous(x)  # MPI reads it until the wait
+        pending.requests = (start(send, recv, op),)
+        return pending
+
+    def start_move(x):
+        pending.operand = send = x if x.flags.c_contiguous else contiguous(x)
+        pending.requests = (start(send, recv),)
+        return pending
+    return start_in_place if recv is None else start_move if op is None else start_reduce
+
+
+def _permute_direct(plan, comm, to_peer, from_peer, recv):
+    """``_direct`` for a permute that receives into the kept ``recv``: one Sendrecv (or an Irecv and an Isend)
+    from one Python frame; no send when ``to_peer`` is MPI_PROC_NULL."""
+    contiguous = _host_contiguous
+    if not plan.nonblocking:
+        sendrecv = comm.Sendrecv
+
+        def run_direct(x):
+            sendrecv(x if x.flags.c_contiguous else contiguous(x), to_peer, 0, recv, from_peer, 0)
+            return recv  # fully overwritten: no memset
+
+        def receive_direct(x):
+            sendrecv(None, to_peer, 0, recv, from_peer, 0)
+            return recv
+        return receive_direct if to_peer == MPI.PROC_NULL else run_direct
+    plan.starts_itself, irecv, isend = True, comm.Irecv, comm.Isend
+    pending = Pending((), recv, None, plan.what, comm)  # kept, like `recv`: one call in flight per binding
+
+    def start_direct(x):
+        pending.operand = send = x if x.flags.c_contiguous else contiguous(x)
+        pending.requests = (irecv(recv, from_peer, 0), isend(send, to_peer, 0))
+        return pending
+
+    def start_receive(x):
+        pending.requests = (irecv(recv, from_peer, 0),)
+        return pending
+    return start_receive if to_peer == MPI.PROC_NULL else start_direct
+
+
+# Their closures call MPI (the binders' own closures are marked by exec/runner.py): the watchdog names them.
+for _maker in (_direct, _permute_direct):
+    watchdog.collective_closures(_maker, lambda frame: "an MPI collective")
 
 
 _BINDERS = {"all_reduce": _bind_all_reduce, "all_gather": _bind_all_gather, "reduce_scatter": _bind_reduce_scatter,

@@ -32,16 +32,17 @@ def step_arrays(step, order="C"):
             for r in range(MESH.size)]
 
 
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
 @pytest.mark.parametrize("order", ["C", "F"])
 @pytest.mark.parametrize("kind, attrs, reference", KINDS, ids=[f"{k[0]}-{i}" for i, k in enumerate(KINDS)])
-def test_bound_collective_reuses_its_buffer_and_is_right_every_call(kind, attrs, reference, order):
+def test_bound_collective_reuses_its_buffer_and_is_right_every_call(kind, attrs, reference, order, nonblocking):
     steps = [step_arrays(s, order) for s in range(3)]
 
     def body(mc):
-        f = collectives.bind(mc, kind, np, (4, 6), np.float32, **attrs)
+        f = collectives.bind(mc, kind, np, (4, 6), np.float32, nonblocking=nonblocking, **attrs)
         outs = []
         for xs in steps:
-            got = f(xs[mc.rank])
+            got = f(xs[mc.rank]).wait() if nonblocking else f(xs[mc.rank])
             outs.append((got.copy(), got.__array_interface__["data"][0]))
         return outs
 
@@ -64,14 +65,16 @@ def test_unreused_binding_returns_fresh_buffers():
         np.testing.assert_array_equal(a, np.full((4, 6), 2.0))
 
 
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
 @pytest.mark.parametrize("order", ["C", "F"])
-def test_in_place_all_reduce_writes_into_the_operand(order):
+def test_in_place_all_reduce_writes_into_the_operand(order, nonblocking):
     xs = step_arrays(0, order)
 
     def body(mc):
-        f = collectives.bind(mc, "all_reduce", np, (4, 6), np.float32, axes=("x", "y"), in_place=True)
+        f = collectives.bind(mc, "all_reduce", np, (4, 6), np.float32, axes=("x", "y"), in_place=True,
+                             nonblocking=nonblocking)
         x = xs[mc.rank].copy(order=order)
-        out = f(x)
+        out = f(x).wait() if nonblocking else f(x)
         return out, np.shares_memory(out, x)
 
     for rank, (out, shared) in enumerate(run_simulated(MESH.size, lambda comm: body(MeshCommunicator(MESH, comm)))):

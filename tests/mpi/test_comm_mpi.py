@@ -172,9 +172,11 @@ def _raw_all_to_all(sub, x):
 
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
 @pytest.mark.parametrize("shape, order", [((4096,), "C"), ((128, 32), "C"), ((128, 32), "F")], ids=["1d", "2d", "2d-F"])
-def test_bound_permute_and_all_to_all_equal_raw_mpi4py_into_one_kept_buffer(mesh, shape, order, make_mc):
-    """The bound host calls (one Sendrecv / Alltoall from one Python frame): every call's result equals the raw
-    mpi4py call's, it is the same receive array every call, and a call allocates nothing of the message's size."""
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
+def test_bound_permute_and_all_to_all_equal_raw_mpi4py_into_one_kept_buffer(mesh, shape, order, nonblocking, make_mc):
+    """The bound host calls (one Sendrecv / Alltoall, or Irecv + Isend / Ialltoall, from one Python frame): every
+    call's result equals the raw mpi4py call's, it is the same receive array every call, and a call allocates
+    nothing of the message's size."""
     import tracemalloc
 
     mc, rank, n = make_mc(mesh), WORLD.Get_rank(), mesh.size
@@ -190,7 +192,8 @@ def test_bound_permute_and_all_to_all_equal_raw_mpi4py_into_one_kept_buffer(mesh
               lambda x: _raw_all_to_all(mc.sub(axes), x))]
     checks, message = [], int(np.prod(shape)) * 4
     for kind, attrs, raw in cases:
-        f = collectives.bind(mc, kind, np, shape, np.float32, **attrs)
+        bound = collectives.bind(mc, kind, np, shape, np.float32, nonblocking=nonblocking, **attrs)
+        f = (lambda x: bound(x).wait()) if nonblocking else bound
         receives = kind == "all_to_all" or rank in {d for _, d in attrs["pairs"]}  # else fresh zeros, by contract
         f(np.zeros(shape, np.float32, order=order))  # warm-up: MPI's own first-call setup is not ours to count
         results = []
