@@ -32,10 +32,33 @@ def buffer_owners(program) -> dict[int, frozenset]:
     return owners
 
 
-def output_buffers(program) -> frozenset[int]:
-    """Slots of the instructions that made a buffer some program output may be, or view."""
+def output_buffers(program, copied=frozenset()) -> frozenset[int]:
+    """Slots of the instructions that made a buffer some program output may be, or view; the outputs at the
+    positions in ``copied`` excepted (the caller copies them out before the next run: a scan's ``ys``)."""
     owners = buffer_owners(program)
-    return frozenset().union(*(owners[o.slot] for o in program.outputs))
+    return frozenset().union(*(owners[o.slot] for k, o in enumerate(program.outputs) if k not in copied))
+
+
+def may_reach_outputs(program, slots) -> bool:
+    """Whether some output of ``program`` may be, or view, the buffer of one of ``slots``: followed through
+    views, in-place results and control results (anything but an op that makes a fresh buffer)."""
+    users: dict[int, list] = {}
+    for ins in program.instrs:
+        for a in ins.args:
+            users.setdefault(a, []).append(ins)
+    outputs, seen, stack = {o.slot for o in program.outputs}, set(), list(slots)
+    while stack:
+        slot = stack.pop()
+        if slot in outputs:
+            return True
+        if slot not in seen:
+            seen.add(slot)
+            for user in users.get(slot, ()):
+                record = lookup(user.op)
+                fresh = record.fresh and (user.donate < 0 or user.args[user.donate] != slot)
+                if not fresh and not record.read_only:
+                    stack.append(user.out)
+    return False
 
 
 # ------------------------------------------------------------------ planned result buffers
@@ -50,19 +73,21 @@ def plans_into(ins) -> bool:
     return ins.donate < 0 and bool(ins.shape) and (record.ufunc is not None or ins.op in PLANNED_OPS)
 
 
-def plan_buffers(program, xp) -> dict:
+def plan_buffers(program, xp, copied=frozenset()) -> dict:
     """``{slot: array}``: a result buffer, made once, for each instruction that ``plans_into`` and whose value
     never leaves the run. Buffers are shared by values whose lifetimes do not overlap (same dtype and size):
     a buffer is busy from its instruction to the last use of any value that may view it (``fresh`` ops own
     their result, in-place ops write into their operand's, other ops may return views of their operands).
-    Program outputs keep fresh buffers: the caller holds them after the run. ``$SPMD_PLAN_BUFFERS=0``: none
+    Program outputs keep fresh buffers: the caller holds them after the run; those at the positions in
+    ``copied`` are planned too (the caller copies them before the next run), busy to the run's end. ``$SPMD_PLAN_BUFFERS=0``: none
     planned (every result a new buffer each run; for measuring what the plan saves)."""
     if os.environ.get(PLAN_ENV, "1").strip() == "0":
         return {}
     instrs = program.instrs
-    leaves = output_buffers(program)
+    leaves = output_buffers(program, copied)
     roots = buffer_owners(program)
     last = {a: k for k, ins in enumerate(instrs) for a in ins.args}
+    last.update({program.outputs[k].slot: len(instrs) for k in copied})
     busy_until = {}
     for k, ins in enumerate(instrs):
         for r in roots[ins.out]:

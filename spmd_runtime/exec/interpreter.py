@@ -19,18 +19,32 @@ from .overlap import with_progress
 
 
 class Interpreter:
-    def __init__(self, program: SPMDProgram, mc, xp):
+    def __init__(self, program: SPMDProgram, mc, xp, copied_outputs=frozenset()):
+        """``copied_outputs``: positions of outputs the caller copies before running again (a scan body's
+        stacked results): their buffers are planned and reused like intermediates'."""
         self.program, self.mc, self.xp = program, mc, xp
         instrs = program.instrs
-        self.keep_fresh = output_buffers(program)  # collectives whose result may leave the run: no reuse
-        self.planned = plan_buffers(program, xp) if xp is np else {}  # result buffers made once (NumPy)
+        self.keep_fresh = output_buffers(program, copied_outputs)  # results that leave the run: no reuse
+        self.planned = plan_buffers(program, xp, copied_outputs) if xp is np else {}  # made once (NumPy)
         self.fusion_scratch = Scratch(xp)  # intermediates of fused chains, shared by this program's fusions
         self.cpu_kernels = compiled_fusions(program) if xp is np else {}  # fusion slot -> compiled C loop
         self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == "parameter"]
         self.in_flight: list = []  # issued nonblocking collectives not yet waited for, oldest first
         self.dones = pairs(program)  # start slot -> done slot: a start binds with its done's flags
-        self.steps = with_progress(self, [(i.out, self._bind(i), i.args, i.free) for i in instrs if i.op != "parameter"])
+        self.bound = [(i.out, self._bind(i), i.args, i.free) for i in instrs if i.op != "parameter"]
+        self.steps = with_progress(self, self.bound)
         self.output_slots = [o.slot for o in program.outputs]
+
+    def steps_into(self, destinations: dict) -> list:
+        """The steps with the results of the instructions in ``destinations`` (slot -> array of the result's
+        shape, C-ordered) written there instead of their planned buffers: a scan writes every iteration's
+        stacked results in place. Only slots with a planned buffer can be redirected."""
+        planned, self.planned = self.planned, {**self.planned, **destinations}
+        try:
+            rebound = {slot: self._bind(self.program.instrs[slot]) for slot in destinations}
+        finally:
+            self.planned = planned
+        return with_progress(self, [(out, rebound.get(out, fn), args, free) for out, fn, args, free in self.bound])
 
     def _bind(self, ins):
         """The op's record decides: a binder (rank-dependent ops, collectives) or its pure kernel; an
@@ -50,14 +64,15 @@ class Interpreter:
             return partial(record.kernel, self.xp, **ins.attrs, into=self.planned[ins.out])
         return partial(record.kernel, self.xp, **ins.attrs)
 
-    def run(self, local_inputs) -> list:
-        """Local output shards for local input shards; each buffer is dropped after its last use."""
+    def run(self, local_inputs, steps=None) -> list:
+        """Local output shards for local input shards; each buffer is dropped after its last use. ``steps``:
+        a variant of ``self.steps`` (``steps_into``)."""
         env: dict = {}
         for out, index, free in self.params:
             env[out] = local_inputs[index]
             for s in free:
                 del env[s]
-        for out, fn, args, free in self.steps:
+        for out, fn, args, free in steps or self.steps:
             env[out] = fn(*[env[a] for a in args])
             for s in free:
                 del env[s]

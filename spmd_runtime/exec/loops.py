@@ -3,29 +3,51 @@ Interpreter) and run as many times as the loop goes round. A control instruction
 of its results, read by ``loop_out`` instructions."""
 from __future__ import annotations
 
+import numpy as np
+
+from .buffers import may_reach_outputs
 from .interpreter import Interpreter
 
 
-def _bound(interp, program):
-    return Interpreter(program, interp.mc, interp.xp)
+def _bound(interp, program, copied_outputs=frozenset()):
+    return Interpreter(program, interp.mc, interp.xp, copied_outputs)
 
 
 def bind_scan(interp, ins):
+    """The body bound once; its per-iteration results (``ys``) are copied into the stacked arrays, so the body
+    writes them into buffers of its own reused every iteration. The stacked arrays themselves are made once
+    and refilled every run (no allocation, no page faults) when no program output can be them: residuals
+    the backward scan reads, typically."""
     a, xp, mesh = ins.attrs, interp.xp, interp.program.mesh
-    body, length, nc, nx = _bound(interp, a["body"]), a["length"], a["num_carry"], a["num_xs"]
+    length, nc, nx = a["length"], a["num_carry"], a["num_xs"]
+    body = _bound(interp, a["body"], frozenset(range(nc, len(a["body"].outputs))))
     stacked = [((length,) + o.sharding.local_shape(o.shape, mesh), o.dtype) for o in a["body"].outputs[nc:]]
     order = range(length - 1, -1, -1) if a["reverse"] else range(length)
+    kept = None if xp is not np or _escapes(interp.program, ins) else [np.empty(s, d) for s, d in stacked]
+    direct = _written_in_place(body, nc) if kept is not None else {}
+    steps = [body.steps_into({slot: kept[j][t] for j, slot in direct.items()}) if direct else None
+             for t in range(length)]
+    at = [{j: kept[j][t].ctypes.data for j in direct} for t in range(length)]  # where in-place results lie
 
     def run(*args):
         carry, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
-        ys = [xp.empty(shape, dtype) for shape, dtype in stacked]
+        ys = kept if kept is not None else [xp.empty(shape, dtype) for shape, dtype in stacked]
         for t in order:
-            outs = body.run(carry + [x[t] for x in xs] + consts)
+            outs = body.run(carry + [x[t] for x in xs] + consts, steps[t])
             carry = outs[:nc]
-            for y, o in zip(ys, outs[nc:]):
-                y[t] = o
+            for j, y in enumerate(ys):  # a kernel may ignore its buffer (a 16-bit einsum): then copied
+                place = at[t].get(j)
+                if place is None or place != outs[nc + j].ctypes.data:
+                    y[t] = outs[nc + j]
         return tuple(carry) + tuple(ys)
     return run
+
+
+def _written_in_place(body, nc: int) -> dict:
+    """``{j: slot}``: stacked result j whose body instruction can write straight into the stacked array (it
+    has a planned buffer and is no other output); the rest are copied after each iteration."""
+    slots = [o.slot for o in body.program.outputs]
+    return {k - nc: s for k, s in enumerate(slots) if k >= nc and s in body.planned and slots.count(s) == 1}
 
 
 def bind_while(interp, ins):
@@ -49,6 +71,13 @@ def bind_cond(interp, ins):
         start = n + (caps[0] if which else 0)
         return tuple(branches[which].run(list(args[:n]) + list(args[start:start + caps[which]])))
     return run
+
+
+def _escapes(program, ins) -> bool:
+    """Whether a program output may be (or view) one of the stacked results of scan ``ins``."""
+    ys = [i.out for i in program.instrs if i.op == "loop_out" and i.args[0] == ins.out
+          and i.attrs["index"] >= ins.attrs["num_carry"]]
+    return may_reach_outputs(program, ys)
 
 
 LOOP_BINDERS = {"scan": bind_scan, "while": bind_while, "cond": bind_cond}
