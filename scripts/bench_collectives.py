@@ -1,6 +1,7 @@
 """OSU-style latency table: this project's collectives next to the raw mpi4py buffer calls.
 
-Run under MPI:  mpiexec -n 8 python scripts/bench_collectives.py [--quick] [--rounds R] [--device] [--unbound]
+Run under MPI:  mpiexec -n 8 python scripts/bench_collectives.py [--quick] [--rounds R] [--row-seconds S]
+                [--nonblocking | --unbound] [--device]
 
 For each collective (all_reduce, all_gather, reduce_scatter, all_to_all, and
 collective_permute as a ring shift), each message size and each communicator
@@ -16,7 +17,9 @@ issue 12's target (at most 1.15 at 8 B, 1.02 from 64 KiB up), and every
 round's pair. The load average and ranks per core (oversubscribed or not)
 are printed before and after. The project side is a collective bound once with
 ``collectives.bind`` (receive buffers kept across calls), as the interpreter
-runs it; ``--unbound`` times the one-shot functions instead. Both results are compared
+runs it; ``--unbound`` times the one-shot functions instead, ``--nonblocking``
+the bound nonblocking ones (``start(x).wait()``, the scheduled programs'
+start/done pairs) against mpi4py's nonblocking call and its Wait. Both results are compared
 with np.array_equal on every rank.
 
 Size S follows the nccl-tests convention: the output bytes for all_gather, the
@@ -129,6 +132,7 @@ class DeviceBuffers:
 
 BUF = HostBuffers()  # main() swaps in DeviceBuffers for --device
 UNBOUND = False  # main() sets it for --unbound
+NONBLOCKING = False  # main() sets it for --nonblocking
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -141,14 +145,20 @@ def ours(mc, kind, x, **attrs):
     if UNBOUND:
         fn = getattr(collectives, kind)
         return lambda: fn(mc, x, **attrs)
-    bound = collectives.bind(mc, kind, BUF.xp, x.shape, x.dtype, **attrs)
-    return lambda: bound(x)
+    bound = collectives.bind(mc, kind, BUF.xp, x.shape, x.dtype, nonblocking=NONBLOCKING, **attrs)
+    return (lambda: bound(x).wait()) if NONBLOCKING else lambda: bound(x)
+
+
+def raw_call(blocking, nonblocking):
+    """The raw mpi4py side: the blocking call, or with ``--nonblocking`` the nonblocking one and its wait."""
+    return nonblocking if NONBLOCKING else blocking
 
 
 def case_all_reduce(mc, axes, nbytes, rng):
     k, x = mc.axis_size(axes), BUF.put(rng.standard_normal(max(1, nbytes // 4)).astype(np.float32))
     sub, recv = mc.sub(axes), BUF.empty(x.shape, x.dtype)
-    raw = BUF.raw(lambda s, r: sub.Allreduce(s, r, MPI.SUM), x, recv)
+    raw = BUF.raw(raw_call(lambda s, r: sub.Allreduce(s, r, MPI.SUM),
+                           lambda s, r: sub.Iallreduce(s, r, MPI.SUM).Wait()), x, recv)
     return ours(mc, "all_reduce", x, axes=axes, op="sum"), raw, x.nbytes, 2 * (k - 1) / k
 
 
@@ -156,7 +166,7 @@ def case_all_gather(mc, axes, nbytes, rng):
     k = mc.axis_size(axes)
     x = BUF.put(rng.integers(0, 255, round_up(nbytes, k) // k, dtype=np.uint8))
     sub, recv = mc.sub(axes), BUF.empty(k * x.size, np.uint8)
-    raw = BUF.raw(sub.Allgather, x, recv)
+    raw = BUF.raw(raw_call(sub.Allgather, lambda s, r: sub.Iallgather(s, r).Wait()), x, recv)
     return ours(mc, "all_gather", x, axes=axes, dim=0), raw, recv.nbytes, (k - 1) / k
 
 
@@ -164,7 +174,8 @@ def case_reduce_scatter(mc, axes, nbytes, rng):
     k = mc.axis_size(axes)
     x = BUF.put(rng.standard_normal(round_up(nbytes // 4, k)).astype(np.float32))
     sub, recv = mc.sub(axes), BUF.empty(x.size // k, np.float32)
-    raw = BUF.raw(lambda s, r: sub.Reduce_scatter_block(s, r, MPI.SUM), x, recv)
+    raw = BUF.raw(raw_call(lambda s, r: sub.Reduce_scatter_block(s, r, MPI.SUM),
+                           lambda s, r: sub.Ireduce_scatter_block(s, r, MPI.SUM).Wait()), x, recv)
     return ours(mc, "reduce_scatter", x, axes=axes, dim=0, op="sum"), raw, x.nbytes, (k - 1) / k
 
 
@@ -172,7 +183,7 @@ def case_all_to_all(mc, axes, nbytes, rng):
     k = mc.axis_size(axes)
     x = BUF.put(rng.integers(0, 255, round_up(nbytes, k), dtype=np.uint8))
     sub, recv = mc.sub(axes), BUF.empty(x.shape, x.dtype)
-    raw = BUF.raw(sub.Alltoall, x, recv)
+    raw = BUF.raw(raw_call(sub.Alltoall, lambda s, r: sub.Ialltoall(s, r).Wait()), x, recv)
     return ours(mc, "all_to_all", x, axes=axes, split_dim=0, concat_dim=0), raw, x.nbytes, (k - 1) / k
 
 
@@ -183,7 +194,9 @@ def case_permute(mc, axes, nbytes, rng):
     source = {d: s for s, d in pairs}[mc.rank]
     x = BUF.put(rng.integers(0, 255, nbytes, dtype=np.uint8))
     recv = BUF.empty(x.shape, x.dtype)
-    raw = BUF.raw(lambda s, r: mc.comm.Sendrecv(s, dest, recvbuf=r, source=source), x, recv)
+    raw = BUF.raw(raw_call(lambda s, r: mc.comm.Sendrecv(s, dest, recvbuf=r, source=source),
+                           lambda s, r: MPI.Request.Waitall([mc.comm.Irecv(r, source), mc.comm.Isend(s, dest)])),
+                  x, recv)
     return ours(mc, "collective_permute", x, pairs=pairs), raw, x.nbytes, 1.0
 
 
@@ -298,6 +311,7 @@ def run(sizes: list[int], rounds: int, device: bool = False) -> bool:
     rng = np.random.default_rng(WORLD.Get_rank())
     report(f"# {WORLD.Get_size()} ranks, mesh {mc.mesh}, {MPI.Get_library_version().splitlines()[0]}\n"
            f"# {BUF.mode}; ours = {'one-shot functions' if UNBOUND else 'collectives bound once (the interpreter)'}"
+           f"{'; nonblocking: start + wait against the I-call + Wait' if NONBLOCKING else ''}"
            f"\n{machine_state('before')}\n"
            f"# {rounds} rounds over every row, {SECONDS_PER_ROW:g} s per row; in each row ours and mpi4py alternate "
            f"call by call, median per side\n# MPICH settings from the environment: {mpich_settings()}"
@@ -321,7 +335,7 @@ def report(line: str) -> None:
 
 
 def main() -> None:
-    global UNBOUND, SECONDS_PER_ROW
+    global UNBOUND, SECONDS_PER_ROW, NONBLOCKING
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only sizes {QUICK_SIZES}")
     parser.add_argument("--device", action="store_true",
@@ -334,11 +348,16 @@ def main() -> None:
                              "medians of an oversubscribed run")
     parser.add_argument("--unbound", action="store_true",
                         help="time the one-shot functions (bind + call every time) instead of bound collectives")
+    parser.add_argument("--nonblocking", action="store_true",
+                        help="bound nonblocking collectives (the scheduled programs' start/done pairs: start(x).wait())"
+                             " against mpi4py's Iallreduce ... + Wait (Irecv + Isend + Waitall for the permute)")
     args = parser.parse_args()
+    if args.unbound and args.nonblocking:
+        parser.error("--unbound times the one-shot functions, which are blocking; got --unbound with --nonblocking")
     if args.rounds < 1 or args.row_seconds <= 0:
         parser.error(f"--rounds must be at least 1 and --row-seconds positive; got {args.rounds} and "
                      f"{args.row_seconds}")
-    UNBOUND, SECONDS_PER_ROW = args.unbound, args.row_seconds
+    UNBOUND, SECONDS_PER_ROW, NONBLOCKING = args.unbound, args.row_seconds, args.nonblocking
     start = time.perf_counter()
     ok = run(QUICK_SIZES if args.quick else FULL_SIZES, args.rounds, device=args.device)
     report(f"# total {time.perf_counter() - start:.1f} s")
