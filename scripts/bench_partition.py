@@ -1,79 +1,112 @@
 """Partitioning speed: instructions and seconds for growing models (the training step of the LM).
 
-    python scripts/bench_partition.py                       # layers 2 8 32, megatron on a (2, 4) mesh
-    python scripts/bench_partition.py --layers 2 8 --preset dp --mesh 8 --rounds 3
-    python scripts/bench_partition.py --profile 8           # cProfile of one partition, top 25 by own time
+    python scripts/bench_partition.py                       # layers 2 8 32 64, megatron on a (2, 4) mesh, 3 rounds
+    python scripts/bench_partition.py --layers 2 8 --preset dp --mesh 8 --rounds 5
+    python scripts/bench_partition.py --profile 32          # cProfile of one partition, top 30 by own time
     python scripts/bench_partition.py --cpu                 # CPU seconds of this process (a loaded machine)
 
-Per model: graph nodes, program instructions before fusion (SPMD_FUSE=0 form) and after, seconds to trace,
-to partition (propagation, partition rules, resharding, fusion) and ms per instruction; the minimum over
---rounds rounds, interleaved across sizes. The issue's target is 0.1 ms per instruction, linear in size.
+Per model (layers unrolled, so the program grows with the model): graph nodes, program instructions as the
+partitioner emits them (``instrs``: before fusion and the async split) and as ``partition()`` returns them
+(``final``: fused, collectives split into start/done), then seconds:
+
+- ``trace``: tracing the step (not part of partitioning, shown for scale);
+- ``partition``: propagation, partition rules, resharding, dead-code removal, frees and donations;
+- ``fuse``: the loop-fusion pass (partition/fusion.py) with frees and donations redone;
+- ``schedule``: the async start/done split (partition/schedule.py) with frees and donations redone;
+- ``total``: the whole ``partition()`` call with its defaults (what a user pays: all of the above);
+
+and ``ms/instr`` = total / instrs. Every round is printed, then per size the minimum of each column over the
+rounds (sizes interleaved within a round). The issue's target: 0.1 ms per instruction or less, linear in size
+(ms/instr flat across sizes). ``uptime`` is printed before and after: the machine is shared.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
+import subprocess
 import time
 
 import spmd_runtime as sr
 from spmd_runtime.partition import partition
-from spmd_runtime.partition.partitioner import fused_program
 from spmd_runtime.train import input_specs, make_layout, step_specs, train_step_fn, _preset
 
+PHASES = ("partition", "fuse", "schedule")
+COLUMNS = ("trace", *PHASES, "total")
 
-CLOCK = time.perf_counter
 
-
-def build(layers: int, preset_name: str, mesh):
-    # Layers unrolled (scan_layers=False): the program grows with the model. Scanned, it stays one loop body.
+def traced(layers: int, preset_name: str, mesh, clock):
+    """(graph, in_specs, out_specs, trace seconds) of the training step with ``layers`` unrolled layers."""
     cfg = sr.LMConfig(layers=layers, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8, scan_layers=False)
     optimizer = sr.AdamW()
-    preset = _preset(preset_name).on(mesh)
-    layout = make_layout(cfg, mesh, preset, optimizer)
-    t0 = time.perf_counter()
+    layout = make_layout(cfg, mesh, _preset(preset_name).on(mesh), optimizer)
+    t0 = clock()
     graph = sr.trace(train_step_fn(cfg, optimizer, layout), *input_specs(cfg, optimizer))
-    t1 = time.perf_counter()
+    seconds = clock() - t0
     in_specs, out_specs = step_specs(graph, layout)
-    plain = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs, fuse=False)
-    t2 = time.perf_counter()
-    fused = fused_program(plain)
-    t3 = time.perf_counter()
-    return len(graph.nodes), len(plain.instrs), len(fused.instrs), t1 - t0, t2 - t1, t3 - t2
+    return graph, in_specs, out_specs, seconds
+
+
+def measure(layers: int, preset_name: str, mesh, clock) -> dict:
+    graph, in_specs, out_specs, t_trace = traced(layers, preset_name, mesh, clock)
+    gc.collect()  # each round starts from the same heap; partition() itself pauses the cycle collector
+    laps: dict = {}
+    t0 = clock()
+    program = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs, timings=laps)
+    total = clock() - t0
+    if clock is not time.perf_counter:  # the passes' laps are wall seconds: scale them to the chosen clock
+        scale = total / sum(laps[p] for p in PHASES if p in laps)
+        laps = {**laps, **{p: laps[p] * scale for p in PHASES if p in laps}}
+    return {"nodes": len(graph.nodes), "instrs": laps["partition_instrs"], "final": len(program.instrs),
+            "trace": t_trace, **{p: laps.get(p, 0.0) for p in PHASES}, "total": total}
+
+
+def row(layers: int, m: dict, label: str) -> str:
+    return (f"{label:>6} {layers:>6} {m['nodes']:>7} {m['instrs']:>7} {m['final']:>6} "
+            + " ".join(f"{m[c]:>9.3f}" for c in COLUMNS) + f" {m['total'] / m['instrs'] * 1e3:>9.4f}")
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "loadavg " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32, 64])
     parser.add_argument("--preset", default="megatron")
     parser.add_argument("--mesh", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", type=int, metavar="LAYERS", help="cProfile one partition of this size")
     parser.add_argument("--cpu", action="store_true", help="time with process CPU time instead of wall time")
     args = parser.parse_args()
-    global CLOCK
-    CLOCK = time.process_time if args.cpu else time.perf_counter
+    clock = time.process_time if args.cpu else time.perf_counter
     mesh = sr.train_mesh(tuple(args.mesh), args.preset)
     if args.profile:
+        graph, in_specs, out_specs, _ = traced(args.profile, args.preset, mesh, clock)
         profiler = cProfile.Profile()
-        profiler.runcall(build, args.profile, args.preset, mesh)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        profiler.runcall(partition, graph, mesh, in_specs=in_specs, out_specs=out_specs)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         return
-    print(f"# {args.preset} on {mesh}, {'CPU' if args.cpu else 'wall'} seconds, loadavg {os.getloadavg()[0]:.2f} at start")
-    print(f"{'layers':>6} {'nodes':>7} {'instrs':>7} {'fused':>7} {'trace s':>9} {'partition s':>12} "
-          f"{'fuse s':>8} {'ms/instr':>9}")
-    best: dict[int, tuple] = {}
-    for _ in range(args.rounds):
+    print(f"# {args.preset} on {mesh}, {'CPU' if args.cpu else 'wall'} seconds, {args.rounds} rounds")
+    print(f"# before: {uptime()}")
+    print(f"{'round':>6} {'layers':>6} {'nodes':>7} {'instrs':>7} {'final':>6} "
+          + " ".join(f"{c + ' s':>9}" for c in COLUMNS) + f" {'ms/instr':>9}")
+    rounds: dict[int, list[dict]] = {n: [] for n in args.layers}
+    for r in range(args.rounds):
         for layers in args.layers:
-            row = build(layers, args.preset, mesh)
-            if layers not in best or row[4] + row[5] < best[layers][4] + best[layers][5]:
-                best[layers] = row
+            m = measure(layers, args.preset, mesh, clock)
+            rounds[layers].append(m)
+            print(row(layers, m, str(r + 1)), flush=True)
     for layers in args.layers:
-        nodes, instrs, fused, t_trace, t_part, t_fuse = best[layers]
-        print(f"{layers:>6} {nodes:>7} {instrs:>7} {fused:>7} {t_trace:>9.3f} {t_part:>12.3f} {t_fuse:>8.3f} "
-              f"{(t_part + t_fuse) / instrs * 1e3:>9.3f}")
-    print(f"# loadavg {os.getloadavg()[0]:.2f} at end")
+        ms = rounds[layers]
+        best = {**ms[0], **{c: min(m[c] for m in ms) for c in COLUMNS}}
+        print(row(layers, best, "min"))
+    print(f"# after: {uptime()}")
 
 
 if __name__ == "__main__":
