@@ -44,12 +44,17 @@ class Sharding:
 
     def __post_init__(self):
         dims, partial = self.dims, self.partial
-        if type(dims) is not tuple or not all(type(d) is tuple for d in dims):  # propagation builds tuples
+        if type(partial) is not tuple:
+            partial = tuple(partial)
+            object.__setattr__(self, "partial", partial)
+        try:  # tuples of tuples (what propagation builds) concatenate; anything else is normalised first
+            used = sum(dims, partial) if type(dims) is tuple else None
+        except TypeError:
+            used = None
+        if used is None:
             dims = tuple(tuple(d) for d in dims)
             object.__setattr__(self, "dims", dims)
-        if type(partial) is not tuple:
-            object.__setattr__(self, "partial", tuple(partial))
-        used = sum(dims, self.partial)
+            used = sum(dims, partial)
         if len(used) != len(set(used)):
             raise ValueError(f"a mesh axis may shard a tensor at most once; got {self}")
         if self.reduce_op not in REDUCE_OPS:

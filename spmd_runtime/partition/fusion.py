@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -32,6 +33,7 @@ FUSE_ENV = "SPMD_FUSE"
 FUSION = define("fusion", "program", fresh=True, in_place=True)
 
 
+@lru_cache(maxsize=None)  # per op name: a record's ufunc is fixed when it is defined
 def fusible(op: str) -> bool:
     """Computed pointwise, same shape in and out: the ufunc ops, select and convert."""
     return lookup(op).ufunc is not None or op in ("select", "convert")
@@ -77,16 +79,16 @@ def parse_code(code: str) -> list[tuple[str, list[str]]]:
 
 
 def _group(root: Instr, instrs, users, outputs, taken) -> set[int]:
-    members, grown = {root.out}, True
-    while grown:
-        grown = False
-        for m in sorted(members):
-            for a in instrs[m].args:
-                p = instrs[a]
-                if (a not in members and a not in taken and a not in outputs and fusible(p.op)
-                        and p.shape == root.shape and all(u in members for u in users[a])):
-                    members.add(a)
-                    grown = True
+    """``root`` and every producer that may join it. A producer joins once all its users are members, i.e.
+    when its last user joins: so each new member's operands are the only ones to (re)consider."""
+    members, todo = {root.out}, [root.out]
+    while todo:
+        for a in instrs[todo.pop()].args:
+            p = instrs[a]
+            if (a not in members and a not in taken and a not in outputs and fusible(p.op)
+                    and p.shape == root.shape and all(u in members for u in users[a])):
+                members.add(a)
+                todo.append(a)
     return members
 
 

@@ -27,7 +27,7 @@ from .propagation import propagate, refine_free
 from .schedule import overlap_budget as _budget, overlap_enabled, schedule_collectives
 from .resharding import plan_cost, plan_reshard
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LocalValue:
     slot: int
     sharding: Sharding
@@ -61,7 +61,8 @@ class PartitionContext:
         ``local`` says otherwise."""
         out = LocalValue(len(self.instrs), sharding, tuple(shape), str(dtype))
         local = sharding.local_shape(out.shape, self.mesh) if local is None else tuple(local)
-        self.instrs.append(Instr(lookup(op).name, out.slot, tuple(a.slot for a in args), dict(attrs), local, out.dtype,
+        name = op if type(op) is str and op in OPS else lookup(op).name
+        self.instrs.append(Instr(name, out.slot, tuple(a.slot for a in args), dict(attrs), local, out.dtype,
                                  sharding, out.shape))
         return out
 
@@ -143,11 +144,15 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     laps = _Laps(timings)
     with _gc_paused():
         model = resolve_model(cost_profile)
-        with using(model):
-            program = _partition(graph, mesh, in_specs, out_specs)
+        fusing = fusion_enabled(fuse)
+        with using(model):  # frees and donations are left to the fusion pass, which redoes them anyway
+            program = _partition(graph, mesh, in_specs, out_specs, buffers=not fusing)
         laps.lap("partition", program)
-        if fusion_enabled(fuse):
-            program = fused_program(program)
+        if fusing:
+            fused = fused_program(program)
+            if fused is program:  # nothing fused
+                _assign_buffers(program.instrs, {o.slot for o in program.outputs})
+            program = fused
             laps.lap("fuse", program)
         if overlap_enabled(overlap):
             program = scheduled_program(program, _budget(overlap_budget))
@@ -184,7 +189,8 @@ def _gc_paused():
         gc.enable()
 
 
-def _partition(graph, mesh, in_specs, out_specs) -> SPMDProgram:
+def _partition(graph, mesh, in_specs, out_specs, buffers: bool = True) -> SPMDProgram:
+    """The partitioned program; ``buffers``: with its frees and donations (else left for a later pass)."""
     free: dict[int, tuple[int, ...]] = {}  # value -> dims its in/out spec leaves UNCONSTRAINED
     fixed = _user_shardings(graph, mesh, in_specs, free)
     out_specs = _output_shardings(graph, mesh, out_specs, fixed, free)
@@ -198,11 +204,12 @@ def _partition(graph, mesh, in_specs, out_specs) -> SPMDProgram:
         if node.id in live:
             ctx.node, before = node, len(ctx.notes)
             ctx.values[node.id] = ctx.reshard(_partition_node(ctx, node), prop.shardings[node.id])
-            _name_notes(ctx, node, before)
-            ctx.note_nodes += [node.id] * (len(ctx.notes) - before)
+            if len(ctx.notes) > before:
+                _name_notes(ctx, node, before)
+                ctx.note_nodes += [node.id] * (len(ctx.notes) - before)
     ctx.node = None
     outputs = [ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
-    return _finish(ctx, graph, prop, outputs)
+    return _finish(ctx, graph, prop, outputs, buffers)
 
 
 def fused_program(program: SPMDProgram) -> SPMDProgram:
@@ -211,9 +218,7 @@ def fused_program(program: SPMDProgram) -> SPMDProgram:
     if fused is None:
         return program
     instrs, inputs, outputs = fused
-    keep = {o.slot for o in outputs}
-    _assign_frees(instrs, keep)
-    _assign_donations(instrs, keep)
+    _assign_buffers(instrs, {o.slot for o in outputs})
     slots = {i.out for i in instrs}
     return SPMDProgram(program.mesh, instrs, inputs, outputs, list(program.notes), program.report, program.in_tree,
                        program.out_tree, {s: n for s, n in program.names.items() if s in slots})
@@ -226,9 +231,7 @@ def scheduled_program(program: SPMDProgram, budget: int) -> SPMDProgram:
     if scheduled is None:
         return program
     instrs, inputs, outputs, names, in_place = scheduled
-    keep = {o.slot for o in outputs}
-    _assign_frees(instrs, keep)
-    _assign_donations(instrs, keep)
+    _assign_buffers(instrs, {o.slot for o in outputs})
     for slot in in_place:
         done = instrs[slot]
         if done.args[1] in done.free:
@@ -285,7 +288,7 @@ def _output_shardings(graph, mesh, out_specs, fixed, free) -> dict[int, tuple[Sh
     for k, (vid, spec) in enumerate(zip(graph.outputs, _specs(out_specs, graph.outputs, "output"))):
         if spec is not None:
             sharding, dims = targets[k] = _parse_io(graph, spec, mesh, vid, "output", k)
-            sharding.check(mesh, graph[vid].shape, what=_describe(graph, graph[vid]))
+            _check(sharding, mesh, graph, vid)
             if vid not in fixed:
                 fixed[vid] = sharding
                 if dims:
@@ -301,8 +304,14 @@ def _specs(specs, ids, what):
     return list(specs)
 
 
+def _check(sharding: Sharding, mesh: Mesh, graph: Graph, vid: int) -> None:
+    """``sharding.check`` for value ``vid``, described in the message it raises (described only then)."""
+    shape = graph[vid].shape
+    sharding.check(mesh, shape, what=_describe(graph, graph[vid]) if len(sharding.dims) != len(shape) else "")
+
+
 def _fix(fixed, vid, sharding, graph, mesh):
-    sharding.check(mesh, graph[vid].shape, what=_describe(graph, graph[vid]))
+    _check(sharding, mesh, graph, vid)
     if fixed.setdefault(vid, sharding) != sharding:
         raise ValueError(f"a value takes one user sharding; got {fixed[vid]} and {sharding} for "
                          f"{_describe(graph, graph[vid])}")
@@ -325,7 +334,7 @@ def _live_nodes(graph: Graph) -> set[int]:
     return live | set(graph.params)
 
 
-def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]) -> SPMDProgram:
+def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue], buffers: bool) -> SPMDProgram:
     mesh, names = ctx.mesh, graph.param_names
     inputs = [IOSpec(n, ctx.value(p).slot, graph[p].shape, graph[p].dtype, ctx.value(p).sharding)
               for n, p in zip(names, graph.params)]
@@ -333,18 +342,20 @@ def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]
     instrs, renumber = _drop_dead(ctx.instrs, [o.slot for o in outputs] + [i.slot for i in inputs])
     inputs = [replace(i, slot=renumber[i.slot]) for i in inputs]
     outputs = [replace(o, slot=renumber[o.slot]) for o in outputs]
-    _assign_frees(instrs, {o.slot for o in outputs})
-    _assign_donations(instrs, {o.slot for o in outputs})
+    if buffers:
+        _assign_buffers(instrs, {o.slot for o in outputs})
     dropped = {n for n, v in ctx.values.items() if v.slot not in renumber}
     notes = list(dict.fromkeys(note for note, n in zip(ctx.notes, ctx.note_nodes + [None] * len(ctx.notes))
                                if n not in dropped))
     if is_lead_rank():  # every rank partitions the same graph: one copy of each note per job
         for n in notes:
             warnings.warn(f"spmd_runtime partitioner: {n}", stacklevel=3)
+    named = [(n, graph.name_of(n.id)) for n in graph.nodes if n.op in ("parameter", "mesh_split")]
+    named = [(n, name) for n, name in named if name]
     report = ShardingReport({n.id: (prop.shardings[n.id], prop.origin[n.id]) for n in graph.nodes},
-                            {graph.name_of(n.id): n.id for n in graph.nodes if graph.name_of(n.id)})
-    names = {renumber[ctx.value(n.id).slot]: graph.name_of(n.id) for n in graph.nodes
-             if graph.name_of(n.id) and n.id in ctx.values and n.op != "parameter" and ctx.value(n.id).slot in renumber}
+                            {name: n.id for n, name in named})
+    names = {renumber[ctx.value(n.id).slot]: name for n, name in named
+             if n.id in ctx.values and n.op != "parameter" and ctx.value(n.id).slot in renumber}
     return SPMDProgram(mesh, instrs, inputs, outputs, notes, report, graph.in_tree, graph.out_tree, names)
 
 
@@ -365,21 +376,30 @@ def _drop_dead(instrs: list[Instr], roots) -> tuple[list[Instr], dict[int, int]]
             for i in instrs if i.out in live], renumber
 
 
-def _assign_frees(instrs: list[Instr], keep: set[int]) -> None:
+def _assign_buffers(instrs: list[Instr], keep: set[int]) -> None:
+    """Frees, then donations, of a program whose slots are its positions (``instrs[k].out == k``)."""
+    last = list(range(len(instrs)))  # slot -> the instruction that reads it last (itself when none does)
+    for ins in instrs:
+        for a in ins.args:
+            last[a] = ins.out
+    _assign_frees(instrs, keep, last)
+    _assign_donations(instrs, keep, last)
+
+
+def _assign_frees(instrs: list[Instr], keep: set[int], last: list[int]) -> None:
     """Record on each instruction the buffers that die there, so the interpreter frees them at once."""
-    last = {i.out: i.out for i in instrs}
-    for i in instrs:
-        for a in i.args:
-            last[a] = i.out
     dying: dict[int, list[int]] = {}
-    for slot, at in last.items():
+    for slot, at in enumerate(last):  # ascending slots: each list comes out sorted
         if slot not in keep:
-            dying.setdefault(at, []).append(slot)
-    for i in instrs:
-        i.free = tuple(sorted(dying.get(i.out, ())))
+            if at in dying:
+                dying[at].append(slot)
+            else:
+                dying[at] = [slot]
+    for ins in instrs:
+        ins.free = tuple(dying[ins.out]) if ins.out in dying else ()
 
 
-def _assign_donations(instrs: list[Instr], keep: set[int]) -> None:
+def _assign_donations(instrs: list[Instr], keep: set[int], last: list[int]) -> None:
     """Let an op write into an operand whose buffer dies there (a ufunc's ``out=``, an all-reduce's
     ``MPI.IN_PLACE``): no allocation.
 
@@ -389,30 +409,29 @@ def _assign_donations(instrs: list[Instr], keep: set[int]) -> None:
     may write in place, their records say (``OpDef.fresh``, ``read_only``, ``in_place``; any other op may
     return a view of its operands).
     """
-    roots: dict[int, frozenset] = {}
-    last = {i.out: i.out for i in instrs}
+    records = {op: lookup(op) for op in {ins.op for ins in instrs}}
+    roots: list = [None] * len(instrs)  # slot -> the buffers it may share: its own slot when fresh
+    viewers: dict[int, list[int]] = {}  # fresh slot -> the slots that may view its buffer
     for ins in instrs:
-        for a in ins.args:
-            last[a] = ins.out
-        record = lookup(ins.op)
+        record = records[ins.op]
         if record.read_only:
             roots[ins.out] = frozenset({("read-only", ins.out)})
         elif record.fresh:
             roots[ins.out] = frozenset({ins.out})
         else:
-            roots[ins.out] = frozenset().union(*(roots[a] for a in ins.args)) | {("view", ins.out)}
-    last.update({slot: len(instrs) for slot in keep})
-    viewers: dict[int, list[int]] = {}
-    for slot, rs in roots.items():
-        for r in rs:
-            if isinstance(r, int) and r != slot:
-                viewers.setdefault(r, []).append(slot)
+            rs = roots[ins.out] = frozenset().union(*(roots[a] for a in ins.args)) | {("view", ins.out)}
+            for r in rs:
+                if type(r) is int:
+                    viewers.setdefault(r, []).append(ins.out)
+    last = list(last)
+    for slot in keep:
+        last[slot] = len(instrs)
     for ins in instrs:
-        if lookup(ins.op).in_place and ins.shape:
+        if records[ins.op].in_place and ins.shape:
             ins.donate = next((k for k, a in enumerate(ins.args) if _donatable(instrs[a], ins, roots, viewers, last)),
                               -1)
 
 
 def _donatable(src: Instr, ins: Instr, roots, viewers, last) -> bool:
-    return (roots[src.out] == {src.out} and src.out in ins.free and src.shape == ins.shape
-            and src.dtype == ins.dtype and all(last[v] < ins.out for v in viewers.get(src.out, ())))
+    return (src.out in ins.free and src.shape == ins.shape and src.dtype == ins.dtype
+            and roots[src.out] == {src.out} and all(last[v] < ins.out for v in viewers.get(src.out, ())))

@@ -16,6 +16,7 @@ defined with the op in ``spmd_runtime/ops/``; this module is the engine and the 
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -58,55 +59,88 @@ class _Sweeps:
     node whose operands and result kept their shardings since its last visit would propose the same again:
     a change to a value marks it and its users for another visit each way, and unmarked nodes are skipped.
     Same updates in the same order as visiting every node; what is saved is re-running rules on settled
-    parts of the graph."""
+    parts of the graph, and (a heap of the marked nodes instead of a scan of all) walking past them.
+
+    A pass visits its marked nodes in order (ascending forward, descending backward); a node marked during a
+    pass is visited in it when the pass has not reached it yet, else in the next sweep."""
 
     def __init__(self, graph, mesh, sh, fixed, rules):
         self.graph, self.mesh, self.sh, self.fixed = graph, mesh, sh, fixed
-        self.rules = [rules[n.op] for n in graph.nodes]
-        self.users: list[list[int]] = [[] for _ in graph.nodes]
-        for n in graph.nodes:
+        nodes = graph.nodes
+        self.rules = [rules[n.op] for n in nodes]
+        self.levels = [r.level for r in self.rules]
+        self.users: list[list[int]] = [[] for _ in nodes]
+        for n in nodes:
             for i in set(n.inputs):
                 self.users[i].append(n.id)
-        self.forward_due = [True] * len(graph.nodes)
-        self.backward_due = [True] * len(graph.nodes)
+        active = [n.id for n in nodes if n.inputs]  # nodes without operands have no rule to run
+        self.runs = [False] * len(nodes)
+        for i in active:
+            self.runs[i] = True
+        self.forward_due, self.backward_due = set(active), set(active)
+        self.level = 0
+        self.heap: list[int] = []  # the pass in progress: due nodes it has yet to reach (negated backward)
+        self.cursor, self.forward = 0, True
 
     def sweep(self, level) -> bool:
         graph, mesh, sh, rules, nodes = self.graph, self.mesh, self.sh, self.rules, self.graph.nodes
-        forward_due, backward_due = self.forward_due, self.backward_due
-        changed = False
-        for node in nodes:
-            if forward_due[node.id] and node.inputs and rules[node.id].level <= level:
-                forward_due[node.id] = False
-                cand = rules[node.id].forward(node, [sh[i] for i in node.inputs], graph, mesh)
-                changed |= self._update(node.id, cand)
-        for node in reversed(nodes):
-            if backward_due[node.id] and node.inputs and rules[node.id].level <= level and sh[node.id] is not None:
-                backward_due[node.id] = False
-                cands = rules[node.id].backward(node, sh[node.id], [sh[i] for i in node.inputs], graph, mesh)
-                for i, cand in zip(node.inputs, cands):
-                    changed |= self._update(i, cand)
+        levels, heap = self.levels, self.heap
+        self.level, changed = level, False
+        self.forward = True
+        heap[:] = sorted(i for i in self.forward_due if levels[i] <= level)
+        while heap:
+            node = nodes[heapq.heappop(heap)]
+            self.cursor = node.id
+            self.forward_due.discard(node.id)
+            cand = rules[node.id].forward(node, [sh[i] for i in node.inputs], graph, mesh)
+            changed |= self._update(node.id, cand)
+        self.forward = False
+        heap[:] = sorted(-i for i in self.backward_due if levels[i] <= level)
+        while heap:
+            node = nodes[-heapq.heappop(heap)]
+            self.cursor = node.id
+            if sh[node.id] is None:
+                continue  # stays due: visited once it has a sharding
+            self.backward_due.discard(node.id)
+            cands = rules[node.id].backward(node, sh[node.id], [sh[i] for i in node.inputs], graph, mesh)
+            for i, cand in zip(node.inputs, cands):
+                changed |= self._update(i, cand)
         return changed
 
     def _update(self, vid, cand) -> bool:
         if not _update(vid, cand, self.graph, self.mesh, self.sh, self.fixed):
             return False
+        runs, levels, level, cursor, heap = self.runs, self.levels, self.level, self.cursor, self.heap
         for n in (vid, *self.users[vid]):  # their rules read this value
-            self.forward_due[n] = self.backward_due[n] = True
+            if not runs[n]:
+                continue
+            if n not in self.forward_due:
+                self.forward_due.add(n)
+                if self.forward and n > cursor and levels[n] <= level:
+                    heapq.heappush(heap, n)
+            if n not in self.backward_due:
+                self.backward_due.add(n)
+                if not self.forward and n < cursor and levels[n] <= level:
+                    heapq.heappush(heap, -n)
         return True
 
 
 def _update(vid, cand, graph, mesh, sh, fixed) -> bool:
     pinned, loose = fixed
+    cur = sh[vid]
     if cand is None or vid in pinned:
         return False
+    if type(cur) is Sharding and (cand is cur or cand == cur) and not cur.partial and cur.reduce_op == "sum" \
+            and vid not in loose:
+        return False  # merging a sharding with itself keeps it (legalizing only drops axes it has)
     if hasattr(cand, "refine"):  # the results of a control node (partition/loops.py) refine part by part
-        new = cand.refine(sh[vid], graph.nodes[vid], mesh)
+        new = cand.refine(cur, graph.nodes[vid], mesh)
     else:
         cand = legalize(cand, graph.nodes[vid].shape, mesh)
-        new = cand if sh[vid] is None else merge(sh[vid], cand)
+        new = cand if cur is None else merge(cur, cand)
     if vid in loose:
         new = refine_free(*loose[vid], new)
-    if new == sh[vid] or (sh[vid] is None and not new.axes):
+    if new == cur or (cur is None and not new.axes):
         return False
     sh[vid] = new
     return True

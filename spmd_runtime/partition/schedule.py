@@ -71,18 +71,25 @@ def schedule_collectives(program: SPMDProgram, budget: int):
     for ins in instrs:
         for a in dict.fromkeys(ins.args):
             users[a].append(ins.out)
-    work = np.array([not lookup(i.op).collective and i.op != "parameter" for i in instrs] + [False])
+    collective = {op: lookup(op).collective for op in {i.op for i in instrs}}
+    work = np.array([not collective[i.op] and i.op != "parameter" for i in instrs] + [False])
+    works_before = np.concatenate(([0], np.cumsum(work)))  # compute instructions before each gap
     load = np.zeros(n + 1, np.int64)  # bytes in flight just before each instruction (gap g: before %g)
+    in_flight = 0  # bytes of every split so far: a bound on the load anywhere
     moved: dict[int, tuple[int, int]] = {}
     for ins in instrs:
-        window = _window(ins, instrs, users, n)
+        window = _window(ins, instrs, users, n, collective)
         if window is None:
             continue
-        first, done = window
-        start = _earliest_fit(load, first, done, ins.nbytes, budget)
-        if start is None or not work[start:done].any():
+        first, done, size = *window, ins.nbytes
+        if in_flight + size <= budget:  # fits from its first gap on, whatever is in flight
+            start = first if first < done else None
+        else:
+            start = _earliest_fit(load, first, done, size, budget)
+        if start is None or works_before[done] == works_before[start]:
             continue  # over budget, or nothing to hide it behind: stays blocking
-        load[start:done] += ins.nbytes
+        load[start:done] += size
+        in_flight += size
         moved[ins.out] = (start, done)
     if not moved:
         return None
@@ -107,12 +114,13 @@ def schedule_collectives(program: SPMDProgram, budget: int):
     return out, inputs, outputs, names, in_place
 
 
-def _window(ins: Instr, instrs, users, n) -> tuple[int, int] | None:
-    """(earliest start gap, done gap) of a collective worth splitting, else None. Gap g lies just before %g."""
+def _window(ins: Instr, instrs, users, n, collective) -> tuple[int, int] | None:
+    """(earliest start gap, done gap) of a collective worth splitting, else None. Gap g lies just before %g.
+    ``collective``: op name -> whether it is a collective."""
     if ins.op not in ASYNC_KINDS or is_low_precision(ins.dtype) or not ins.args:
         return None
     readers = users.get(ins.out, [])
-    if any(lookup(instrs[u].op).collective for u in readers):
+    if any(collective[instrs[u].op] for u in readers):
         return None  # a chain of collectives (a multi-step reshard) stays blocking: its done would be its start
     return max(ins.args) + 1, min(readers) if readers else n
 
@@ -134,7 +142,10 @@ def _order(n: int, moved: dict) -> list[tuple[str, int]]:
         dones[done].append(slot)
     order = []
     for gap in range(n + 1):
-        order += [("done", s) for s in dones[gap]] + [("start", s) for s in starts[gap]]
+        if gap in dones:
+            order += [("done", s) for s in dones[gap]]
+        if gap in starts:
+            order += [("start", s) for s in starts[gap]]
         if gap < n and gap not in moved:
             order.append(("instr", gap))
     return order
