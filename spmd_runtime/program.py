@@ -49,10 +49,15 @@ class Instr:
         """A copy with its slot and operands renamed by ``new`` (old slot -> new slot), frees and donation
         cleared for the caller to redo, and ``changes`` applied. A passes' rebuild of whole programs:
         ``dataclasses.replace`` re-runs ``__init__`` and costs several times more."""
-        copy = object.__new__(Instr)
-        copy.__dict__.update(self.__dict__, out=new[self.out], args=tuple(new[a] for a in self.args), free=(),
-                             donate=-1)
+        copy = self.copy(out=new[self.out], args=tuple(new[a] for a in self.args), free=(), donate=-1)
         copy.__dict__.update(changes)
+        return copy
+
+    def copy(self, **changes) -> "Instr":
+        """A copy with ``changes`` (fields by name) applied: ``dataclasses.replace`` without re-running
+        ``__init__``."""
+        copy = object.__new__(Instr)
+        copy.__dict__.update(self.__dict__, **changes)
         return copy
 
 
@@ -63,6 +68,10 @@ class IOSpec:
     shape: tuple[int, ...]  # global
     dtype: str
     sharding: Sharding
+
+    def at(self, slot: int) -> "IOSpec":
+        """This input or output at ``slot`` (a pass renumbered the program)."""
+        return IOSpec(self.name, slot, self.shape, self.dtype, self.sharding)
 
 
 @dataclass

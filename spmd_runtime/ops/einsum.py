@@ -216,7 +216,11 @@ def _einsum_partition(ctx, node):
     """The per-letter split with the least bytes moved plus local compute (module doc)."""
     lhs_t, rhs_t, out_t = einsum_terms(node)
     a, b = ctx.value(node.inputs[0]), ctx.value(node.inputs[1])
-    best = choose(letter_strategies(ctx, [(lhs_t, a), (rhs_t, b)], out_t, node))
+    # The choice depends on these alone (the mesh and cost model are the partition's): a model's repeated
+    # layers make the same choice, taken once.
+    key = ("einsum strategy", node.attrs["spec"], a.sharding, a.shape, a.dtype, b.sharding, b.shape, b.dtype,
+           ctx.sharding(node.id), node.shape, node.dtype)
+    best = ctx.shared(key, lambda: choose(letter_strategies(ctx, [(lhs_t, a), (rhs_t, b)], out_t, node)))
     contracting = [c for c in lhs_t if c in rhs_t and c not in out_t]
     args = [ctx.mask_padding(ctx.reshard(v, s), [t.index(c) for c in contracting], 0)
             for v, s, t in ((a, best.operands[0], lhs_t), (b, best.operands[1], rhs_t))]

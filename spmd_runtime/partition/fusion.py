@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
@@ -133,7 +132,7 @@ def _fusion(root: Instr, members: set[int], instrs) -> Instr | None:
         return None
     attrs = {"code": "; ".join(steps), "consts": tuple(consts), "dtypes": tuple(dtypes),
              "shapes": tuple(tuple(s) for s in shapes)}
-    return replace(root, op="fusion", args=tuple(params), attrs=attrs, free=(), donate=-1)
+    return root.copy(op="fusion", args=tuple(params), attrs=attrs, free=(), donate=-1)
 
 
 def _scalar_constant(src: Instr, instrs):
@@ -166,6 +165,6 @@ def _rebuild(program: SPMDProgram, kept: list[Instr]):
     order = [i for i in kept if i.out in live]
     new = {i.out: k for k, i in enumerate(order)}
     instrs = [i.renumbered(new) for i in order]
-    inputs = [replace(i, slot=new[i.slot]) for i in program.inputs]
-    outputs: list[IOSpec] = [replace(o, slot=new[o.slot]) for o in program.outputs]
+    inputs = [i.at(new[i.slot]) for i in program.inputs]
+    outputs: list[IOSpec] = [o.at(new[o.slot]) for o in program.outputs]
     return instrs, inputs, outputs

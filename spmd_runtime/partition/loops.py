@@ -38,7 +38,7 @@ class TupleSharding:
         return tuple(a for p in self.parts if p is not None for a in p.axes)
 
     def refine(self, cur, node, mesh) -> "TupleSharding":
-        """``cur`` refined part by part (what ``propagation._update`` calls for a tuple)."""
+        """``cur`` refined part by part (what ``propagation._Sweeps._update`` calls for a tuple)."""
         specs = node.attrs["results"]
         old = cur.parts if isinstance(cur, TupleSharding) else (None,) * len(specs)
         out = []

@@ -10,7 +10,7 @@ import gc
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,6 +45,7 @@ class PartitionContext:
         self.node: Node | None = None  # the node being partitioned, named in notes
         self._reshard_cache: dict = {}
         self._shared: dict = {}
+        self._local_shapes: dict = {}  # (sharding, global shape) -> local shape
         # partition/loops.py: the graph's live nodes (computed once, on the first scan), and per scan node the
         # position of each traced result among the results it kept (a loop_out reads its result there)
         self.live_nodes: set | None = None
@@ -60,7 +61,12 @@ class PartitionContext:
         """Append one instruction of ``op`` (a record or its name); its local shape is the sharding's unless
         ``local`` says otherwise."""
         out = LocalValue(len(self.instrs), sharding, tuple(shape), str(dtype))
-        local = sharding.local_shape(out.shape, self.mesh) if local is None else tuple(local)
+        if local is None:  # the same few (sharding, shape) pairs recur throughout a model
+            local = self._local_shapes.get((sharding, out.shape))
+            if local is None:
+                local = self._local_shapes[sharding, out.shape] = sharding.local_shape(out.shape, self.mesh)
+        else:
+            local = tuple(local)
         name = op if type(op) is str and op in OPS else lookup(op).name
         self.instrs.append(Instr(name, out.slot, tuple(a.slot for a in args), dict(attrs), local, out.dtype,
                                  sharding, out.shape))
@@ -340,8 +346,8 @@ def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]
               for n, p in zip(names, graph.params)]
     outputs = [IOSpec(f"out{k}", r.slot, r.shape, r.dtype, r.sharding) for k, r in enumerate(results)]
     instrs, renumber = _drop_dead(ctx.instrs, [o.slot for o in outputs] + [i.slot for i in inputs])
-    inputs = [replace(i, slot=renumber[i.slot]) for i in inputs]
-    outputs = [replace(o, slot=renumber[o.slot]) for o in outputs]
+    inputs = [i.at(renumber[i.slot]) for i in inputs]
+    outputs = [o.at(renumber[o.slot]) for o in outputs]
     if buffers:
         _assign_buffers(instrs, {o.slot for o in outputs})
     dropped = {n for n, v in ctx.values.items() if v.slot not in renumber}
@@ -372,8 +378,7 @@ def _drop_dead(instrs: list[Instr], roots) -> tuple[list[Instr], dict[int, int]]
     if len(live) == len(instrs):
         return instrs, {i.out: i.out for i in instrs}
     renumber = {i.out: k for k, i in enumerate(i for i in instrs if i.out in live)}
-    return [replace(i, out=renumber[i.out], args=tuple(renumber[a] for a in i.args))
-            for i in instrs if i.out in live], renumber
+    return [i.renumbered(renumber) for i in instrs if i.out in live], renumber  # frees come later
 
 
 def _assign_buffers(instrs: list[Instr], keep: set[int]) -> None:

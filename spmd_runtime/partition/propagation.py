@@ -108,42 +108,43 @@ class _Sweeps:
         return changed
 
     def _update(self, vid, cand) -> bool:
-        if not _update(vid, cand, self.graph, self.mesh, self.sh, self.fixed):
+        """Refine value ``vid`` by ``cand``; on a change, mark it and its users for another visit."""
+        sh, (pinned, loose) = self.sh, self.fixed
+        cur = sh[vid]
+        if cand is None or vid in pinned:
             return False
+        if type(cur) is Sharding and (cand is cur or cand == cur) and not cur.partial and cur.reduce_op == "sum" \
+                and vid not in loose:
+            return False  # merging a sharding with itself keeps it (legalizing only drops axes it has)
+        node = self.graph.nodes[vid]
+        if hasattr(cand, "refine"):  # the results of a control node (partition/loops.py) refine part by part
+            new = cand.refine(cur, node, self.mesh)
+        else:
+            cand = legalize(cand, node.shape, self.mesh)
+            new = cand if cur is None else merge(cur, cand)
+        if vid in loose:
+            new = refine_free(*loose[vid], new)
+        if new == cur or (cur is None and not new.axes):
+            return False
+        sh[vid] = new
+        self._mark(vid)
+        return True
+
+    def _mark(self, vid) -> None:
+        """Value ``vid`` changed: it and its users are due another visit each way, in this pass if not reached."""
         runs, levels, level, cursor, heap = self.runs, self.levels, self.level, self.cursor, self.heap
+        forward_due, backward_due, forward = self.forward_due, self.backward_due, self.forward
         for n in (vid, *self.users[vid]):  # their rules read this value
             if not runs[n]:
                 continue
-            if n not in self.forward_due:
-                self.forward_due.add(n)
-                if self.forward and n > cursor and levels[n] <= level:
+            if n not in forward_due:
+                forward_due.add(n)
+                if forward and n > cursor and levels[n] <= level:
                     heapq.heappush(heap, n)
-            if n not in self.backward_due:
-                self.backward_due.add(n)
-                if not self.forward and n < cursor and levels[n] <= level:
+            if n not in backward_due:
+                backward_due.add(n)
+                if not forward and n < cursor and levels[n] <= level:
                     heapq.heappush(heap, -n)
-        return True
-
-
-def _update(vid, cand, graph, mesh, sh, fixed) -> bool:
-    pinned, loose = fixed
-    cur = sh[vid]
-    if cand is None or vid in pinned:
-        return False
-    if type(cur) is Sharding and (cand is cur or cand == cur) and not cur.partial and cur.reduce_op == "sum" \
-            and vid not in loose:
-        return False  # merging a sharding with itself keeps it (legalizing only drops axes it has)
-    if hasattr(cand, "refine"):  # the results of a control node (partition/loops.py) refine part by part
-        new = cand.refine(cur, graph.nodes[vid], mesh)
-    else:
-        cand = legalize(cand, graph.nodes[vid].shape, mesh)
-        new = cand if cur is None else merge(cur, cand)
-    if vid in loose:
-        new = refine_free(*loose[vid], new)
-    if new == cur or (cur is None and not new.axes):
-        return False
-    sh[vid] = new
-    return True
 
 
 def refine_free(annotation: Sharding, free: frozenset, new: Sharding) -> Sharding:
@@ -190,9 +191,13 @@ def merge(cur: Sharding, cand: Sharding) -> Sharding:
 
 def combine(shardings: list[Sharding | None]) -> Sharding | None:
     """Dim-wise union of same-shape shardings: the most split one first, others fill gaps."""
-    known = sorted((s for s in shardings if s is not None), key=lambda s: -len(s.axes))
-    if not known:
-        return None
+    known = [s for s in shardings if s is not None]
+    if len(known) < 2:
+        return known[0] if known else None
+    first = known[0]
+    if not first.partial and first.reduce_op == "sum" and all(s == first for s in known):
+        return first  # what merging equal shardings gives
+    known.sort(key=lambda s: -len(s.axes))
     out = known[0]
     for s in known[1:]:
         out = merge(out, s)

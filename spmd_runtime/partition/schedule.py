@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from dataclasses import replace
 
 import numpy as np
 
@@ -103,12 +102,12 @@ def schedule_collectives(program: SPMDProgram, budget: int):
         if what == "instr":
             out.append(ins.renumbered(new, out=pos))
         elif what == "start":
-            out.append(replace(ins, op=f"{ins.op}_start", out=pos, args=(new[ins.args[0]],), free=(), donate=-1))
+            out.append(ins.copy(op=f"{ins.op}_start", out=pos, args=(new[ins.args[0]],), free=(), donate=-1))
         else:
-            out.append(replace(ins, op=f"{ins.op}_done", out=pos, args=(started[slot], new[ins.args[0]]), attrs={},
+            out.append(ins.copy(op=f"{ins.op}_done", out=pos, args=(started[slot], new[ins.args[0]]), attrs={},
                                free=(), donate=-1))
-    inputs = [replace(i, slot=new[i.slot]) for i in program.inputs]
-    outputs = [replace(o, slot=new[o.slot]) for o in program.outputs]
+    inputs = [i.at(new[i.slot]) for i in program.inputs]
+    outputs = [o.at(new[o.slot]) for o in program.outputs]
     names = {new[s]: name for s, name in program.names.items() if s in new}
     in_place = [new[s] for s in moved if instrs[s].donate == 0 and users[instrs[s].args[0]] == [s]]
     return out, inputs, outputs, names, in_place
