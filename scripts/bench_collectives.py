@@ -1,7 +1,7 @@
 """OSU-style latency table: this project's collectives next to the raw mpi4py buffer calls.
 
 Run under MPI:  mpiexec -n 8 python scripts/bench_collectives.py [--quick] [--rounds R] [--row-seconds S]
-                [--nonblocking | --unbound] [--device]
+                [--only all_reduce,permute] [--nonblocking | --unbound] [--device]
 
 For each collective (all_reduce, all_gather, reduce_scatter, all_to_all, and
 collective_permute as a ring shift), each message size and each communicator
@@ -302,7 +302,7 @@ def mpich_settings() -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MPIR_CVAR_")) or "none"
 
 
-def run(sizes: list[int], rounds: int, device: bool = False) -> bool:
+def run(sizes: list[int], rounds: int, device: bool = False, only=tuple(CASES)) -> bool:
     global BUF
     # One CUDA-awareness answer for both sides: the Transport's is the one the raw side follows.
     transport = Transport(cuda_aware=cuda_aware_mpi() if device else None)
@@ -316,7 +316,7 @@ def run(sizes: list[int], rounds: int, device: bool = False) -> bool:
            f"# {rounds} rounds over every row, {SECONDS_PER_ROW:g} s per row; in each row ours and mpi4py alternate "
            f"call by call, median per side\n# MPICH settings from the environment: {mpich_settings()}"
            f"\n{HEADER}")
-    rows = [(name, axes, label, nbytes) for name in CASES for label, axes in communicators(mc.mesh) for nbytes in sizes]
+    rows = [(name, axes, label, nbytes) for name in only for label, axes in communicators(mc.mesh) for nbytes in sizes]
     times = [[] for _ in rows]
     for round_no in range(1, rounds + 1):
         for row, runs in zip(rows, times):
@@ -341,6 +341,8 @@ def main() -> None:
     parser.add_argument("--device", action="store_true",
                         help="buffers on the GPU (CuPy); the raw side stages through host memory unless MPI is "
                              "CUDA-aware")
+    parser.add_argument("--only", default=",".join(CASES),
+                        help=f"comma-separated collectives to time (default all: {','.join(CASES)})")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over every row; the summary takes each side's minimum over them (default 3)")
     parser.add_argument("--row-seconds", type=float, default=SECONDS_PER_ROW,
@@ -352,6 +354,9 @@ def main() -> None:
                         help="bound nonblocking collectives (the scheduled programs' start/done pairs: start(x).wait())"
                              " against mpi4py's Iallreduce ... + Wait (Irecv + Isend + Waitall for the permute)")
     args = parser.parse_args()
+    only = tuple(args.only.split(","))
+    if not only or any(name not in CASES for name in only):
+        parser.error(f"--only takes collectives from {list(CASES)}; got {args.only!r}")
     if args.unbound and args.nonblocking:
         parser.error("--unbound times the one-shot functions, which are blocking; got --unbound with --nonblocking")
     if args.rounds < 1 or args.row_seconds <= 0:
@@ -359,7 +364,7 @@ def main() -> None:
                      f"{args.row_seconds}")
     UNBOUND, SECONDS_PER_ROW, NONBLOCKING = args.unbound, args.row_seconds, args.nonblocking
     start = time.perf_counter()
-    ok = run(QUICK_SIZES if args.quick else FULL_SIZES, args.rounds, device=args.device)
+    ok = run(QUICK_SIZES if args.quick else FULL_SIZES, args.rounds, device=args.device, only=only)
     report(f"# total {time.perf_counter() - start:.1f} s")
     sys.exit(0 if ok else 1)
 
