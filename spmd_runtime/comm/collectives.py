@@ -30,6 +30,10 @@ receive buffer is kept (or that reduces in place) keeps its ``Pending`` too and
 posts from one Python frame: one call in flight per binding, as in a program. Device arrays staged
 through the host and 16-bit floats run blocking at the start (no overlap there).
 
+MPI-4 persistent requests (``Send_init``/``Recv_init``, ``Allreduce_init``) are not used: they fix the send
+buffer too, and a binding's operand is a different array from call to call; copying it into a kept send
+buffer cost what the persistent start saved at 8 B (and 3x at 1 MiB), measured on MPICH 5.0.2.
+
 Wire bytes (per rank, ring algorithms, S = local bytes) are in each docstring;
 they are the denominators of the cost model and of the bus-bandwidth figures.
 16-bit floats travel as 16 bits and are reduced in float32 (``low_precision.py``).

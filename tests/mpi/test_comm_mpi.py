@@ -170,7 +170,7 @@ def _raw_all_to_all(sub, x):
     return recv
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("mesh", sorted({MESHES[0], MESHES[-1]}, key=MESHES.index), ids=str)  # 1-d; 2-d reordered
 @pytest.mark.parametrize("shape, order", [((4096,), "C"), ((128, 32), "C"), ((128, 32), "F")], ids=["1d", "2d", "2d-F"])
 @pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
 def test_bound_permute_and_all_to_all_equal_raw_mpi4py_into_one_kept_buffer(mesh, shape, order, nonblocking, make_mc):
