@@ -7,7 +7,8 @@ For each collective (all_reduce, all_gather, reduce_scatter, all_to_all, and
 collective_permute as a ring shift), each message size and each communicator
 (the whole world, then each axis of a 2-d mesh (2, N/2)), the project call and
 the raw mpi4py call on the same cached sub-communicator with preallocated
-buffers alternate iteration by iteration (which goes first swaps every
+buffers (one lambda with the MPI call inline, positional arguments: the
+caller's own frame; ours adds the bound closure's) alternate iteration by iteration (which goes first swaps every
 iteration), so both see the same machine state. Latency = median over
 iterations (as many as fit in ``--row-seconds``, 5 to 1000 per second of it), max over ranks.
 The machine is shared and noisy: ``--rounds`` (default 3) passes over every
@@ -74,9 +75,9 @@ class HostBuffers:
     def empty(self, shape, dtype):
         return np.empty(shape, dtype)
 
-    def raw(self, mpi_call, send, recv):
-        """A zero-argument raw call: ``mpi_call(send, recv)``, returning ``recv``."""
-        return lambda: (mpi_call(send, recv), recv)[1]
+    def raw(self, make, send, recv):
+        """The zero-argument raw call ``make(send, recv)``: one Python frame around the MPI call, returning ``recv``."""
+        return make(send, recv)
 
     def synced(self, fn):
         return fn
@@ -109,14 +110,16 @@ class DeviceBuffers:
     def sync(self) -> None:
         self.cp.cuda.get_current_stream().synchronize()
 
-    def raw(self, mpi_call, send, recv):
+    def raw(self, make, send, recv):
         if self.cuda_aware:
-            return lambda: (self.sync(), mpi_call(send, recv), recv)[2]
+            direct = make(send, recv)
+            return lambda: (self.sync(), direct())[1]
         host_send, host_recv = self.pinned_like(send), self.pinned_like(recv)
+        mpi_call = make(host_send, host_recv)
 
         def staged():
             send.get(out=host_send)  # blocking: waits for the kernels that wrote `send`
-            mpi_call(host_send, host_recv)
+            mpi_call()
             recv.set(host_recv)
             return recv
         return staged
@@ -150,15 +153,18 @@ def ours(mc, kind, x, **attrs):
 
 
 def raw_call(blocking, nonblocking):
-    """The raw mpi4py side: the blocking call, or with ``--nonblocking`` the nonblocking one and its wait."""
+    """The raw mpi4py side, ``make(send, recv) -> zero-argument call returning recv``: the blocking call, or with
+    ``--nonblocking`` the nonblocking one and its wait. Each is one lambda with the MPI call written inline
+    (methods looked up once, arguments positional): what a caller of mpi4py writes at its best."""
     return nonblocking if NONBLOCKING else blocking
 
 
 def case_all_reduce(mc, axes, nbytes, rng):
     k, x = mc.axis_size(axes), BUF.put(rng.standard_normal(max(1, nbytes // 4)).astype(np.float32))
     sub, recv = mc.sub(axes), BUF.empty(x.shape, x.dtype)
-    raw = BUF.raw(raw_call(lambda s, r: sub.Allreduce(s, r, MPI.SUM),
-                           lambda s, r: sub.Iallreduce(s, r, MPI.SUM).Wait()), x, recv)
+    allreduce, iallreduce, op = sub.Allreduce, sub.Iallreduce, MPI.SUM
+    raw = BUF.raw(raw_call(lambda s, r: lambda: (allreduce(s, r, op), r)[1],
+                           lambda s, r: lambda: (iallreduce(s, r, op).Wait(), r)[1]), x, recv)
     return ours(mc, "all_reduce", x, axes=axes, op="sum"), raw, x.nbytes, 2 * (k - 1) / k
 
 
@@ -166,7 +172,9 @@ def case_all_gather(mc, axes, nbytes, rng):
     k = mc.axis_size(axes)
     x = BUF.put(rng.integers(0, 255, round_up(nbytes, k) // k, dtype=np.uint8))
     sub, recv = mc.sub(axes), BUF.empty(k * x.size, np.uint8)
-    raw = BUF.raw(raw_call(sub.Allgather, lambda s, r: sub.Iallgather(s, r).Wait()), x, recv)
+    allgather, iallgather = sub.Allgather, sub.Iallgather
+    raw = BUF.raw(raw_call(lambda s, r: lambda: (allgather(s, r), r)[1],
+                           lambda s, r: lambda: (iallgather(s, r).Wait(), r)[1]), x, recv)
     return ours(mc, "all_gather", x, axes=axes, dim=0), raw, recv.nbytes, (k - 1) / k
 
 
@@ -174,8 +182,9 @@ def case_reduce_scatter(mc, axes, nbytes, rng):
     k = mc.axis_size(axes)
     x = BUF.put(rng.standard_normal(round_up(nbytes // 4, k)).astype(np.float32))
     sub, recv = mc.sub(axes), BUF.empty(x.size // k, np.float32)
-    raw = BUF.raw(raw_call(lambda s, r: sub.Reduce_scatter_block(s, r, MPI.SUM),
-                           lambda s, r: sub.Ireduce_scatter_block(s, r, MPI.SUM).Wait()), x, recv)
+    reduce_scatter, ireduce_scatter, op = sub.Reduce_scatter_block, sub.Ireduce_scatter_block, MPI.SUM
+    raw = BUF.raw(raw_call(lambda s, r: lambda: (reduce_scatter(s, r, op), r)[1],
+                           lambda s, r: lambda: (ireduce_scatter(s, r, op).Wait(), r)[1]), x, recv)
     return ours(mc, "reduce_scatter", x, axes=axes, dim=0, op="sum"), raw, x.nbytes, (k - 1) / k
 
 
@@ -183,7 +192,9 @@ def case_all_to_all(mc, axes, nbytes, rng):
     k = mc.axis_size(axes)
     x = BUF.put(rng.integers(0, 255, round_up(nbytes, k), dtype=np.uint8))
     sub, recv = mc.sub(axes), BUF.empty(x.shape, x.dtype)
-    raw = BUF.raw(raw_call(sub.Alltoall, lambda s, r: sub.Ialltoall(s, r).Wait()), x, recv)
+    alltoall, ialltoall = sub.Alltoall, sub.Ialltoall
+    raw = BUF.raw(raw_call(lambda s, r: lambda: (alltoall(s, r), r)[1],
+                           lambda s, r: lambda: (ialltoall(s, r).Wait(), r)[1]), x, recv)
     return ours(mc, "all_to_all", x, axes=axes, split_dim=0, concat_dim=0), raw, x.nbytes, (k - 1) / k
 
 
@@ -194,9 +205,9 @@ def case_permute(mc, axes, nbytes, rng):
     source = {d: s for s, d in pairs}[mc.rank]
     x = BUF.put(rng.integers(0, 255, nbytes, dtype=np.uint8))
     recv = BUF.empty(x.shape, x.dtype)
-    raw = BUF.raw(raw_call(lambda s, r: mc.comm.Sendrecv(s, dest, recvbuf=r, source=source),
-                           lambda s, r: MPI.Request.Waitall([mc.comm.Irecv(r, source), mc.comm.Isend(s, dest)])),
-                  x, recv)
+    sendrecv, irecv, isend, waitall = mc.comm.Sendrecv, mc.comm.Irecv, mc.comm.Isend, MPI.Request.Waitall
+    raw = BUF.raw(raw_call(lambda s, r: lambda: (sendrecv(s, dest, 0, r, source, 0), r)[1],
+                           lambda s, r: lambda: (waitall([irecv(r, source, 0), isend(s, dest, 0)]), r)[1]), x, recv)
     return ours(mc, "collective_permute", x, pairs=pairs), raw, x.nbytes, 1.0
 
 
