@@ -207,3 +207,19 @@ def test_saved_program_with_masked_lookup_runs_the_same(tmp_path):
     assert loaded.hash == program.hash
     for (out,) in run_simulated(4, lambda comm: sr.run(loaded, table, ids, comm=comm)):
         np.testing.assert_array_equal(out, np.take(table, ids, axis=0, mode="clip"))
+
+
+@pytest.mark.parametrize("axis, rows_shape", [(0, (12,)), (1, (3, 4)), (2, (5,)), (0, (0,))])
+def test_rows_are_added_as_np_add_at_does_repeats_included(axis, rows_shape):
+    from spmd_runtime.ops.gather import _add_rows
+    rng = np.random.default_rng(7)
+    operand = rng.standard_normal((4, 6, 5)).astype(np.float32)
+    rows = rng.integers(0, operand.shape[axis], rows_shape)  # more indices than rows: repeats
+    updates = rng.standard_normal(operand.shape[:axis] + rows_shape + operand.shape[axis + 1:]).astype(np.float32)
+    want = operand.copy()
+    np.add.at(np.moveaxis(want, axis, 0), rows.reshape(-1),
+              np.moveaxis(updates, tuple(range(axis, axis + rows.ndim)), tuple(range(rows.ndim))).reshape(
+                  (rows.size,) + np.moveaxis(want, axis, 0).shape[1:]))
+    got = _add_rows(np, operand, rows, updates, axis)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not np.shares_memory(got, operand)
