@@ -84,7 +84,11 @@ def _einsum2(a, ta, b, tb, rest, sizes):
 
 
 def _pair_out(ta, tb, rest):
-    """Result letters of one pairwise step: batch letters, then a's free, then b's free (each kept if needed)."""
+    """Result letters of one pairwise step: batch letters, then a's free, then b's free (each kept if needed);
+    a step that sums nothing (a broadcast product) in the order the letters are wanted next, so no transpose
+    follows it."""
+    if all(c in rest for c in ta + tb):
+        return "".join(c for c in dict.fromkeys(rest) if c in ta or c in tb)
     batch = [c for c in ta if c in tb and c in rest]
     free_a = [c for c in ta if c not in tb]
     free_b = [c for c in tb if c not in ta]
