@@ -460,7 +460,9 @@ def op_case_diffs(xp, dtypes=("float32", "float64")):
 def test_op_case_numerics_on_the_fake_device(fake_cupy):
     rows = op_case_diffs(fake_cupy)
     assert {dtype for _, dtype, *_ in rows} >= {"float32", "float64"}
-    bad = [r for r in rows if not r[4] or r[2] != 0.0]  # the same NumPy kernels underneath: exact
+    # The same NumPy kernels underneath: exact; but scatter_add, which on NumPy sums a row's repeated updates
+    # before adding them to it (ops/gather._add_sorted) and on a device adds each in turn: within tolerance.
+    bad = [r for r in rows if not r[4] or (r[2] != 0.0 and not r[0].startswith("scatter_add"))]
     assert not bad, bad
 
 
