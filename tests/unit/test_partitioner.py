@@ -20,6 +20,10 @@ def contract_split_result(x, w):
     return x @ w
 
 
+def two_projections(x, w1, w2):
+    return (x @ w1) * (x @ w2)
+
+
 def identity(x):
     return x * 1.0
 
@@ -51,6 +55,10 @@ TABLE = [
     ("reduce_split_dim", row_sum_then_scale, [(8, 8)], MESH_4, [("x", None)], None, [("all_reduce", ("x",))]),
     ("reshard_xy_to_yx_2x4", identity, [(8, 8)], MESH_2x4, [("data", "model")], [("model", "data")],
      [("all_to_allv", ("data", "model"))]),  # both dims change axes: one exchange (was gather + all-to-all)
+    # the same einsum (spec, shapes, x's layout) twice: w1 split on its columns is local, w2 split on its rows
+    # sums partials (the einsum's choice is made per operand layouts, and taken once per distinct layouts)
+    ("same_einsum_other_weight_layouts", two_projections, [(2, 64), (64, 8), (64, 8)], MESH_4,
+     [(None, None), (None, "x"), ("x", None)], None, [("reduce_scatter", ("x",))]),
     ("device_order_change", identity, [(8, 8)], MESH_2x4, [(("data", "model"), None)],
      [(("model", "data"), None)], [("collective_permute", ("data", "model"))]),
 ]
