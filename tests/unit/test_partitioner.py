@@ -1,6 +1,8 @@
 """Partitioner table tests, in the style of XLA's spmd_partitioner_test:
 (function, input shardings, mesh) -> the exact collectives emitted, plus numerics
 against the reference evaluator in the simulated world."""
+import gc
+
 import numpy as np
 import pytest
 
@@ -146,3 +148,24 @@ def test_conflicting_mesh_is_refused():
     graph = sr.trace(lambda x: sr.mesh_split(x, other, ("y", None)) * 2.0, sr.TensorSpec((8, 8), "float64"))
     with pytest.raises(ValueError, match="partition mesh"):
         sr.partition(graph, MESH_4)
+
+
+def test_partition_restores_the_cycle_collector():
+    """partition() turns CPython's cycle collector off while it runs (partitioner.py: _gc_paused) and back on
+    after, also when it raises; a caller's own gc.disable() is left as it was. ``timings`` gets each pass."""
+    graph = sr.trace(identity, np.ones((8, 8)))
+    try:
+        assert gc.isenabled()
+        timings = {}
+        program = sr.partition(graph, MESH_4, in_specs=[("x", None)], out_specs=[(None, "x")], fuse=True,
+                               overlap=True, timings=timings)
+        assert gc.isenabled()
+        assert timings["schedule_instrs"] == len(program.instrs) and timings["partition"] >= 0
+        with pytest.raises(ValueError, match="nope"):
+            sr.partition(graph, MESH_4, in_specs=[("nope", None)])
+        assert gc.isenabled()
+        gc.disable()
+        sr.partition(graph, MESH_4, in_specs=[("x", None)])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
