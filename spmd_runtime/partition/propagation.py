@@ -67,8 +67,9 @@ class _Sweeps:
     def __init__(self, graph, mesh, sh, fixed, rules):
         self.graph, self.mesh, self.sh, self.fixed = graph, mesh, sh, fixed
         nodes = graph.nodes
-        self.rules = [rules[n.op] for n in nodes]
-        self.levels = [r.level for r in self.rules]
+        chosen = [rules[n.op] for n in nodes]
+        self.levels = [r.level for r in chosen]
+        self.forwards, self.backwards = [r.forward for r in chosen], [r.backward for r in chosen]
         self.users: list[list[int]] = [[] for _ in nodes]
         for n in nodes:
             for i in set(n.inputs):
@@ -83,28 +84,32 @@ class _Sweeps:
         self.cursor, self.forward = 0, True
 
     def sweep(self, level) -> bool:
-        graph, mesh, sh, rules, nodes = self.graph, self.mesh, self.sh, self.rules, self.graph.nodes
-        levels, heap = self.levels, self.heap
+        graph, mesh, sh, nodes, heap = self.graph, self.mesh, self.sh, self.graph.nodes, self.heap
+        forward_due, backward_due, levels, update, pop = self.forward_due, self.backward_due, self.levels, \
+            self._update, heapq.heappop
         self.level, changed = level, False
         self.forward = True
-        heap[:] = sorted(i for i in self.forward_due if levels[i] <= level)
+        heap[:] = sorted(i for i in forward_due if levels[i] <= level)
         while heap:
-            node = nodes[heapq.heappop(heap)]
-            self.cursor = node.id
-            self.forward_due.discard(node.id)
-            cand = rules[node.id].forward(node, [sh[i] for i in node.inputs], graph, mesh)
-            changed |= self._update(node.id, cand)
+            v = self.cursor = pop(heap)
+            forward_due.discard(v)
+            node = nodes[v]
+            cand = self.forwards[v](node, [sh[i] for i in node.inputs], graph, mesh)
+            if cand is not None:
+                changed |= update(v, cand)
         self.forward = False
-        heap[:] = sorted(-i for i in self.backward_due if levels[i] <= level)
+        heap[:] = sorted(-i for i in backward_due if levels[i] <= level)
         while heap:
-            node = nodes[-heapq.heappop(heap)]
-            self.cursor = node.id
-            if sh[node.id] is None:
+            v = self.cursor = -pop(heap)
+            out = sh[v]
+            if out is None:
                 continue  # stays due: visited once it has a sharding
-            self.backward_due.discard(node.id)
-            cands = rules[node.id].backward(node, sh[node.id], [sh[i] for i in node.inputs], graph, mesh)
+            backward_due.discard(v)
+            node = nodes[v]
+            cands = self.backwards[v](node, out, [sh[i] for i in node.inputs], graph, mesh)
             for i, cand in zip(node.inputs, cands):
-                changed |= self._update(i, cand)
+                if cand is not None:
+                    changed |= update(i, cand)
         return changed
 
     def _update(self, vid, cand) -> bool:
