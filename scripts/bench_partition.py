@@ -18,12 +18,17 @@ partitioner emits them (``instrs``: before fusion and the async split) and as ``
 and ``ms/instr`` = total / instrs. Every round is printed, then per size the minimum of each column over the
 rounds (sizes interleaved within a round). The issue's target: 0.1 ms per instruction or less, linear in size
 (ms/instr flat across sizes). ``uptime`` is printed before and after: the machine is shared.
+
+Side by side with an older checkout (its partition() has no ``timings``: total only), interleaved by hand:
+``for r in 1 2 3; do python scripts/bench_partition.py --rounds 1; PYTHONPATH=/path/to/old python
+scripts/bench_partition.py --rounds 1; done``.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import gc
+import math
 import os
 import pstats
 import subprocess
@@ -54,9 +59,16 @@ def measure(layers: int, preset_name: str, mesh, clock) -> dict:
     gc.collect()  # each round starts from the same heap; partition() itself pauses the cycle collector
     laps: dict = {}
     t0 = clock()
-    program = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs, timings=laps)
+    try:
+        program = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs, timings=laps)
+    except TypeError:  # an older checkout (PYTHONPATH=...) for a side-by-side run: its total only
+        t0 = clock()
+        program = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs)
     total = clock() - t0
-    if clock is not time.perf_counter:  # the passes' laps are wall seconds: scale them to the chosen clock
+    if not laps:
+        plain = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs, fuse=False, overlap=False)
+        laps = {"partition_instrs": len(plain.instrs), **{p: math.nan for p in PHASES}}
+    elif clock is not time.perf_counter:  # the passes' laps are wall seconds: scale them to the chosen clock
         scale = total / sum(laps[p] for p in PHASES if p in laps)
         laps = {**laps, **{p: laps[p] * scale for p in PHASES if p in laps}}
     return {"nodes": len(graph.nodes), "instrs": laps["partition_instrs"], "final": len(program.instrs),
