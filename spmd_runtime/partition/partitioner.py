@@ -104,7 +104,7 @@ class PartitionContext:
 
     def reshard(self, value: LocalValue, target: Sharding) -> LocalValue:
         """``value`` laid out as ``target``, via the one planner; each (value, target) planned once."""
-        if value.sharding == target:
+        if value.sharding is target or value.sharding == target:
             return value
         key = (value.slot, target)
         if key not in self._reshard_cache:
