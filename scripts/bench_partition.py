@@ -105,6 +105,8 @@ def main() -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         return
     print(f"# {args.preset} on {mesh}, {'CPU' if args.cpu else 'wall'} seconds, {args.rounds} rounds")
+    print("# partition: propagation, rules, resharding, dead code, frees; fuse / schedule: those passes, frees redone;"
+          " total: the whole partition() call; ms/instr: total / instrs (as emitted, before fusion)")
     print(f"# before: {uptime()}")
     print(f"{'round':>6} {'layers':>6} {'nodes':>7} {'instrs':>7} {'final':>6} "
           + " ".join(f"{c + ' s':>9}" for c in COLUMNS) + f" {'ms/instr':>9}")
