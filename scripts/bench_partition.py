@@ -10,8 +10,9 @@ partitioner emits them (``instrs``: before fusion and the async split) and as ``
 (``final``: fused, collectives split into start/done), then seconds:
 
 - ``trace``: tracing the step (not part of partitioning, shown for scale);
-- ``partition``: propagation, partition rules, resharding, dead-code removal, frees and donations;
-- ``fuse``: the loop-fusion pass (partition/fusion.py) with frees and donations redone;
+- ``partition``: propagation, partition rules, resharding, dead-code removal (frees and donations are left to
+  the fusion pass, which rebuilds the program anyway);
+- ``fuse``: the loop-fusion pass (partition/fusion.py) with frees and donations;
 - ``schedule``: the async start/done split (partition/schedule.py) with frees and donations redone;
 - ``total``: the whole ``partition()`` call with its defaults (what a user pays: all of the above);
 
@@ -105,8 +106,8 @@ def main() -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         return
     print(f"# {args.preset} on {mesh}, {'CPU' if args.cpu else 'wall'} seconds, {args.rounds} rounds")
-    print("# partition: propagation, rules, resharding, dead code, frees; fuse / schedule: those passes, frees redone;"
-          " total: the whole partition() call; ms/instr: total / instrs (as emitted, before fusion)")
+    print("# partition: propagation, rules, resharding, dead code; fuse / schedule: those passes with frees and"
+          " donations; total: the whole partition() call; ms/instr: total / instrs (as emitted, before fusion)")
     print(f"# before: {uptime()}")
     print(f"{'round':>6} {'layers':>6} {'nodes':>7} {'instrs':>7} {'final':>6} "
           + " ".join(f"{c + ' s':>9}" for c in COLUMNS) + f" {'ms/instr':>9}")

@@ -145,7 +145,8 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     the collectives when choosing strategies and resharding plans; default: $SPMD_COST_PROFILE, else the
     ring-formula wire bytes.
     ``timings``: a dict that receives, for benchmarks, the seconds of each pass run (``partition``: propagation,
-    partition rules, resharding, frees; ``fuse``; ``schedule``) and the instructions it left (``<pass>_instrs``).
+    partition rules, resharding; ``fuse`` and ``schedule``, each with frees and donations) and the instructions
+    it left (``<pass>_instrs``).
     """
     laps = _Laps(timings)
     with _gc_paused():
