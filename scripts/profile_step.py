@@ -3,12 +3,16 @@
     python scripts/profile_step.py          # reference config, dp on a (1,) mesh, 1 BLAS thread
     SPMD_FUSE=0 python scripts/profile_step.py    # unfused program (one instruction per elementwise op)
     SPMD_PROFILE_CLOCK=cpu python scripts/profile_step.py  # this thread's CPU time (less sensitive to load)
-(Set OMP_NUM_THREADS / OPENBLAS_NUM_THREADS before running to change the BLAS threads.)
+    python scripts/profile_step.py --batch 4     # half the batch: one rank's share of a 2-rank dp step
+(Set OMP_NUM_THREADS / OPENBLAS_NUM_THREADS before running to change the BLAS threads.) Two at once, no MPI,
+give the compute floor of a 2-rank dp step on this machine:
+    python scripts/profile_step.py --batch 4 & python scripts/profile_step.py --batch 4; wait
 Each instruction's time is its minimum over REPS runs (a shared machine inflates some of them).
 """
 import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import argparse
 import collections
 import time
 
@@ -16,12 +20,15 @@ import numpy as np
 import spmd_runtime as sr
 from spmd_runtime.exec.runner import Runtime, communicator
 # Layers unrolled: a per-op profile (scanned layers put the whole stack in one "scan" instruction).
-cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8, scan_layers=False)
+ap = argparse.ArgumentParser()
+ap.add_argument("--batch", type=int, default=8)
+B = ap.parse_args().batch
+cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=B, scan_layers=False)
 ts = sr.build_train_step(cfg, sr.train_mesh((1,), "dp"), "dp", sr.AdamW())
 prog = ts.program
 state = ts.init(0)
 rng = np.random.default_rng(0)
-tok = rng.integers(0, 1024, (8, 128)).astype(np.int32)
+tok = rng.integers(0, 1024, (B, 128)).astype(np.int32)
 inputs = sr.pytree.flatten((state["params"], state["opt_state"], {"tokens": tok, "labels": tok.copy()}))[0]
 mc = communicator(prog.mesh)
 it = Runtime.world().interpreter(prog, mc, np)
@@ -42,7 +49,9 @@ del outs
 clock = time.thread_time if os.environ.get("SPMD_PROFILE_CLOCK") == "cpu" else time.perf_counter
 REPS = 5
 best = {}; n = collections.Counter()
+walls = []
 for rep in range(REPS):
+    start = time.perf_counter()
     env = {}
     for out, index, free in it.params:
         env[out] = inputs[index]
@@ -51,11 +60,12 @@ for rep in range(REPS):
         key = ins.op if ins.op != "einsum" else "einsum " + ins.attrs["spec"]
         best[out] = min(best.get(out, dt), dt); n[key] += rep == 0
         for s in free: del env[s]
+    walls.append(time.perf_counter() - start)
 t = collections.Counter()
 for ins in prog.instrs:
     if ins.out in best:
         t[ins.op if ins.op != "einsum" else "einsum " + ins.attrs["spec"]] += best[ins.out]
-total = sum(t.values()); print(f"total {total*1e3:.1f} ms/step")
+total = sum(t.values()); print(f"total {total*1e3:.1f} ms/step (sum of per-instruction minima); batch {B}; whole step wall min {min(walls)*1e3:.1f} ms")
 for k, v in t.most_common(22): print(f"{v*1e3:8.2f} ms  {n[k]:4d}x  {k}")
 groups = collections.Counter()
 for k, v in t.items():
