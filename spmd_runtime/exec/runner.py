@@ -18,6 +18,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..comm import collectives, jobguard, watchdog
+from ..comm.affinity import bind_to_cores
 from ..comm.communicator import MeshCommunicator, agree
 from ..dtypes import check_backend
 from .. import pytree
@@ -59,8 +60,11 @@ class Runtime:
 
     @classmethod
     def world(cls) -> "Runtime":
+        """The runtime of ``MPI.COMM_WORLD``; made once per process, which also pins this rank to its share
+        of the node's cores (comm/affinity.py, ``$SPMD_BIND``)."""
         if cls._world is None:
             cls._world = cls()
+            bind_to_cores()
         return cls._world
 
     @classmethod

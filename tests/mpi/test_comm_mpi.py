@@ -213,3 +213,23 @@ def test_bound_permute_and_all_to_all_equal_raw_mpi4py_into_one_kept_buffer(mesh
             continue
         assert_same(got, expected)
         assert grown < message // 2, f"a bound host {kind} allocated {grown} bytes in a call (message {message})"
+
+
+@pytest.mark.mpi
+def test_the_world_runtime_pins_each_rank_of_a_node_to_its_own_cores():
+    """Pinned apart when the node has a core per rank (comm/affinity.py); left floating when oversubscribed."""
+    import os
+    from spmd_runtime.comm.affinity import BIND_ENV, local_rank_and_size
+    from spmd_runtime.exec.runner import Runtime
+    Runtime.world()
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    cores = node.allgather(sorted(os.sched_getaffinity(0)))
+    size, online = node.Get_size(), os.cpu_count()
+    node.Free()
+    if os.environ.get(BIND_ENV, "core") == "none" or local_rank_and_size() is None:
+        pytest.skip("binding off, or a launcher that names no local rank")
+    if 1 < size <= online:
+        flat = [c for cs in cores for c in cs]
+        assert len(flat) == len(set(flat)) and all(len(cs) == online // size for cs in cores), cores
+    else:
+        assert all(len(cs) == online for cs in cores), cores  # alone, or oversubscribed: the whole node
