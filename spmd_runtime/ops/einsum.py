@@ -131,7 +131,7 @@ dot = matmul
 # ================================================================ kernel
 @opdef.kernel(EINSUM)
 def _einsum_kernel(xp, a, b, spec, into=None):
-    """Two-operand einsum as one batched matmul (BLAS), not np.einsum's loops; into ``into`` (a buffer of the
+    """Two-operand einsum as one stacked matmul (BLAS), not np.einsum's loops; into ``into`` (a buffer of the
     result's size, planned by exec/buffers.py) when given."""
     (ta, tb), out = spec.split("->")[0].split(","), spec.split("->")[1]
     batch = [c for c in ta if c in tb and c in out]
@@ -142,12 +142,13 @@ def _einsum_kernel(xp, a, b, spec, into=None):
     if not contract and not is_low_precision(a.dtype):
         return _broadcast_product(xp, a, b, ta, tb, out, sizes, into)
     prod = lambda cs: int(np.prod([sizes[c] for c in cs], dtype=np.int64))
-    a3 = a.transpose([ta.index(c) for c in batch + free_a + contract]).reshape(
-        prod(batch), prod(free_a), prod(contract))
-    b3 = b.transpose([tb.index(c) for c in batch + contract + free_b]).reshape(
-        prod(batch), prod(contract), prod(free_b))
+    # Batch dims stay separate dims of the stacked matmul: merging them would copy a transposed operand
+    # (attention's bqhd as bhqd), where BLAS reads each (q, d) slice in place with its row stride.
+    lead = [sizes[c] for c in batch]
+    a3 = a.transpose([ta.index(c) for c in batch + free_a + contract]).reshape(lead + [prod(free_a), prod(contract)])
+    b3 = b.transpose([tb.index(c) for c in batch + contract + free_b]).reshape(lead + [prod(contract), prod(free_b)])
     if into is not None and not is_low_precision(a.dtype):
-        r = xp.matmul(a3, b3, out=into.reshape(a3.shape[0], a3.shape[1], b3.shape[2]))
+        r = xp.matmul(a3, b3, out=into.reshape(lead + [a3.shape[-2], b3.shape[-1]]))
     else:
         r = _matmul(xp, a3, b3)
     r = r.reshape([sizes[c] for c in batch + free_a + free_b])
