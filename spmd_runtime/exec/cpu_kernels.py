@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -199,6 +200,7 @@ def _exp(x: str, dtype: str) -> str:
     return f"{prefix}exp{'f' if dtype == 'float32' else ''}({x})"
 
 
+@functools.cache
 def _vector_math() -> str:
     """Declarations that let the loop call glibc's vector math (libmvec) without -ffast-math; empty where
     that library is absent (the loops then call the scalar functions)."""
@@ -247,6 +249,7 @@ class KernelLibrary:
         return cls._loaded[key]
 
 
+@functools.cache
 def _machine() -> str:
     """What -march=native depends on: the CPU model and flags (a cache shared by different nodes keeps one
     library per CPU kind)."""
