@@ -75,7 +75,7 @@ def plans_into(ins) -> bool:
 
 def plan_buffers(program, xp, copied=frozenset()) -> dict:
     """``{slot: array}``: a result buffer, made once, for each instruction that ``plans_into`` and whose value
-    never leaves the run. Buffers are shared by values whose lifetimes do not overlap (same dtype and size):
+    never leaves the run; the instruction's kernel returns that buffer holding its value, C-ordered. Buffers are shared by values whose lifetimes do not overlap (same dtype and size):
     a buffer is busy from its instruction to the last use of any value that may view it (``fresh`` ops own
     their result, in-place ops write into their operand's, other ops may return views of their operands).
     Program outputs keep fresh buffers: the caller holds them after the run; those at the positions in

@@ -17,7 +17,8 @@ def bind_scan(interp, ins):
     """The body bound once; its per-iteration results (``ys``) are copied into the stacked arrays, so the body
     writes them into buffers of its own reused every iteration. The stacked arrays themselves are made once
     and refilled every run (no allocation, no page faults) when no program output can be them: residuals
-    the backward scan reads, typically."""
+    the backward scan reads, typically. Then a result with a planned buffer is written straight into its
+    stacked array (a planned buffer always holds its value, C-ordered: exec/buffers.py), the rest copied."""
     a, xp, mesh = ins.attrs, interp.xp, interp.program.mesh
     length, nc, nx = a["length"], a["num_carry"], a["num_xs"]
     body = _bound(interp, a["body"], frozenset(range(nc, len(a["body"].outputs))))
@@ -27,7 +28,7 @@ def bind_scan(interp, ins):
     direct = _written_in_place(body, nc) if kept is not None else {}
     steps = [body.steps_into({slot: kept[j][t] for j, slot in direct.items()}) if direct else None
              for t in range(length)]
-    at = [{j: kept[j][t].ctypes.data for j in direct} for t in range(length)]  # where in-place results lie
+    copied = [j for j in range(len(stacked)) if j not in direct]
 
     def run(*args):
         carry, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
@@ -35,10 +36,8 @@ def bind_scan(interp, ins):
         for t in order:
             outs = body.run(carry + [x[t] for x in xs] + consts, steps[t])
             carry = outs[:nc]
-            for j, y in enumerate(ys):  # a kernel may ignore its buffer (a 16-bit einsum): then copied
-                place = at[t].get(j)
-                if place is None or place != outs[nc + j].ctypes.data:
-                    y[t] = outs[nc + j]
+            for j in copied:
+                ys[j][t] = outs[nc + j]
         return tuple(carry) + tuple(ys)
     return run
 

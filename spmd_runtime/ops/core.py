@@ -341,7 +341,11 @@ def _transpose_kernel(xp, x, perm):
 @opdef.kernel(REDUCE)
 def _reduce_kernel(xp, x, kind, axes, into=None):
     if kind == "sum" and is_low_precision(x.dtype):  # accumulate 16-bit sums in float32 (dtypes.py)
-        return xp.sum(x, axis=tuple(axes), dtype=ACCUMULATE).astype(x.dtype)
+        total = xp.sum(x, axis=tuple(axes), dtype=ACCUMULATE)
+        if into is None:
+            return total.astype(x.dtype)
+        into[...] = total  # rounded once, as astype does: a planned buffer holds its value
+        return into
     if into is not None:  # a buffer planned for the result (exec/buffers.py)
         return reduction(xp, kind)(x, axis=tuple(axes), out=into)
     return reduction(xp, kind)(x, axis=tuple(axes))  # kind comes from a program: allow-listed

@@ -131,8 +131,11 @@ dot = matmul
 # ================================================================ kernel
 @opdef.kernel(EINSUM)
 def _einsum_kernel(xp, a, b, spec, into=None):
-    """Two-operand einsum as one stacked matmul (BLAS), not np.einsum's loops; into ``into`` (a buffer of the
-    result's size, planned by exec/buffers.py) when given."""
+    """Two-operand einsum as one stacked matmul (BLAS), not np.einsum's loops. Given ``into`` (a buffer of the
+    result's size, planned by exec/buffers.py) the result is that buffer, C-ordered in ``out``'s letters:
+    BLAS writes there directly when its result order is ``out``'s, else (16-bit operands, a permuted output)
+    the result is copied in, so a planned buffer always holds its value (a scan writes its stacked results
+    through it, exec/loops.py)."""
     (ta, tb), out = spec.split("->")[0].split(","), spec.split("->")[1]
     batch = [c for c in ta if c in tb and c in out]
     contract = [c for c in ta if c in tb and c not in out]
@@ -147,13 +150,18 @@ def _einsum_kernel(xp, a, b, spec, into=None):
     lead = [sizes[c] for c in batch]
     a3 = a.transpose([ta.index(c) for c in batch + free_a + contract]).reshape(lead + [prod(free_a), prod(contract)])
     b3 = b.transpose([tb.index(c) for c in batch + contract + free_b]).reshape(lead + [prod(contract), prod(free_b)])
-    if into is not None and not is_low_precision(a.dtype):
+    order = batch + free_a + free_b
+    direct = into is not None and not is_low_precision(a.dtype) and "".join(order) == out
+    if direct:
         r = xp.matmul(a3, b3, out=into.reshape(lead + [a3.shape[-2], b3.shape[-1]]))
     else:
         r = _matmul(xp, a3, b3)
-    r = r.reshape([sizes[c] for c in batch + free_a + free_b])
-    order = batch + free_a + free_b
-    return r.transpose([order.index(c) for c in out])
+    r = r.reshape([sizes[c] for c in order]).transpose([order.index(c) for c in out])
+    if into is None or direct:
+        return r
+    result = into.reshape(r.shape)
+    result[...] = r
+    return result
 
 
 def _broadcast_product(xp, a, b, ta, tb, out, sizes, into):

@@ -161,3 +161,32 @@ def test_stacked_results_that_leave_the_run_are_fresh_each_run():
     assert same
     for k, w in zip(kept, want):
         np.testing.assert_allclose(k, w, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_every_planned_instruction_leaves_its_value_in_its_buffer(dtype):
+    """The contract a scan's in-place stacking relies on: a kernel given a planned buffer returns that buffer,
+    C-ordered, holding the value (16-bit sums and einsums, computed in float32, are copied in)."""
+    cfg = sr.LMConfig(layers=2, d=32, heads=4, ffn=64, vocab=48, seq=16, batch=4, scan_layers=False, dtype=dtype)
+    ts = sr.build_train_step(cfg, sr.train_mesh((1,), "dp"), "dp", sr.AdamW())
+    state = ts.init(0)
+    tokens = np.random.default_rng(0).integers(0, 48, (4, 16)).astype(np.int32)
+    args = sr.pytree.flatten((state["params"], state["opt_state"], {"tokens": tokens, "labels": tokens.copy()}))[0]
+
+    def body(comm):
+        interp = Interpreter(ts.program, Runtime.of(comm).communicator(ts.program.mesh), np)
+        env, wrong, checked = {}, [], 0
+        for out, index, free in interp.params:
+            env[out] = args[index]
+        for out, fn, ins_args, free in interp.steps:
+            env[out] = value = fn(*[env[a] for a in ins_args])
+            if out in interp.planned:
+                checked += 1
+                buffer = interp.planned[out]
+                if value.ctypes.data != buffer.ctypes.data or not value.flags.c_contiguous:
+                    wrong.append(ts.program.instrs[out].op)
+            for s in free:
+                del env[s]
+        return checked, wrong
+    checked, wrong = run_simulated(1, body)[0]
+    assert checked > 20 and wrong == []

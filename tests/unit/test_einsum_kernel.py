@@ -15,6 +15,7 @@ SPECS = [  # (spec, lhs shape, rhs shape)
     ("abc,cb->acb", (2, 3, 4), (4, 3)),
     ("aXY,YZ->aXZ", (2, 3, 4), (4, 5)),  # contractions: the matmul path
     ("bsd,dbs->d", (2, 3, 4), (4, 2, 3)),
+    ("ab,bc->ca", (2, 3), (3, 4)),  # a contraction whose output is not BLAS's order: copied into the buffer
 ]
 
 
@@ -30,6 +31,19 @@ def test_the_kernel_gives_np_einsum_into_a_planned_buffer_or_fresh(spec, sa, sb,
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == "float32" else 1e-13)
     assert np.shares_memory(planned, into)
+    np.testing.assert_array_equal(into.reshape(want.shape), planned)  # the buffer holds the value, C-ordered
     if "," in spec and not set(spec.split("->")[0].replace(",", "")) - set(spec.split("->")[1]):
         np.testing.assert_array_equal(fresh, want)  # nothing summed: each element one product, exact
         assert fresh.flags.c_contiguous  # written in the output's order
+
+
+@pytest.mark.parametrize("spec, sa, sb", [("aXY,YZ->aXZ", (2, 3, 4), (4, 5)), ("ab,bc->ca", (2, 3), (3, 4))])
+def test_a_16_bit_einsum_given_a_buffer_leaves_its_value_there(spec, sa, sb):
+    """16-bit operands multiply as float32 copies (no 16-bit BLAS): the rounded result is copied in."""
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal(sa).astype(np.float16), rng.standard_normal(sb).astype(np.float16)
+    fresh = _einsum_kernel(np, a, b, spec)
+    into = np.empty(fresh.size, np.float16)
+    planned = _einsum_kernel(np, a, b, spec, into=into)
+    assert np.shares_memory(planned, into) and planned.dtype == np.float16
+    np.testing.assert_array_equal(into.reshape(fresh.shape), fresh)
