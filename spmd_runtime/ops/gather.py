@@ -141,16 +141,28 @@ def scatter_add_block(xp, operand, indices, updates, shard, axis, size):
     return _add_rows(xp, operand, xp.where(hit, local, 0), updates, axis)
 
 
+MAX_ROW_PASSES = 32  # more repeats of one row than this: np.add.at's own loop (a pass costs ~50 us)
+
+
 def _add_sorted(target, rows, values):
-    """``np.add.at(target, rows, values)`` as one stable sort, one ``add.reduceat`` over each row's run of
-    updates and one add per distinct row: 3x faster than ``add.at``'s per-index loop for an embedding
-    gradient (1024 rows of 256); repeats still summed in index order, added to the row once."""
+    """``np.add.at(target, rows, values)``, the same bits, in one fancy-indexed add per repeat: pass k adds the
+    k-th occurrence of every row (no row twice in a pass), so each row sums its updates in index order as
+    ``add.at`` does. An embedding gradient (512 tokens into 1024 rows of 256) repeats a row ~4 times:
+    0.25 ms vs ``add.at``'s 1.4 ms per-index loop; a row repeated more than MAX_ROW_PASSES times goes to
+    ``add.at``."""
     if rows.size == 0:
         return
     order = np.argsort(rows, kind="stable")
     ordered = rows[order]
-    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-    target[ordered[starts]] += np.add.reduceat(values[order], starts, axis=0)
+    first = np.concatenate(([True], ordered[1:] != ordered[:-1]))
+    occurrence = np.arange(rows.size) - np.flatnonzero(first)[np.cumsum(first) - 1]
+    passes = int(occurrence.max()) + 1
+    if passes > MAX_ROW_PASSES:
+        np.add.at(target, rows, values)
+        return
+    for k in range(passes):
+        picked = order[occurrence == k]
+        target[rows[picked]] += values[picked]
 
 
 @opdef.kernel(FIRST_SHARD_ONLY)

@@ -16,6 +16,9 @@ SPECS = [  # (spec, lhs shape, rhs shape)
     ("aXY,YZ->aXZ", (2, 3, 4), (4, 5)),  # contractions: the matmul path
     ("bsd,dbs->d", (2, 3, 4), (4, 2, 3)),
     ("ab,bc->ca", (2, 3), (3, 4)),  # a contraction whose output is not BLAS's order: copied into the buffer
+    ("bsd,bsd->d", (2, 3, 4), (2, 3, 4)),  # one dot product per output element: the library's einsum
+    ("bsd,dbs->d", (2, 3, 4), (4, 2, 3)),
+    ("abc,abc->ba", (2, 3, 4), (2, 3, 4)),
 ]
 
 
@@ -47,3 +50,18 @@ def test_a_16_bit_einsum_given_a_buffer_leaves_its_value_there(spec, sa, sb):
     planned = _einsum_kernel(np, a, b, spec, into=into)
     assert np.shares_memory(planned, into) and planned.dtype == np.float16
     np.testing.assert_array_equal(into.reshape(fresh.shape), fresh)
+
+
+@pytest.mark.parametrize("spec, sa, sb", [("bs,bsd->d", (4, 6), (4, 6, 5)), ("b,bsd->sd", (4,), (4, 6, 5))])
+def test_a_broadcast_operand_is_summed_through_blas_with_np_einsums_value(spec, sa, sb, monkeypatch):
+    """A bias's gradient contracts a broadcast ones operand (zero strides): it is made contiguous for BLAS
+    (NumPy's matmul runs its own slow loop on zero strides) and the value stays np.einsum's."""
+    import spmd_runtime.ops.einsum as einsum_module
+    seen = []
+    real = np.matmul
+    monkeypatch.setattr(einsum_module.np, "matmul", lambda x, y, **kw: seen.append((x.strides, y.strides))
+                        or real(x, y, **kw))
+    rng = np.random.default_rng(2)
+    a, b = np.broadcast_to(np.float32(1), sa), rng.standard_normal(sb).astype(np.float32)
+    np.testing.assert_allclose(_einsum_kernel(np, a, b, spec), np.einsum(spec, a, b), rtol=1e-6)
+    assert seen and all(0 not in strides for pair in seen for strides in pair)

@@ -209,7 +209,7 @@ def test_saved_program_with_masked_lookup_runs_the_same(tmp_path):
         np.testing.assert_array_equal(out, np.take(table, ids, axis=0, mode="clip"))
 
 
-@pytest.mark.parametrize("axis, rows_shape", [(0, (12,)), (1, (3, 4)), (2, (5,)), (0, (0,))])
+@pytest.mark.parametrize("axis, rows_shape", [(0, (12,)), (1, (3, 4)), (2, (5,)), (0, (0,)), (0, (40,))])
 def test_rows_are_added_as_np_add_at_does_repeats_included(axis, rows_shape):
     from spmd_runtime.ops.gather import _add_rows
     rng = np.random.default_rng(7)
@@ -221,5 +221,18 @@ def test_rows_are_added_as_np_add_at_does_repeats_included(axis, rows_shape):
               np.moveaxis(updates, tuple(range(axis, axis + rows.ndim)), tuple(range(rows.ndim))).reshape(
                   (rows.size,) + np.moveaxis(want, axis, 0).shape[1:]))
     got = _add_rows(np, operand, rows, updates, axis)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got, want)  # the same bits: each row sums its updates in index order
     assert not np.shares_memory(got, operand)
+
+
+@pytest.mark.parametrize("max_passes", [1, 3, 100])
+def test_rows_repeated_more_than_the_pass_limit_go_to_add_at_with_the_same_bits(monkeypatch, max_passes):
+    from spmd_runtime.ops import gather
+    monkeypatch.setattr(gather, "MAX_ROW_PASSES", max_passes)
+    rng = np.random.default_rng(3)
+    rows = np.repeat(np.arange(5), [1, 7, 2, 2, 9])[rng.permutation(21)]
+    values = rng.standard_normal((21, 8)).astype(np.float32)
+    want, got = np.zeros((5, 8), np.float32), np.zeros((5, 8), np.float32)
+    np.add.at(want, rows, values)
+    gather._add_sorted(got, rows, values)
+    np.testing.assert_array_equal(got, want)
