@@ -25,6 +25,7 @@ from .. import pytree
 from ..profile import instrument, profiling
 from ..program import SPMDProgram
 from .backend import get_array_module, select_device, to_device
+from .heap import keep_freed_memory
 from .interpreter import Interpreter
 
 INTERPRETERS_KEPT = 32  # bound programs a runtime keeps (least recently used dropped first)
@@ -61,10 +62,12 @@ class Runtime:
     @classmethod
     def world(cls) -> "Runtime":
         """The runtime of ``MPI.COMM_WORLD``; made once per process, which also pins this rank to its share
-        of the node's cores (comm/affinity.py, ``$SPMD_BIND``)."""
+        of the node's cores (comm/affinity.py, ``$SPMD_BIND``) and keeps freed memory in the heap
+        (exec/heap.py, ``$SPMD_HEAP_KEEP``)."""
         if cls._world is None:
             cls._world = cls()
             bind_to_cores()
+            keep_freed_memory()
         return cls._world
 
     @classmethod
