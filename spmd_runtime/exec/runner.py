@@ -40,11 +40,15 @@ class Runtime:
 
     _world: "Runtime | None" = None
     _others: list = []  # runtimes of other mpi4py communicators, found by identity (they are unhashable)
+    _process_ready = False
 
     def __init__(self, comm=None):
         if comm is None:
             from mpi4py import MPI  # lazily: importing it initialises MPI
             comm = MPI.COMM_WORLD
+        if type(comm).__module__.startswith("mpi4py") and not Runtime._process_ready:
+            Runtime._process_ready = True
+            self._prepare_process()
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
         self._meshes: dict = {}
         self._interpreters: OrderedDict = OrderedDict()
@@ -59,15 +63,19 @@ class Runtime:
     def __exit__(self, *exc) -> None:
         self.free()
 
+    @staticmethod
+    def _prepare_process() -> None:
+        """Once per MPI process, when its first runtime is made: pin this rank to its share of the node's
+        cores (comm/affinity.py, ``$SPMD_BIND``) and keep freed memory in the heap (exec/heap.py,
+        ``$SPMD_HEAP_KEEP``). Simulated worlds (threads of one test process) leave the process alone."""
+        bind_to_cores()
+        keep_freed_memory()
+
     @classmethod
     def world(cls) -> "Runtime":
-        """The runtime of ``MPI.COMM_WORLD``; made once per process, which also pins this rank to its share
-        of the node's cores (comm/affinity.py, ``$SPMD_BIND``) and keeps freed memory in the heap
-        (exec/heap.py, ``$SPMD_HEAP_KEEP``)."""
+        """The runtime of ``MPI.COMM_WORLD``, made once per process."""
         if cls._world is None:
             cls._world = cls()
-            bind_to_cores()
-            keep_freed_memory()
         return cls._world
 
     @classmethod

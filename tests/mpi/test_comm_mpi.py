@@ -233,3 +233,22 @@ def test_the_world_runtime_pins_each_rank_of_a_node_to_its_own_cores():
         assert len(flat) == len(set(flat)) and all(len(cs) == online // size for cs in cores), cores
     else:
         assert all(len(cs) == online for cs in cores), cores  # alone, or oversubscribed: the whole node
+
+
+@pytest.mark.mpi
+def test_a_runtime_over_an_explicit_mpi_communicator_prepares_the_process_once(monkeypatch):
+    """``ts.step(..., comm=MPI.COMM_WORLD)`` (bench_train) pins the rank and keeps the heap as ``comm=None`` does."""
+    from spmd_runtime.exec import runner
+    calls = []
+    monkeypatch.setattr(runner, "bind_to_cores", lambda: calls.append("bind"))
+    monkeypatch.setattr(runner, "keep_freed_memory", lambda: calls.append("heap"))
+    monkeypatch.setattr(runner.Runtime, "_process_ready", False)
+    monkeypatch.setattr(runner.Runtime, "_others", [])
+    first = runner.Runtime.of(MPI.COMM_WORLD)
+    dup = MPI.COMM_WORLD.Dup()
+    try:
+        second = runner.Runtime.of(dup)
+        assert first is not second and second.size == MPI.COMM_WORLD.Get_size()
+    finally:
+        dup.Free()
+    assert calls == ["bind", "heap"]
