@@ -8,7 +8,10 @@ split (``partition.strategy.letter_strategies``) and the one chooser picks.
 from __future__ import annotations
 
 import builtins
+import functools
+import math
 import string
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -135,31 +138,18 @@ def _einsum_kernel(xp, a, b, spec, into=None):
     result's size, planned by exec/buffers.py) the result is that buffer, C-ordered in ``out``'s letters:
     BLAS writes there directly when its result order is ``out``'s, else (16-bit operands, a permuted output)
     the result is copied in, so a planned buffer always holds its value (a scan writes its stacked results
-    through it, exec/loops.py)."""
-    (ta, tb), out = spec.split("->")[0].split(","), spec.split("->")[1]
-    batch = [c for c in ta if c in tb and c in out]
-    contract = [c for c in ta if c in tb and c not in out]
-    free_a = [c for c in ta if c not in tb]
-    free_b = [c for c in tb if c not in ta]
-    sizes = {**dict(zip(ta, a.shape)), **dict(zip(tb, b.shape))}
-    if not contract and not is_low_precision(a.dtype):
-        return _broadcast_product(xp, a, b, ta, tb, out, sizes, into)
-    if batch and not free_a and not free_b and not is_low_precision(a.dtype):
-        return _batched_dot(xp, a, b, spec, [sizes[c] for c in out], into)
-    prod = lambda cs: int(np.prod([sizes[c] for c in cs], dtype=np.int64))
-    # Batch dims stay separate dims of the stacked matmul: merging them would copy a transposed operand
-    # (attention's bqhd as bhqd), where BLAS reads each (q, d) slice in place with its row stride.
-    lead = [sizes[c] for c in batch]
-    a3 = a.transpose([ta.index(c) for c in batch + free_a + contract]).reshape(lead + [prod(free_a), prod(contract)])
-    b3 = b.transpose([tb.index(c) for c in batch + contract + free_b]).reshape(lead + [prod(contract), prod(free_b)])
-    a3, b3 = _blas_operand(xp, a3), _blas_operand(xp, b3)
-    order = batch + free_a + free_b
-    direct = into is not None and not is_low_precision(a.dtype) and "".join(order) == out
-    if direct:
-        r = xp.matmul(a3, b3, out=into.reshape(lead + [a3.shape[-2], b3.shape[-1]]))
-    else:
-        r = _matmul(xp, a3, b3)
-    r = r.reshape([sizes[c] for c in order]).transpose([order.index(c) for c in out])
+    through it, exec/loops.py). The index work is planned once per spec and shapes (``_plan``)."""
+    low = is_low_precision(a.dtype)
+    plan = _plan(spec, a.shape, b.shape, matmul_only=low)  # 16-bit: float32 accumulation in the matmul
+    if plan.kind == "product":
+        return _broadcast_product(xp, a, b, plan, into)
+    if plan.kind == "dot":
+        return _batched_dot(xp, a, b, spec, plan.result, into)
+    a3 = _blas_operand(xp, a.transpose(plan.perm_a).reshape(plan.stack_a))
+    b3 = _blas_operand(xp, b.transpose(plan.perm_b).reshape(plan.stack_b))
+    direct = into is not None and not low and plan.in_order
+    r = xp.matmul(a3, b3, out=into.reshape(plan.stack_r)) if direct else _matmul(xp, a3, b3)
+    r = r.reshape(plan.ordered).transpose(plan.perm_r)
     if into is None or direct:
         return r
     result = into.reshape(r.shape)
@@ -167,17 +157,62 @@ def _einsum_kernel(xp, a, b, spec, into=None):
     return result
 
 
-def _broadcast_product(xp, a, b, ta, tb, out, sizes, into):
+@dataclass(frozen=True)
+class _Plan:
+    """How ``_einsum_kernel`` lays out one einsum: ``kind`` "matmul" (operands transposed and reshaped to
+    stacks ``stack_a`` @ ``stack_b`` -> ``stack_r``, result seen as ``ordered`` = batch + free_a + free_b
+    letters and transposed by ``perm_r`` into ``out``; ``in_order`` when no transpose is needed), "product"
+    (nothing summed: operands transposed by ``perm_a``/``perm_b`` and reshaped to ``stack_a``/``stack_b`` to
+    broadcast into ``result``) or "dot" (one dot product per output element)."""
+    kind: str
+    result: tuple
+    perm_a: tuple = ()
+    stack_a: tuple = ()
+    perm_b: tuple = ()
+    stack_b: tuple = ()
+    stack_r: tuple = ()
+    ordered: tuple = ()
+    perm_r: tuple = ()
+    in_order: bool = False
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(spec: str, shape_a: tuple, shape_b: tuple, matmul_only: bool = False) -> _Plan:
+    (ta, tb), out = spec.split("->")[0].split(","), spec.split("->")[1]
+    batch = [c for c in ta if c in tb and c in out]
+    contract = [c for c in ta if c in tb and c not in out]
+    free_a = [c for c in ta if c not in tb]
+    free_b = [c for c in tb if c not in ta]
+    sizes = {**dict(zip(ta, shape_a)), **dict(zip(tb, shape_b))}
+    result = tuple(sizes[c] for c in out)
+    if not contract and not matmul_only:
+        def aligned(term):
+            return (tuple(sorted(range(len(term)), key=lambda i: out.index(term[i]))),
+                    tuple(sizes[c] if c in term else 1 for c in out))
+        (perm_a, stack_a), (perm_b, stack_b) = aligned(ta), aligned(tb)
+        return _Plan("product", result, perm_a, stack_a, perm_b, stack_b)
+    if batch and not free_a and not free_b and not matmul_only:
+        return _Plan("dot", result)
+    prod = lambda cs: math.prod(sizes[c] for c in cs)
+    # Batch dims stay separate dims of the stacked matmul: merging them would copy a transposed operand
+    # (attention's bqhd as bhqd), where BLAS reads each (q, d) slice in place with its row stride.
+    lead = tuple(sizes[c] for c in batch)
+    order = batch + free_a + free_b
+    return _Plan("matmul", result,
+                 tuple(ta.index(c) for c in batch + free_a + contract), lead + (prod(free_a), prod(contract)),
+                 tuple(tb.index(c) for c in batch + contract + free_b), lead + (prod(contract), prod(free_b)),
+                 lead + (prod(free_a), prod(free_b)), tuple(sizes[c] for c in order),
+                 tuple(order.index(c) for c in out), "".join(order) == out)
+
+
+def _broadcast_product(xp, a, b, plan: _Plan, into):
     """An einsum that sums over nothing (a LayerNorm gain, a positional table over the batch) as one
     broadcasting multiply written in the output's order: the same products, one pass, where the batched
     matmul makes every output element a 1x1 product of its own (8x slower here)."""
-    shape = [sizes[c] for c in out]
-
-    def aligned(x, term):
-        return x.transpose(sorted(range(len(term)), key=lambda i: out.index(term[i]))).reshape(
-            [sizes[c] if c in term else 1 for c in out])
-    result = into.reshape(shape) if into is not None else xp.empty(shape, xp.result_type(a.dtype, b.dtype))
-    return xp.multiply(aligned(a, ta), aligned(b, tb), out=result)
+    result = into.reshape(plan.result) if into is not None else xp.empty(plan.result, xp.result_type(a.dtype,
+                                                                                                      b.dtype))
+    return xp.multiply(a.transpose(plan.perm_a).reshape(plan.stack_a),
+                       b.transpose(plan.perm_b).reshape(plan.stack_b), out=result)
 
 
 def _blas_operand(xp, x):

@@ -40,12 +40,16 @@ def test_the_kernel_gives_np_einsum_into_a_planned_buffer_or_fresh(spec, sa, sb,
         assert fresh.flags.c_contiguous  # written in the output's order
 
 
-@pytest.mark.parametrize("spec, sa, sb", [("aXY,YZ->aXZ", (2, 3, 4), (4, 5)), ("ab,bc->ca", (2, 3), (3, 4))])
+@pytest.mark.parametrize("spec, sa, sb", [("aXY,YZ->aXZ", (2, 3, 4), (4, 5)), ("ab,bc->ca", (2, 3), (3, 4)),
+                                          ("bsd,d->bsd", (2, 3, 4), (4,)), ("bsd,bsd->d", (2, 3, 4), (2, 3, 4))])
 def test_a_16_bit_einsum_given_a_buffer_leaves_its_value_there(spec, sa, sb):
-    """16-bit operands multiply as float32 copies (no 16-bit BLAS): the rounded result is copied in."""
+    """16-bit operands multiply as float32 copies (no 16-bit BLAS), products and dot products too (float32
+    accumulation): the rounded result is copied in."""
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal(sa).astype(np.float16), rng.standard_normal(sb).astype(np.float16)
     fresh = _einsum_kernel(np, a, b, spec)
+    want = np.einsum(spec, a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
+    np.testing.assert_array_equal(fresh, want)
     into = np.empty(fresh.size, np.float16)
     planned = _einsum_kernel(np, a, b, spec, into=into)
     assert np.shares_memory(planned, into) and planned.dtype == np.float16
