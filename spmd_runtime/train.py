@@ -25,7 +25,7 @@ single-role presets use every axis of a 2-d mesh):
 - ``wus``: data parallel with weight-update sharding (Xu et al. 2020,
   "Automatic Cross-Replica Sharding of Weight Update"): gradients are
   reduce-scattered, the optimizer state and the update live on 1/n of each
-  tensor (its largest dim divisible by n), the new weights are all-gathered.
+  tensor (its outermost dim divisible by n), the new weights are all-gathered.
 - ``seq``: the sequence dim of the tokens and activations on every axis.
 - ``megatron_wus``: megatron, with the update sharded over "data" too.
 - ``dp_seq``: batch on "data", sequence on "model".
@@ -173,17 +173,18 @@ def param_spec(name: str, shape, preset: Preset) -> tuple:
 
 def update_spec(shape, spec, axes, mesh: Mesh, first_dim: int = 0) -> tuple:
     """``spec`` further split over ``axes`` (minor to what already splits it, so each rank's update block
-    lies inside its parameter block) on the dim from ``first_dim`` on with the largest local size that divides
-    evenly; ``spec`` itself when there are no axes or no dim divides."""
+    lies inside its parameter block) on the first dim from ``first_dim`` on whose local size divides evenly:
+    the outermost, so each rank's update block is contiguous in its (row-major) parameter block and the
+    gradient's reduce-scatter and the weight's all-gather move it with no packing on either side; ``spec``
+    itself when there are no axes or no dim divides."""
     if not axes:
         return tuple(spec)
     have = [() if e is None else tuple(e) if isinstance(e, tuple) else (e,) for e in spec]
     k = mesh.axis_size(axes)
-    fits = [(n // mesh.axis_size(h), -d) for d, (n, h) in enumerate(zip(shape, have))
-            if n % (mesh.axis_size(h) * k) == 0 and d >= first_dim]
+    fits = [d for d, (n, h) in enumerate(zip(shape, have)) if n % (mesh.axis_size(h) * k) == 0 and d >= first_dim]
     if not fits:
         return tuple(spec)
-    dim = -max(fits)[1]
+    dim = fits[0]
     return tuple(tuple(h) + tuple(axes) if d == dim else (tuple(h) or None) for d, h in enumerate(have))
 
 

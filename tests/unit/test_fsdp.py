@@ -65,7 +65,7 @@ def test_fsdp_megatron_shards_weights_over_data_inside_each_model_block():
     ts = step_for((2, 4), "fsdp_megatron")
     spec = {io.name: io.sharding for io in ts.program.inputs}
     assert spec["params.layers_wq"].dims == ((), ("data",), ("model",))
-    assert spec["params.embed"].dims == (("model",), ("data",))
+    assert spec["params.embed"].dims == (("model", "data"), ())  # data minor to model on the outermost dim
     assert spec["params.layers_ln1_g"].dims == ((), ("data",))
     assert spec["opt_state.m.layers_wq"] == spec["params.layers_wq"]
     got = set(kinds(ts))

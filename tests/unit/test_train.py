@@ -155,7 +155,8 @@ def test_megatron_wus_shards_the_update_over_data_inside_each_model_block():
     # stacked layers (the default): the layer dim is never split, the update goes on the dims after it
     m = spec["opt_state.m.layers_wq"]
     assert spec["params.layers_wq"].dims == ((), (), ("model",)) and m.dims == ((), ("data",), ("model",))
-    assert spec["params.embed"].dims == (("model",), ()) and spec["opt_state.v.embed"].dims == (("model",), ("data",))
+    # the outermost dim that divides (vocab, split over model already): data minor to model there
+    assert spec["params.embed"].dims == (("model",), ()) and spec["opt_state.v.embed"].dims == (("model", "data"), ())
     assert spec["params.layers_ln1_g"].is_replicated and spec["opt_state.m.layers_ln1_g"].dims == ((), ("data",))
     kinds = {(c["kind"], c["axes"]) for c in ts.program.comm_summary()}
     assert ("reduce_scatter", ("data",)) in kinds and ("all_gather", ("data",)) in kinds
@@ -230,14 +231,15 @@ def test_memory_report_splits_the_peak_into_held_state_and_temporaries():
 
 
 # ---------------------------------------------------------------- layouts
-def test_update_spec_picks_the_largest_dim_that_divides_and_keeps_existing_axes_major():
+def test_update_spec_picks_the_outermost_dim_that_divides_and_keeps_existing_axes_major():
     mesh = train_mesh((2, 4))
     assert update_spec((24, 16), (None, None), ("data",), mesh) == (("data",), None)
-    assert update_spec((16, 24), (None, None), ("data",), mesh) == (None, ("data",))
+    assert update_spec((16, 24), (None, None), ("data",), mesh) == (("data",), None)  # contiguous blocks
     assert update_spec((7, 16), (None, None), ("data", "model"), mesh) == (None, ("data", "model"))
     assert update_spec((7, 5), (None, None), ("data",), mesh) == (None, None)  # nothing divides: unsharded
     assert update_spec((96, 16), (("model",), None), ("data",), mesh) == (("model", "data"), None)
-    assert update_spec((24, 16), (("model",), None), ("data",), mesh) == (("model",), ("data",))  # 16 > 24/4
+    assert update_spec((20, 16), (("model",), None), ("data",), mesh) == (("model",), ("data",))  # 20/4 odd
+    assert update_spec((8, 6, 4), (None, None, None), ("data",), mesh, first_dim=1) == (None, ("data",), None)
     assert update_spec((24, 16), (None, None), (), mesh) == (None, None)
 
 
