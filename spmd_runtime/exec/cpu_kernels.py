@@ -42,7 +42,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapp
          "-fwrapv", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 300
 
-C_TYPES = {"float32": "float", "float64": "double", "bool": "_Bool", "int8": "int8_t", "int16": "int16_t",
+# bool as its byte (NumPy stores 0 or 1): GCC vectorises no loop that loads or stores _Bool (a select on a
+# bool mask ran as scalar code, slower than NumPy's chain); steps whose C value may be another byte are
+# normalised with != 0 (``_expression``).
+C_TYPES = {"float32": "float", "float64": "double", "bool": "uint8_t", "int8": "int8_t", "int16": "int16_t",
            "int32": "int32_t", "int64": "int64_t", "uint8": "uint8_t", "uint16": "uint16_t",
            "uint32": "uint32_t", "uint64": "uint64_t"}
 FLOATS = ("float32", "float64")
@@ -96,7 +99,10 @@ def c_function(fusion, operand_dtypes, name: str) -> str:
         lines.append(("  #pragma omp simd\n" if k == len(extents) - 1 else "") + f"  for (int64_t i{k} = 0; "
                      f"i{k} < {e}LL; i{k}++)")
     lines.append("  {")
-    value = {f"p{i}": f"p{i}[{_offset(index, strides[i])}]" for i in range(len(dtypes))}
+    # Every operand loaded up front: read inside a select's arm, GCC makes it a masked load and gives up
+    # vectorising the loop (attention's masked scores ran scalar).
+    lines += [f"    const {C_TYPES[d]} a{i} = p{i}[{_offset(index, strides[i])}];" for i, d in enumerate(dtypes)]
+    value = {f"p{i}": f"a{i}" for i in range(len(dtypes))}
     types = {f"p{i}": d for i, d in enumerate(dtypes)}
     for k, c in enumerate(fusion.consts):
         value[f"c{k}"], types[f"c{k}"] = _literal(c, fusion.const_dtypes[k]), fusion.const_dtypes[k]
@@ -147,8 +153,18 @@ def _literal(value, dtype: str) -> str:
     return f"(({C_TYPES[dtype]}){int(value)}LL)" if dtype.startswith("int") else f"(({C_TYPES[dtype]}){int(value)}ULL)"
 
 
+ZERO_OR_ONE = ("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "select")  # a bool result stays 0 or 1
+
+
 def _expression(op: str, a: list[str], types: list[str], dtype: str) -> str:
+    value = _value(op, a, types, dtype)
+    return value if dtype != "bool" or op in ZERO_OR_ONE else f"({value} != 0)"  # NumPy's bool(x): nonzero
+
+
+def _value(op: str, a: list[str], types: list[str], dtype: str) -> str:
     ctype = C_TYPES[dtype]
+    if op == "convert" and dtype == "bool":
+        return f"{a[0]}"  # tested != 0 as it is: a cast to a byte first would make 0.5 false
     if op in ARITHMETIC:
         a = [x if t == dtype else f"(({ctype}){x})" for x, t in zip(a, types)]
     if op in INFIX:

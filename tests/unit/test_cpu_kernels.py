@@ -51,7 +51,7 @@ def test_a_fusion_loops_over_merged_dims_with_zero_strides_where_an_operand_repe
     assert cpu_kernels._loop_nest(shape, operands) == (extents, strides)
 
 
-def test_the_source_is_one_typed_statement_per_step_inside_a_vectorised_inner_loop():
+def test_the_source_loads_each_operand_then_one_typed_statement_per_step_in_a_vectorised_inner_loop():
     fused, _ = both(lambda x, b: snp.exp(x - b), [sr.TensorSpec((4, 6), F32), sr.TensorSpec((4, 1), F32)],
                     sr.Mesh((1,), ("x",)), [(None, None), (None, None)])
     (f,) = fusions(fused)
@@ -62,7 +62,9 @@ def test_the_source_is_one_typed_statement_per_step_inside_a_vectorised_inner_lo
         "  #pragma omp simd",
         "  for (int64_t i1 = 0; i1 < 6LL; i1++)",
         "  {",
-        "    const float t0 = (p0[i0*6LL + i1] - p1[i0]);",
+        "    const float a0 = p0[i0*6LL + i1];",
+        "    const float a1 = p1[i0];",
+        "    const float t0 = (a0 - a1);",
         "    const float t1 = spmd_expf(t0);" if cpu_kernels._vector_math() else "    const float t1 = expf(t0);",
         "    out[i0*6LL + i1] = t1;",
         "  }",
@@ -126,6 +128,38 @@ def test_integer_chains_wrap_as_numpy_does(dtype, values, compiled):
     assert compiled_fusions(fused)
     with np.errstate(all="ignore"):
         np.testing.assert_array_equal(run_everywhere(fused, x)[0][0], run_everywhere(plain, x)[0][0])
+
+
+BOOL_CHAINS = [  # bools are bytes in the C loop: every bool result must stay 0 or 1, as NumPy's
+    ("mask select", lambda x, m: snp.where(m, x * 2.0, 0.0)),
+    ("to bool", lambda x, m: snp.where(snp.astype(x * 0.5, "bool"), x, -1.0)),  # 0.5, NaN, -0.0, 1e30
+    ("bool add", lambda x, m: snp.where(snp.astype(snp.astype(m, "int32") + 2, "bool") & m, x, 3.0)),
+    ("compare not", lambda x, m: snp.astype(~(x < 0.5) | m, "float32") + x),
+]
+
+
+@pytest.mark.parametrize("name, fn", BOOL_CHAINS, ids=[c[0] for c in BOOL_CHAINS])
+def test_bool_operands_and_results_give_numpys_values(name, fn, compiled):
+    x = np.array([0.0, 1.0, 0.5, np.nan, -0.0, 1e30, -3.0, 2.0] * 3, np.float32)
+    m = np.resize(np.array([True, False, False, True, True]), x.shape)
+    fused, plain = both(fn, [sr.TensorSpec(x.shape, F32), sr.TensorSpec(m.shape, "bool")], sr.Mesh((1,), ("x",)),
+                        [(None,)] * 2)
+    assert compiled_fusions(fused)
+    with np.errstate(all="ignore"):
+        (got,), (want,) = run_everywhere(fused, x, m)[0], run_everywhere(plain, x, m)[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_masked_select_reads_bytes_loaded_before_it_so_its_loop_vectorises():
+    """GCC vectorises no loop over _Bool, nor one whose select arm loads an operand (a masked load)."""
+    fn = lambda x, r, m: snp.where(m, x + r, 0.0)
+    specs = [sr.TensorSpec((4, 6), F32), sr.TensorSpec((4, 1), F32), sr.TensorSpec((4, 6), "bool")]
+    fused, _ = both(fn, specs, sr.Mesh((1,), ("x",)), [(None, None)] * 3)
+    (f,) = fusions(fused)
+    source = cpu_kernels.c_function(Fusion(f), [F32, F32, "bool"], "k")
+    assert "const uint8_t* p2" in source and "_Bool" not in source
+    body = source.split("{")[2]
+    assert all(f"p{i}[" not in line for i in range(3) for line in body.splitlines() if " t" in line.split("=")[0])
 
 
 def test_a_strided_operand_is_read_correctly(compiled):
