@@ -14,7 +14,7 @@ from ..opdef import lookup
 from ..partition.schedule import pairs
 from ..program import SPMDProgram
 from .buffers import output_buffers, plan_buffers
-from .fused import Scratch, compiled_fusions
+from .fused import Scratch, bind_compiled, compiled_fusions
 from .overlap import with_progress
 
 
@@ -51,6 +51,8 @@ class Interpreter:
         elementwise op whose operand buffer dies here writes into it (``ins.donate``; a collective's binder
         handles its own)."""
         record = lookup(ins.op)
+        if ins.out in self.cpu_kernels and ins.op != "fusion":  # an op compiled alone (fused.COMPILED_ALONE)
+            return bind_compiled(self, ins)
         if ins.donate >= 0 and record.ufunc:
             return partial(_into_operand, getattr(self.xp, record.ufunc), ins.donate)
         if ins.out in self.planned and record.ufunc:

@@ -11,6 +11,8 @@ import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.exec import cpu_kernels
 from spmd_runtime.exec.fused import Fusion, compiled_fusions
+from spmd_runtime.exec.interpreter import Interpreter
+from spmd_runtime.exec.runner import communicator
 from simulated import run_everywhere
 from test_fusion import CASES, both, fusions
 
@@ -213,6 +215,27 @@ def test_fusions_below_the_size_floor_stay_numpy_chains(monkeypatch, tmp_path):
     assert len(compiled_fusions(program_of_one_big_fusion(100))) == 1
     monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "0")
     assert compiled_fusions(program_of_one_big_fusion(100)) == {}
+
+
+@pytest.mark.parametrize("name, op, compiled_alone", [("exp", snp.exp, True), ("tanh", snp.tanh, True),
+                                                      ("log", snp.log, True), ("sqrt", snp.sqrt, False),
+                                                      ("neg", lambda x: -x, False)])
+def test_a_transcendental_op_outside_any_fusion_runs_compiled_and_others_stay_ufuncs(name, op, compiled_alone,
+                                                                                    monkeypatch, tmp_path):
+    """The program keeps the plain op (its listing and tables unchanged); the runtime gives exp/log/tanh/pow a
+    compiled loop of their own (fused.COMPILED_ALONE) from the size floor on."""
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(cpu_kernels.MIN_ENV, "64")
+    x = np.random.default_rng(4).uniform(0.1, 3.0, (8, 16)).astype(F32)
+    program = sr.partition(sr.trace(op, sr.TensorSpec(x.shape, F32)), sr.Mesh((1,), ("x",)), in_specs=[(None, None)])
+    assert [i.op for i in program.instrs if i.op != "parameter"] == [name]
+    interp = Interpreter(program, communicator(program.mesh), np)
+    assert bool(interp.cpu_kernels) == compiled_alone
+    (got,) = interp.run([x])
+    (want,) = sr.evaluate(sr.trace(op, sr.TensorSpec(x.shape, F32)), x)
+    assert ulps(got, want) <= 4
+    monkeypatch.setenv(cpu_kernels.MIN_ENV, "129")
+    assert not Interpreter(program, communicator(program.mesh), np).cpu_kernels  # 128 elements: below the floor
 
 
 @pytest.mark.parametrize("cc, says", [("/no/such/cc", "no C compiler"), ("false", "must succeed; got exit 1")])
