@@ -137,6 +137,8 @@ def scatter_add_block(xp, operand, indices, updates, shard, axis, size):
     block = operand.shape[axis]
     local = _clamped(xp, indices, size) - shard * block
     hit = (local >= 0) & (local < block)
+    if xp is np:  # only the hits: zeroed misses aimed at row 0 would repeat it past MAX_ROW_PASSES
+        return _add_rows(xp, operand, local, updates, axis, keep=hit)
     updates = xp.where(_spread(hit, axis, updates.ndim), updates, xp.zeros((), updates.dtype))
     return _add_rows(xp, operand, xp.where(hit, local, 0), updates, axis)
 
@@ -171,14 +173,19 @@ def first_shard_only(xp, x, shard):
     return xp.where(shard == 0, x, xp.zeros((), x.dtype))
 
 
-def _add_rows(xp, operand, rows, updates, axis):
-    """A copy of ``operand`` with ``updates`` added at ``rows`` of ``axis``; repeated rows accumulate."""
+def _add_rows(xp, operand, rows, updates, axis, keep=None):
+    """A copy of ``operand`` with ``updates`` added at ``rows`` of ``axis``; repeated rows accumulate. NumPy:
+    ``keep`` (a mask shaped like ``rows``) picks the updates that are added."""
     out = operand.copy()
     target = xp.moveaxis(out, axis, 0)  # a view: adding into it writes ``out``
     index_dims = tuple(range(axis, axis + rows.ndim))
     values = xp.moveaxis(updates, index_dims, tuple(range(rows.ndim))).reshape((rows.size,) + target.shape[1:])
     if xp is np:
-        _add_sorted(target, rows.reshape(-1), values)
+        flat = rows.reshape(-1)
+        if keep is not None:
+            picked = keep.reshape(-1)
+            flat, values = flat[picked], values[picked]
+        _add_sorted(target, flat, values)
     elif hasattr(xp.add, "at"):
         xp.add.at(target, rows.reshape(-1), values)
     else:  # CuPy without ufunc.at
