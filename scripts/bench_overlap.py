@@ -112,11 +112,11 @@ def _time_mpi(collectives):
 
     depth = [0]
 
-    def timed_run(self, inputs):
+    def timed_run(self, inputs, steps=None):  # Interpreter.run's signature (a scan passes its body's steps)
         depth[0] += 1
         t0 = time.perf_counter()
         try:
-            return run(self, inputs)
+            return run(self, inputs, steps)
         finally:
             depth[0] -= 1
             if depth[0] == 0:  # loop bodies run inside: only the whole program counts
