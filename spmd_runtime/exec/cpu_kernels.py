@@ -86,13 +86,17 @@ def compilable(fusion, operand_dtypes) -> bool:
 # ------------------------------------------------------------------------------------------- C source
 
 
-def c_function(fusion, operand_dtypes, name: str) -> str:
+def c_function(fusion, operand_dtypes, name: str, results=None) -> str:
     """``void name(const T0* p0, ..., R* out)``: the fusion's steps inside a loop nest over the result,
     dims of extent 1 dropped and neighbours merged where every operand repeats (or not) alike, the inner
-    loop vectorised; a broadcast operand's index has stride 0 along the dims it repeats on."""
+    loop vectorised; a broadcast operand's index has stride 0 along the dims it repeats on. ``results``
+    (step indices, several results of the same shape: a sibling group, exec/fused.py): ``R0* out0, ...``."""
     dtypes = [str(np.dtype(d)) for d in operand_dtypes]
     extents, strides = _loop_nest(fusion.shape, fusion.shapes)
-    params = [f"const {C_TYPES[d]}* p{i}" for i, d in enumerate(dtypes)] + [f"{C_TYPES[fusion.dtype.name]}* out"]
+    last = len(fusion.steps) - 1
+    outs = [(f"out{j}" if results else "out", k) for j, k in enumerate(results or [last])]
+    params = [f"const {C_TYPES[d]}* p{i}" for i, d in enumerate(dtypes)] + [
+        f"{C_TYPES[fusion.dtypes[k]]}* {o}" for o, k in outs]
     index = [f"i{k}" for k in range(len(extents))]
     lines = [f"void {name}({', '.join(params)}) {{"]
     for k, e in enumerate(extents):
@@ -109,7 +113,8 @@ def c_function(fusion, operand_dtypes, name: str) -> str:
     for k, ((op, refs), dtype) in enumerate(zip(fusion.steps, fusion.dtypes)):
         lines.append(f"    const {C_TYPES[dtype]} t{k} = {_expression(op, [value[r] for r in refs], [types[r] for r in refs], dtype)};")
         value[f"t{k}"], types[f"t{k}"] = f"t{k}", dtype
-    lines.append(f"    out[{_offset(index, _contiguous(extents, [True] * len(extents)))}] = t{len(fusion.steps) - 1};")
+    at = _offset(index, _contiguous(extents, [True] * len(extents)))
+    lines += [f"    {o}[{at}] = t{k};" for o, k in outs]
     lines.append("  }\n}")
     return "\n".join(lines)
 

@@ -100,21 +100,28 @@ def as_fusion(ins, program):
                                         "shapes": tuple(tuple(program.instrs[a].shape) for a in ins.args)})
 
 
-def compiled_fusions(program) -> dict:
+def compiled_fusions(program, groups=None) -> dict:
     """Slot -> compiled C loop (ctypes function) of every fusion of ``program`` that has one here
     (exec/cpu_kernels.py): one library per program, compiled at bind time; {} when compiling is off,
-    impossible (said once) or fails (said once, with the compiler's message)."""
+    impossible (said once) or fails (said once, with the compiler's message). ``groups`` (lead slot ->
+    exec/groups.Group): each group that compiles gets ONE loop, under ``("group", lead slot)``, its members
+    none of their own."""
     if not cpu_kernels.enabled():
         return {}
-    chosen = {}
+    chosen, grouped = {}, set()
+    big = lambda ins: int(np.prod(ins.shape)) >= cpu_kernels.min_elements()
+    for lead, group in (groups or {}).items():
+        if big(group.ins) and cpu_kernels.compilable(group.fusion, group.dtypes):
+            chosen["group", lead] = (group.fusion, group.dtypes, list(group.results))
+            grouped.update(group.members)
     for ins in program.instrs:
-        if ins.op in ("fusion",) + COMPILED_ALONE and int(np.prod(ins.shape)) >= cpu_kernels.min_elements():
+        if ins.op in ("fusion",) + COMPILED_ALONE and big(ins) and ins.out not in grouped:
             fusion, dtypes = Fusion(as_fusion(ins, program)), operand_dtypes(program, ins)
             if cpu_kernels.compilable(fusion, dtypes):
-                chosen[ins.out] = (fusion, dtypes)
+                chosen[ins.out] = (fusion, dtypes, None)
     if not chosen or not cpu_kernels.compiler_available():
         return {}
-    sources = {slot: cpu_kernels.c_function(f, d, "fusion_KEY") for slot, (f, d) in chosen.items()}
+    sources = {slot: cpu_kernels.c_function(f, d, "fusion_KEY", r) for slot, (f, d, r) in chosen.items()}
     names = {slot: "fusion_" + hashlib.sha256(src.encode()).hexdigest()[:16] for slot, src in sources.items()}
     functions = {names[slot]: src.replace("fusion_KEY", names[slot], 1) for slot, src in sources.items()}
     try:
@@ -257,15 +264,12 @@ def _blocked(fusion: Fusion, plan: _ScratchPlan, blocks, scratch: Scratch, plann
     return run
 
 
-def _compiled_chain(fusion: Fusion, kernel, dtypes, planned):
-    """The compiled loop over C-contiguous operands (a strided one is copied first) into the donated
-    operand, the planned buffer or a fresh one; an operand of another size or dtype than the program says
-    is refused (the loop's bounds and types are compiled in)."""
-    kernel.argtypes, kernel.restype = [ctypes.c_void_p] * (len(fusion.shapes) + 1), None
+def operand_check(fusion: Fusion, dtypes):
+    """``check(args) -> arrays``: the operands C-contiguous (a strided one copied), each of the size and dtype
+    the compiled loop has built in (else a ValueError naming both)."""
     expected = [(int(np.prod(s)), np.dtype(d)) for s, d in zip(fusion.shapes, dtypes)]
-    shape, dtype, donate = fusion.shape, fusion.dtype, fusion.donate
 
-    def run(*args):
+    def check(args):
         arrays = []
         for a, (size, dt) in zip(args, expected):
             if type(a) is not np.ndarray or not a.flags.c_contiguous:
@@ -274,6 +278,20 @@ def _compiled_chain(fusion: Fusion, kernel, dtypes, planned):
                 raise ValueError(f"a fused instruction's operand must be {dt}[{size} elements] as the program "
                                  f"says; got {a.dtype}{list(a.shape)}")
             arrays.append(a)
+        return arrays
+    return check
+
+
+def _compiled_chain(fusion: Fusion, kernel, dtypes, planned):
+    """The compiled loop over C-contiguous operands (a strided one is copied first) into the donated
+    operand, the planned buffer or a fresh one; an operand of another size or dtype than the program says
+    is refused (the loop's bounds and types are compiled in)."""
+    kernel.argtypes, kernel.restype = [ctypes.c_void_p] * (len(fusion.shapes) + 1), None
+    check = operand_check(fusion, dtypes)
+    shape, dtype, donate = fusion.shape, fusion.dtype, fusion.donate
+
+    def run(*args):
+        arrays = check(args)
         out = arrays[donate] if donate >= 0 else planned if planned is not None else np.empty(shape, dtype)
         kernel(*[a.ctypes.data for a in arrays], out.ctypes.data)
         return out

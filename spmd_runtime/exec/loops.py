@@ -10,7 +10,7 @@ from .interpreter import Interpreter
 
 
 def _bound(interp, program, copied_outputs=frozenset()):
-    return Interpreter(program, interp.mc, interp.xp, copied_outputs)
+    return Interpreter(program, interp.mc, interp.xp, copied_outputs, groups=False)
 
 
 def bind_scan(interp, ins):

@@ -1,0 +1,125 @@
+"""Sibling groups: fusions of one shape computed in ONE compiled loop with several results (XLA's
+multi-output fusion), chosen when a program is bound on a CPU.
+
+A fusion that reads the results of other fusions of its shape (AdamW: the new moments m' and v' feed the new
+parameter p') leaves those results in memory only to read them back; when the others' results must exist
+anyway (they are program outputs), one loop can read g, m, v, p once and write m', v', p' (7 passes over the
+parameter instead of 10). The group's loop runs where its first member stands, so every operand a member
+takes from outside the group must exist by then; the members keep their places in the program (and its
+listing), each handing on its result from the group's loop. ``$SPMD_CPU_GROUPS=0`` binds every fusion alone.
+
+Only compiled loops run groups (exec/cpu_kernels.py): without a compiler, for a group too small or not
+compilable, in loop bodies (whose results a scan redirects per iteration), and where a member after the lead
+has a planned buffer (exec/buffers.py: it may hold another value until the member's place), each fusion
+runs alone.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..program import Instr
+from .fused import Fusion, operand_check, operand_dtypes
+
+GROUPS_ENV = "SPMD_CPU_GROUPS"
+
+
+@dataclass(frozen=True)
+class Group:
+    """``members``: fusion slots in program order (the first leads); ``ins``: the one fusion over all their
+    operands (``ins.args``, slots) computing every step; ``results``: each member's result step in it."""
+    members: tuple
+    ins: Instr
+    results: tuple
+    dtypes: tuple  # of ins.args
+
+    @property
+    def fusion(self) -> Fusion:
+        return Fusion(self.ins)
+
+
+def sibling_groups(program) -> dict[int, Group]:
+    """Lead slot -> Group for each fusion with fusion operands of its shape whose outside operands all exist
+    before the first of them; a fusion joins one group at most."""
+    if os.environ.get(GROUPS_ENV, "1") == "0":
+        return {}
+    instrs = program.instrs
+    at = {ins.out: k for k, ins in enumerate(instrs)}
+    taken: set[int] = set()
+    groups = {}
+    for ins in instrs:
+        if not _groupable(ins) or ins.out in taken:
+            continue
+        shapes = dict(zip(ins.args, ins.attrs["shapes"]))
+        feeders = [a for a in dict.fromkeys(ins.args) if a not in taken and _groupable(instrs[at[a]])
+                   and tuple(instrs[at[a]].shape) == tuple(ins.shape) and tuple(shapes[a]) == tuple(ins.shape)]
+        if not feeders:
+            continue
+        members = sorted(feeders + [ins.out], key=at.get)
+        outside = {a for m in members for a in instrs[at[m]].args if a not in members}
+        if all(at[a] < at[members[0]] for a in outside):
+            groups[members[0]] = _merged(program, [instrs[at[m]] for m in members])
+            taken.update(members)
+    return groups
+
+
+def bind_group(interp, group: Group) -> dict:
+    """Slot -> (callable, operand slots) for every member: the lead runs the group's loop over all the
+    group's operands and keeps each member's result; the others hand theirs on."""
+    kernel, results = interp.cpu_kernels["group", group.members[0]], {}
+    kernel.argtypes = [ctypes.c_void_p] * (len(group.ins.args) + len(group.members))
+    kernel.restype = None
+    check = operand_check(group.fusion, group.dtypes)
+    made = [(slot, interp.planned.get(slot), tuple(interp.program.instrs[slot].shape),
+             np.dtype(interp.program.instrs[slot].dtype)) for slot in group.members]
+
+    def run(*args):
+        arrays = check(args)
+        outs = [planned if planned is not None else np.empty(shape, dtype) for _, planned, shape, dtype in made]
+        kernel(*[a.ctypes.data for a in arrays], *[o.ctypes.data for o in outs])
+        for (slot, *_), out in zip(made, outs):
+            results[slot] = out
+        return outs[0]
+    handed_on = {slot: ((lambda *_, slot=slot: results[slot]), ()) for slot in group.members[1:]}
+    return {group.members[0]: (run, group.ins.args), **handed_on}
+
+
+def _groupable(ins) -> bool:
+    return ins.op == "fusion" and ins.donate < 0
+
+
+def _merged(program, members: list) -> Group:
+    """One fusion computing every member's steps, their operands merged (a member's read of another's result
+    becomes that result's step)."""
+    params, shapes, consts, steps, dtypes, results = [], [], [], [], [], []
+    index: dict = {}  # (slot, shape) -> parameter reference
+    produced: dict[int, str] = {}  # member slot -> step reference of its result
+    for ins in members:
+        refs = {}
+        for i, (slot, shape) in enumerate(zip(ins.args, ins.attrs["shapes"])):
+            key = (slot, tuple(shape))
+            if slot in produced:
+                refs[f"p{i}"] = produced[slot]
+                continue
+            if key not in index:
+                index[key] = f"p{len(params)}"
+                params.append(slot)
+                shapes.append(tuple(shape))
+            refs[f"p{i}"] = index[key]
+        for k, const in enumerate(ins.attrs["consts"]):
+            refs[f"c{k}"] = f"c{len(consts)}"
+            consts.append(const)
+        first = len(steps)
+        for k, (op, operands) in enumerate(Fusion(ins).steps):
+            refs[f"t{k}"] = f"t{first + k}"
+            steps.append(f"t{first + k}={op}({','.join(refs[r] for r in operands)})")
+        dtypes += list(ins.attrs["dtypes"])
+        produced[ins.out] = f"t{len(steps) - 1}"
+        results.append(len(steps) - 1)
+    merged = members[0].copy(args=tuple(params), free=(), donate=-1,
+                             attrs={"code": "; ".join(steps), "consts": tuple(consts), "dtypes": tuple(dtypes),
+                                    "shapes": tuple(shapes)})
+    return Group(tuple(i.out for i in members), merged, tuple(results), tuple(operand_dtypes(program, merged)))
