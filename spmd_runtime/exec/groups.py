@@ -30,15 +30,13 @@ GROUPS_ENV = "SPMD_CPU_GROUPS"
 @dataclass(frozen=True)
 class Group:
     """``members``: fusion slots in program order (the first leads); ``ins``: the one fusion over all their
-    operands (``ins.args``, slots) computing every step; ``results``: each member's result step in it."""
+    operands (``ins.args``, slots) computing every step, ``fusion`` its decoded form; ``results``: each
+    member's result step in it."""
     members: tuple
     ins: Instr
+    fusion: Fusion
     results: tuple
     dtypes: tuple  # of ins.args
-
-    @property
-    def fusion(self) -> Fusion:
-        return Fusion(self.ins)
 
 
 def sibling_groups(program) -> dict[int, Group]:
@@ -68,22 +66,21 @@ def sibling_groups(program) -> dict[int, Group]:
 
 def bind_group(interp, group: Group) -> dict:
     """Slot -> (callable, operand slots) for every member: the lead runs the group's loop over all the
-    group's operands and keeps each member's result; the others hand theirs on."""
+    group's operands and keeps the later members' results until each hands its own on."""
     kernel, results = interp.cpu_kernels["group", group.members[0]], {}
     kernel.argtypes = [ctypes.c_void_p] * (len(group.ins.args) + len(group.members))
     kernel.restype = None
     check = operand_check(group.fusion, group.dtypes)
-    made = [(slot, interp.planned.get(slot), tuple(interp.program.instrs[slot].shape),
+    made = [(interp.planned.get(slot), tuple(interp.program.instrs[slot].shape),
              np.dtype(interp.program.instrs[slot].dtype)) for slot in group.members]
 
     def run(*args):
         arrays = check(args)
-        outs = [planned if planned is not None else np.empty(shape, dtype) for _, planned, shape, dtype in made]
+        outs = [planned if planned is not None else np.empty(shape, dtype) for planned, shape, dtype in made]
         kernel(*[a.ctypes.data for a in arrays], *[o.ctypes.data for o in outs])
-        for (slot, *_), out in zip(made, outs):
-            results[slot] = out
+        results.update(zip(group.members[1:], outs[1:]))
         return outs[0]
-    handed_on = {slot: ((lambda *_, slot=slot: results[slot]), ()) for slot in group.members[1:]}
+    handed_on = {slot: ((lambda *_, slot=slot: results.pop(slot)), ()) for slot in group.members[1:]}
     return {group.members[0]: (run, group.ins.args), **handed_on}
 
 
@@ -122,4 +119,5 @@ def _merged(program, members: list) -> Group:
     merged = members[0].copy(args=tuple(params), free=(), donate=-1,
                              attrs={"code": "; ".join(steps), "consts": tuple(consts), "dtypes": tuple(dtypes),
                                     "shapes": tuple(shapes)})
-    return Group(tuple(i.out for i in members), merged, tuple(results), tuple(operand_dtypes(program, merged)))
+    return Group(tuple(i.out for i in members), merged, Fusion(merged), tuple(results),
+                 tuple(operand_dtypes(program, merged)))
