@@ -180,15 +180,20 @@ def _value(op: str, a: list[str], types: list[str], dtype: str) -> str:
         return _exp(a[0], dtype)
     if op in MATH:
         return f"{MATH[op]}{'f' if dtype == 'float32' else ''}({', '.join(a)})"
-    x = a[0]
-    return {
-        "neg": lambda: f"(-{x})",
-        "not": lambda: f"(!{x})",
-        "maximum": lambda: f"(({x} != {x} || {x} >= {a[1]}) ? {x} : {a[1]})",  # NaN propagates, as np.maximum
-        "minimum": lambda: f"(({x} != {x} || {x} <= {a[1]}) ? {x} : {a[1]})",
-        "select": lambda: f"({x} ? {a[1]} : {a[2]})",
-        "convert": lambda: f"(({ctype}){x})",
-    }[op]()
+    if op in POINTWISE:
+        return POINTWISE[op](*a)
+    return f"(({ctype}){a[0]})"  # convert
+
+
+# Ops spelled alike in C and in CUDA C (exec/fused.py's CuPy kernels read this table too). A NaN on either
+# side propagates and a tie gives the second operand, as np.maximum/np.minimum (max(-0.0, 0.0) is 0.0).
+POINTWISE = {
+    "neg": lambda x: f"(-{x})",
+    "not": lambda x: f"(!{x})",
+    "maximum": lambda x, y: f"(({x} != {x} || {x} > {y}) ? {x} : {y})",
+    "minimum": lambda x, y: f"(({x} != {x} || {x} < {y}) ? {x} : {y})",
+    "select": lambda c, x, y: f"({c} ? {x} : {y})",
+}
 
 
 # exp's vector routine falls back to scalar code for a whole vector when one lane's result leaves the normal

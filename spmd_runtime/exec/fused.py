@@ -380,16 +380,10 @@ def _c_expr(op: str, a: list[str], dtype: str) -> str:
         return f"({a[0]} {_C_INFIX[op]} {a[1]})"
     if op in _C_CALL:
         return f"{_C_CALL[op]}({', '.join(a)})"
+    if op in cpu_kernels.POINTWISE:
+        return cpu_kernels.POINTWISE[op](*a)
     x = a[0]
-    return {
-        "neg": lambda: f"(-{x})",
-        "not": lambda: f"(!{x})",
-        "abs": lambda: f"({x} < 0 ? -{x} : {x})",
-        "maximum": lambda: f"(({x} != {x} || {x} > {a[1]}) ? {x} : {a[1]})",  # NaN propagates, as np.maximum
-        "minimum": lambda: f"(({x} != {x} || {x} < {a[1]}) ? {x} : {a[1]})",
-        "select": lambda: f"({x} ? {a[1]} : {a[2]})",
-        "convert": lambda: f"(({_C_TYPES[dtype]}){x})",
-    }[op]()
+    return f"({x} < 0 ? -{x} : {x})" if op == "abs" else f"(({_C_TYPES[dtype]}){x})"  # abs, convert
 
 
 def _cupy_kernel(fusion: Fusion, cp, operand_dtypes):

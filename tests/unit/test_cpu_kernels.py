@@ -132,6 +132,18 @@ def test_integer_chains_wrap_as_numpy_does(dtype, values, compiled):
         np.testing.assert_array_equal(run_everywhere(fused, x)[0][0], run_everywhere(plain, x)[0][0])
 
 
+@pytest.mark.parametrize("name, fn", [("maximum", snp.maximum), ("minimum", snp.minimum)])
+def test_maximum_and_minimum_break_ties_as_numpy_does_down_to_the_sign_of_zero(name, fn, compiled):
+    """A tie gives the second operand (np.maximum(-0.0, 0.0) is 0.0) and a NaN on either side propagates."""
+    x = np.array([-0.0, 0.0, -0.0, 0.0, np.nan, 1.0, 2.0, -np.inf] * 3, np.float32)
+    y = np.array([0.0, -0.0, -0.0, 0.0, 1.0, np.nan, 2.0, -np.inf] * 3, np.float32)
+    fused, plain = both(lambda a, b: fn(a * 1.0, b), [sr.TensorSpec(x.shape, F32)] * 2, sr.Mesh((1,), ("x",)),
+                        [(None,)] * 2)
+    assert compiled_fusions(fused)
+    (got,), (want,) = run_everywhere(fused, x, y)[0], run_everywhere(plain, x, y)[0]
+    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))  # the bits, signs of zeros included
+
+
 BOOL_CHAINS = [  # bools are bytes in the C loop: every bool result must stay 0 or 1, as NumPy's
     ("mask select", lambda x, m: snp.where(m, x * 2.0, 0.0)),
     ("to bool", lambda x, m: snp.where(snp.astype(x * 0.5, "bool"), x, -1.0)),  # 0.5, NaN, -0.0, 1e30
