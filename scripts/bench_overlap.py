@@ -12,7 +12,7 @@ the reference config (2 layers, d 256, 8 heads, ffn 1024, vocab 1024, seq 128, b
 1 BLAS thread per rank).
 
 Per step: ``wall`` = the slowest rank's interpreter run; ``mpi`` = time inside MPI per rank (blocking
-collectives, the starts of nonblocking ones and their waits; mean over ranks); ``compute`` = run - mpi
+collectives, the starts of nonblocking ones, the progress tests and the waits; mean over ranks); ``compute`` = run - mpi
 (mean over ranks). Each round prints its fastest step; the summary takes the minimum over rounds and the
 ratio overlap-on / overlap-off. The machine is shared and noisy: read every round, not one figure.
 """
@@ -93,13 +93,14 @@ def _steps(every) -> list[dict]:
 
 
 def _time_mpi(collectives):
-    """Count time inside MPI: blocking collectives, nonblocking starts and waits; and each interpreter run.
+    """Count time inside MPI: blocking collectives, nonblocking starts, progress tests and waits; and each
+    interpreter run.
     Returns [mpi seconds since reset, seconds of the last top-level run]."""
     from spmd_runtime.exec import interpreter
 
     acc = [0.0, 0.0]
-    bind, exchange, wait, run = collectives.bind, collectives.all_to_allv, collectives.Pending.wait, \
-        interpreter.Interpreter.run
+    bind, exchange, wait, test, run = collectives.bind, collectives.all_to_allv, collectives.Pending.wait, \
+        collectives.Pending.test, interpreter.Interpreter.run
 
     def timed(fn):
         def call(*args, **kwargs):
@@ -125,6 +126,7 @@ def _time_mpi(collectives):
     collectives.bind = lambda *a, **k: timed(bind(*a, **k))
     collectives.all_to_allv = timed(exchange)
     collectives.Pending.wait = timed(wait)
+    collectives.Pending.test = timed(test)  # with SPMD_PROGRESS=test the transfers advance in these
     interpreter.Interpreter.run = timed_run
     return acc
 

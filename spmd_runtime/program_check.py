@@ -31,10 +31,11 @@ EINSUM_SPEC = re.compile(r"^[A-Za-z]*(,[A-Za-z]*)*->[A-Za-z]*$")
 DTYPE_KINDS = "biufc"  # bool, ints, floats, complex: never object, string or void
 # ops the interpreter binds itself (exec/interpreter.py): attribute names
 INTERPRETER_OPS = {"parameter": {"index"}, "shard_slice": {"dim", "axes"}, "shard_index": {"axes"},
+                   "rotated_concat": {"dim", "axes"},
                    "mask_padding": {"dim", "axes", "size", "fill"},
                    "all_to_allv": {"src_dims", "dst_dims", "partial_axes", "axes", "wire_bytes"},
                    "fusion": {"code", "consts", "dtypes", "shapes"}}
-INTERPRETER_OPTIONAL = {"all_to_allv": {"maps", "fill"}}  # a window exchange (slice, pad, concatenate)
+INTERPRETER_OPTIONAL = {"all_to_allv": {"maps", "fill"}, "shard_slice": {"shift"}}  # a window exchange (slice, pad, concatenate)
 FUSION_STEP = re.compile(r"^t(\d+)=(\w+)\(((?:[pct]\d+)(?:,[pct]\d+)*)\)$")  # partition/fusion.py's code
 
 

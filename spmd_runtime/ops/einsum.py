@@ -21,6 +21,7 @@ from ..graph import Node
 from ..opdef import DOT_LEVEL, define
 from ..partition.propagation import combine, dedupe_axes
 from ..partition.strategy import choose, letter_strategies
+from ..partition.windowed import windowed_einsum
 from ..sharding import Sharding
 from ..trace import Tensor, emit
 from .core import asarray, astype, broadcast_to, reshape, sum, transpose
@@ -283,7 +284,8 @@ def _numel(shape) -> int:
 # ================================================================ partition rule
 @opdef.partition(EINSUM)
 def _einsum_partition(ctx, node):
-    """The per-letter split with the least bytes moved plus local compute (module doc)."""
+    """The per-letter split with the least bytes moved plus local compute (module doc); where asked and it
+    pays, its gather or reduce-scatter as a ring of permutes (partition/windowed.py)."""
     lhs_t, rhs_t, out_t = einsum_terms(node)
     a, b = ctx.value(node.inputs[0]), ctx.value(node.inputs[1])
     # The choice depends on these alone (the mesh and cost model are the partition's): a model's repeated
@@ -291,6 +293,9 @@ def _einsum_partition(ctx, node):
     key = ("einsum strategy", node.attrs["spec"], a.sharding, a.shape, a.dtype, b.sharding, b.shape, b.dtype,
            ctx.sharding(node.id), node.shape, node.dtype)
     best = ctx.shared(key, lambda: choose(letter_strategies(ctx, [(lhs_t, a), (rhs_t, b)], out_t, node)))
+    ring = windowed_einsum(ctx, node, best, (lhs_t, rhs_t, out_t), (a, b))
+    if ring is not None:  # the gather before it or the reduce-scatter after it hidden step by step
+        return ring
     contracting = [c for c in lhs_t if c in rhs_t and c not in out_t]
     args = [ctx.mask_padding(ctx.reshard(v, s), [t.index(c) for c in contracting], 0)
             for v, s, t in ((a, best.operands[0], lhs_t), (b, best.operands[1], rhs_t))]

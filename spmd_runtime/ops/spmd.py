@@ -19,7 +19,8 @@ REDUCE_SCATTER = define("reduce_scatter", "program", fresh=True, collective=True
 ALL_TO_ALL = define("all_to_all", "program", fresh=True, collective=True)
 COLLECTIVE_PERMUTE = define("collective_permute", "program", fresh=True, collective=True)
 ALL_TO_ALLV = define("all_to_allv", "program", fresh=True, collective=True)  # the planner's block exchange
-SHARD_SLICE = define("shard_slice", "program", fresh=True)  # this rank's block of a whole dim
+SHARD_SLICE = define("shard_slice", "program", fresh=True)  # this rank's block of a whole dim (or ``shift`` on)
+ROTATED_CONCAT = define("rotated_concat", "program", fresh=True)  # k blocks, operand t at block (i + t) mod k
 SHARD_INDEX = define("shard_index", "program", read_only=True)  # this rank's shard number along some axes
 MASK_PADDING = define("mask_padding", "program")  # the padding of an uneven block set to a fill value
 RESIZE = define("resize", "program")  # a dim trimmed, or zero-padded, to a size
@@ -55,10 +56,12 @@ def _shard(interp, ins) -> int:
 @opdef.bind(SHARD_SLICE)
 def _bind_shard_slice(interp, ins):
     """This rank keeps [start, stop) of the operand's dim, zero-padded to the block size (uneven shards:
-    the tail of the last blocks lies past the true size)."""
+    the tail of the last blocks lies past the true size). With ``shift`` s it keeps block (i + s) mod k
+    instead, i its shard number of k (a step of a windowed einsum, partition/windowed.py)."""
     dim, block = ins.attrs["dim"], ins.shape[ins.attrs["dim"]]
     have = interp.program.instrs[ins.args[0]].shape[dim]
-    start, stop = block_span(have, block, _shard(interp, ins))
+    shard = (_shard(interp, ins) + ins.attrs.get("shift", 0)) % interp.program.mesh.axis_size(ins.attrs["axes"])
+    start, stop = block_span(have, block, shard)
     return partial(_take_block, interp.xp, dim, start, stop, block - (stop - start))
 
 
@@ -70,6 +73,16 @@ def _take_block(xp, dim, start, stop, pad, x):
         widths[dim] = (0, pad)
         block = xp.pad(block, widths)
     return block
+
+
+@opdef.bind(ROTATED_CONCAT)
+def _bind_rotated_concat(interp, ins):
+    """The k operands (blocks of ``dim``) joined so that operand t lands at block (i + t) mod k: this rank's
+    order, resolved once."""
+    k, shard = len(ins.args), _shard(interp, ins)
+    order = [(j - shard) % k for j in range(k)]
+    xp, dim = interp.xp, ins.attrs["dim"]
+    return lambda *blocks: xp.concatenate([blocks[t] for t in order], axis=dim)
 
 
 @opdef.bind(SHARD_INDEX)

@@ -24,6 +24,7 @@ from ..sharding import Sharding, parse_spec_free
 from .fusion import fuse_elementwise, fusion_enabled
 from .pending_sums import keep_sums_pending
 from .propagation import propagate, refine_free
+from .windowed import OFF, windowed_threshold, windowing
 from .schedule import overlap_budget as _budget, overlap_enabled, schedule_collectives
 from .resharding import plan_cost, plan_reshard
 
@@ -102,6 +103,15 @@ class PartitionContext:
     def cost(self, value: LocalValue, target: Sharding) -> float:
         return plan_cost(value.sharding, target, value.shape, value.dtype, self.mesh)
 
+    def has_resharded(self, value: LocalValue, target: Sharding) -> bool:
+        """Whether ``value`` laid out as ``target`` exists already (another user asked for it)."""
+        return (value.slot, target) in self._reshard_cache
+
+    def remember_reshard(self, value: LocalValue, target: Sharding, laid_out: LocalValue) -> None:
+        """``laid_out`` is ``value`` as ``target``, made by a rule itself (a windowed einsum's ring): later
+        reshards of ``value`` to ``target`` take it."""
+        self._reshard_cache.setdefault((value.slot, target), laid_out)
+
     def reshard(self, value: LocalValue, target: Sharding) -> LocalValue:
         """``value`` laid out as ``target``, via the one planner; each (value, target) planned once."""
         if value.sharding is target or value.sharding == target:
@@ -130,7 +140,7 @@ def _moves_nothing(step, mesh: Mesh) -> bool:
 
 def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: bool | None = None,
               cost_profile=None, overlap: bool | None = None, overlap_budget: int | None = None,
-              timings: dict | None = None) -> SPMDProgram:
+              timings: dict | None = None, windowed_einsum: int | None = None) -> SPMDProgram:
     """Partition ``graph`` over ``mesh`` into one SPMD program.
 
     ``in_specs`` / ``out_specs``: one ``mesh_split``-style spec per graph
@@ -144,6 +154,9 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     ``cost_profile``: a profile file from ``python -m spmd_runtime calibrate`` (or a ``CostModel``) that prices
     the collectives when choosing strategies and resharding plans; default: $SPMD_COST_PROFILE, else the
     ring-formula wire bytes.
+    ``windowed_einsum``: bytes from which an all-gather before an einsum, or a reduce-scatter after it, may
+    become a ring of collective_permutes overlapped with the einsum's steps where the cost model says it pays
+    (``partition/windowed.py``); None (default): ``$SPMD_WINDOWED_EINSUM``, else off.
     ``timings``: a dict that receives, for benchmarks, the seconds of each pass run (``partition``: propagation,
     partition rules, resharding; ``fuse`` and ``schedule``, each with frees and donations) and the instructions
     it left (``<pass>_instrs``).
@@ -152,7 +165,8 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     with _gc_paused():
         model = resolve_model(cost_profile)
         fusing = fusion_enabled(fuse)
-        with using(model):  # frees and donations are left to the fusion pass, which redoes them anyway
+        windows = windowed_threshold(windowed_einsum) if overlap_enabled(overlap) else OFF  # nothing would hide
+        with using(model), windowing(windows):  # frees and donations are left to the fusion pass, which redoes them anyway
             program = _partition(graph, mesh, in_specs, out_specs, buffers=not fusing)
         laps.lap("partition", program)
         if fusing:

@@ -16,7 +16,9 @@ bytes; a start that would exceed it moves later, as far as its done allows. FSDP
 whose operands exist from the top of the program, thus prefetch as many layers ahead as the budget holds.
 
 A collective stays one blocking instruction when nothing would run between its start and its done, when
-it feeds another collective, or when it moves 16-bit floats (emulated by several collectives).
+it feeds only other collectives, or when it moves 16-bit floats (emulated by several collectives). One that
+feeds compute and another collective (a windowed einsum's ring, partition/windowed.py) is split, and the
+collective it feeds starts after its done.
 ``partition(overlap=False)`` or ``SPMD_ASYNC=0`` turns the pass off; ``SPMD_ASYNC_BUDGET`` (bytes) or
 ``partition(overlap_budget=...)`` sets the budget.
 """
@@ -81,6 +83,7 @@ def schedule_collectives(program: SPMDProgram, budget: int):
         if window is None:
             continue
         first, done, size = *window, ins.nbytes
+        first = max([first] + [moved[a][1] for a in ins.args if a in moved])  # after the done of a split operand
         if in_flight + size <= budget:  # fits from its first gap on, whatever is in flight
             start = first if first < done else None
         else:
@@ -119,7 +122,7 @@ def _window(ins: Instr, instrs, users, n, collective) -> tuple[int, int] | None:
     if ins.op not in ASYNC_KINDS or is_low_precision(ins.dtype) or not ins.args:
         return None
     readers = users.get(ins.out, [])
-    if any(collective[instrs[u].op] for u in readers):
+    if readers and all(collective[instrs[u].op] for u in readers):
         return None  # a chain of collectives (a multi-step reshard) stays blocking: its done would be its start
     return max(ins.args) + 1, min(readers) if readers else n
 
