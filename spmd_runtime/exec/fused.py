@@ -383,7 +383,11 @@ def _c_expr(op: str, a: list[str], dtype: str) -> str:
     if op in cpu_kernels.POINTWISE:
         return cpu_kernels.POINTWISE[op](*a)
     x = a[0]
-    return f"({x} < 0 ? -{x} : {x})" if op == "abs" else f"(({_C_TYPES[dtype]}){x})"  # abs, convert
+    if op != "abs":
+        return f"(({_C_TYPES[dtype]}){x})"  # convert
+    if dtype == "float16":  # through float: abs(-0.0) is +0.0 with the sign bit cleared, as NumPy's
+        return f"((float16)fabsf((float){x}))"
+    return f"fabs({x})" if dtype in ("float32", "float64") else f"({x} < 0 ? -{x} : {x})"
 
 
 def _cupy_kernel(fusion: Fusion, cp, operand_dtypes):

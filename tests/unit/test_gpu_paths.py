@@ -609,3 +609,21 @@ def test_fused_instructions_run_as_generated_elementwise_kernels(fake_cupy, monk
         for got, want in zip(outs, expected):
             np.testing.assert_allclose(backend.to_host(got), want, rtol=2e-6 if dtype == "float32" else 1e-12,
                                        atol=1e-7 if dtype == "float32" else 1e-14)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_abs_clears_the_sign_of_negative_zero_as_numpy(fake_cupy, monkeypatch, tmp_path, dtype):
+    """abs(-0.0) is +0.0 in NumPy; a generated kernel's ``x < 0 ? -x : x`` kept -0.0 (seen through + -0.0)."""
+    import shutil
+    if shutil.which("g++") is None:
+        pytest.skip("the fake ElementwiseKernel compiles the generated CUDA body with the host g++; none here")
+    monkeypatch.setattr(fake_cupy, "ElementwiseKernel", lambda *a: HostElementwiseKernel(fake_cupy, *a, tmp_path),
+                        raising=False)
+    x = np.array([-0.0, 0.0, -1.5, np.nan, -np.inf, 2.0], dtype)
+    graph = sr.trace(lambda a, b: snp.abs(a) + b, x, np.full_like(x, -0.0))
+    program = sr.partition(graph, sr.Mesh((1,), ("x",)))
+    assert [i.op for i in program.instrs if i.op == "fusion"] == ["fusion"]
+    got = run_simulated(1, lambda comm: sr.run(program, x, np.full_like(x, -0.0), comm=comm, backend="cupy"))[0][0]
+    want = np.abs(x) + np.full_like(x, -0.0)
+    np.testing.assert_array_equal(np.signbit(backend.to_host(got)), np.signbit(want))
+    np.testing.assert_array_equal(backend.to_host(got), want)
