@@ -576,18 +576,23 @@ class HostElementwiseKernel:
         return args[-1]
 
 
+@pytest.fixture
+def host_kernels(fake_cupy, monkeypatch, tmp_path):
+    """The fake GPU's ElementwiseKernel: the generated CUDA body compiled by the host g++."""
+    import shutil
+    if shutil.which("g++") is None:
+        pytest.skip("the fake ElementwiseKernel compiles the generated CUDA body with the host g++; none here")
+    monkeypatch.setattr(fake_cupy, "ElementwiseKernel", lambda *a: HostElementwiseKernel(fake_cupy, *a, tmp_path),
+                        raising=False)
+
+
 def fused_case(m, x, w, b):
     h = x @ w
     return m.where(h > 0.0, m.tanh(h * 0.5 + b), m.maximum(h, -0.25) * 2.0), m.exp(-(x * x))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_fused_instructions_run_as_generated_elementwise_kernels(fake_cupy, monkeypatch, tmp_path, dtype):
-    import shutil
-    if shutil.which("g++") is None:
-        pytest.skip("the fake ElementwiseKernel compiles the generated CUDA body with the host g++; none here")
-    monkeypatch.setattr(fake_cupy, "ElementwiseKernel", lambda *a: HostElementwiseKernel(fake_cupy, *a, tmp_path),
-                        raising=False)
+def test_fused_instructions_run_as_generated_elementwise_kernels(fake_cupy, host_kernels, dtype):
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal(s).astype(dtype) for s in ((6, 5), (5, 4), (4,))]
     inputs[0][0, 0] = np.nan  # through maximum: NaN must propagate as in NumPy
@@ -612,13 +617,8 @@ def test_fused_instructions_run_as_generated_elementwise_kernels(fake_cupy, monk
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_fused_abs_clears_the_sign_of_negative_zero_as_numpy(fake_cupy, monkeypatch, tmp_path, dtype):
+def test_fused_abs_clears_the_sign_of_negative_zero_as_numpy(fake_cupy, host_kernels, dtype):
     """abs(-0.0) is +0.0 in NumPy; a generated kernel's ``x < 0 ? -x : x`` kept -0.0 (seen through + -0.0)."""
-    import shutil
-    if shutil.which("g++") is None:
-        pytest.skip("the fake ElementwiseKernel compiles the generated CUDA body with the host g++; none here")
-    monkeypatch.setattr(fake_cupy, "ElementwiseKernel", lambda *a: HostElementwiseKernel(fake_cupy, *a, tmp_path),
-                        raising=False)
     x = np.array([-0.0, 0.0, -1.5, np.nan, -np.inf, 2.0], dtype)
     graph = sr.trace(lambda a, b: snp.abs(a) + b, x, np.full_like(x, -0.0))
     program = sr.partition(graph, sr.Mesh((1,), ("x",)))
