@@ -406,11 +406,14 @@ def _extra_shapes(seed, mesh, shapes, n_steps):
     return list(extra)
 
 
-def check_case(case: FuzzCase, run) -> None:
-    """Partition ``case`` and compare ``run(program, inputs)`` (global outputs) with the reference."""
-    program = sr.partition(case.graph, case.mesh, in_specs=case.in_specs, out_specs=case.out_specs)
+def check_case(case: FuzzCase, run, **partition_options):
+    """Partition ``case`` (with ``partition_options``) and compare ``run(program, inputs)`` (global outputs)
+    with the reference; returns the program."""
+    program = sr.partition(case.graph, case.mesh, in_specs=case.in_specs, out_specs=case.out_specs,
+                           **partition_options)
     want = sr.evaluate(case.graph, *case.inputs)
     got = run(program, case.inputs)
     for g, w in zip(got, want):
         assert g.shape == w.shape, f"{case}\nshape {g.shape} != {w.shape}"
         np.testing.assert_allclose(to_host(g), w, rtol=1e-9, atol=1e-9, err_msg=str(case))
+    return program
