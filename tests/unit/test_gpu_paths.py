@@ -627,3 +627,18 @@ def test_fused_abs_clears_the_sign_of_negative_zero_as_numpy(fake_cupy, host_ker
     want = np.abs(x) + np.full_like(x, -0.0)
     np.testing.assert_array_equal(np.signbit(backend.to_host(got)), np.signbit(want))
     np.testing.assert_array_equal(backend.to_host(got), want)
+
+
+@pytest.mark.parametrize("pattern", ["gather_kept", "gather_contracted", "reduce_scatter"])
+@pytest.mark.parametrize("cuda_aware", [True, False], ids=["direct", "staged"])
+def test_windowed_einsum_rings_run_on_device_arrays(fake_cupy, monkeypatch, pattern, cuda_aware):
+    """A ring's permutes, shifted slices and rotated joins on device arrays, uneven blocks (7 over 3)."""
+    from windowed_cases import windowed_program
+    monkeypatch.setenv("SPMD_CUDA_AWARE", "1" if cuda_aware else "0")
+    graph, inputs, program = windowed_program(pattern, sr.Mesh((3,), ("x",)), ("x",), 7)
+    assert "collective_permute_start" in str(program)
+    outs = run_on_fake_gpus(program, inputs, [[] for _ in range(3)])
+    want = sr.evaluate(graph, *inputs)[0]
+    for got in outs:
+        assert backend.is_device_array(got[0])
+        np.testing.assert_allclose(backend.to_host(got[0]), want, rtol=1e-12, atol=1e-12)
