@@ -13,9 +13,14 @@ iteration), so both see the same machine state. Latency = median over
 iterations (as many as fit in ``--row-seconds``, 5 to 1000 per second of it), max over ranks.
 The machine is shared and noisy: ``--rounds`` (default 3) passes over every
 row, one after another; every round's row is printed as it ends, then a
-summary per row: each side's minimum over the rounds, their ratio against
-issue 12's target (at most 1.15 at 8 B, 1.02 from 64 KiB up), and every
-round's pair. The load average and ranks per core (oversubscribed or not)
+summary per row: each side's minimum over the rounds and their ratio, and the
+paired ratio (per round, the median over iterations of ours / mpi4py within
+each back-to-back pair; the summary takes its median over rounds) against
+issue 12's target (at most 1.15 at 8 B, 1.02 from 64 KiB up): the pairs cancel
+the machine's drift, which the two columns' separate minima do not, and
+every round. ``--control`` adds a control column: the raw call against itself
+on a second set of buffers, paired the same way, the method's own floor per row
+(two identical calls differ by a few per cent on buffer placement alone). The load average and ranks per core (oversubscribed or not)
 are printed before and after. The project side is a collective bound once with
 ``collectives.bind`` (receive buffers kept across calls), as the interpreter
 runs it; ``--unbound`` times the one-shot functions instead, ``--nonblocking``
@@ -136,6 +141,7 @@ class DeviceBuffers:
 BUF = HostBuffers()  # main() swaps in DeviceBuffers for --device
 UNBOUND = False  # main() sets it for --unbound
 NONBLOCKING = False  # main() sets it for --nonblocking
+CONTROL = False  # main() sets it for --control
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -224,8 +230,10 @@ def iterations_for(ours, raw) -> int:
     return int(min(most, max(MIN_ITERS, SECONDS_PER_ROW / max(pair_seconds, 1e-9))))
 
 
-def time_side_by_side(ours, raw, iters: int) -> tuple[float, float]:
-    """Median seconds per call of each, alternating calls; the slowest rank's median.
+def time_side_by_side(ours, raw, iters: int) -> tuple[float, float, float]:
+    """Median seconds per call of each, alternating calls; the slowest rank's median; and the paired ratio:
+    the median over iterations of ours / mpi4py within each iteration's pair (the two calls run back to back,
+    so the machine's drift, seconds long, cancels), the largest over ranks.
     Which side goes first swaps every iteration: the second call of a pair starts where the first left the
     ranks (one may still be finishing), so a fixed order would favour one side."""
     WORLD.Barrier()
@@ -239,7 +247,9 @@ def time_side_by_side(ours, raw, iters: int) -> tuple[float, float]:
         t2 = perf_counter()
         (t_ours if i % 2 == 0 else t_raw).append(t1 - t0)
         (t_raw if i % 2 == 0 else t_ours).append(t2 - t1)
-    return WORLD.allreduce(statistics.median(t_ours), MPI.MAX), WORLD.allreduce(statistics.median(t_raw), MPI.MAX)
+    paired = statistics.median(o / r for o, r in zip(t_ours, t_raw))
+    return (WORLD.allreduce(statistics.median(t_ours), MPI.MAX), WORLD.allreduce(statistics.median(t_raw), MPI.MAX),
+            WORLD.allreduce(paired, MPI.MAX))
 
 
 def identical(ours, raw) -> bool:
@@ -267,7 +277,7 @@ def fmt_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-HEADER = f"{'collective':<15}{'comm':<10}{'size':>10}{'ours us':>12}{'mpi4py us':>12}{'ratio':>8}"
+HEADER = f"{'collective':<15}{'comm':<10}{'size':>10}{'ours us':>12}{'mpi4py us':>12}{'ratio':>8}{'paired':>8}"
 
 
 def target(nbytes: int) -> float | None:
@@ -280,24 +290,40 @@ def bench_row(name, mc, axes, label, nbytes, rng, round_no) -> tuple[float, floa
     ours, raw, size, factor = CASES[name](mc, axes, nbytes, rng)
     ours, raw = BUF.synced(ours), BUF.synced(raw)
     ours(), raw()  # warm-up: first-touch page faults, MPI connection setup
-    t_ours, t_raw = time_side_by_side(ours, raw, iterations_for(ours, raw))
+    iters = iterations_for(ours, raw)
+    t_ours, t_raw, paired = time_side_by_side(ours, raw, iters)
     same = identical(ours, raw)
+    control = None
+    if CONTROL:  # the same raw call against itself on other buffers: the method's own floor for this row
+        _, raw2, *_ = CASES[name](mc, axes, nbytes, rng)
+        raw2 = BUF.synced(raw2)
+        raw2()
+        control = time_side_by_side(raw2, raw, iters)[2]
     report(f"{name:<15}{label:<10}{fmt_size(size):>10}{t_ours * 1e6:>12.1f}{t_raw * 1e6:>12.1f}"
-           f"{t_ours / t_raw:>8.2f}  round {round_no}{'' if same else '  RESULTS DIFFER'}")
-    return t_ours, t_raw, size, factor, same
+           f"{t_ours / t_raw:>8.2f}{paired:>8.3f}{'' if control is None else f'{control:>9.3f}'}  round {round_no}"
+           f"{'' if same else '  RESULTS DIFFER'}")
+    return t_ours, t_raw, size, factor, same, paired, control
 
 
 def summary(rows, times) -> str:
-    """Per row: the minimum over rounds of each side, their ratio against issue 12's target, and every round."""
-    lines = [f"{HEADER}{'busbw GB/s':>12}  target    rounds (ours/mpi4py us)"]
+    """Per row: the minimum over rounds of each side and their ratio; the median over rounds of the paired ratio
+    (each round's median of ours / mpi4py within a pair), which the target is judged on, as the pairs cancel
+    the drift between rounds and rows that the minima of two separate columns keep; every round. ``--control`` adds a control column: the raw call against itself
+on a second set of buffers, paired the same way, the method's own floor per row
+(two identical calls differ by a few per cent on buffer placement alone)."""
+    lines = [f"{HEADER}{'control' if CONTROL else ''}{'busbw GB/s':>12}  target (paired)  "
+             f"rounds (ours/mpi4py us, paired{', control' if CONTROL else ''})"]
     for (name, _, label, _), runs in zip(rows, times):
         t_ours, t_raw = min(t for t, *_ in runs), min(t for _, t, *_ in runs)
         size, factor, ratio = runs[0][2], runs[0][3], t_ours / t_raw
+        paired = statistics.median(run[5] for run in runs)
+        control = f"{statistics.median(run[6] for run in runs):>9.3f}" if CONTROL else ""
         bound = target(size)
-        verdict = "-" if bound is None else f"{'ok' if ratio <= bound else 'OVER'} {bound:.2f}"
-        every = " ".join(f"{o * 1e6:.1f}/{r * 1e6:.1f}" for o, r, *_ in runs)
+        verdict = "-" if bound is None else f"{'ok' if paired <= bound else 'OVER'} {bound:.2f}"
+        every = " ".join(f"{o * 1e6:.1f}/{r * 1e6:.1f},{p:.3f}" + (f",{c:.3f}" if CONTROL else "")
+                         for o, r, _, _, _, p, c in runs)
         lines.append(f"{name:<15}{label:<10}{fmt_size(size):>10}{t_ours * 1e6:>12.1f}{t_raw * 1e6:>12.1f}"
-                     f"{ratio:>8.2f}{size / t_ours * factor / 1e9:>12.3f}  {verdict:<10}{every}")
+                     f"{ratio:>8.2f}{paired:>8.3f}{control}{size / t_ours * factor / 1e9:>12.3f}  {verdict:<16}{every}")
     return "\n".join(lines)
 
 
@@ -334,7 +360,8 @@ def run(sizes: list[int], rounds: int, device: bool = False, only=tuple(CASES)) 
             name, axes, label, nbytes = row
             runs.append(bench_row(name, mc, axes, label, nbytes, rng, round_no))
     all_same = all(same for runs in times for *_, same in runs)
-    report(f"# summary: minimum over {rounds} rounds of each side's median\n{summary(rows, times)}\n"
+    report(f"# summary: minimum over {rounds} rounds of each side's median, and the median over rounds of the paired ratio"
+           f"\n{summary(rows, times)}\n"
            f"# results identical to mpi4py on every row: {'yes' if all_same else 'NO'}\n{machine_state('after')}")
     mc.free()
     return all_same
@@ -346,7 +373,7 @@ def report(line: str) -> None:
 
 
 def main() -> None:
-    global UNBOUND, SECONDS_PER_ROW, NONBLOCKING
+    global UNBOUND, SECONDS_PER_ROW, NONBLOCKING, CONTROL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only sizes {QUICK_SIZES}")
     parser.add_argument("--device", action="store_true",
@@ -364,6 +391,9 @@ def main() -> None:
     parser.add_argument("--nonblocking", action="store_true",
                         help="bound nonblocking collectives (the scheduled programs' start/done pairs: start(x).wait())"
                              " against mpi4py's Iallreduce ... + Wait (Irecv + Isend + Waitall for the permute)")
+    parser.add_argument("--control", action="store_true",
+                        help="also time the raw call against itself on a second set of buffers, paired as above: "
+                             "the method's floor per row (where buffer placement alone moves latency a few %%)")
     args = parser.parse_args()
     only = tuple(args.only.split(","))
     if not only or any(name not in CASES for name in only):
@@ -373,7 +403,7 @@ def main() -> None:
     if args.rounds < 1 or args.row_seconds <= 0:
         parser.error(f"--rounds must be at least 1 and --row-seconds positive; got {args.rounds} and "
                      f"{args.row_seconds}")
-    UNBOUND, SECONDS_PER_ROW, NONBLOCKING = args.unbound, args.row_seconds, args.nonblocking
+    UNBOUND, SECONDS_PER_ROW, NONBLOCKING, CONTROL = args.unbound, args.row_seconds, args.nonblocking, args.control
     start = time.perf_counter()
     ok = run(QUICK_SIZES if args.quick else FULL_SIZES, args.rounds, device=args.device, only=only)
     report(f"# total {time.perf_counter() - start:.1f} s")
