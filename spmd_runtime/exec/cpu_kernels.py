@@ -86,13 +86,18 @@ def compilable(fusion, operand_dtypes) -> bool:
 # ------------------------------------------------------------------------------------------- C source
 
 
-def c_function(fusion, operand_dtypes, name: str, results=None) -> str:
+def c_function(fusion, operand_dtypes, name: str, results=None, reduce=None) -> str:
     """``void name(const T0* p0, ..., R* out)``: the fusion's steps inside a loop nest over the result,
     dims of extent 1 dropped and neighbours merged where every operand repeats (or not) alike, the inner
     loop vectorised; a broadcast operand's index has stride 0 along the dims it repeats on. ``results``
-    (step indices, several results of the same shape: a sibling group, exec/fused.py): ``R0* out0, ...``."""
+    (step indices, several results of the same shape: a sibling group, exec/fused.py): ``R0* out0, ...``.
+    ``reduce`` ((kind, n): a fused_reduce) accumulates the chain over its last n dims instead, one result
+    per row: sums in double (float32 sums agree with the unfused reduction to float32 rounding), max and
+    min as NumPy's (a NaN wins, a tie goes to the later element)."""
     dtypes = [str(np.dtype(d)) for d in operand_dtypes]
-    extents, strides = _loop_nest(fusion.shape, fusion.shapes)
+    if reduce is not None:
+        return _reduce_function(fusion, dtypes, name, *reduce)
+    extents, strides, _ = _loop_nest(fusion.shape, fusion.shapes)
     last = len(fusion.steps) - 1
     outs = [(f"out{j}" if results else "out", k) for j, k in enumerate(results or [last])]
     params = [f"const {C_TYPES[d]}* p{i}" for i, d in enumerate(dtypes)] + [
@@ -103,9 +108,18 @@ def c_function(fusion, operand_dtypes, name: str, results=None) -> str:
         lines.append(("  #pragma omp simd\n" if k == len(extents) - 1 else "") + f"  for (int64_t i{k} = 0; "
                      f"i{k} < {e}LL; i{k}++)")
     lines.append("  {")
+    lines += _body(fusion, dtypes, index, strides)
+    at = _offset(index, _contiguous(extents, [True] * len(extents)))
+    lines += [f"    {o}[{at}] = t{k};" for o, k in outs]
+    lines.append("  }\n}")
+    return "\n".join(lines)
+
+
+def _body(fusion, dtypes, index, strides) -> list[str]:
+    """The loads of every operand at ``index`` and the steps ``t0 .. tN`` computed from them."""
     # Every operand loaded up front: read inside a select's arm, GCC makes it a masked load and gives up
     # vectorising the loop (attention's masked scores ran scalar).
-    lines += [f"    const {C_TYPES[d]} a{i} = p{i}[{_offset(index, strides[i])}];" for i, d in enumerate(dtypes)]
+    lines = [f"    const {C_TYPES[d]} a{i} = p{i}[{_offset(index, strides[i])}];" for i, d in enumerate(dtypes)]
     value = {f"p{i}": f"a{i}" for i in range(len(dtypes))}
     types = {f"p{i}": d for i, d in enumerate(dtypes)}
     for k, c in enumerate(fusion.consts):
@@ -113,24 +127,68 @@ def c_function(fusion, operand_dtypes, name: str, results=None) -> str:
     for k, ((op, refs), dtype) in enumerate(zip(fusion.steps, fusion.dtypes)):
         lines.append(f"    const {C_TYPES[dtype]} t{k} = {_expression(op, [value[r] for r in refs], [types[r] for r in refs], dtype)};")
         value[f"t{k}"], types[f"t{k}"] = f"t{k}", dtype
-    at = _offset(index, _contiguous(extents, [True] * len(extents)))
-    lines += [f"    {o}[{at}] = t{k};" for o, k in outs]
+    return lines
+
+
+def reducible(fusion, operand_dtypes, kind: str, n_reduced: int, max_sum_row: int) -> bool:
+    """Whether a fused reduction has a compiled loop here: a compilable float chain, and for a sum rows of at
+    most ``max_sum_row`` elements (what the unfused reduction sums by BLAS, ops/core.MAX_BLAS_ROW; longer
+    ones keep NumPy's pairwise sum, whose error grows as log n, where one accumulator's grows as n)."""
+    row = int(np.prod(fusion.shape[len(fusion.shape) - n_reduced:]))
+    return (kind in ("sum", "max", "min") and fusion.dtypes[-1] in FLOATS and compilable(fusion, operand_dtypes)
+            and (kind != "sum" or row <= max_sum_row))
+
+
+ACCUMULATE = {"sum": ("acc += (double)t{k};", "0.0"),
+              # NumPy's max/min: a NaN wins and stays; a tie goes to the later element
+              "max": ("acc = (acc != acc) ? acc : ((t{k} != t{k} || t{k} >= acc) ? t{k} : acc);", "-INFINITY"),
+              "min": ("acc = (acc != acc) ? acc : ((t{k} != t{k} || t{k} <= acc) ? t{k} : acc);", "INFINITY")}
+
+
+def _reduce_function(fusion, dtypes, name, kind, n_reduced) -> str:
+    """``void name(const T0* p0, ..., R* out)``: per row (the leading dims), the chain over the last
+    ``n_reduced`` dims accumulated in one pass; its values are never stored."""
+    extents, strides, n_outer = _loop_nest(fusion.shape, fusion.shapes, len(fusion.shape) - n_reduced)
+    result, last = C_TYPES[fusion.dtypes[-1]], len(fusion.steps) - 1
+    params = [f"const {C_TYPES[d]}* p{i}" for i, d in enumerate(dtypes)] + [f"{result}* out"]
+    index = [f"i{k}" for k in range(len(extents))]
+    update, init = ACCUMULATE[kind]
+    lines = [f"void {name}({', '.join(params)}) {{"]
+    lines += [f"  for (int64_t i{k} = 0; i{k} < {extents[k]}LL; i{k}++)" for k in range(n_outer)]
+    lines.append("  {")
+    lines.append(f"    {'double' if kind == 'sum' else result} acc = {init};")
+    for k in range(n_outer, len(extents)):
+        simd = "    #pragma omp simd reduction(+:acc)\n" if kind == "sum" and k == len(extents) - 1 else ""
+        lines.append(f"{simd}    for (int64_t i{k} = 0; i{k} < {extents[k]}LL; i{k}++)")
+    lines.append("    {")
+    lines += ["  " + line for line in _body(fusion, dtypes, index, strides)]
+    lines.append("      " + update.format(k=last))
+    lines.append("    }")
+    at = _offset(index[:n_outer], _contiguous(extents[:n_outer], [True] * n_outer))
+    lines.append(f"    out[{at}] = ({result})acc;")
     lines.append("  }\n}")
     return "\n".join(lines)
 
 
-def _loop_nest(shape, operand_shapes):
-    """(extents, per-operand element strides) of the merged loop dims."""
+def _loop_nest(shape, operand_shapes, split=None):
+    """(extents, per-operand element strides, loops before ``split``) of the merged loop dims: dims of
+    extent 1 dropped, neighbours merged where every operand spans (or repeats along) both alike and, given
+    ``split`` (a dim index), both lie on the same side of it."""
     dims = [d for d in range(len(shape)) if shape[d] != 1]
+    side = (lambda d: d < split) if split is not None else (lambda d: True)
     groups: list[list[int]] = []
     for d in dims:
-        if groups and all((s[groups[-1][-1]] != 1) == (s[d] != 1) for s in operand_shapes):
+        if groups and side(groups[-1][-1]) == side(d) and \
+                all((s[groups[-1][-1]] != 1) == (s[d] != 1) for s in operand_shapes):
             groups[-1].append(d)
         else:
             groups.append([d])
-    extents = [int(np.prod([shape[d] for d in g])) for g in groups] or [1]
-    full = [[s[g[0]] != 1 for g in groups] or [True] for s in operand_shapes]
-    return extents, [_contiguous(extents, f) for f in full]
+    outer = sum(1 for g in groups if side(g[0])) if split is not None else len(groups)
+    if split is None and not groups:
+        return [1], [[1] for _ in operand_shapes], 1
+    extents = [int(np.prod([shape[d] for d in g])) for g in groups]
+    full = [[s[g[0]] != 1 for g in groups] for s in operand_shapes]
+    return extents, [_contiguous(extents, f) for f in full], outer
 
 
 def _contiguous(extents, full):

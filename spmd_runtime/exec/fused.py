@@ -11,6 +11,10 @@
   memory instead of one per step.
 * CuPy: one generated ``ElementwiseKernel`` per fused instruction (compiled on first use, cached by CuPy).
 * Any other array module: the steps as plain calls.
+
+A ``fused_reduce`` (a chain reduced over its trailing dims) runs compiled as one loop accumulating each row
+(exec/cpu_kernels.py); elsewhere as its chain into a buffer (scratch on NumPy) and the ``reduce`` op's own
+kernel (on CuPy the chain's kernel, then the library's reduction: no ReductionKernel generated yet).
 """
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ import numpy as np
 
 from .. import opdef
 from ..opdef import lookup
+from ..ops.core import MAX_BLAS_ROW
 from . import cpu_kernels
-from ..partition.fusion import FUSION, parse_code
+from ..partition.fusion import FUSED_REDUCE, FUSION, parse_code
 
 _C_TYPES = {"float16": "float16", "float32": "float", "float64": "double", "bool": "bool", "int8": "signed char",
             "int16": "short", "int32": "int", "int64": "long long", "uint8": "unsigned char",
@@ -75,6 +80,42 @@ def _bind_fusion(interp, ins):
                        interp.planned.get(ins.out))
 
 
+@opdef.bind(FUSED_REDUCE)
+def _bind_fused_reduce(interp, ins):
+    """The chain and its reduction: one compiled loop accumulating each row (exec/cpu_kernels.py), else the
+    chain's kernel into a scratch buffer and the ``reduce`` op's own kernel over it (its numerics exactly)."""
+    if ins.out in interp.cpu_kernels:
+        return _compiled_reduce(interp, ins)
+    chain, xp, planned = chain_of(ins), interp.xp, interp.planned.get(ins.out)
+    reduce_kernel, kind, axes = lookup("reduce").kernel, ins.attrs["kind"], ins.attrs["axes"]
+    dtypes = operand_dtypes(interp.program, ins)
+    if xp is np:  # the chain's values into scratch kept across runs (they never outlive this instruction)
+        values = interp.fusion_scratch.get(chain.shape, np.dtype(chain.dtype), "reduced chain")
+        run_chain = _numpy_chain(Fusion(chain), interp.fusion_scratch, values)
+    else:
+        run_chain = bind_fusion(chain, xp, dtypes, interp.fusion_scratch)
+    return lambda *args: reduce_kernel(xp, run_chain(*args), kind, axes, into=planned)
+
+
+def chain_of(ins):
+    """The ``fusion`` instruction computing a fused_reduce's chain (its values, before the reduction)."""
+    attrs = {k: ins.attrs[k] for k in ("code", "consts", "dtypes", "shapes")}
+    return ins.copy(op="fusion", attrs=attrs, shape=tuple(ins.attrs["chain_shape"]), donate=-1)
+
+
+def _compiled_reduce(interp, ins):
+    kernel, chain = interp.cpu_kernels[ins.out], Fusion(chain_of(ins))
+    kernel.argtypes, kernel.restype = [ctypes.c_void_p] * (len(chain.shapes) + 1), None
+    check = operand_check(chain, operand_dtypes(interp.program, ins))
+    shape, dtype, planned = tuple(ins.shape), np.dtype(ins.dtype), interp.planned.get(ins.out)
+
+    def run(*args):
+        out = planned if planned is not None else np.empty(shape, dtype)
+        kernel(*[a.ctypes.data for a in check(args)], out.ctypes.data)
+        return out
+    return run
+
+
 def bind_compiled(interp, ins):
     """The compiled C loop of ``ins`` (a fusion, or an op compiled alone) with its operand checks."""
     return _compiled_chain(Fusion(as_fusion(ins, interp.program)), interp.cpu_kernels[ins.out],
@@ -101,8 +142,8 @@ def as_fusion(ins, program):
 
 
 def compiled_fusions(program, groups=None) -> dict:
-    """Slot -> compiled C loop (ctypes function) of every fusion of ``program`` that has one here
-    (exec/cpu_kernels.py): one library per program, compiled at bind time; {} when compiling is off,
+    """Slot -> compiled C loop (ctypes function) of every fusion (and fused_reduce, and op in COMPILED_ALONE)
+    of ``program`` that has one here (exec/cpu_kernels.py): one library per program, compiled at bind time; {} when compiling is off,
     impossible (said once) or fails (said once, with the compiler's message). ``groups`` (lead slot ->
     exec/groups.Group): each group that compiles gets ONE loop, under ``("group", lead slot)``, its members
     none of their own."""
@@ -112,16 +153,20 @@ def compiled_fusions(program, groups=None) -> dict:
     big = lambda ins: int(np.prod(ins.shape)) >= cpu_kernels.min_elements()
     for lead, group in (groups or {}).items():
         if big(group.ins) and cpu_kernels.compilable(group.fusion, group.dtypes):
-            chosen["group", lead] = (group.fusion, group.dtypes, list(group.results))
+            chosen["group", lead] = (group.fusion, group.dtypes, {"results": list(group.results)})
             grouped.update(group.members)
     for ins in program.instrs:
         if ins.op in ("fusion",) + COMPILED_ALONE and big(ins) and ins.out not in grouped:
             fusion, dtypes = Fusion(as_fusion(ins, program)), operand_dtypes(program, ins)
             if cpu_kernels.compilable(fusion, dtypes):
-                chosen[ins.out] = (fusion, dtypes, None)
+                chosen[ins.out] = (fusion, dtypes, {})
+        elif ins.op == "fused_reduce" and big(chain_of(ins)):
+            fusion, dtypes = Fusion(chain_of(ins)), operand_dtypes(program, ins)
+            if cpu_kernels.reducible(fusion, dtypes, ins.attrs["kind"], len(ins.attrs["axes"]), MAX_BLAS_ROW):
+                chosen[ins.out] = (fusion, dtypes, {"reduce": (ins.attrs["kind"], len(ins.attrs["axes"]))})
     if not chosen or not cpu_kernels.compiler_available():
         return {}
-    sources = {slot: cpu_kernels.c_function(f, d, "fusion_KEY", r) for slot, (f, d, r) in chosen.items()}
+    sources = {slot: cpu_kernels.c_function(f, d, "fusion_KEY", **o) for slot, (f, d, o) in chosen.items()}
     names = {slot: "fusion_" + hashlib.sha256(src.encode()).hexdigest()[:16] for slot, src in sources.items()}
     functions = {names[slot]: src.replace("fusion_KEY", names[slot], 1) for slot, src in sources.items()}
     try:

@@ -1,4 +1,5 @@
-"""Loop fusion: chains of elementwise ops become one ``fusion`` instruction (XLA's loop fusion).
+"""Loop fusion: chains of elementwise ops become one ``fusion`` instruction (XLA's loop fusion), and a
+reduction over the trailing dims of a chain only it reads one ``fused_reduce``.
 
 Runs once after partitioning. Walking the program backwards, every elementwise
 instruction not yet taken roots a group and absorbs each elementwise producer of
@@ -30,6 +31,12 @@ FUSE_ENV = "SPMD_FUSE"
 # The fused instruction: a fresh result, or written into a dying operand of its shape (``donate``). Its binder
 # (one kernel for the chain) is attached in exec/fused.py.
 FUSION = define("fusion", "program", fresh=True, in_place=True)
+# A reduction over the trailing dims of a chain nothing else reads: the chain computed and reduced in one pass,
+# its values never stored (XLA's loop fusion with a reduction at its root). Attributes: the chain's (code,
+# consts, dtypes, shapes), its shape (``chain_shape``) and the reduction's ``kind`` and ``axes``. Binder:
+# exec/fused.py.
+FUSED_REDUCE = define("fused_reduce", "program", fresh=True)
+REDUCIBLE = ("sum", "max", "min")
 
 
 @lru_cache(maxsize=None)  # per op name: a record's ufunc is fixed when it is defined
@@ -61,9 +68,34 @@ def fuse_elementwise(program: SPMDProgram):
             if fusion is not None:
                 taken |= members
                 fused[ins.out] = fusion
-    if not fused:
+    kept = [fused.get(i.out, i) for i in instrs if i.out not in taken or i.out in fused]
+    reduced = _fuse_reductions(kept, users, outputs, instrs)
+    if not fused and not reduced:
         return None
-    return _rebuild(program, [fused.get(i.out, i) for i in instrs if i.out not in taken or i.out in fused])
+    return _rebuild(program, kept)
+
+
+def _fuse_reductions(kept: list[Instr], users, outputs, instrs) -> int:
+    """Each float sum/max/min over trailing dims whose operand (a fusion, or one elementwise op) only it reads
+    and that is no program output becomes a ``fused_reduce`` of that chain, in place in ``kept`` (the chain is
+    left unread: dropped by the rebuild). Returns how many."""
+    by_slot, count = {i.out: i for i in kept}, 0
+    for k, ins in enumerate(kept):
+        if ins.op != "reduce" or ins.attrs["kind"] not in REDUCIBLE or ins.dtype not in ("float32", "float64"):
+            continue
+        src = by_slot.get(ins.args[0])
+        axes, rank = tuple(ins.attrs["axes"]), len(src.shape) if src is not None else 0
+        if (src is None or src.out in outputs or users[src.out] != [ins.out] or src.dtype != ins.dtype
+                or sorted(axes) != list(range(rank - len(axes), rank)) or 0 in src.shape or not axes):
+            continue
+        chain = src if src.op == "fusion" else _fusion(src, {src.out}, instrs, single=True) if fusible(src.op) \
+            else None
+        if chain is None:
+            continue
+        kept[k] = ins.copy(op="fused_reduce", args=chain.args, attrs={**chain.attrs, "chain_shape": tuple(src.shape),
+                                                                        "kind": ins.attrs["kind"], "axes": axes})
+        count += 1
+    return count
 
 
 def parse_code(code: str) -> list[tuple[str, list[str]]]:
@@ -91,8 +123,9 @@ def _group(root: Instr, instrs, users, outputs, taken) -> set[int]:
     return members
 
 
-def _fusion(root: Instr, members: set[int], instrs) -> Instr | None:
-    """The fused instruction for ``members`` (rooted at ``root``), or None when fusing would save nothing."""
+def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Instr | None:
+    """The fused instruction for ``members`` (rooted at ``root``), or None when fusing would save nothing
+    (unless ``single``: one op as a chain, for a reduction to absorb)."""
     params: list[int] = []
     shapes: list[tuple] = []
     consts: list = []
@@ -128,7 +161,7 @@ def _fusion(root: Instr, members: set[int], instrs) -> Instr | None:
         refs[slot] = f"t{len(steps)}"
         steps.append(f"{refs[slot]}={ins.op}({operands})")
         dtypes.append(ins.dtype)
-    if len(steps) < 2 and not leaves:
+    if len(steps) < 2 and not leaves and not single:
         return None
     attrs = {"code": "; ".join(steps), "consts": tuple(consts), "dtypes": tuple(dtypes),
              "shapes": tuple(tuple(s) for s in shapes)}

@@ -50,7 +50,7 @@ def ulps(a, b):
 ])
 def test_a_fusion_loops_over_merged_dims_with_zero_strides_where_an_operand_repeats(shape, operands, extents,
                                                                                     strides):
-    assert cpu_kernels._loop_nest(shape, operands) == (extents, strides)
+    assert cpu_kernels._loop_nest(shape, operands)[:2] == (extents, strides)
 
 
 def test_the_source_loads_each_operand_then_one_typed_statement_per_step_in_a_vectorised_inner_loop():
@@ -81,16 +81,24 @@ TRANSCENDENTAL = {"gelu_mlp", "masked_softmax"}  # exp/tanh: libmvec vs NumPy's 
 @pytest.mark.parametrize("fn, shapes, in_specs, mesh", CASES, ids=[c[0].__name__ for c in CASES])
 def test_compiled_fusions_agree_with_the_numpy_chain(fn, shapes, in_specs, mesh, dtype, compiled):
     """Bit-identical where only + - * / sqrt, comparisons, selects and casts run (IEEE order kept, no FMA
-    contraction); within 4 ulp where exp or tanh do."""
+    contraction); within 4 ulp where exp or tanh do. A fused sum accumulates in double where the unfused one
+    sums float32 rows by BLAS: there the compiled result is no further from the float64 computation than
+    the unfused one (and agrees with it to float32 rounding, test_fused_reductions_*)."""
     fused, plain = both(fn, [sr.TensorSpec(s, dtype) for s in shapes], mesh, in_specs)
     assert compiled_fusions(fused)  # the compiled path runs
     rng = np.random.default_rng(0)
     args = [np.abs(rng.standard_normal(s) * 2).astype(dtype) for s in shapes]
     args[0][0, 0] = np.nan if fn.__name__ == "clamp_cast" else -args[0][0, 0]
-    for rank_got, rank_want in zip(run_everywhere(fused, *args), run_everywhere(plain, *args)):
-        for g, w in zip(rank_got, rank_want):
+    summed = dtype == "float32" and any(i.op == "fused_reduce" and i.attrs["kind"] == "sum" for i in fused.instrs)
+    exact = run_everywhere(both(fn, [sr.TensorSpec(s, "float64") for s in shapes], mesh, in_specs)[1],
+                           *[a.astype("float64") for a in args]) if summed else None
+    for r, (rank_got, rank_want) in enumerate(zip(run_everywhere(fused, *args), run_everywhere(plain, *args))):
+        for k, (g, w) in enumerate(zip(rank_got, rank_want)):
             assert g.dtype == w.dtype and g.shape == w.shape
-            if fn.__name__ in TRANSCENDENTAL:
+            if summed:
+                x = exact[r][k]
+                assert np.nanmax(np.abs(g - x)) <= np.nanmax(np.abs(w - x)) + np.finfo(dtype).eps * np.nanmax(np.abs(x))
+            elif fn.__name__ in TRANSCENDENTAL:
                 assert ulps(g, w) <= 4
             else:
                 np.testing.assert_array_equal(g, w)
@@ -272,3 +280,78 @@ def test_a_library_is_compiled_once_and_reused_from_the_cache(compiled):
     cpu_kernels.KernelLibrary._loaded.clear()  # a new process: loads from disk, no compile
     compiled_fusions(program)
     assert list(compiled.glob("fusions_*.so")) == [library] and library.stat().st_mtime_ns == made
+
+
+# ------------------------------------------------------------------------- fused reductions
+REDUCTIONS = [  # (name, fn, terms summed per result: (count, their magnitudes)); operands (4, 6, 40), (1, 1, 40)
+    ("sum_rows", lambda x, b: snp.sum(snp.exp(x - 1.0) * b, axis=-1),
+     lambda x, b: (40, np.nansum(np.abs(np.exp(x - 1.0) * b), axis=-1))),
+    ("sum_two_dims", lambda x, b: snp.sum(-x * b, axis=(1, 2)), lambda x, b: (240, np.nansum(np.abs(x * b), (1, 2)))),
+    ("max_rows", lambda x, b: snp.max(x + b, axis=-1), None),
+    ("min_rows", lambda x, b: snp.min(x * 2.0, axis=-1), None),
+]
+
+
+def _reduction_programs(fn, dtype):
+    shapes = [(4, 6, 40), (1, 1, 40)]
+    fused, plain = both(fn, [sr.TensorSpec(s, dtype) for s in shapes], sr.Mesh((2,), ("x",)),
+                        [("x", None, None), (None, None, None)])
+    assert [i.op for i in fused.instrs if i.op == "fused_reduce"] == ["fused_reduce"]
+    return fused, plain
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name, fn, terms", REDUCTIONS, ids=[r[0] for r in REDUCTIONS])
+def test_fused_reductions_compiled_agree_with_the_unfused_to_rounding(name, fn, terms, dtype, compiled):
+    """Sums accumulate in double: they differ from the unfused sums (float32 or float64 rows by BLAS) by no
+    more than the unfused sum's own rounding bound, n * eps * the sum of the terms' magnitudes; max and min
+    exactly, NaN included."""
+    fused, plain = _reduction_programs(fn, dtype)
+    assert compiled_fusions(fused)
+    rng = np.random.default_rng(1)
+    x, b = rng.standard_normal((4, 6, 40)).astype(dtype), rng.standard_normal((1, 1, 40)).astype(dtype)
+    x[1, 2, 3] = np.nan
+    for got, want in zip(run_everywhere(fused, x, b), run_everywhere(plain, x, b)):
+        g, w = got[0], want[0]
+        assert np.array_equal(np.isnan(g), np.isnan(w)) and np.isnan(g).any()
+        if terms is None:
+            np.testing.assert_array_equal(g, w)
+            continue
+        n, magnitude = terms(x.astype("float64"), b.astype("float64"))
+        bound = n * np.finfo(dtype).eps * magnitude
+        assert np.all(np.isnan(g) | (np.abs(g - w) <= bound)), (g - w, bound)
+
+
+@pytest.mark.parametrize("name, fn", [("max", snp.max), ("min", snp.min)])
+def test_fused_max_and_min_keep_numpys_nan_and_tie_rules(name, fn, compiled):
+    """A NaN anywhere in a row wins; among equal values the later one (max(0.0, -0.0) over [0.0, -0.0] is -0.0,
+    as np.max gives); infinities pass."""
+    rows = np.array([[0.0, -0.0] * 20, [-0.0, 0.0] * 20, [np.nan] + [1.0] * 39, [1.0] * 39 + [np.nan],
+                     [-np.inf] * 40, [np.inf] + [0.0] * 39], np.float32)
+    fused, plain = both(lambda a: fn(a * 1.0, axis=-1), [sr.TensorSpec(rows.shape, F32)], sr.Mesh((1,), ("x",)),
+                        [(None, None)])
+    assert [i.op for i in fused.instrs if i.op == "fused_reduce"] == ["fused_reduce"] and compiled_fusions(fused)
+    (got,), (want,) = run_everywhere(fused, rows)[0], run_everywhere(plain, rows)[0]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_the_reduction_source_accumulates_each_row_and_stores_no_chain_value():
+    fused, _ = _reduction_programs(REDUCTIONS[0][1], F32)
+    (ins,) = [i for i in fused.instrs if i.op == "fused_reduce"]
+    from spmd_runtime.exec.fused import chain_of
+    source = cpu_kernels.c_function(Fusion(chain_of(ins)), [F32, F32], "f", reduce=("sum", 1))
+    assert "double acc = 0.0;" in source and "#pragma omp simd reduction(+:acc)" in source
+    assert "acc += (double)t2;" in source and "out[i0] = (float)acc;" in source
+    assert source.count("out[") == 1  # one store per row: the chain's values never reach memory
+
+
+def test_sums_over_rows_longer_than_blas_sums_stay_numpy(compiled):
+    """Rows over ops/core.MAX_BLAS_ROW keep NumPy's pairwise sum (unfused too): no compiled loop, same bits."""
+    n = 5000
+    fused, plain = both(lambda a: snp.sum(a * 2.0, axis=-1), [sr.TensorSpec((3, n), F32)], sr.Mesh((1,), ("x",)),
+                        [(None, None)])
+    assert [i.op for i in fused.instrs if i.op == "fused_reduce"] == ["fused_reduce"]
+    assert not compiled_fusions(fused)
+    x = np.random.default_rng(0).standard_normal((3, n)).astype(F32)
+    np.testing.assert_array_equal(run_everywhere(fused, x)[0][0], run_everywhere(plain, x)[0][0])

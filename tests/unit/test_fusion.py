@@ -9,6 +9,7 @@ import spmd_runtime.numpy as snp
 from spmd_runtime.exec import fused as fused_kernels
 from spmd_runtime.exec.fused import Fusion, cuda_source
 from spmd_runtime.partition.fusion import parse_code
+from spmd_runtime.program_check import check_program
 from simulated import run_everywhere
 
 F32 = "float32"
@@ -160,3 +161,56 @@ def test_cuda_source_is_one_typed_statement_per_step():
         "const float t2 = (p1 * ((float)0.5));",
         "const float t3 = (t0 ? t1 : t2);",
         "out = t3;"]))
+
+
+# ------------------------------------------------------------------------- reductions at a chain's end
+def sum_of_chain(x, y):
+    return snp.sum(snp.exp(x - 1.0) * y, axis=-1)
+
+
+def max_of_one_op(x, y):
+    return snp.max(x * y, axis=(1, 2))
+
+
+def chain_read_twice(x, y):  # the chain feeds the sum and the division: it must exist, the sum stays alone
+    e = snp.exp(x) * y
+    return e / snp.sum(e, axis=-1, keepdims=True)
+
+
+def leading_axis_sum(x, y):  # columns, not rows: not fused
+    return snp.sum(x * y, axis=0)
+
+
+def mean_of_chain(x, y):  # mean is a sum and a division: the sum fuses, the division follows
+    return snp.mean(-x * y, axis=-1)
+
+
+REDUCTION_TABLE = [  # (fn, fused_reduce kinds, plain reduce instructions left)
+    (sum_of_chain, ["sum"], 0), (max_of_one_op, ["max"], 0), (chain_read_twice, [], 1),
+    (leading_axis_sum, [], 1), (mean_of_chain, ["sum"], 0)]
+
+
+@pytest.mark.parametrize("fn, kinds, left", REDUCTION_TABLE, ids=[t[0].__name__ for t in REDUCTION_TABLE])
+def test_a_reduction_over_the_rows_of_a_chain_only_it_reads_fuses_into_it(fn, kinds, left):
+    fused, plain = both(fn, [sr.TensorSpec((4, 6, 40), F32)] * 2, sr.Mesh((2,), ("x",)), [("x", None, None)] * 2)
+    assert [i.attrs["kind"] for i in fused.instrs if i.op == "fused_reduce"] == kinds, str(fused)
+    assert sum(i.op == "reduce" for i in fused.instrs) == left, str(fused)
+    check_program(fused)  # a program file holding one is read back and validated like any other
+    for i in fused.instrs:
+        if i.op == "fused_reduce":
+            assert i.attrs["chain_shape"] == (2, 6, 40) and "fused_reduce(" in str(fused)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("fn", [t[0] for t in REDUCTION_TABLE], ids=[t[0].__name__ for t in REDUCTION_TABLE])
+def test_fused_reductions_run_as_numpy_chains_with_the_reduce_kernels_numerics(fn, dtype, monkeypatch):
+    """Without compiled loops the chain runs into scratch and the ``reduce`` op's own kernel sums it: the
+    unfused program's bits."""
+    monkeypatch.setenv("SPMD_CPU_KERNELS", "0")
+    x = np.random.default_rng(0).standard_normal((4, 6, 40)).astype(dtype)
+    x[1, 2, 3], x[0, 0, 0] = np.nan, np.inf
+    fused, plain = both(fn, [sr.TensorSpec(x.shape, dtype)] * 2, sr.Mesh((2,), ("x",)), [("x", None, None)] * 2)
+    with np.errstate(all="ignore"):
+        for got, want in zip(run_everywhere(fused, x, x[::-1].copy()), run_everywhere(plain, x, x[::-1].copy())):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)

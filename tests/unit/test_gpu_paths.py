@@ -642,3 +642,17 @@ def test_windowed_einsum_rings_run_on_device_arrays(fake_cupy, monkeypatch, patt
     for got in outs:
         assert backend.is_device_array(got[0])
         np.testing.assert_allclose(backend.to_host(got[0]), want, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_reductions_run_on_device_arrays(fake_cupy, host_kernels):
+    """A fused_reduce on the fake GPU: the chain as one generated kernel, then the library's reduction."""
+    x = np.random.default_rng(0).standard_normal((4, 6, 40))
+    graph = sr.trace(lambda a: (snp.sum(snp.exp(a) * 2.0, axis=-1), snp.max(-a, axis=(1, 2))), x)
+    program = sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None, None)])
+    assert [i.attrs["kind"] for i in program.instrs if i.op == "fused_reduce"] == ["sum", "max"]
+    outs = run_on_fake_gpus(program, [x], [[] for _ in range(2)])
+    for got in outs:
+        for g, want in zip(got, sr.evaluate(graph, x)):
+            assert backend.is_device_array(g)
+            np.testing.assert_allclose(backend.to_host(g), want, rtol=1e-12, atol=1e-12)
+    assert "compile" in fake_cupy.events
