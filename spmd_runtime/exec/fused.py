@@ -13,8 +13,9 @@
 * Any other array module: the steps as plain calls.
 
 A ``fused_reduce`` (a chain reduced over its trailing dims) runs compiled as one loop accumulating each row
-(exec/cpu_kernels.py); elsewhere as its chain into a buffer (scratch on NumPy) and the ``reduce`` op's own
-kernel (on CuPy the chain's kernel, then the library's reduction: no ReductionKernel generated yet).
+(exec/cpu_kernels.py); on CuPy a sum as one generated ``ReductionKernel`` (the chain as its map, accumulated
+in double); elsewhere (and max/min on CuPy) as its chain into a buffer (scratch on NumPy) and the ``reduce``
+op's own kernel.
 """
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ def _bind_fused_reduce(interp, ins):
     if xp is np:  # the chain's values into scratch kept across runs (they never outlive this instruction)
         values = interp.fusion_scratch.get(chain.shape, np.dtype(chain.dtype), "reduced chain")
         run_chain = _numpy_chain(Fusion(chain), interp.fusion_scratch, values)
+    elif kind == "sum" and _is_cupy(xp) and hasattr(xp, "ReductionKernel"):
+        return _cupy_sum_kernel(Fusion(chain), xp, dtypes, axes, planned)
     else:
         run_chain = bind_fusion(chain, xp, dtypes, interp.fusion_scratch)
     return lambda *args: reduce_kernel(xp, run_chain(*args), kind, axes, into=planned)
@@ -181,7 +184,7 @@ def bind_fusion(ins, xp, operand_dtypes, scratch: Scratch, out=None):
     """``f(*operands) -> result`` for fusion instruction ``ins`` on array module ``xp``; NumPy writes the
     result into ``out`` (a buffer planned for it, exec/buffers.py) when given."""
     fusion = Fusion(ins)
-    if getattr(xp, "__name__", "") == "cupy" and hasattr(xp, "ElementwiseKernel"):
+    if _is_cupy(xp) and hasattr(xp, "ElementwiseKernel"):
         return _cupy_kernel(fusion, xp, operand_dtypes)
     if xp is np:
         return _numpy_chain(fusion, scratch, out)
@@ -433,6 +436,40 @@ def _c_expr(op: str, a: list[str], dtype: str) -> str:
     if dtype == "float16":  # through float: abs(-0.0) is +0.0 with the sign bit cleared, as NumPy's
         return f"((float16)fabsf((float){x}))"
     return f"fabs({x})" if dtype in ("float32", "float64") else f"({x} < 0 ? -{x} : {x})"
+
+
+def _is_cupy(xp) -> bool:
+    return getattr(xp, "__name__", "") == "cupy"
+
+
+def _cupy_sum_kernel(fusion: Fusion, cp, operand_dtypes, axes, planned):
+    """A fused sum as ONE ``ReductionKernel``: the chain is the map (a device function generated as the
+    ElementwiseKernel's body), the sum accumulates in double (as the compiled CPU loop does)."""
+    in_params, head, body = cuda_reduce_source(fusion, operand_dtypes)
+    kernel = cp.ReductionKernel(in_params, f"{fusion.dtype.name} out", head, "a + b",
+                                f"out = ({_C_TYPES[fusion.dtype.name]})a", "0", "spmd_fused_sum", reduce_type="double",
+                                preamble=body)
+    views, axes = fusion.views, tuple(axes)
+
+    def run(*args):
+        result = kernel(*views(args), axis=axes)
+        if planned is None:
+            return result
+        planned[...] = result
+        return planned
+    return run
+
+
+def cuda_reduce_source(fusion: Fusion, operand_dtypes) -> tuple[str, str, str]:
+    """(in_params, map expression, preamble) of a fused sum's ReductionKernel: the chain as a device function
+    ``spmd_chain(p0, ...)`` returning its last step."""
+    in_params, _, operation = cuda_source(fusion, operand_dtypes)
+    params = fusion.param_dtypes(operand_dtypes)
+    args = ", ".join(f"{_C_TYPES[d]} p{i}" for i, d in enumerate(params))
+    last = f"t{len(fusion.steps) - 1}"
+    body = operation.replace(f"out = {last};", f"return {last};")
+    preamble = f"__device__ {_C_TYPES[fusion.dtype.name]} spmd_chain({args}) {{\n{body}\n}}"
+    return in_params, f"spmd_chain({', '.join(f'p{i}' for i in range(len(params)))})", preamble
 
 
 def _cupy_kernel(fusion: Fusion, cp, operand_dtypes):

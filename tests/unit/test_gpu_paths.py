@@ -545,7 +545,7 @@ class HostElementwiseKernel:
     _built: dict = {}  # source -> compiled function
     _lock = threading.Lock()  # simulated ranks are threads: one builds, the others wait (no half-written .so)
 
-    def __init__(self, fake, in_params, out_params, operation, name, tmp_path):
+    def __init__(self, fake, in_params, out_params, operation, name, tmp_path, preamble=""):
         import ctypes
         import subprocess
         fake.events.append("compile")
@@ -554,7 +554,8 @@ class HostElementwiseKernel:
         self.out_dtype = np.dtype(out_dtype)
         args = ", ".join(f"const {self._C[d]}* {n}_" for d, n in self.params)
         loads = " ".join(f"const {self._C[d]} {n} = {n}_[i];" for d, n in self.params)
-        source = (f"#include <cmath>\nusing namespace std;\nextern \"C\" void {name}({args}, {self._C[out_dtype]}* "
+        source = (f"#include <cmath>\nusing namespace std;\n#define __device__\n{preamble}\n"
+                  f"extern \"C\" void {name}({args}, {self._C[out_dtype]}* "
                   f"out_, long n) {{ for (long i = 0; i < n; ++i) {{ {loads} {self._C[out_dtype]} out;\n"
                   f"{operation}\nout_[i] = out; }} }}\n")
         with self._lock:
@@ -576,14 +577,39 @@ class HostElementwiseKernel:
         return args[-1]
 
 
+class HostReductionKernel:
+    """``cupy.ReductionKernel`` for the fake GPU, for the sums the runtime generates: the map expression (and
+    its preamble) compiled by the host g++ into a loop writing each element's mapped value in double, then
+    summed over ``axis`` in double and cast to the output type, as ``reduce_type="double"`` with ``a + b``
+    does on the device."""
+
+    def __init__(self, fake, in_params, out_params, map_expr, reduce_expr, post_map_expr, identity, name,
+                 tmp_path, reduce_type=None, preamble=""):
+        assert (reduce_expr, identity, reduce_type) == ("a + b", "0", "double"), "the fake only sums in double"
+        (self.out_dtype, _), = [p.split() for p in out_params.split(", ")]
+        self.fake = fake
+        fake.events.append("reduction kernel")
+        self.mapped = HostElementwiseKernel(fake, in_params, "float64 out", f"out = (double){map_expr};", name,
+                                            tmp_path, preamble)
+
+    def __call__(self, *args, axis):
+        ins = [self.fake.unwrap(a) for a in args]
+        shape = np.broadcast_shapes(*[a.shape for a in ins])
+        mapped = self.fake.asarray(np.empty(shape))
+        self.mapped(*args, mapped)
+        return self.fake.asarray(self.fake.unwrap(mapped).sum(axis=axis).astype(self.out_dtype))
+
+
 @pytest.fixture
 def host_kernels(fake_cupy, monkeypatch, tmp_path):
-    """The fake GPU's ElementwiseKernel: the generated CUDA body compiled by the host g++."""
+    """The fake GPU's ElementwiseKernel and ReductionKernel: the generated CUDA code compiled by the host g++."""
     import shutil
     if shutil.which("g++") is None:
         pytest.skip("the fake ElementwiseKernel compiles the generated CUDA body with the host g++; none here")
     monkeypatch.setattr(fake_cupy, "ElementwiseKernel", lambda *a: HostElementwiseKernel(fake_cupy, *a, tmp_path),
                         raising=False)
+    monkeypatch.setattr(fake_cupy, "ReductionKernel",
+                        lambda *a, **k: HostReductionKernel(fake_cupy, *a, tmp_path=tmp_path, **k), raising=False)
 
 
 def fused_case(m, x, w, b):
@@ -645,7 +671,8 @@ def test_windowed_einsum_rings_run_on_device_arrays(fake_cupy, monkeypatch, patt
 
 
 def test_fused_reductions_run_on_device_arrays(fake_cupy, host_kernels):
-    """A fused_reduce on the fake GPU: the chain as one generated kernel, then the library's reduction."""
+    """A fused_reduce on the fake GPU: a sum as one generated ReductionKernel (the chain as its map), a max as
+    the chain's kernel then the library's reduction."""
     x = np.random.default_rng(0).standard_normal((4, 6, 40))
     graph = sr.trace(lambda a: (snp.sum(snp.exp(a) * 2.0, axis=-1), snp.max(-a, axis=(1, 2))), x)
     program = sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None, None)])
@@ -655,4 +682,5 @@ def test_fused_reductions_run_on_device_arrays(fake_cupy, host_kernels):
         for g, want in zip(got, sr.evaluate(graph, x)):
             assert backend.is_device_array(g)
             np.testing.assert_allclose(backend.to_host(g), want, rtol=1e-12, atol=1e-12)
-    assert "compile" in fake_cupy.events
+    assert fake_cupy.events.count("compile") == 2 * 2  # per rank: the sum's map, the max's chain
+    assert fake_cupy.events.count("reduction kernel") == 2  # per rank: the sum in one kernel
