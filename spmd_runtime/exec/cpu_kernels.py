@@ -91,9 +91,8 @@ def c_function(fusion, operand_dtypes, name: str, results=None, reduce=None) -> 
     dims of extent 1 dropped and neighbours merged where every operand repeats (or not) alike, the inner
     loop vectorised; a broadcast operand's index has stride 0 along the dims it repeats on. ``results``
     (step indices, several results of the same shape: a sibling group, exec/fused.py): ``R0* out0, ...``.
-    ``reduce`` ((kind, n): a fused_reduce) accumulates the chain over its last n dims instead, one result
-    per row: sums in double (float32 sums agree with the unfused reduction to float32 rounding), max and
-    min as NumPy's (a NaN wins, a tie goes to the later element)."""
+    ``reduce`` ((kind, n): a reduction) sums the chain over its last n dims instead, one result per row, in
+    double (float32 sums agree with the unfused reduction to float32 rounding)."""
     dtypes = [str(np.dtype(d)) for d in operand_dtypes]
     if reduce is not None:
         return _reduce_function(fusion, dtypes, name, *reduce)
@@ -130,39 +129,41 @@ def _body(fusion, dtypes, index, strides) -> list[str]:
     return lines
 
 
+# Reductions a compiled loop runs. max and min are not among them: as one accumulator with NumPy's NaN rule
+# the loop did not vectorise (3x slower than NumPy's SIMD max over a softmax's rows here, measured), so they
+# run as NumPy's reduction (after the chain, for a fused one).
+COMPILED_REDUCTIONS = ("sum",)
+
+
 def reducible(fusion, operand_dtypes, kind: str, n_reduced: int, max_sum_row: int) -> bool:
-    """Whether a fused reduction has a compiled loop here: a compilable float chain, and for a sum rows of at
-    most ``max_sum_row`` elements (what the unfused reduction sums by BLAS, ops/core.MAX_BLAS_ROW; longer
-    ones keep NumPy's pairwise sum, whose error grows as log n, where one accumulator's grows as n)."""
+    """Whether a reduction has a compiled loop here: a sum (COMPILED_REDUCTIONS) of a compilable float chain
+    over rows of at most ``max_sum_row`` elements (what the unfused reduction sums by BLAS,
+    ops/core.MAX_BLAS_ROW; longer ones keep NumPy's pairwise sum, whose error grows as log n, where one
+    accumulator's grows as n)."""
     row = int(np.prod(fusion.shape[len(fusion.shape) - n_reduced:]))
-    return (kind in ("sum", "max", "min") and fusion.dtypes[-1] in FLOATS and compilable(fusion, operand_dtypes)
-            and (kind != "sum" or row <= max_sum_row))
-
-
-ACCUMULATE = {"sum": ("acc += (double)t{k};", "0.0"),
-              # NumPy's max/min: a NaN wins and stays; a tie goes to the later element
-              "max": ("acc = (acc != acc) ? acc : ((t{k} != t{k} || t{k} >= acc) ? t{k} : acc);", "-INFINITY"),
-              "min": ("acc = (acc != acc) ? acc : ((t{k} != t{k} || t{k} <= acc) ? t{k} : acc);", "INFINITY")}
+    return (kind in COMPILED_REDUCTIONS and fusion.dtypes[-1] in FLOATS and compilable(fusion, operand_dtypes)
+            and row <= max_sum_row)
 
 
 def _reduce_function(fusion, dtypes, name, kind, n_reduced) -> str:
     """``void name(const T0* p0, ..., R* out)``: per row (the leading dims), the chain over the last
-    ``n_reduced`` dims accumulated in one pass; its values are never stored."""
+    ``n_reduced`` dims summed in one pass, in double; its values are never stored."""
+    if kind not in COMPILED_REDUCTIONS:
+        raise ValueError(f"compiled reductions are {COMPILED_REDUCTIONS}; got {kind!r}")
     extents, strides, n_outer = _loop_nest(fusion.shape, fusion.shapes, len(fusion.shape) - n_reduced)
     result, last = C_TYPES[fusion.dtypes[-1]], len(fusion.steps) - 1
     params = [f"const {C_TYPES[d]}* p{i}" for i, d in enumerate(dtypes)] + [f"{result}* out"]
     index = [f"i{k}" for k in range(len(extents))]
-    update, init = ACCUMULATE[kind]
     lines = [f"void {name}({', '.join(params)}) {{"]
     lines += [f"  for (int64_t i{k} = 0; i{k} < {extents[k]}LL; i{k}++)" for k in range(n_outer)]
     lines.append("  {")
-    lines.append(f"    {'double' if kind == 'sum' else result} acc = {init};")
+    lines.append("    double acc = 0.0;")
     for k in range(n_outer, len(extents)):
-        simd = "    #pragma omp simd reduction(+:acc)\n" if kind == "sum" and k == len(extents) - 1 else ""
+        simd = "    #pragma omp simd reduction(+:acc)\n" if k == len(extents) - 1 else ""
         lines.append(f"{simd}    for (int64_t i{k} = 0; i{k} < {extents[k]}LL; i{k}++)")
     lines.append("    {")
     lines += ["  " + line for line in _body(fusion, dtypes, index, strides)]
-    lines.append("      " + update.format(k=last))
+    lines.append(f"      acc += (double)t{last};")
     lines.append("    }")
     at = _offset(index[:n_outer], _contiguous(extents[:n_outer], [True] * n_outer))
     lines.append(f"    out[{at}] = ({result})acc;")

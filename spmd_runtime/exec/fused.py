@@ -83,10 +83,8 @@ def _bind_fusion(interp, ins):
 
 @opdef.bind(FUSED_REDUCE)
 def _bind_fused_reduce(interp, ins):
-    """The chain and its reduction: one compiled loop accumulating each row (exec/cpu_kernels.py), else the
-    chain's kernel into a scratch buffer and the ``reduce`` op's own kernel over it (its numerics exactly)."""
-    if ins.out in interp.cpu_kernels:
-        return _compiled_reduce(interp, ins)
+    """The chain's kernel into a buffer and the ``reduce`` op's own kernel over it (its numerics exactly); on
+    CuPy a sum as one ReductionKernel. (Where it compiled, the interpreter binds the loop: bind_compiled.)"""
     chain, xp, planned = chain_of(ins), interp.xp, interp.planned.get(ins.out)
     reduce_kernel, kind, axes = lookup("reduce").kernel, ins.attrs["kind"], ins.attrs["axes"]
     dtypes = operand_dtypes(interp.program, ins)
@@ -100,14 +98,30 @@ def _bind_fused_reduce(interp, ins):
     return lambda *args: reduce_kernel(xp, run_chain(*args), kind, axes, into=planned)
 
 
-def chain_of(ins):
-    """The ``fusion`` instruction computing a fused_reduce's chain (its values, before the reduction)."""
+def chain_of(ins, program=None):
+    """The ``fusion`` instruction computing the values a reduction reduces: a fused_reduce's chain, or for a
+    plain ``reduce`` (``program`` given) its operand as a one-step chain."""
+    if ins.op == "reduce":
+        operand = program.instrs[ins.args[0]]
+        return ins.copy(op="fusion", attrs={"code": "t0=convert(p0)", "consts": (), "dtypes": (ins.dtype,),
+                                            "shapes": (tuple(operand.shape),)}, shape=tuple(operand.shape), donate=-1)
     attrs = {k: ins.attrs[k] for k in ("code", "consts", "dtypes", "shapes")}
     return ins.copy(op="fusion", attrs=attrs, shape=tuple(ins.attrs["chain_shape"]), donate=-1)
 
 
+def compiled_reduction(ins, program) -> bool:
+    """Whether ``ins`` is a reduction a compiled loop may run: a fused_reduce, or a float sum/max/min over
+    the trailing dims (C order: rows) of its operand."""
+    if ins.op == "fused_reduce":
+        return True
+    if ins.op != "reduce" or ins.attrs["kind"] not in ("sum", "max", "min") or ins.dtype not in ("float32", "float64"):
+        return False
+    rank, axes = len(program.instrs[ins.args[0]].shape), sorted(ins.attrs["axes"])
+    return bool(axes) and axes == list(range(rank - len(axes), rank)) and program.instrs[ins.args[0]].dtype == ins.dtype
+
+
 def _compiled_reduce(interp, ins):
-    kernel, chain = interp.cpu_kernels[ins.out], Fusion(chain_of(ins))
+    kernel, chain = interp.cpu_kernels[ins.out], Fusion(chain_of(ins, interp.program))
     kernel.argtypes, kernel.restype = [ctypes.c_void_p] * (len(chain.shapes) + 1), None
     check = operand_check(chain, operand_dtypes(interp.program, ins))
     shape, dtype, planned = tuple(ins.shape), np.dtype(ins.dtype), interp.planned.get(ins.out)
@@ -120,7 +134,9 @@ def _compiled_reduce(interp, ins):
 
 
 def bind_compiled(interp, ins):
-    """The compiled C loop of ``ins`` (a fusion, or an op compiled alone) with its operand checks."""
+    """The compiled C loop of ``ins`` (a fusion, an op compiled alone, or a reduction) with its operand checks."""
+    if ins.op in ("fused_reduce", "reduce"):
+        return _compiled_reduce(interp, ins)
     return _compiled_chain(Fusion(as_fusion(ins, interp.program)), interp.cpu_kernels[ins.out],
                            operand_dtypes(interp.program, ins), interp.planned.get(ins.out))
 
@@ -163,8 +179,8 @@ def compiled_fusions(program, groups=None) -> dict:
             fusion, dtypes = Fusion(as_fusion(ins, program)), operand_dtypes(program, ins)
             if cpu_kernels.compilable(fusion, dtypes):
                 chosen[ins.out] = (fusion, dtypes, {})
-        elif ins.op == "fused_reduce" and big(chain_of(ins)):
-            fusion, dtypes = Fusion(chain_of(ins)), operand_dtypes(program, ins)
+        elif compiled_reduction(ins, program) and big(chain_of(ins, program)):
+            fusion, dtypes = Fusion(chain_of(ins, program)), operand_dtypes(program, ins)
             if cpu_kernels.reducible(fusion, dtypes, ins.attrs["kind"], len(ins.attrs["axes"]), MAX_BLAS_ROW):
                 chosen[ins.out] = (fusion, dtypes, {"reduce": (ins.attrs["kind"], len(ins.attrs["axes"]))})
     if not chosen or not cpu_kernels.compiler_available():

@@ -61,8 +61,8 @@ class Interpreter:
         elementwise op whose operand buffer dies here writes into it (``ins.donate``; a collective's binder
         handles its own)."""
         record = lookup(ins.op)
-        if ins.out in self.cpu_kernels and ins.op != "fusion":  # an op compiled alone (fused.COMPILED_ALONE)
-            return bind_compiled(self, ins)
+        if ins.out in self.cpu_kernels and ins.op != "fusion":  # an op compiled alone (fused.COMPILED_ALONE), a
+            return bind_compiled(self, ins)  # reduction over rows (fused or not)
         if ins.donate >= 0 and record.ufunc:
             return partial(_into_operand, getattr(self.xp, record.ufunc), ins.donate)
         if ins.out in self.planned and record.ufunc:
