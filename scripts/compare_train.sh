@@ -348,6 +348,20 @@ if parts:
         print("  " + p)
 else:
     print("ratio: n/a (" + ("no spmd_runtime figure" if not best_ours else "no baseline figure") + ")")
+
+# Paired by round: within a round the runs go back to back, so the machine's drift between rounds (10-30 %
+# here) cancels in each round's ratio; the median over rounds is the like-for-like figure beside the minima.
+per_round = {n: {rnd: pick(d, ["median_step_s", "median_step_seconds", "step_s_median"], "median")
+                 for rnd, d in rounds[n]} for n in names}
+for ref, ours in (("torch_eager", ours_names), ("torch_dtensor", [n for n in ours_names if "megatron" in n])):
+    common = sorted(r for r in per_round.get(ref, {}) if per_round[ref][r] and
+                    any(per_round[n].get(r) for n in ours))
+    if len(common) > 1:
+        ratios = [min(per_round[n][r] for n in ours if per_round[n].get(r)) / per_round[ref][r] for r in common]
+        median = sorted(ratios)[len(ratios) // 2] if len(ratios) % 2 else \
+            sum(sorted(ratios)[len(ratios) // 2 - 1:len(ratios) // 2 + 1]) / 2
+        print(f"paired by round: best ours / {label(ref)} = " + " ".join(f"{x:.3f}" for x in ratios) +
+              f"; median {median:.3f}x")
 PY
 
 if [[ ${#FAILURES[@]} -gt 0 ]]; then
