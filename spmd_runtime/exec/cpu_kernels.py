@@ -129,10 +129,12 @@ def _body(fusion, dtypes, index, strides) -> list[str]:
     return lines
 
 
-# Reductions a compiled loop runs. max and min are not among them: as one accumulator with NumPy's NaN rule
-# the loop did not vectorise (3x slower than NumPy's SIMD max over a softmax's rows here, measured), so they
-# run as NumPy's reduction (after the chain, for a fused one).
-COMPILED_REDUCTIONS = ("sum",)
+# Reductions a compiled loop runs: sums, and max/min over rows that merge into one loop. As ONE accumulator
+# with NumPy's NaN rule a max did not vectorise (3x slower than NumPy's SIMD max over a softmax's rows,
+# measured); it runs as LANES accumulators instead, each a plain compare-and-select, with a NaN flag per
+# lane (NumPy's rule: a NaN anywhere gives NaN), the lanes combined at the row's end.
+COMPILED_REDUCTIONS = ("sum", "max", "min")
+LANES = 8
 
 
 def reducible(fusion, operand_dtypes, kind: str, n_reduced: int, max_sum_row: int) -> bool:
@@ -141,8 +143,12 @@ def reducible(fusion, operand_dtypes, kind: str, n_reduced: int, max_sum_row: in
     ops/core.MAX_BLAS_ROW; longer ones keep NumPy's pairwise sum, whose error grows as log n, where one
     accumulator's grows as n)."""
     row = int(np.prod(fusion.shape[len(fusion.shape) - n_reduced:]))
+    if kind in ("max", "min"):
+        extents, _, n_outer = _loop_nest(fusion.shape, fusion.shapes, len(fusion.shape) - n_reduced)
+        if len(extents) - n_outer != 1:  # the lanes run over one merged row loop
+            return False
     return (kind in COMPILED_REDUCTIONS and fusion.dtypes[-1] in FLOATS and compilable(fusion, operand_dtypes)
-            and row <= max_sum_row)
+            and (kind != "sum" or row <= max_sum_row))
 
 
 def _reduce_function(fusion, dtypes, name, kind, n_reduced) -> str:
@@ -150,6 +156,8 @@ def _reduce_function(fusion, dtypes, name, kind, n_reduced) -> str:
     ``n_reduced`` dims summed in one pass, in double; its values are never stored."""
     if kind not in COMPILED_REDUCTIONS:
         raise ValueError(f"compiled reductions are {COMPILED_REDUCTIONS}; got {kind!r}")
+    if kind != "sum":
+        return _extremum_function(fusion, dtypes, name, kind, n_reduced)
     extents, strides, n_outer = _loop_nest(fusion.shape, fusion.shapes, len(fusion.shape) - n_reduced)
     result, last = C_TYPES[fusion.dtypes[-1]], len(fusion.steps) - 1
     params = [f"const {C_TYPES[d]}* p{i}" for i, d in enumerate(dtypes)] + [f"{result}* out"]
@@ -168,6 +176,37 @@ def _reduce_function(fusion, dtypes, name, kind, n_reduced) -> str:
     at = _offset(index[:n_outer], _contiguous(extents[:n_outer], [True] * n_outer))
     lines.append(f"    out[{at}] = ({result})acc;")
     lines.append("  }\n}")
+    return "\n".join(lines)
+
+
+def _extremum_function(fusion, dtypes, name, kind, n_reduced) -> str:
+    """A row max/min (the reduced dims one merged loop) over LANES accumulators: lane j takes the row's elements
+    j, j + LANES, ... (a tie goes to the later element within a lane, then to the later lane, as NumPy's SIMD
+    loops do), a NaN flag per lane; the row's tail goes to lane 0."""
+    extents, strides, n_outer = _loop_nest(fusion.shape, fusion.shapes, len(fusion.shape) - n_reduced)
+    result, last, row = C_TYPES[fusion.dtypes[-1]], len(fusion.steps) - 1, f"i{n_outer}"
+    better = ">=" if kind == "max" else "<="
+    params = [f"const {C_TYPES[d]}* p{i}" for i, d in enumerate(dtypes)] + [f"{result}* out"]
+    outer = [f"i{k}" for k in range(n_outer)]
+
+    def update(lane, index):
+        body = ["  " + line for line in _body(fusion, dtypes, outer + [index], strides)]
+        return body + [f"      nan[{lane}] |= (t{last} != t{last});",
+                       f"      m[{lane}] = (t{last} {better} m[{lane}]) ? t{last} : m[{lane}];"]
+    lines = [f"void {name}({', '.join(params)}) {{"]
+    lines += [f"  for (int64_t i{k} = 0; i{k} < {extents[k]}LL; i{k}++)" for k in range(n_outer)]
+    flag = "int32_t" if result == "float" else "int64_t"  # the flags as wide as the values: one vector width
+    lines += ["  {", f"    {result} m[{LANES}]; {flag} nan[{LANES}];",
+              f"    for (int j = 0; j < {LANES}; j++) {{ m[j] = {'-' if kind == 'max' else ''}INFINITY; nan[j] = 0; }}",
+              f"    int64_t {row} = 0;",
+              f"    for (; {row} + {LANES} <= {extents[-1]}LL; {row} += {LANES})",
+              "    #pragma omp simd", f"    for (int j = 0; j < {LANES}; j++)", "    {",
+              f"      const int64_t lane_index = {row} + j;", *update("j", "lane_index"), "    }",
+              f"    for (; {row} < {extents[-1]}LL; {row}++)", "    {", *update("0", row), "    }",
+              f"    {result} acc = m[0]; int any_nan = nan[0];",
+              f"    for (int j = 1; j < {LANES}; j++) {{ acc = (m[j] {better} acc) ? m[j] : acc; any_nan |= nan[j]; }}",
+              f"    out[{_offset(outer, _contiguous(extents[:n_outer], [True] * n_outer))}] = any_nan ? "
+              f"({result})NAN : acc;", "  }\n}"]
     return "\n".join(lines)
 
 

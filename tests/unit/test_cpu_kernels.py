@@ -305,9 +305,9 @@ def _reduction_programs(fn, dtype):
 def test_fused_reductions_compiled_agree_with_the_unfused_to_rounding(name, fn, terms, dtype, compiled):
     """Sums accumulate in double: they differ from the unfused sums (float32 or float64 rows by BLAS) by no
     more than the unfused sum's own rounding bound, n * eps * the sum of the terms' magnitudes; max and min
-    (not compiled: NumPy's reduction after the chain) exactly, NaN included."""
+    exactly, NaN included."""
     fused, plain = _reduction_programs(fn, dtype)
-    assert bool(compiled_fusions(fused)) == (terms is not None)
+    assert compiled_fusions(fused)
     rng = np.random.default_rng(1)
     x, b = rng.standard_normal((4, 6, 40)).astype(dtype), rng.standard_normal((1, 1, 40)).astype(dtype)
     x[1, 2, 3] = np.nan
@@ -323,14 +323,16 @@ def test_fused_reductions_compiled_agree_with_the_unfused_to_rounding(name, fn, 
 
 
 @pytest.mark.parametrize("name, fn", [("max", snp.max), ("min", snp.min)])
-def test_fused_max_and_min_run_numpys_reduction_with_its_nan_and_tie_rules(name, fn, compiled):
-    """Not compiled (cpu_kernels.COMPILED_REDUCTIONS): the chain, then NumPy's max/min, so a NaN anywhere in a
-    row wins and a tie between 0.0 and -0.0 gives NumPy's sign."""
-    rows = np.array([[0.0, -0.0] * 20, [-0.0, 0.0] * 20, [np.nan] + [1.0] * 39, [1.0] * 39 + [np.nan],
-                     [-np.inf] * 40, [np.inf] + [0.0] * 39], np.float32)
+def test_fused_max_and_min_keep_numpys_nan_and_tie_rules(name, fn, compiled):
+    """Compiled over lanes: a NaN anywhere in a row (first, last, in the tail past the lanes) gives NaN;
+    infinities pass; a tie between 0.0 and -0.0 gives NumPy's sign on these rows (the later element within a
+    lane, then the later lane, as NumPy's SIMD loops)."""
+    rows = np.array([[0.0, -0.0] * 21, [-0.0, 0.0] * 21, [np.nan] + [1.0] * 41, [1.0] * 41 + [np.nan],
+                     [1.0] * 39 + [np.nan, 1.0, 1.0], [-np.inf] * 42, [np.inf] + [0.0] * 41,
+                     list(np.arange(42.0) * (1 if name == "max" else -1))], np.float32)
     fused, _ = both(lambda a: fn(a * 1.0, axis=-1), [sr.TensorSpec(rows.shape, F32)], sr.Mesh((1,), ("x",)),
                     [(None, None)])
-    assert [i.op for i in fused.instrs if i.op == "fused_reduce"] == ["fused_reduce"] and not compiled_fusions(fused)
+    assert [i.op for i in fused.instrs if i.op == "fused_reduce"] == ["fused_reduce"] and compiled_fusions(fused)
     (got,), want = run_everywhere(fused, rows)[0], getattr(np, name)(rows, axis=-1)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
@@ -358,14 +360,14 @@ def test_sums_over_rows_longer_than_blas_sums_stay_numpy(compiled):
 
 
 @pytest.mark.parametrize("kind", ["sum", "max", "min"])
-def test_a_plain_sum_over_rows_runs_as_a_compiled_loop_too(kind, compiled):
-    """A row sum whose operand also feeds something else (so nothing fuses into it) stays a ``reduce`` in the
-    program and runs as the same compiled row loop, with an identity chain; max and min stay NumPy's."""
+def test_a_plain_reduction_over_rows_runs_as_a_compiled_loop_too(kind, compiled):
+    """A softmax's row max (its operand also feeds the subtraction, so nothing fuses into it) stays a ``reduce``
+    in the program and runs as the same compiled row loop, with an identity chain."""
     fn = getattr(snp, kind)
     fused, _ = both(lambda a: a - fn(a, axis=-1, keepdims=True), [sr.TensorSpec((6, 40), F32)],
                     sr.Mesh((1,), ("x",)), [(None, None)])
     (red,) = [i for i in fused.instrs if i.op == "reduce"]
-    assert (red.out in compiled_fusions(fused)) == (kind == "sum")
+    assert red.out in compiled_fusions(fused)
     x = np.random.default_rng(0).standard_normal((6, 40)).astype(F32)
     x[2, 7] = np.nan
     got, want = run_everywhere(fused, x)[0][0], x - getattr(np, kind)(x, axis=-1, keepdims=True)  # NumPy's own
@@ -373,3 +375,14 @@ def test_a_plain_sum_over_rows_runs_as_a_compiled_loop_too(kind, compiled):
         np.testing.assert_allclose(got, want, rtol=0, atol=40 * np.finfo(F32).eps * np.nansum(np.abs(x), -1).max())
     else:
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_max_whose_rows_do_not_merge_into_one_loop_stays_numpys(compiled):
+    """Lanes run over one merged row loop: a max over two trailing dims where an operand repeats along one
+    of them (two loops) keeps NumPy's max."""
+    fused, _ = both(lambda a, b: snp.max(a + b, axis=(1, 2)), [sr.TensorSpec((4, 6, 40), F32),
+                    sr.TensorSpec((4, 6, 1), F32)], sr.Mesh((1,), ("x",)), [(None, None, None)] * 2)
+    (red,) = [i for i in fused.instrs if i.op == "fused_reduce"]
+    assert red.out not in compiled_fusions(fused)
+    x, b = (np.random.default_rng(0).standard_normal(s).astype(F32) for s in ((4, 6, 40), (4, 6, 1)))
+    np.testing.assert_array_equal(run_everywhere(fused, x, b)[0][0], np.max(x + b, axis=(1, 2)))
