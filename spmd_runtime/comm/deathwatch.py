@@ -10,7 +10,8 @@ waits on a pidfd per local rank (woken by the kernel when one ends, no polling) 
 - a rank that reaches the exit barrier (``bye``) or aborts the job itself (``abort``: it printed why) sends
   one datagram, and the watcher exits without a word;
 - a rank that ends with neither makes the watcher print which rank it was (pid, host, the signal when it
-  can still read it) and exit.
+  can still read it) and exit; it first waits a moment (``GRACE_S``) for other ranks ending with it, and
+  names them all, since the order in which killed processes finish exiting is not the order they were hit.
 
 It exits as soon as one of these happens, so it never outlives the job's ranks on its host.
 The socket is bound by the rank that starts the watcher (its address is in the Linux abstract namespace:
@@ -116,7 +117,25 @@ def _watch(fd: int, ready: int, host: str, ranks: dict[int, int]) -> None:
     ready, _, _ = select.select([sock, *pidfds], [], [])
     if sock in ready:  # checked first: a rank sends before it ends
         return
-    _report(sorted(pidfds[f] for f in ready), ranks, host, _ending)
+    _report(sorted(pidfds[f] for f in _settled(ready, list(pidfds))), ranks, host, _ending)
+
+
+GRACE_S = 0.2  # how long more ranks may keep ending after the first one seen
+
+
+def _settled(ready: list, pidfds: list) -> list:
+    """``ready`` and every other pidfd that becomes ready within GRACE_S of the last. A process's pidfd is
+    ready once it has fully exited, which for the rank killed first can come after the launcher has already
+    seen its pipes close and killed the others (a rank killed in the middle of writing a file exits last):
+    seeing only the first pidfd would name a bystander."""
+    ready, rest = list(ready), [f for f in pidfds if f not in ready]
+    while rest:
+        more, _, _ = select.select(rest, [], [], GRACE_S)
+        if not more:
+            break
+        ready += more
+        rest = [f for f in rest if f not in more]
+    return ready
 
 
 def _report(dead: list[int], ranks: dict[int, int], host: str, ending) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -46,3 +47,25 @@ def test_a_rank_gone_before_the_watcher_starts_is_reported(capfd):
     watcher = deathwatch.start({5: gone.pid}, "host-b")
     assert watcher.wait(timeout=20) == 0
     assert f"rank 5 (pid {gone.pid}): it was gone when the watcher started" in capfd.readouterr().err
+
+
+def test_ranks_ending_just_after_the_first_are_named_too(capfd):
+    """The rank killed first can finish exiting after the launcher has already killed a bystander (a rank
+    killed while writing a file): the watcher names every rank that ends within its grace time, not only
+    the first pidfd it saw."""
+    first, second = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
+    try:
+        watcher = deathwatch.start({0: first.pid, 1: second.pid}, "host-c")
+        first.kill()
+        first.wait()
+        time.sleep(getattr(deathwatch, "GRACE_S", 0.2) / 4)
+        second.kill()
+        second.wait()
+        assert watcher.wait(timeout=20) == 0
+        err = capfd.readouterr().err
+        assert f"rank 0 (pid {first.pid}): killed" in err and f"rank 1 (pid {second.pid}): killed" in err, err
+        assert "together with others" in err
+    finally:
+        for p in (first, second):
+            p.kill()
+            p.wait()
