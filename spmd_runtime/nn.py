@@ -4,11 +4,13 @@ from __future__ import annotations
 import math
 
 from . import numpy as snp
+from .ops.core import stop_gradient
 
 
 def softmax(x, axis=-1):
-    """Numerically safe softmax: subtract the row max before exp."""
-    e = snp.exp(x - snp.max(x, axis=axis, keepdims=True))
+    """Numerically safe softmax: subtract the row max before exp (a constant for differentiation, as JAX's and
+    PyTorch's softmax: the result does not depend on it)."""
+    e = snp.exp(x - stop_gradient(snp.max(x, axis=axis, keepdims=True)))
     return e / snp.sum(e, axis=axis, keepdims=True)
 
 

@@ -27,6 +27,7 @@ from ..checkpoint import SliceOf, StackOf
 from ..dtypes import FLOATING
 from ..nn import gelu
 from ..ops.control import scan
+from ..ops.core import stop_gradient
 from ..pipeline import pipeline
 from .moe import MoEConfig, check_moe, moe_ffn, one_hot
 
@@ -356,13 +357,13 @@ def attention(cfg: LMConfig, w: dict, a):
 
 
 def safe_softmax(x):
-    e = snp.exp(x - snp.max(x, axis=-1, keepdims=True))
+    e = snp.exp(x - stop_gradient(snp.max(x, axis=-1, keepdims=True)))
     return e / snp.sum(e, axis=-1, keepdims=True)
 
 
 def log_softmax(z):
     """log softmax over the last dim, shifted by the row max so exp never overflows."""
-    shifted = z - snp.max(z, axis=-1, keepdims=True)
+    shifted = z - stop_gradient(snp.max(z, axis=-1, keepdims=True))
     return shifted - snp.log(snp.sum(snp.exp(shifted), axis=-1, keepdims=True))
 
 

@@ -28,6 +28,7 @@ from ..trace import Tensor, current_graph, emit
 PARAMETER = define("parameter", read_only=True)  # the caller's array
 CONSTANT = define("constant", read_only=True)  # the program's array
 MESH_SPLIT = define("mesh_split")
+STOP_GRADIENT = define("stop_gradient")  # the value itself; no cotangent flows back through it
 UNARY_UFUNCS = {"neg": "negative", "exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "abs": "absolute",
                 "not": "logical_not"}
 BINARY_UFUNCS = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "true_divide", "pow": "power",
@@ -59,6 +60,13 @@ def asarray(x, dtype=None) -> Tensor:
 
 
 array = asarray
+
+
+def stop_gradient(x) -> Tensor:
+    """``x`` for the forward computation, a constant for differentiation (JAX's ``lax.stop_gradient``): what a
+    numerically safe softmax subtracts (its row max) moves no gradient, as in JAX's and PyTorch's softmax."""
+    x = asarray(x)
+    return emit(STOP_GRADIENT, [x], {}, x.shape, x.dtype)
 
 
 def full(shape, fill_value, dtype="float32") -> Tensor:
@@ -293,6 +301,11 @@ def _parameter_kernel(xp, *, index, name=None):
                        f"it directly; got a call of its kernel")
 
 
+@opdef.kernel(STOP_GRADIENT)
+def _stop_gradient_kernel(xp, x):
+    return x  # the same value: only differentiation treats it as a constant
+
+
 @opdef.kernel(MESH_SPLIT)
 def _mesh_split_kernel(xp, x, sharding=None, mesh=None, unconstrained=(), name=None, grad_sharding=None):
     return x  # an annotation: the same global value
@@ -389,6 +402,13 @@ def _elementwise_propagation():
     return fwd, bwd
 
 
+@opdef.propagation(STOP_GRADIENT, level=ELEMENTWISE_LEVEL)
+def _stop_gradient_propagation():
+    fwd = lambda node, ins, g, mesh: ins[0]
+    bwd = lambda node, out, ins, g, mesh: [out]
+    return fwd, bwd
+
+
 @opdef.propagation(MESH_SPLIT, level=ELEMENTWISE_LEVEL)
 def _mesh_split_propagation():
     """The annotation is the value's sharding (pinned); dims it leaves UNCONSTRAINED are refined from the operand
@@ -478,6 +498,12 @@ def _parameter_partition(ctx, node):
 @opdef.partition(CONSTANT)
 def _constant_partition(ctx, node):
     return ctx.emit_like(node, CONSTANT.name, [], node.attrs, Sharding.replicated(len(node.shape)))
+
+
+@opdef.partition(STOP_GRADIENT)
+def _stop_gradient_partition(ctx, node):
+    """No instruction: the operand's value, laid out as wanted."""
+    return ctx.reshard(ctx.value(node.inputs[0]), ctx.sharding(node.id))
 
 
 @opdef.partition(MESH_SPLIT)
@@ -693,6 +719,11 @@ def _select_vjp(node, g, ops, y):
 @opdef.vjp(CONVERT)
 def _convert_vjp(node, g, ops, y):
     return [astype(g, ops[0].dtype) if is_floating(ops[0].dtype) else None]
+
+
+@opdef.vjp(STOP_GRADIENT)
+def _stop_gradient_vjp(node, g, ops, y):
+    return [None]
 
 
 @opdef.vjp(MESH_SPLIT)

@@ -6,6 +6,7 @@ import pytest
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.autodiff import grad, value_and_grad
+from spmd_runtime.comm import run_simulated
 from spmd_runtime.opdef import OPS
 
 VJP_RULES = {name for name, record in OPS.items() if record.vjp is not None}
@@ -140,7 +141,7 @@ def test_every_traced_op_has_a_vjp_rule():
     from spmd_runtime.ops.core import ELEMENTWISE_LIKE
     ELEMENTWISE_OPS = tuple(op.name for op in ELEMENTWISE_LIKE)
     ops = set(ELEMENTWISE_OPS) | {"parameter", "constant", "broadcast_in_dim", "reshape", "transpose", "reduce",
-                                  "einsum", "mesh_split"}
+                                  "einsum", "mesh_split", "stop_gradient"}
     assert ops <= set(VJP_RULES), sorted(ops - set(VJP_RULES))
 
 
@@ -338,3 +339,29 @@ def test_only_requested_gradients_are_emitted():
     graph = sr.trace(grad(lambda x, w: snp.sum(x @ w), argnums=1), sr.TensorSpec((3, 4)), sr.TensorSpec((4, 5)))
     assert [n.attrs["spec"] for n in graph.nodes if n.op == "einsum"] == ["XY,YZ->XZ", "XY,XZ->YZ"]
     assert not any(n.op == "transpose" for n in graph.nodes)
+
+
+# ---------------------------------------------------------------- stop_gradient
+def test_stop_gradient_is_the_value_forward_and_a_constant_backward():
+    x = rand(3, 4)
+    value, g = sr.evaluate(sr.trace(lambda a: value_and_grad(lambda b: snp.sum(b * sr.stop_gradient(b)))(a), x), x)
+    np.testing.assert_allclose(value, np.sum(x * x))
+    np.testing.assert_array_equal(g, x)  # d/dx of x * c at c = x: without the stop it would be 2x
+
+
+def test_stop_gradient_partitions_to_no_instruction():
+    x = rand(4, 6)
+    graph = sr.trace(lambda a: sr.stop_gradient(a) * 2.0, x)
+    program = sr.partition(graph, MESH_2, in_specs=[("x", None)])
+    assert "stop_gradient" not in {i.op for i in program.instrs}
+    for outs in run_simulated(2, lambda comm: sr.run(program, x, comm=comm)):
+        np.testing.assert_allclose(outs[0], 2.0 * x)
+
+
+def test_softmax_backward_does_not_differentiate_its_row_max():
+    """The shift by the row max is a constant for differentiation (as JAX's and PyTorch's softmax): the backward
+    holds no max-tie mask (``eq``) and no count of ties, and the gradient is softmax's own (finite differences
+    above)."""
+    x = rand(3, 5)
+    graph = sr.trace(lambda a: grad(weighted_sum(softmax))(a), x)
+    assert "eq" not in {n.op for n in graph.nodes}
