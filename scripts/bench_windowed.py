@@ -30,24 +30,25 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import spmd_runtime as sr  # noqa: E402
+from spmd_runtime.exec.runner import run_local, shard  # noqa: E402
 
 S, D, F = 2048, 1024, 1024
 
 
-def einsum_cases(k):
-    """name -> (fn, shapes, in_specs, out_spec)."""
+def einsum_cases():
+    """name -> (fn, shapes, in_specs, out_spec) on the one-axis mesh ("x",)."""
     return {"gather": (lambda x, w: x @ w, [(S, D), (D, F)], [("x", None), (None, "x")], (None, "x")),
             "scatter": (lambda h, w: h @ w, [(S, F), (F, D)], [(None, "x"), ("x", None)], ("x", None)),
             "fsdp": (lambda x, w: x @ w, [(S, D), (D, F)], [("x", None), ("x", None)], ("x", None))}
 
 
 def build(world):
-    """(name, mode) -> a callable running one step on this rank."""
+    """(name, mode) -> (a callable running one step on this rank, the program's collective kinds)."""
     k, rank = world.size, world.rank
     mesh = sr.Mesh((k,), ("x",))
     runs = {}
     rng = np.random.default_rng(0)
-    for name, (fn, shapes, ins, out) in einsum_cases(k).items():
+    for name, (fn, shapes, ins, out) in einsum_cases().items():
         args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
         graph = sr.trace(fn, *args)
         for mode, threshold in (("off", None), ("on", 0)):
@@ -69,7 +70,6 @@ def build(world):
 
 
 def _einsum_runner(program, args, world):
-    from spmd_runtime.exec.runner import run_local, shard
     local = [shard(a, io.sharding, program.mesh, world.rank) for a, io in zip(args, program.inputs)]
     return lambda: run_local(program, *local, comm=world)
 

@@ -91,8 +91,8 @@ def c_function(fusion, operand_dtypes, name: str, results=None, reduce=None) -> 
     dims of extent 1 dropped and neighbours merged where every operand repeats (or not) alike, the inner
     loop vectorised; a broadcast operand's index has stride 0 along the dims it repeats on. ``results``
     (step indices, several results of the same shape: a sibling group, exec/fused.py): ``R0* out0, ...``.
-    ``reduce`` ((kind, n): a reduction) sums the chain over its last n dims instead, one result per row, in
-    double (float32 sums agree with the unfused reduction to float32 rounding)."""
+    ``reduce`` ((kind, n): a reduction) reduces the chain over its last n dims instead, one result per row:
+    sums in double (float32 sums agree with NumPy's to float32 rounding), max/min over lanes."""
     dtypes = [str(np.dtype(d)) for d in operand_dtypes]
     if reduce is not None:
         return _reduce_function(fusion, dtypes, name, *reduce)
@@ -138,10 +138,10 @@ LANES = 8
 
 
 def reducible(fusion, operand_dtypes, kind: str, n_reduced: int, max_sum_row: int) -> bool:
-    """Whether a reduction has a compiled loop here: a sum (COMPILED_REDUCTIONS) of a compilable float chain
-    over rows of at most ``max_sum_row`` elements (what the unfused reduction sums by BLAS,
-    ops/core.MAX_BLAS_ROW; longer ones keep NumPy's pairwise sum, whose error grows as log n, where one
-    accumulator's grows as n)."""
+    """Whether a reduction has a compiled loop here: a kind in COMPILED_REDUCTIONS of a compilable float chain;
+    a max/min over rows that merge into one loop (the lanes run over it), a sum over rows of at most
+    ``max_sum_row`` elements (what the unfused reduction sums by BLAS, ops/core.MAX_BLAS_ROW; longer ones keep
+    NumPy's pairwise sum, whose error grows as log n, where one accumulator's grows as n)."""
     row = int(np.prod(fusion.shape[len(fusion.shape) - n_reduced:]))
     if kind in ("max", "min"):
         extents, _, n_outer = _loop_nest(fusion.shape, fusion.shapes, len(fusion.shape) - n_reduced)
@@ -153,7 +153,8 @@ def reducible(fusion, operand_dtypes, kind: str, n_reduced: int, max_sum_row: in
 
 def _reduce_function(fusion, dtypes, name, kind, n_reduced) -> str:
     """``void name(const T0* p0, ..., R* out)``: per row (the leading dims), the chain over the last
-    ``n_reduced`` dims summed in one pass, in double; its values are never stored."""
+    ``n_reduced`` dims reduced in one pass (a sum in double here, max/min by ``_extremum_function``); its
+    values are never stored."""
     if kind not in COMPILED_REDUCTIONS:
         raise ValueError(f"compiled reductions are {COMPILED_REDUCTIONS}; got {kind!r}")
     if kind != "sum":

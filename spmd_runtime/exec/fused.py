@@ -30,7 +30,7 @@ from .. import opdef
 from ..opdef import lookup
 from ..ops.core import MAX_BLAS_ROW
 from . import cpu_kernels
-from ..partition.fusion import FUSED_REDUCE, FUSION, parse_code
+from ..partition.fusion import FUSED_REDUCE, FUSION, parse_code, row_reduction
 
 _C_TYPES = {"float16": "float16", "float32": "float", "float64": "double", "bool": "bool", "int8": "signed char",
             "int16": "short", "int32": "int", "int64": "long long", "uint8": "unsigned char",
@@ -110,35 +110,18 @@ def chain_of(ins, program=None):
 
 
 def compiled_reduction(ins, program) -> bool:
-    """Whether ``ins`` is a reduction a compiled loop may run: a fused_reduce, or a float sum/max/min over
-    the trailing dims (C order: rows) of its operand."""
-    if ins.op == "fused_reduce":
-        return True
-    if ins.op != "reduce" or ins.attrs["kind"] not in ("sum", "max", "min") or ins.dtype not in ("float32", "float64"):
-        return False
-    rank, axes = len(program.instrs[ins.args[0]].shape), sorted(ins.attrs["axes"])
-    return bool(axes) and axes == list(range(rank - len(axes), rank)) and program.instrs[ins.args[0]].dtype == ins.dtype
-
-
-def _compiled_reduce(interp, ins):
-    kernel, chain = interp.cpu_kernels[ins.out], Fusion(chain_of(ins, interp.program))
-    kernel.argtypes, kernel.restype = [ctypes.c_void_p] * (len(chain.shapes) + 1), None
-    check = operand_check(chain, operand_dtypes(interp.program, ins))
-    shape, dtype, planned = tuple(ins.shape), np.dtype(ins.dtype), interp.planned.get(ins.out)
-
-    def run(*args):
-        out = planned if planned is not None else np.empty(shape, dtype)
-        kernel(*[a.ctypes.data for a in check(args)], out.ctypes.data)
-        return out
-    return run
+    """Whether ``ins`` is a reduction a compiled loop may run: a fused_reduce, or a row reduction
+    (partition/fusion.row_reduction) left on its own."""
+    return ins.op == "fused_reduce" or (ins.op == "reduce" and row_reduction(ins, program.instrs[ins.args[0]]))
 
 
 def bind_compiled(interp, ins):
-    """The compiled C loop of ``ins`` (a fusion, an op compiled alone, or a reduction) with its operand checks."""
-    if ins.op in ("fused_reduce", "reduce"):
-        return _compiled_reduce(interp, ins)
-    return _compiled_chain(Fusion(as_fusion(ins, interp.program)), interp.cpu_kernels[ins.out],
-                           operand_dtypes(interp.program, ins), interp.planned.get(ins.out))
+    """The compiled C loop of ``ins`` (a fusion, an op compiled alone, or a reduction: its chain's operands in,
+    one value per row out) with its operand checks."""
+    program, reducing = interp.program, ins.op in ("fused_reduce", "reduce")
+    fusion = Fusion(chain_of(ins, program) if reducing else as_fusion(ins, program))
+    return _compiled_chain(fusion, interp.cpu_kernels[ins.out], operand_dtypes(program, ins),
+                           interp.planned.get(ins.out), tuple(ins.shape) if reducing else None)
 
 
 def operand_dtypes(program, ins) -> list:
@@ -346,13 +329,13 @@ def operand_check(fusion: Fusion, dtypes):
     return check
 
 
-def _compiled_chain(fusion: Fusion, kernel, dtypes, planned):
+def _compiled_chain(fusion: Fusion, kernel, dtypes, planned, shape=None):
     """The compiled loop over C-contiguous operands (a strided one is copied first) into the donated
-    operand, the planned buffer or a fresh one; an operand of another size or dtype than the program says
-    is refused (the loop's bounds and types are compiled in)."""
+    operand, the planned buffer or a fresh one (of ``shape``: a reduction's, else the chain's); an operand of
+    another size or dtype than the program says is refused (the loop's bounds and types are compiled in)."""
     kernel.argtypes, kernel.restype = [ctypes.c_void_p] * (len(fusion.shapes) + 1), None
     check = operand_check(fusion, dtypes)
-    shape, dtype, donate = fusion.shape, fusion.dtype, fusion.donate
+    shape, dtype, donate = fusion.shape if shape is None else shape, fusion.dtype, fusion.donate
 
     def run(*args):
         arrays = check(args)

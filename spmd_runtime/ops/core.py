@@ -402,17 +402,11 @@ def _elementwise_propagation():
     return fwd, bwd
 
 
-@opdef.propagation(STOP_GRADIENT, level=ELEMENTWISE_LEVEL)
-def _stop_gradient_propagation():
-    fwd = lambda node, ins, g, mesh: ins[0]
-    bwd = lambda node, out, ins, g, mesh: [out]
-    return fwd, bwd
-
-
-@opdef.propagation(MESH_SPLIT, level=ELEMENTWISE_LEVEL)
+@opdef.propagation(MESH_SPLIT, STOP_GRADIENT, level=ELEMENTWISE_LEVEL)
 def _mesh_split_propagation():
-    """The annotation is the value's sharding (pinned); dims it leaves UNCONSTRAINED are refined from the operand
-    like an elementwise op's (``propagation.refine_free``), and the operand is offered the result's layout."""
+    """The value keeps its operand's layout and offers the operand its own. For a mesh_split the annotation is
+    the value's sharding (pinned); dims it leaves UNCONSTRAINED are refined from the operand like an
+    elementwise op's (``propagation.refine_free``)."""
     fwd = lambda node, ins, g, mesh: ins[0]
     bwd = lambda node, out, ins, g, mesh: [out]
     return fwd, bwd
@@ -500,15 +494,10 @@ def _constant_partition(ctx, node):
     return ctx.emit_like(node, CONSTANT.name, [], node.attrs, Sharding.replicated(len(node.shape)))
 
 
-@opdef.partition(STOP_GRADIENT)
-def _stop_gradient_partition(ctx, node):
-    """No instruction: the operand's value, laid out as wanted."""
-    return ctx.reshard(ctx.value(node.inputs[0]), ctx.sharding(node.id))
-
-
-@opdef.partition(MESH_SPLIT)
+@opdef.partition(MESH_SPLIT, STOP_GRADIENT)
 def _mesh_split_partition(ctx, node):
-    return ctx.reshard(ctx.value(node.inputs[0]), ctx.sharding(node.id))  # UNCONSTRAINED dims: as propagated
+    """No instruction of its own: the operand's value, laid out as wanted (UNCONSTRAINED dims: as propagated)."""
+    return ctx.reshard(ctx.value(node.inputs[0]), ctx.sharding(node.id))
 
 
 @opdef.partition(*ELEMENTWISE_LIKE)

@@ -75,25 +75,32 @@ def fuse_elementwise(program: SPMDProgram):
     return _rebuild(program, kept)
 
 
+def row_reduction(ins: Instr, operand: Instr) -> bool:
+    """Whether ``ins`` is a float sum/max/min over the trailing dims (C order: rows) of ``operand``, of its
+    dtype: what a ``fused_reduce`` (and a compiled row loop, exec/fused.py) computes."""
+    if ins.op != "reduce" or ins.attrs["kind"] not in REDUCIBLE or ins.dtype not in ("float32", "float64"):
+        return False
+    axes, rank = sorted(ins.attrs["axes"]), len(operand.shape)
+    return bool(axes) and axes == list(range(rank - len(axes), rank)) and operand.dtype == ins.dtype
+
+
 def _fuse_reductions(kept: list[Instr], users, outputs, instrs) -> int:
-    """Each float sum/max/min over trailing dims whose operand (a fusion, or one elementwise op) only it reads
+    """Each row reduction (``row_reduction``) whose operand (a fusion, or one elementwise op) only it reads
     and that is no program output becomes a ``fused_reduce`` of that chain, in place in ``kept`` (the chain is
     left unread: dropped by the rebuild). Returns how many."""
     by_slot, count = {i.out: i for i in kept}, 0
     for k, ins in enumerate(kept):
-        if ins.op != "reduce" or ins.attrs["kind"] not in REDUCIBLE or ins.dtype not in ("float32", "float64"):
-            continue
-        src = by_slot.get(ins.args[0])
-        axes, rank = tuple(ins.attrs["axes"]), len(src.shape) if src is not None else 0
-        if (src is None or src.out in outputs or users[src.out] != [ins.out] or src.dtype != ins.dtype
-                or sorted(axes) != list(range(rank - len(axes), rank)) or 0 in src.shape or not axes):
+        src = by_slot.get(ins.args[0]) if ins.op == "reduce" else None
+        if (src is None or not row_reduction(ins, src) or src.out in outputs or users[src.out] != [ins.out]
+                or 0 in src.shape):
             continue
         chain = src if src.op == "fusion" else _fusion(src, {src.out}, instrs, single=True) if fusible(src.op) \
             else None
         if chain is None:
             continue
         kept[k] = ins.copy(op="fused_reduce", args=chain.args, attrs={**chain.attrs, "chain_shape": tuple(src.shape),
-                                                                        "kind": ins.attrs["kind"], "axes": axes})
+                                                                        "kind": ins.attrs["kind"],
+                                                                        "axes": tuple(ins.attrs["axes"])})
         count += 1
     return count
 

@@ -169,9 +169,9 @@ def _reduce_scatter_ring(ctx, node, best, terms, values):
         return None  # sums pending over other axes too
     p_pos = 0 if c in lhs else 1
     k = mesh.axis_size(axes)
-    summed = _nbytes(best.result.local_shape(node.shape, mesh), node.dtype)
+    summed_bytes = _nbytes(best.result.local_shape(node.shape, mesh), node.dtype)
     replaced = plan_cost(best.result, target, node.shape, node.dtype, mesh)
-    if not _pays(ctx, replaced, k, summed, summed // k, best.flops / k):
+    if not _pays(ctx, replaced, k, summed_bytes, summed_bytes // k, best.flops / k):
         return None
     p, q = (_masked(ctx, ctx.reshard(values[pos], best.operands[pos]), terms, pos) for pos in (p_pos, 1 - p_pos))
     p_dim = (lhs, rhs)[p_pos].index(c)
