@@ -3,6 +3,7 @@
     python scripts/bench_overlap.py                      # 2 and 8 ranks, 3 rounds, 4 timed steps each
     python scripts/bench_overlap.py --ranks 2 --rounds 5 --steps 6
     python scripts/bench_overlap.py --prefetch 3670016   # no MPI: FSDP's weight all-gathers in the listing
+    python scripts/bench_overlap.py --ranks 2 --presets dp wus   # any training preset on one axis of all ranks
 
 For each world size it starts one MPI job per progress setting (MPICH_ASYNC_PROGRESS=0, then 1: MPICH reads it
 at MPI_Init). Inside a job, rank 0 partitions each preset twice, with the scheduler's start/done pairs
@@ -28,17 +29,17 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-PRESETS = ("megatron", "megatron_wus")
+PRESETS = ("megatron", "megatron_wus")  # the default --presets
 CONFIGS = (("off", "test"), ("on", "test"), ("on", "none"))  # (SPMD_ASYNC, SPMD_PROGRESS)
 
 
 def mesh_shape(preset: str, n: int) -> tuple:
-    """megatron: every rank on the model axis; megatron_wus: data 2 x model n/2 (weight update over data)."""
-    return (n,) if preset == "megatron" else (2, n // 2)
+    """megatron_wus: data 2 x model n/2 (weight update over data); any other preset: one axis of all ranks."""
+    return (2, n // 2) if preset == "megatron_wus" else (n,)
 
 
 # ---------------------------------------------------------------- the MPI job
-def job(rounds: int, steps: int) -> None:
+def job(rounds: int, steps: int, presets) -> None:
     import numpy as np
     from mpi4py import MPI
 
@@ -51,7 +52,7 @@ def job(rounds: int, steps: int) -> None:
     in_mpi = _time_mpi(collectives)
     cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8)
     built = {}
-    for preset in PRESETS:
+    for preset in presets:
         for overlap in ("off", "on"):
             os.environ["SPMD_ASYNC"] = "1" if overlap == "on" else "0"
             built[preset, overlap] = build_train_step_on_root(cfg, sr.train_mesh(mesh_shape(preset, world.size),
@@ -60,7 +61,7 @@ def job(rounds: int, steps: int) -> None:
     tokens = [rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)) for _ in range(steps + 1)]
     runtime = Runtime.world()
     for rnd in range(rounds):
-        for preset in PRESETS:
+        for preset in presets:
             for overlap, progress in CONFIGS:
                 ts = built[preset, overlap]
                 os.environ["SPMD_PROGRESS"] = progress
@@ -171,6 +172,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS), help="training presets to run")
     parser.add_argument("--async-progress", choices=["both", "0", "1"], default="both",
                         help="MPICH_ASYNC_PROGRESS settings to run (one MPI job each)")
     parser.add_argument("--prefetch", type=int, metavar="BUDGET",
@@ -179,7 +181,7 @@ def main() -> None:
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        job(args.rounds, args.steps)
+        job(args.rounds, args.steps, args.presets)
         return
     if args.prefetch is not None:
         prefetch(args.prefetch)
@@ -192,7 +194,7 @@ def main() -> None:
         for ap in (["0", "1"] if args.async_progress == "both" else [args.async_progress]):
             env = {**os.environ, "MPICH_ASYNC_PROGRESS": ap}
             cmd = [*mpiexec.split(), "-n", str(n), sys.executable, __file__, "--job", "--rounds", str(args.rounds),
-                   "--steps", str(args.steps)]
+                   "--steps", str(args.steps), "--presets", *args.presets]
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
             for line in proc.stdout:
                 if not line.startswith("{"):

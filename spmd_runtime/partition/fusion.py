@@ -4,7 +4,12 @@ reduction over the trailing dims of a chain only it reads one ``fused_reduce``.
 Runs once after partitioning. Walking the program backwards, every elementwise
 instruction not yet taken roots a group and absorbs each elementwise producer of
 the same shape whose users all lie inside the group and that is no program
-output: the producer's buffer then never exists. Scalar constants and
+output: the producer's buffer then never exists. A cheap producer (no
+transcendental, no division: ``CHEAP``) read by several elementwise consumers is
+instead computed again inside each consumer's group (XLA duplicates such producers
+into every consumer fusion), so its buffer need not exist either: GELU's ``0.5 * x``
+and ``1 + tanh(...)``, read by the forward and by the backward, cost no pass of
+their own. Scalar constants and
 ``broadcast_in_dim`` operands (dims in order) are inlined as the leaves they
 are: a constant becomes a typed literal, a broadcast operand a parameter seen
 through a reshape that NumPy/numexpr/CUDA broadcasting expands. Instructions
@@ -37,6 +42,12 @@ FUSION = define("fusion", "program", fresh=True, in_place=True)
 # exec/fused.py.
 FUSED_REDUCE = define("fused_reduce", "program", fresh=True)
 REDUCIBLE = ("sum", "max", "min")
+# Recomputed in every consumer's fusion rather than stored: cheaper than the memory pass that stores and
+# rereads them (XLA's InstructionFusion duplicates all but its "expensive" ops: exp, log, tanh, divide, ...).
+CHEAP = frozenset({"add", "sub", "mul", "neg", "abs", "maximum", "minimum", "select", "convert", "not", "and",
+                   "or", "eq", "ne", "lt", "le", "gt", "ge"})
+DUPLICATE_ENV = "SPMD_FUSE_DUPLICATE"
+MAX_DUPLICATES = 16  # cheap producers recomputed per group: bounds the work a long shared chain can add
 
 
 @lru_cache(maxsize=None)  # per op name: a record's ufunc is fixed when it is defined
@@ -60,11 +71,12 @@ def fuse_elementwise(program: SPMDProgram):
         for a in ins.args:
             users.setdefault(a, []).append(ins.out)
     taken: set[int] = set()
+    pinned: set[int] = set()  # read by a copied producer (``_duplicates``): must stay stored
     fused: dict[int, Instr] = {}
     for ins in reversed(instrs):
         if fusible(ins.op) and ins.out not in taken:
-            members = _group(ins, instrs, users, outputs, taken)
-            fusion = _fusion(ins, members, instrs)
+            members, copies = _group(ins, instrs, users, outputs, taken, pinned)
+            fusion = _fusion(ins, members | copies, instrs)
             if fusion is not None:
                 taken |= members
                 fused[ins.out] = fusion
@@ -116,18 +128,42 @@ def parse_code(code: str) -> list[tuple[str, list[str]]]:
     return steps
 
 
-def _group(root: Instr, instrs, users, outputs, taken) -> set[int]:
-    """``root`` and every producer that may join it. A producer joins once all its users are members, i.e.
-    when its last user joins: so each new member's operands are the only ones to (re)consider."""
+def _group(root: Instr, instrs, users, outputs, taken, pinned) -> tuple[set[int], set[int]]:
+    """``root`` and every producer that may join it, and the cheap producers read elsewhere too that it
+    computes again (``_duplicates``). A producer joins once all its users are members, i.e. when its last
+    user joins: so each new member's operands are the only ones to (re)consider."""
     members, todo = {root.out}, [root.out]
     while todo:
         for a in instrs[todo.pop()].args:
             p = instrs[a]
-            if (a not in members and a not in taken and a not in outputs and fusible(p.op)
+            if (a not in members and a not in taken and a not in outputs and a not in pinned and fusible(p.op)
                     and p.shape == root.shape and all(u in members for u in users[a])):
                 members.add(a)
                 todo.append(a)
-    return members
+    if os.environ.get(DUPLICATE_ENV, "1") == "0":
+        return members, set()
+    return members, _duplicates(root, members, instrs, users, outputs, taken, pinned)
+
+
+def _duplicates(root: Instr, members: set[int], instrs, users, outputs, taken, pinned) -> set[int]:
+    """Cheap producers of ``members`` (and theirs) that every reader consumes pointwise at the root's
+    shape: each such reader's group computes its own copy, so the producer's buffer is never stored. They are
+    not taken (the other readers' groups copy them too); what nothing reads any more is dropped by the
+    rebuild. A copy's operands that are not copied too are read by every group holding it: they are
+    ``pinned``, never absorbed into a group of their own readers."""
+    copies: set[int] = set()
+    todo = list(members)
+    while todo and len(copies) < MAX_DUPLICATES:
+        for a in instrs[todo.pop()].args:
+            p = instrs[a]
+            if (a in members or a in copies or a in taken or a in outputs or a in pinned or p.op not in CHEAP
+                    or p.shape != root.shape or not all(fusible(instrs[u].op) and instrs[u].shape == p.shape
+                                                         for u in users[a])):
+                continue
+            copies.add(a)
+            todo.append(a)
+    pinned.update(a for c in copies for a in instrs[c].args if a not in members and a not in copies)
+    return copies
 
 
 def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Instr | None:
@@ -136,6 +172,7 @@ def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Ins
     params: list[int] = []
     shapes: list[tuple] = []
     consts: list = []
+    literal: dict[tuple, str] = {}
     refs: dict[int, str] = {}
     steps: list[str] = []
     dtypes: list[str] = []
@@ -148,9 +185,12 @@ def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Ins
         src = instrs[slot]
         value = _scalar_constant(src, instrs)
         if value is not None:
-            consts.append((value, src.dtype))
             leaves += 1
-            return f"c{len(consts) - 1}"
+            key = (repr(value), src.dtype)  # one literal per value; by repr, as -0.0 == 0.0
+            if key not in literal:
+                literal[key] = f"c{len(consts)}"
+                consts.append((value, src.dtype))
+            return literal[key]
         shape = src.shape
         if src.op == "broadcast_in_dim" and list(src.attrs["dims"]) == sorted(src.attrs["dims"]):
             slot, shape, leaves = src.args[0], _expanded(src, instrs), leaves + 1
@@ -162,10 +202,15 @@ def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Ins
         return params_index[key]
 
     params_index: dict = {}
+    computed: dict[tuple, str] = {}  # one step per distinct (op, operands, dtype): the program may repeat one
     for slot in sorted(members):
         ins = instrs[slot]
         operands = ",".join(ref(a) for a in ins.args)
-        refs[slot] = f"t{len(steps)}"
+        key = (ins.op, operands, ins.dtype)
+        if key in computed and slot != root.out:  # the root stays the last step
+            refs[slot] = computed[key]
+            continue
+        refs[slot] = computed[key] = f"t{len(steps)}"
         steps.append(f"{refs[slot]}={ins.op}({operands})")
         dtypes.append(ins.dtype)
     if len(steps) < 2 and not leaves and not single:

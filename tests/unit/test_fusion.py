@@ -8,7 +8,8 @@ import spmd_runtime.nn as nn
 import spmd_runtime.numpy as snp
 from spmd_runtime.exec import fused as fused_kernels
 from spmd_runtime.exec.fused import Fusion, cuda_source
-from spmd_runtime.partition.fusion import parse_code
+from spmd_runtime.autodiff import value_and_grad
+from spmd_runtime.partition.fusion import CHEAP, DUPLICATE_ENV, parse_code
 from spmd_runtime.program_check import check_program
 from simulated import run_everywhere
 
@@ -48,7 +49,8 @@ def exp_is_output(x):
 
 
 def ops_anywhere(program, op):
-    inside = sum(o == op for f in fusions(program) for o, _ in parse_code(f.attrs["code"]))
+    inside = sum(o == op for f in program.instrs if f.op in ("fusion", "fused_reduce")
+                 for o, _ in parse_code(f.attrs["code"]))
     return inside + sum(i.op == op for i in program.instrs)
 
 
@@ -57,6 +59,68 @@ def test_values_used_outside_one_chain_or_returned_stay_their_own_instruction(fn
     fused, _ = both(fn, [sr.TensorSpec((6,), F32)], sr.Mesh((1,), ("x",)), [(None,)])
     assert ops_anywhere(fused, "exp") == 1  # computed once, never recomputed inside two fusions
     assert any(i.op == "exp" for i in fused.instrs)
+
+
+def gelu_and_grad(x, w):
+    """GELU's forward feeds a matmul and its backward: ``0.5 * x`` and ``1 + tanh(...)`` are read by both."""
+    (value, grad) = value_and_grad(lambda x: snp.sum(nn.gelu(x) * w), (0,))(x)
+    return value, grad[0]
+
+
+def shared_cheap_into_matmul(x, w):
+    y = x * 2.0  # read by a matmul: must be stored, so never copied
+    return y @ w, y + 1.0
+
+
+def shared_cheap_over_exp(x):
+    c = snp.exp(x) * 2.0  # copied into both readers; the exp they read must stay stored (pinned)
+    return c + 1.0, c * 3.0
+
+
+def centred_sum_and_scale(x):
+    d = x - snp.mean(x, axis=1, keepdims=True)  # LayerNorm's shape: a row sum and two pointwise readers
+    return snp.sum(d * d, axis=1), d / 3.0, d * 2.0
+
+
+DUPLICATION_TABLE = [  # (fn, shapes, {op: count anywhere in the fused program}, instructions but parameters)
+    (gelu_and_grad, [(4, 6), (4, 6)], {"tanh": 1, "sub": 1}, 3),  # tanh stored; loss, gradient: one loop each
+    (shared_cheap_into_matmul, [(4, 6), (6, 3)], {"mul": 1}, 3),  # x * 2 stored once for the matmul
+    (shared_cheap_over_exp, [(4, 6)], {"exp": 1, "mul": 3}, 3),  # exp stored, exp * 2 in both readers
+    (centred_sum_and_scale, [(4, 6)], {"sub": 3}, 5),  # x - mean in the row sum and both readers
+]
+
+
+@pytest.mark.parametrize("fn, shapes, counts, instructions", DUPLICATION_TABLE,
+                         ids=[t[0].__name__ for t in DUPLICATION_TABLE])
+def test_cheap_producers_read_by_several_chains_are_recomputed_in_each(fn, shapes, counts, instructions):
+    """XLA's duplication of cheap producers: the shared pointwise value is computed inside every reader's
+    fusion (no instruction of its own, no buffer) unless a non-pointwise reader needs it stored; expensive
+    ops are never recomputed; fused and unfused programs give the same bits."""
+    fused, plain = both(fn, [sr.TensorSpec(s, F32) for s in shapes], sr.Mesh((1,), ("x",)),
+                        [(None,) * len(s) for s in shapes])
+    for op, count in counts.items():
+        assert ops_anywhere(fused, op) == count, (op, str(fused))
+    assert sum(i.op != "parameter" for i in fused.instrs) == instructions, str(fused)
+    assert not any(i.op in CHEAP and len(i.shape) for i in fused.instrs), str(fused)  # none stands alone
+    args = [np.random.default_rng(3).standard_normal(s).astype(F32) for s in shapes]
+    for g, w in zip(run_everywhere(fused, *args)[0], run_everywhere(plain, *args)[0]):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_duplication_switched_off_stores_the_shared_cheap_value(monkeypatch):
+    monkeypatch.setenv(DUPLICATE_ENV, "0")
+    fused, _ = both(shared_cheap_over_exp, [sr.TensorSpec((4, 6), F32)], sr.Mesh((1,), ("x",)), [(None, None)])
+    assert ops_anywhere(fused, "mul") == 2  # exp * 2 once (stored), then * 3: nothing copied
+    monkeypatch.setenv(DUPLICATE_ENV, "1")
+    fused, _ = both(shared_cheap_over_exp, [sr.TensorSpec((4, 6), F32)], sr.Mesh((1,), ("x",)), [(None, None)])
+    assert ops_anywhere(fused, "mul") == 3
+
+
+def test_a_step_the_program_repeats_is_computed_once_in_a_fusion():
+    fused, _ = both(lambda x: snp.tanh(x * 2.0) + snp.tanh(x * 2.0) * 3.0, [sr.TensorSpec((4, 6), F32)],
+                    sr.Mesh((1,), ("x",)), [(None, None)])
+    (f,) = fusions(fused)
+    assert [op for op, _ in parse_code(f.attrs["code"])].count("tanh") == 1, f.attrs["code"]
 
 
 def test_broadcast_operands_are_parameters_seen_through_a_reshape():
@@ -95,6 +159,8 @@ CASES = [  # (fn, global shapes, in_specs, mesh)
     (norm, [(6, 9), (9,), (9,)], [("x", None), (None,), (None,)], sr.Mesh((4,), ("x",))),
     (adamw_like, [(6, 5)] * 4, [("x", "y")] * 4, sr.Mesh((2, 2), ("x", "y"))),
     (clamp_cast, [(7, 3)], [("x", None)], sr.Mesh((2,), ("x",))),
+    (gelu_and_grad, [(6, 8), (6, 8)], [("x", None), ("x", None)], sr.Mesh((3,), ("x",))),
+    (centred_sum_and_scale, [(6, 8)], [(None, "x")], sr.Mesh((2,), ("x",))),
 ]
 
 
@@ -154,7 +220,8 @@ def test_cuda_source_is_one_typed_statement_per_step():
     fused, _ = both(lambda x, m: snp.where(m > 0.0, snp.maximum(x, 0.0), x * 0.5),
                     [sr.TensorSpec((4,), F32), sr.TensorSpec((4,), F32)], sr.Mesh((1,), ("x",)), [(None,), (None,)])
     (f,) = fusions(fused)
-    assert f.attrs["code"] == "t0=gt(p0,c0); t1=maximum(p1,c1); t2=mul(p1,c2); t3=select(t0,t1,t2)"
+    # one literal per value: both 0.0 are c0
+    assert f.attrs["code"] == "t0=gt(p0,c0); t1=maximum(p1,c0); t2=mul(p1,c1); t3=select(t0,t1,t2)"
     assert cuda_source(Fusion(f), [F32, F32]) == ("float32 p0, float32 p1", "float32 out", "\n".join([
         "const bool t0 = (p0 > ((float)0.0));",
         "const float t1 = ((p1 != p1 || p1 > ((float)0.0)) ? p1 : ((float)0.0));",  # NaN propagates as np.maximum
