@@ -56,6 +56,40 @@ def fusible(op: str) -> bool:
     return lookup(op).ufunc is not None or op in ("select", "convert")
 
 
+def pointwise(ins: Instr, instrs) -> str | None:
+    """The op ``ins`` computes element by element at its own shape, or None: its own for the ufunc ops, select
+    and convert; ``mul`` for a broadcast product (``product_operands``)."""
+    if fusible(ins.op):
+        return ins.op
+    return "mul" if product_operands(ins, instrs) is not None else None
+
+
+def product_operands(ins: Instr, instrs) -> tuple | None:
+    """For an einsum that sums nothing and reads each operand's letters in the output's order (LayerNorm's
+    gain and bias in models/lm.py, einsums so that their gradients partition as contractions): each operand's
+    shape spread over the output's dims (1 where its letters lack one), so that the einsum is a broadcasting
+    multiply. None for any other instruction, and for operands of another dtype (no rounding changes)."""
+    letters = _product_letters(ins.attrs["spec"]) if ins.op == "einsum" else None
+    if letters is None or ins.dtype not in ("float32", "float64") or any(instrs[a].dtype != ins.dtype
+                                                                          for a in ins.args):
+        return None
+    return tuple(tuple(n if keep else 1 for n, keep in zip(ins.shape, mask)) for mask in letters)
+
+
+@lru_cache(maxsize=None)
+def _product_letters(spec: str) -> tuple | None:
+    """Per operand, which output letters it has, when ``spec`` is a product: two operands, no letter summed or
+    repeated, each operand's letters in the output's order. Else None."""
+    terms, out = spec.split("->")[0].split(","), spec.split("->")[1]
+    if len(terms) != 2 or "." in spec or len(set(out)) != len(out) or set(out) != set("".join(terms)):
+        return None
+    for term in terms:
+        where = [out.find(c) for c in term]
+        if len(set(term)) != len(term) or -1 in where or where != sorted(where):
+            return None
+    return tuple(tuple(c in term for c in out) for term in terms)
+
+
 def fusion_enabled(fuse: bool | None) -> bool:
     """``fuse`` itself, or for None whether ``$SPMD_FUSE`` allows fusion (anything but 0; default on)."""
     return os.environ.get(FUSE_ENV, "1") != "0" if fuse is None else bool(fuse)
@@ -74,7 +108,7 @@ def fuse_elementwise(program: SPMDProgram):
     pinned: set[int] = set()  # read by a copied producer (``_duplicates``): must stay stored
     fused: dict[int, Instr] = {}
     for ins in reversed(instrs):
-        if fusible(ins.op) and ins.out not in taken:
+        if pointwise(ins, instrs) and ins.out not in taken:
             members, copies = _group(ins, instrs, users, outputs, taken, pinned)
             fusion = _fusion(ins, members | copies, instrs)
             if fusion is not None:
@@ -106,8 +140,8 @@ def _fuse_reductions(kept: list[Instr], users, outputs, instrs) -> int:
         if (src is None or not row_reduction(ins, src) or src.out in outputs or users[src.out] != [ins.out]
                 or 0 in src.shape):
             continue
-        chain = src if src.op == "fusion" else _fusion(src, {src.out}, instrs, single=True) if fusible(src.op) \
-            else None
+        chain = src if src.op == "fusion" else _fusion(src, {src.out}, instrs, single=True) \
+            if pointwise(src, instrs) else None
         if chain is None:
             continue
         kept[k] = ins.copy(op="fused_reduce", args=chain.args, attrs={**chain.attrs, "chain_shape": tuple(src.shape),
@@ -136,8 +170,8 @@ def _group(root: Instr, instrs, users, outputs, taken, pinned) -> tuple[set[int]
     while todo:
         for a in instrs[todo.pop()].args:
             p = instrs[a]
-            if (a not in members and a not in taken and a not in outputs and a not in pinned and fusible(p.op)
-                    and p.shape == root.shape and all(u in members for u in users[a])):
+            if (a not in members and a not in taken and a not in outputs and a not in pinned
+                    and pointwise(p, instrs) and p.shape == root.shape and all(u in members for u in users[a])):
                 members.add(a)
                 todo.append(a)
     if os.environ.get(DUPLICATE_ENV, "1") == "0":
@@ -156,9 +190,9 @@ def _duplicates(root: Instr, members: set[int], instrs, users, outputs, taken, p
     while todo and len(copies) < MAX_DUPLICATES:
         for a in instrs[todo.pop()].args:
             p = instrs[a]
-            if (a in members or a in copies or a in taken or a in outputs or a in pinned or p.op not in CHEAP
-                    or p.shape != root.shape or not all(fusible(instrs[u].op) and instrs[u].shape == p.shape
-                                                         for u in users[a])):
+            if (a in members or a in copies or a in taken or a in outputs or a in pinned
+                    or pointwise(p, instrs) not in CHEAP or p.shape != root.shape
+                    or not all(pointwise(instrs[u], instrs) and instrs[u].shape == p.shape for u in users[a])):
                 continue
             copies.add(a)
             todo.append(a)
@@ -178,7 +212,9 @@ def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Ins
     dtypes: list[str] = []
     leaves = 0
 
-    def ref(slot: int) -> str:
+    def ref(slot: int, spread: tuple | None = None) -> str:
+        """The step, literal or parameter that gives ``slot``; ``spread``: its shape seen at the fusion's
+        rank (a broadcast product's operand)."""
         nonlocal leaves
         if slot in refs:
             return refs[slot]
@@ -191,8 +227,8 @@ def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Ins
                 literal[key] = f"c{len(consts)}"
                 consts.append((value, src.dtype))
             return literal[key]
-        shape = src.shape
-        if src.op == "broadcast_in_dim" and list(src.attrs["dims"]) == sorted(src.attrs["dims"]):
+        shape = src.shape if spread is None else spread
+        if spread is None and src.op == "broadcast_in_dim" and list(src.attrs["dims"]) == sorted(src.attrs["dims"]):
             slot, shape, leaves = src.args[0], _expanded(src, instrs), leaves + 1
         key = (slot, shape)
         if key not in params_index:
@@ -205,13 +241,14 @@ def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Ins
     computed: dict[tuple, str] = {}  # one step per distinct (op, operands, dtype): the program may repeat one
     for slot in sorted(members):
         ins = instrs[slot]
-        operands = ",".join(ref(a) for a in ins.args)
-        key = (ins.op, operands, ins.dtype)
+        op, spread = pointwise(ins, instrs), product_operands(ins, instrs) or (None,) * len(ins.args)
+        operands = ",".join(ref(a, s) for a, s in zip(ins.args, spread))
+        key = (op, operands, ins.dtype)
         if key in computed and slot != root.out:  # the root stays the last step
             refs[slot] = computed[key]
             continue
         refs[slot] = computed[key] = f"t{len(steps)}"
-        steps.append(f"{refs[slot]}={ins.op}({operands})")
+        steps.append(f"{refs[slot]}={op}({operands})")
         dtypes.append(ins.dtype)
     if len(steps) < 2 and not leaves and not single:
         return None

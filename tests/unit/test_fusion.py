@@ -5,6 +5,7 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.nn as nn
+import spmd_runtime.models.lm as lm
 import spmd_runtime.numpy as snp
 from spmd_runtime.exec import fused as fused_kernels
 from spmd_runtime.exec.fused import Fusion, cuda_source
@@ -90,6 +91,37 @@ DUPLICATION_TABLE = [  # (fn, shapes, {op: count anywhere in the fused program},
 ]
 
 
+def lm_norm_and_grad(x, g, b):
+    """models/lm.py's LayerNorm: gain and bias applied as einsums that sum nothing (broadcast products)."""
+    (value, grads) = value_and_grad(lambda x, g, b: snp.sum(lm.layer_norm(x, g, b) * x), (0, 1, 2))(x, g, b)
+    return (value, *grads)
+
+
+PRODUCT_TABLE = [  # (spec, operand shapes, operand dtypes, fused into the chain after it)
+    ("bsd,d->bsd", [(2, 3, 4), (4,)], [F32, F32], True),
+    ("bs,d->bsd", [(2, 3), (4,)], [F32, F32], True),  # both operands spread
+    ("sd,bsd->bsd", [(3, 4), (2, 3, 4)], ["float64", "float64"], True),
+    ("ds,bsd->bsd", [(4, 3), (2, 3, 4)], [F32, F32], False),  # letters out of the output's order: a transpose
+    ("bsd,d->bs", [(2, 3, 4), (4,)], [F32, F32], False),  # sums d
+    ("bsd,d->bsd", [(2, 3, 4), (4,)], [F32, "float64"], True),  # the tracer converts first: the convert fuses
+]
+
+
+@pytest.mark.parametrize("spec, shapes, dtypes, fuses", PRODUCT_TABLE, ids=[f"{t[0]}-{t[2][1]}" for t in PRODUCT_TABLE])
+def test_an_einsum_that_sums_nothing_fuses_as_a_broadcast_multiply(spec, shapes, dtypes, fuses):
+    fused, plain = both(lambda a, b: snp.tanh(snp.einsum(spec, a, b) * 2.0),
+                        [sr.TensorSpec(s, d) for s, d in zip(shapes, dtypes)], sr.Mesh((1,), ("x",)),
+                        [(None,) * len(s) for s in shapes])
+    assert any(i.op == "einsum" for i in fused.instrs) != fuses, str(fused)
+    if fuses:
+        (f,) = fusions(fused)
+        assert "mul(p0,p1)" in f.attrs["code"] or "mul(t0,p1)" in f.attrs["code"], f.attrs["code"]
+        assert all(len(shape) == 3 for shape in f.attrs["shapes"])  # operands spread over the output's dims
+    args = [np.random.default_rng(4).standard_normal(s).astype(d) for s, d in zip(shapes, dtypes)]
+    for g, w in zip(run_everywhere(fused, *args)[0], run_everywhere(plain, *args)[0]):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("fn, shapes, counts, instructions", DUPLICATION_TABLE,
                          ids=[t[0].__name__ for t in DUPLICATION_TABLE])
 def test_cheap_producers_read_by_several_chains_are_recomputed_in_each(fn, shapes, counts, instructions):
@@ -161,6 +193,7 @@ CASES = [  # (fn, global shapes, in_specs, mesh)
     (clamp_cast, [(7, 3)], [("x", None)], sr.Mesh((2,), ("x",))),
     (gelu_and_grad, [(6, 8), (6, 8)], [("x", None), ("x", None)], sr.Mesh((3,), ("x",))),
     (centred_sum_and_scale, [(6, 8)], [(None, "x")], sr.Mesh((2,), ("x",))),
+    (lm_norm_and_grad, [(4, 6, 8), (8,), (8,)], [("x", None, None), (None,), (None,)], sr.Mesh((2,), ("x",))),
 ]
 
 
