@@ -9,7 +9,8 @@
 * NumPy, compiled (default where a C compiler exists): fusions of at least ``$SPMD_CPU_KERNEL_MIN`` elements
   run as one generated C loop each, compiled once per program (``exec/cpu_kernels.py``): one pass over
   memory instead of one per step.
-* CuPy: one generated ``ElementwiseKernel`` per fused instruction (compiled on first use, cached by CuPy).
+* CuPy: one generated ``ElementwiseKernel`` per fused instruction (compiled on first use, cached by CuPy),
+  one with several outputs per sibling group (exec/groups.py: AdamW's m', v', p').
 * Any other array module: the steps as plain calls.
 
 A ``fused_reduce`` (a chain reduced over its trailing dims) runs compiled as one loop accumulating each row
@@ -179,11 +180,16 @@ def compiled_fusions(program, groups=None) -> dict:
     return {slot: library.function(name) for slot, name in names.items()}
 
 
+def elementwise_kernels(xp) -> bool:
+    """Whether ``xp`` generates elementwise kernels from source (CuPy's ``ElementwiseKernel``)."""
+    return _is_cupy(xp) and hasattr(xp, "ElementwiseKernel")
+
+
 def bind_fusion(ins, xp, operand_dtypes, scratch: Scratch, out=None):
     """``f(*operands) -> result`` for fusion instruction ``ins`` on array module ``xp``; NumPy writes the
     result into ``out`` (a buffer planned for it, exec/buffers.py) when given."""
     fusion = Fusion(ins)
-    if _is_cupy(xp) and hasattr(xp, "ElementwiseKernel"):
+    if elementwise_kernels(xp):
         return _cupy_kernel(fusion, xp, operand_dtypes)
     if xp is np:
         return _numpy_chain(fusion, scratch, out)
@@ -400,16 +406,18 @@ def _generic_step(xp, op: str, dtype: str):
     return getattr(xp, lookup(op).ufunc)
 
 
-def cuda_source(fusion: Fusion, operand_dtypes) -> tuple[str, str, str]:
-    """(in_params, out_params, operation) of the ElementwiseKernel for ``fusion``."""
+def cuda_source(fusion: Fusion, operand_dtypes, results=None) -> tuple[str, str, str]:
+    """(in_params, out_params, operation) of the ElementwiseKernel for ``fusion``: its last step as ``out``,
+    or each step of ``results`` as ``out0``, ``out1``, ... (a sibling group's kernel, exec/groups.py)."""
     params = fusion.param_dtypes(operand_dtypes)
     in_params = ", ".join(f"{d} p{i}" for i, d in enumerate(params))
-    out_params = f"{fusion.dtype.name} out"
+    outs = [("out", len(fusion.steps) - 1)] if results is None else [(f"out{i}", r) for i, r in enumerate(results)]
+    out_params = ", ".join(f"{fusion.dtypes[r]} {name}" for name, r in outs)
     lines = []
     for k, ((op, refs), d) in enumerate(zip(fusion.steps, fusion.dtypes)):
         a = [_c_literal(fusion, r) for r in refs]
         lines.append(f"const {_C_TYPES[d]} t{k} = {_c_expr(op, a, d)};")
-    lines.append(f"out = t{len(fusion.steps) - 1};")
+    lines += [f"{name} = t{r};" for name, r in outs]
     return in_params, out_params, "\n".join(lines)
 
 

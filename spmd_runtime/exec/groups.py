@@ -1,5 +1,5 @@
-"""Sibling groups: fusions of one shape computed in ONE compiled loop with several results (XLA's
-multi-output fusion), chosen when a program is bound on a CPU.
+"""Sibling groups: fusions of one shape computed in ONE loop with several results (XLA's multi-output
+fusion), chosen when a program is bound: a compiled C loop on the CPU, one ElementwiseKernel on CuPy.
 
 A fusion that reads the results of other fusions of its shape (AdamW: the new moments m' and v' feed the new
 parameter p') leaves those results in memory only to read them back; when the others' results must exist
@@ -8,10 +8,10 @@ parameter instead of 10). The group's loop runs where its first member stands, s
 takes from outside the group must exist by then; the members keep their places in the program (and its
 listing), each handing on its result from the group's loop. ``$SPMD_CPU_GROUPS=0`` binds every fusion alone.
 
-Only compiled loops run groups (exec/cpu_kernels.py): without a compiler, for a group too small or not
-compilable, in loop bodies (whose results a scan redirects per iteration), and where a member after the lead
-has a planned buffer (exec/buffers.py: it may hold another value until the member's place), each fusion
-runs alone.
+Only compiled loops (exec/cpu_kernels.py) and CuPy's generated kernels run groups: on NumPy without a
+compiler, for a group too small or not compilable, in loop bodies (whose results a scan redirects per
+iteration), and where a member after the lead has a planned buffer (exec/buffers.py: it may hold another
+value until the member's place), each fusion runs alone.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..program import Instr
-from .fused import Fusion, operand_check, operand_dtypes
+from .fused import Fusion, cuda_source, operand_check, operand_dtypes
 
 GROUPS_ENV = "SPMD_CPU_GROUPS"
 
@@ -65,23 +65,51 @@ def sibling_groups(program) -> dict[int, Group]:
 
 
 def bind_group(interp, group: Group) -> dict:
-    """Slot -> (callable, operand slots) for every member: the lead runs the group's loop over all the
-    group's operands and keeps the later members' results until each hands its own on."""
-    kernel, results = interp.cpu_kernels["group", group.members[0]], {}
-    kernel.argtypes = [ctypes.c_void_p] * (len(group.ins.args) + len(group.members))
-    kernel.restype = None
-    check = operand_check(group.fusion, group.dtypes)
-    made = [(interp.planned.get(slot), tuple(interp.program.instrs[slot].shape),
-             np.dtype(interp.program.instrs[slot].dtype)) for slot in group.members]
+    """Slot -> (callable, operand slots) for every member: the lead runs the group's loop (a compiled C loop,
+    or on CuPy one ElementwiseKernel with an output per member) over all the group's operands and keeps the
+    later members' results until each hands its own on."""
+    compute, results = (_compiled(interp, group) if interp.xp is np else _elementwise_kernel(interp, group)), {}
 
     def run(*args):
-        arrays = check(args)
-        outs = [planned if planned is not None else np.empty(shape, dtype) for planned, shape, dtype in made]
-        kernel(*[a.ctypes.data for a in arrays], *[o.ctypes.data for o in outs])
+        outs = compute(args)
         results.update(zip(group.members[1:], outs[1:]))
         return outs[0]
     handed_on = {slot: ((lambda *_, slot=slot: results.pop(slot)), ()) for slot in group.members[1:]}
     return {group.members[0]: (run, group.ins.args), **handed_on}
+
+
+def _compiled(interp, group: Group):
+    """``operands -> member results`` through the group's compiled C loop (exec/cpu_kernels.py)."""
+    kernel = interp.cpu_kernels["group", group.members[0]]
+    kernel.argtypes = [ctypes.c_void_p] * (len(group.ins.args) + len(group.members))
+    kernel.restype = None
+    check = operand_check(group.fusion, group.dtypes)
+    made = [(interp.planned.get(slot), *_result(interp, slot)) for slot in group.members]
+
+    def compute(args):
+        arrays = check(args)
+        outs = [planned if planned is not None else np.empty(shape, dtype) for planned, shape, dtype in made]
+        kernel(*[a.ctypes.data for a in arrays], *[o.ctypes.data for o in outs])
+        return outs
+    return compute
+
+
+def _elementwise_kernel(interp, group: Group):
+    """``operands -> member results`` through ONE generated CuPy ElementwiseKernel writing every member."""
+    cp = interp.xp
+    kernel = cp.ElementwiseKernel(*cuda_source(group.fusion, group.dtypes, group.results), "spmd_group")
+    made = [_result(interp, slot) for slot in group.members]
+
+    def compute(args):
+        outs = [cp.empty(shape, dtype) for shape, dtype in made]
+        kernel(*group.fusion.views(args), *outs)
+        return outs
+    return compute
+
+
+def _result(interp, slot: int) -> tuple:
+    ins = interp.program.instrs[slot]
+    return tuple(ins.shape), np.dtype(ins.dtype)
 
 
 def _groupable(ins) -> bool:

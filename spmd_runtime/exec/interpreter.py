@@ -14,7 +14,7 @@ from ..opdef import lookup
 from ..partition.schedule import pairs
 from ..program import SPMDProgram
 from .buffers import output_buffers, plan_buffers
-from .fused import Scratch, bind_compiled, compiled_fusions
+from .fused import Scratch, bind_compiled, compiled_fusions, elementwise_kernels
 from .groups import bind_group, sibling_groups
 from .overlap import with_progress
 
@@ -23,7 +23,7 @@ class Interpreter:
     def __init__(self, program: SPMDProgram, mc, xp, copied_outputs=frozenset(), groups=True):
         """``copied_outputs``: positions of outputs the caller copies before running again (a scan body's
         stacked results): their buffers are planned and reused like intermediates'. ``groups``: sibling
-        fusions run as one compiled loop (exec/groups.py); not in loop bodies, whose results a scan
+        fusions run as one compiled loop or CuPy kernel (exec/groups.py); not in loop bodies, whose results a scan
         redirects per iteration (``steps_into``)."""
         self.program, self.mc, self.xp = program, mc, xp
         instrs = program.instrs
@@ -32,13 +32,15 @@ class Interpreter:
         self.fusion_scratch = Scratch(xp)  # intermediates of fused chains, shared by this program's fusions
         # a member after the lead writes its result early: only into a fresh array (no planned buffer, which
         # may still hold another value until the member's own place)
-        candidates = {lead: g for lead, g in (sibling_groups(program) if xp is np and groups else {}).items()
+        grouping = groups and (xp is np or elementwise_kernels(xp))
+        candidates = {lead: g for lead, g in (sibling_groups(program) if grouping else {}).items()
                       if not any(m in self.planned for m in g.members[1:])}
         self.cpu_kernels = compiled_fusions(program, candidates) if xp is np else {}  # slot -> compiled C loop
         self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == "parameter"]
         self.in_flight: list = []  # issued nonblocking collectives not yet waited for, oldest first
         self.dones = pairs(program)  # start slot -> done slot: a start binds with its done's flags
-        grouped = {slot: bound for lead, group in candidates.items() if ("group", lead) in self.cpu_kernels
+        grouped = {slot: bound for lead, group in candidates.items()
+                   if xp is not np or ("group", lead) in self.cpu_kernels
                    for slot, bound in bind_group(self, group).items()}  # slot -> (callable, operand slots)
         self.bound = [(i.out, *grouped[i.out], i.free) if i.out in grouped else (i.out, self._bind(i), i.args, i.free)
                       for i in instrs if i.op != "parameter"]

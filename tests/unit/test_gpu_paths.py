@@ -39,6 +39,8 @@ import spmd_runtime as sr  # noqa: E402
 import spmd_runtime.numpy as snp  # noqa: E402
 from spmd_runtime.comm import run_simulated  # noqa: E402
 from spmd_runtime.exec import backend  # noqa: E402
+from spmd_runtime.exec.fused import cuda_source  # noqa: E402
+from spmd_runtime.exec.groups import sibling_groups  # noqa: E402
 
 # ------------------------------------------------------------------------------------ the fake CuPy
 
@@ -550,14 +552,16 @@ class HostElementwiseKernel:
         import subprocess
         fake.events.append("compile")
         self.fake, self.params = fake, [p.split() for p in in_params.split(", ")]
-        (out_dtype, _), = [p.split() for p in out_params.split(", ")]
-        self.out_dtype = np.dtype(out_dtype)
-        args = ", ".join(f"const {self._C[d]}* {n}_" for d, n in self.params)
+        outs = [p.split() for p in out_params.split(", ")]  # one, or several (a sibling group's kernel)
+        self.out_dtypes = [np.dtype(d) for d, _ in outs]
+        args = ", ".join([f"const {self._C[d]}* {n}_" for d, n in self.params]
+                         + [f"{self._C[d]}* {n}_" for d, n in outs])
         loads = " ".join(f"const {self._C[d]} {n} = {n}_[i];" for d, n in self.params)
+        results = " ".join(f"{self._C[d]} {n};" for d, n in outs)
+        stores = " ".join(f"{n}_[i] = {n};" for _, n in outs)
         source = (f"#include <cmath>\nusing namespace std;\n#define __device__\n{preamble}\n"
-                  f"extern \"C\" void {name}({args}, {self._C[out_dtype]}* "
-                  f"out_, long n) {{ for (long i = 0; i < n; ++i) {{ {loads} {self._C[out_dtype]} out;\n"
-                  f"{operation}\nout_[i] = out; }} }}\n")
+                  f"extern \"C\" void {name}({args}, long n) {{ for (long i = 0; i < n; ++i) {{ {loads} {results}\n"
+                  f"{operation}\n{stores} }} }}\n")
         with self._lock:
             if source not in self._built:  # every rank generates the same source: build it once
                 stem = tmp_path / f"{name}_{len(self._built)}"
@@ -568,13 +572,15 @@ class HostElementwiseKernel:
             self.fn = self._built[source]
 
     def __call__(self, *args):
-        *ins, out = [self.fake.unwrap(a) for a in args]
-        assert out.dtype == self.out_dtype and out.flags.c_contiguous
-        flat = [np.ascontiguousarray(np.broadcast_to(a, out.shape), np.dtype(d)) for a, (d, _) in zip(ins, self.params)]
+        arrays = [self.fake.unwrap(a) for a in args]
+        ins, outs = arrays[:len(self.params)], arrays[len(self.params):]
+        assert [o.dtype for o in outs] == self.out_dtypes and all(o.flags.c_contiguous for o in outs)
+        assert len({o.shape for o in outs}) == 1
+        flat = [np.ascontiguousarray(np.broadcast_to(a, outs[0].shape), np.dtype(d))
+                for a, (d, _) in zip(ins, self.params)]
         import ctypes
-        self.fn(*[a.ctypes.data_as(ctypes.c_void_p) for a in flat], out.ctypes.data_as(ctypes.c_void_p),
-                ctypes.c_long(out.size))
-        return args[-1]
+        self.fn(*[a.ctypes.data_as(ctypes.c_void_p) for a in flat + outs], ctypes.c_long(outs[0].size))
+        return args[-1] if len(outs) == 1 else tuple(args[len(self.params):])
 
 
 class HostReductionKernel:
@@ -640,6 +646,30 @@ def test_fused_instructions_run_as_generated_elementwise_kernels(fake_cupy, host
         for got, want in zip(outs, expected):
             np.testing.assert_allclose(backend.to_host(got), want, rtol=2e-6 if dtype == "float32" else 1e-12,
                                        atol=1e-7 if dtype == "float32" else 1e-14)
+
+
+def adamw_update(p, g, m, v):
+    """AdamW's shape: the new moments are results and feed the new parameter (exec/groups.py's sibling group)."""
+    m2 = 0.9 * m + 0.1 * g
+    v2 = 0.999 * v + 0.001 * g * g
+    return p - 0.01 * (m2 / (snp.sqrt(v2) + 1e-8) + 0.1 * p), m2, v2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_sibling_group_runs_as_one_elementwise_kernel_with_an_output_per_member(fake_cupy, host_kernels, dtype):
+    inputs = [np.random.default_rng(5).standard_normal((6, 4)).astype(dtype) for _ in range(4)]
+    graph = sr.trace(adamw_update, *inputs)
+    program = sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None)] * 4)
+    (group,) = sibling_groups(program).values()
+    assert len(group.members) == 3 and sum(i.op == "fusion" for i in program.instrs) == 3
+    _, out_params, operation = cuda_source(group.fusion, group.dtypes, group.results)
+    assert out_params == f"{dtype} out0, {dtype} out1, {dtype} out2" and operation.count(" = t") == 3
+    results = run_simulated(2, lambda comm: sr.run(program, *inputs, comm=comm, backend="cupy"))
+    assert fake_cupy.events.count("compile") == 2  # one kernel per rank for the three fusions
+    expected = sr.evaluate(graph, *inputs)
+    for outs in results:
+        for got, want in zip(outs, expected):
+            np.testing.assert_allclose(backend.to_host(got), want, rtol=2e-6 if dtype == "float32" else 1e-12)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
