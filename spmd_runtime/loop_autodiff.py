@@ -3,7 +3,8 @@
 For a scan body ``f(c, x, k) -> (c', y)`` the VJP rule builds one joint graph: the body's forward
 nodes, then its backward nodes (``backward_from`` with cotangent parameters for c' and y). Forward
 nodes read by backward nodes are the residuals; the remat policy picks which are SAVED (stacked by the
-forward scan as extra ys: "everything_saveable" all, "dots_saveable" contraction results,
+forward scan as extra ys: "everything_saveable" all, "cheap_recomputed" (the default) all but cheap
+pointwise and layout ops whose operands cost no more to store, "dots_saveable" contraction results,
 "nothing_saveable" none) and which the backward body recomputes from the iteration's carry (then
 stacked too), its x slice and the loop invariants. The forward scan node is rewritten in place to
 also output the saved residuals (JAX's partial evaluation, done on the traced graph), and a reverse
@@ -22,6 +23,11 @@ from .bodies import TUPLE_DTYPE, TUPLE_SHAPE, BodyGraph, extract, inline, tracin
 from .dtypes import is_floating
 from .graph import TensorSpec
 from .ops.core import zeros
+from .partition.fusion import CHEAP
+
+# Recomputed by the backward body rather than stacked by the forward scan ("cheap_recomputed", the default):
+# cheaper to redo, fused into the backward's loops, than to write, stack and reread.
+RECOMPUTED = CHEAP | {"broadcast_in_dim", "reshape", "transpose"}
 
 CONTROL_OPS = ("scan", "while", "cond")
 
@@ -92,10 +98,37 @@ def _residuals(joint, ct_ids: set, in_ids: set, policy: str) -> list[int]:
         on_ct[n.id] = n.id in ct_ids or any(on_ct[i] for i in n.inputs)
         on_in[n.id] = n.id in in_ids or any(on_in[i] for i in n.inputs)
     read = {i for n in joint.nodes if on_ct[n.id] for i in n.inputs if not on_ct[i]}
-    saveable = {"everything_saveable": lambda n: True, "nothing_saveable": lambda n: False,
-                "dots_saveable": lambda n: n.op == "einsum"}[policy]
-    return sorted(v for v in read if on_in[v] and joint.nodes[v].op not in ("parameter",) + CONTROL_OPS
-                  and saveable(joint.nodes[v]))
+    saveable = {"everything_saveable": lambda n: True, "cheap_recomputed": lambda n: True,
+                "nothing_saveable": lambda n: False, "dots_saveable": lambda n: n.op == "einsum"}[policy]
+    saved = {v for v in read if _storable(joint, v, on_in) and saveable(joint.nodes[v])}
+    return sorted(_cheap_recomputed(joint, saved, on_in) if policy == "cheap_recomputed" else saved)
+
+
+def _storable(joint, v: int, on_in: dict) -> bool:
+    return on_in[v] and joint.nodes[v].op not in ("parameter",) + CONTROL_OPS
+
+
+def _cheap_recomputed(joint, saved: set, on_in: dict) -> set:
+    """``saved`` with each cheap residual (a pointwise op without transcendental or division, a broadcast, a
+    reshape or transpose: ``RECOMPUTED``) replaced by its operands, where storing those costs no more bytes
+    than storing it (they are often saved already: GELU's ``0.5 * x`` beside ``x``; a broadcast's operand is
+    smaller). The backward body recomputes it, inside a fusion there; the forward scan neither writes nor
+    stacks it. Latest first, so that a chain of cheap ops folds back to the value it starts from."""
+    saved, todo = set(saved), sorted(saved)
+    while todo:
+        v = todo.pop()
+        node = joint.nodes[v]
+        if v not in saved or node.op not in RECOMPUTED:
+            continue
+        needed = {i for i in node.inputs if on_in[i] and joint.nodes[i].op != "parameter"} - saved
+        if all(_storable(joint, i, on_in) for i in needed) and _nbytes(joint, needed) <= _nbytes(joint, {v}):
+            saved = (saved - {v}) | needed
+            todo = sorted(set(todo) | needed)
+    return saved
+
+
+def _nbytes(joint, ids) -> int:
+    return sum(int(np.prod(joint.nodes[i].spec.shape)) * np.dtype(joint.nodes[i].spec.dtype).itemsize for i in ids)
 
 
 def linearize(body: BodyGraph, num_carry: int, policy: str) -> Linearized:

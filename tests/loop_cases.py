@@ -118,7 +118,7 @@ def remat_policies(mesh):
     def loss(h, ws):
         h = sr.mesh_split(h, mesh, (a, b))
         total = 0.0
-        for policy in ("nothing_saveable", "dots_saveable", "everything_saveable"):
+        for policy in ("nothing_saveable", "dots_saveable", "cheap_recomputed", "everything_saveable"):
             body = sr.remat(lambda c, w: (snp.tanh(c @ w) * 0.9 + c, None), policy)
             c, _ = sr.scan(body, h, ws)
             total = total + snp.sum(c * c)

@@ -42,7 +42,8 @@ SCAN = define("scan")
 WHILE = define("while")
 COND = define("cond")
 LOOP_OUT = define("loop_out")  # result ``index`` of a control node
-POLICIES = ("everything_saveable", "nothing_saveable", "dots_saveable")
+POLICIES = ("cheap_recomputed", "everything_saveable", "nothing_saveable", "dots_saveable")
+DEFAULT_POLICY = "cheap_recomputed"  # a scan's: save all but what is cheaper to recompute (loop_autodiff.py)
 
 
 # ---------------------------------------------------------------- the control node
@@ -107,7 +108,7 @@ def scan(f, init, xs=None, length=None, reverse=False, *, policy=None):
     inputs = carry + x_leaves + [Tensor(current_graph(), c) for c in body.captured]
     outs = _emit_control(SCAN, inputs, {"body": body, "length": length, "reverse": bool(reverse),
                                           "num_carry": nc, "num_xs": len(x_leaves),
-                                          "policy": policy or "everything_saveable"},
+                                          "policy": policy or DEFAULT_POLICY},
                          _specs(carry) + y_specs)
     return pytree_unflatten(carry_def, outs[:nc]), pytree_unflatten(y_def, outs[nc:])
 
@@ -203,7 +204,7 @@ def cond(pred, true_fun, false_fun, *operands):
 def remat(fn, policy="nothing_saveable"):
     """``fn`` whose intermediates the backward pass recomputes instead of storing (JAX's ``checkpoint``).
     ``policy``: "nothing_saveable" (recompute all), "dots_saveable" (keep contraction results),
-    "everything_saveable". As a scan body it sets the scan's policy; elsewhere it runs ``fn`` as a
+    "cheap_recomputed" (keep all but cheap pointwise and layout ops), "everything_saveable". As a scan body it sets the scan's policy; elsewhere it runs ``fn`` as a
     one-step scan with that policy."""
     _check_policy(policy)
 

@@ -33,7 +33,7 @@ def test_loop_matches_reference(case, mesh):
 
 
 # ---------------------------------------------------------------- the reference itself
-@pytest.mark.parametrize("policy", ["everything_saveable", "nothing_saveable", "dots_saveable"])
+@pytest.mark.parametrize("policy", ["everything_saveable", "cheap_recomputed", "nothing_saveable", "dots_saveable"])
 def test_scan_gradient_matches_finite_differences(policy):
     rng = np.random.default_rng(0)
     h, ws, b = rng.standard_normal((3, 4)), 0.5 * rng.standard_normal((3, 4, 4)), rng.standard_normal(4)
@@ -47,6 +47,52 @@ def test_scan_gradient_matches_finite_differences(policy):
     _, numeric = numeric_grads(loss, [h, ws, b], (0, 1, 2))  # central differences of the forward scan
     for g, n in zip(grads, numeric):
         np.testing.assert_allclose(g, n, rtol=1e-6, atol=1e-8)
+
+
+# ---------------------------------------------------------------- what the forward scan stacks for the backward
+def gelu_block(c, w):
+    h = c @ w
+    return 0.5 * h * (1.0 + snp.tanh(0.8 * (h + 0.04 * h * h * h))) + c, None
+
+
+def softmax_block(c, w):
+    s = c @ w
+    e = snp.exp(s - snp.max(s, axis=-1, keepdims=True))
+    return e / snp.sum(e, axis=-1, keepdims=True), None  # the sum's broadcast is read by the backward
+
+
+SAVED_TABLE = [  # (body, ops the default policy stacks for the backward, in order)
+    (gelu_block, ["einsum", "tanh"]),  # h and tanh(...); 0.5 * h, 1 + t, h * h ... recomputed
+    # the (rows,) sum, not its (rows, cols) broadcast; the max's bool mask stays (smaller than its operands)
+    (softmax_block, ["exp", "reduce", "div", "eq", "reduce"]),
+]
+
+
+def saved_residuals(body, policy):
+    spec = [sr.TensorSpec((4, 6), "float64"), sr.TensorSpec((3, 6, 6), "float64")]
+    step = sr.remat(body, policy) if policy else body  # None: the scan's default policy
+    graph = sr.trace(sr.grad(lambda h, ws: snp.sum(sr.scan(step, h, ws)[0] ** 2), (0, 1)), *spec)
+    scan = next(n for n in graph.nodes if n.op == "scan")
+    body_graph = scan.attrs["body"]
+    saved = [body_graph.nodes[o] for o in body_graph.outputs[1:]]  # after the carry
+    saved = [n for n in saved if n.op != "parameter"]  # the iteration's carry, which the backward reads too
+    return graph, [n.op for n in saved], sum(int(np.prod(n.shape)) for n in saved)
+
+
+@pytest.mark.parametrize("body, ops", SAVED_TABLE, ids=[t[0].__name__ for t in SAVED_TABLE])
+def test_the_default_policy_stacks_what_is_costly_to_recompute_and_recomputes_the_rest(body, ops):
+    """A cheap residual (pointwise without transcendental or division, a broadcast, a reshape) is replaced
+    by its operands when storing them costs no more: the forward scan stacks fewer bytes, the gradient is the
+    same to the bit."""
+    graph, saved_ops, saved_elements = saved_residuals(body, "cheap_recomputed")
+    _, all_ops, all_elements = saved_residuals(body, "everything_saveable")
+    assert sorted(saved_ops) == sorted(ops) and saved_elements < all_elements, (saved_ops, all_ops)
+    assert saved_residuals(body, None)[1] == saved_ops  # the scan's default policy
+    rng = np.random.default_rng(7)
+    args = [rng.standard_normal((4, 6)), 0.3 * rng.standard_normal((3, 6, 6))]
+    everything = saved_residuals(body, "everything_saveable")[0]
+    for got, want in zip(sr.evaluate(graph, *args), sr.evaluate(everything, *args)):
+        np.testing.assert_array_equal(got, want)
 
 
 # ---------------------------------------------------------------- partitioned once
