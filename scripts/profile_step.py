@@ -67,8 +67,11 @@ for ins in prog.instrs:
         t[ins.op if ins.op != "einsum" else "einsum " + ins.attrs["spec"]] += best[ins.out]
 total = sum(t.values()); print(f"total {total*1e3:.1f} ms/step (sum of per-instruction minima); batch {B}; whole step wall min {min(walls)*1e3:.1f} ms")
 for k, v in t.most_common(22): print(f"{v*1e3:8.2f} ms  {n[k]:4d}x  {k}")
+def sums(key):  # an einsum that contracts a letter (BLAS); one that sums nothing is a broadcast multiply
+    ins, out = key.split()[1].split("->")
+    return any(c not in out for c in ins.replace(",", ""))
 groups = collections.Counter()
 for k, v in t.items():
-    g = "einsum (BLAS)" if k.startswith("einsum") else "elementwise" if k in ("mul","add","sub","div","exp","tanh","select","neg","sqrt","log","maximum","minimum","pow","convert","eq","gt","lt","ge","le","ne","abs", "fusion") else k
+    g = ("einsum (BLAS)" if sums(k) else "elementwise") if k.startswith("einsum") else "elementwise" if k in ("mul","add","sub","div","exp","tanh","select","neg","sqrt","log","maximum","minimum","pow","convert","eq","gt","lt","ge","le","ne","abs", "fusion") else k
     groups[g] += v
 for k, v in groups.most_common(8): print(f"GROUP {v*1e3:8.1f} ms  {k}")
