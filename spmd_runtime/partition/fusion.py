@@ -99,23 +99,19 @@ STEP = re.compile(r"t(\d+)=(\w+)\(([^)]*)\)")
 def fuse_elementwise(program: SPMDProgram):
     """``(instrs, inputs, outputs)`` of ``program`` with elementwise chains fused, slots renumbered; frees and
     donations left for the partitioner to recompute. None when nothing fuses."""
-    instrs, outputs = program.instrs, {o.slot for o in program.outputs}
-    users: dict[int, list[int]] = {}
-    for ins in instrs:
-        for a in ins.args:
-            users.setdefault(a, []).append(ins.out)
-    taken: set[int] = set()
-    pinned: set[int] = set()  # read by a copied producer (``_duplicates``): must stay stored
+    instrs = program.instrs
+    walk = _Walk(instrs, [pointwise(i, instrs) for i in instrs], {o.slot for o in program.outputs},
+                 os.environ.get(DUPLICATE_ENV, "1") != "0")
     fused: dict[int, Instr] = {}
     for ins in reversed(instrs):
-        if pointwise(ins, instrs) and ins.out not in taken:
-            members, copies = _group(ins, instrs, users, outputs, taken, pinned)
+        if walk.ops[ins.out] and ins.out not in walk.taken:
+            members, copies = _group(walk, ins)
             fusion = _fusion(ins, members | copies, instrs)
             if fusion is not None:
-                taken |= members
+                walk.taken |= members
                 fused[ins.out] = fusion
-    kept = [fused.get(i.out, i) for i in instrs if i.out not in taken or i.out in fused]
-    reduced = _fuse_reductions(kept, users, outputs, instrs)
+    kept = [fused.get(i.out, i) for i in instrs if i.out not in walk.taken or i.out in fused]
+    reduced = _fuse_reductions(kept, walk.users, walk.outputs, instrs)
     if not fused and not reduced:
         return None
     return _rebuild(program, kept)
@@ -162,41 +158,51 @@ def parse_code(code: str) -> list[tuple[str, list[str]]]:
     return steps
 
 
-def _group(root: Instr, instrs, users, outputs, taken, pinned) -> tuple[set[int], set[int]]:
+class _Walk:
+    """What the fusion walk knows of the program (slots are positions in ``instrs``): per slot the op it
+    computes pointwise or None (``ops``), its readers (``users``), the program's outputs, the members of groups
+    formed so far (``taken``) and the values copied producers read (``pinned``: they stay stored)."""
+
+    def __init__(self, instrs, ops: list, outputs: set, duplicate: bool):
+        self.instrs, self.ops, self.outputs, self.duplicate = instrs, ops, outputs, duplicate
+        self.users: dict[int, list[int]] = {}
+        for ins in instrs:
+            for a in ins.args:
+                self.users.setdefault(a, []).append(ins.out)
+        self.taken: set[int] = set()
+        self.pinned: set[int] = set()
+
+
+def _group(walk: _Walk, root: Instr) -> tuple[set[int], set[int]]:
     """``root`` and every producer that may join it, and the cheap producers read elsewhere too that it
     computes again (``_duplicates``). A producer joins once all its users are members, i.e. when its last
     user joins: so each new member's operands are the only ones to (re)consider."""
-    members, todo = {root.out}, [root.out]
+    instrs, members, todo = walk.instrs, {root.out}, [root.out]
     while todo:
         for a in instrs[todo.pop()].args:
-            p = instrs[a]
-            if (a not in members and a not in taken and a not in outputs and a not in pinned
-                    and pointwise(p, instrs) and p.shape == root.shape and all(u in members for u in users[a])):
+            if (a not in members and a not in walk.taken and a not in walk.outputs and a not in walk.pinned
+                    and walk.ops[a] and instrs[a].shape == root.shape and all(u in members for u in walk.users[a])):
                 members.add(a)
                 todo.append(a)
-    if os.environ.get(DUPLICATE_ENV, "1") == "0":
-        return members, set()
-    return members, _duplicates(root, members, instrs, users, outputs, taken, pinned)
+    return members, (_duplicates(walk, root, members) if walk.duplicate else set())
 
 
-def _duplicates(root: Instr, members: set[int], instrs, users, outputs, taken, pinned) -> set[int]:
+def _duplicates(walk: _Walk, root: Instr, members: set[int]) -> set[int]:
     """Cheap producers of ``members`` (and theirs) that every reader consumes pointwise at the root's
     shape: each such reader's group computes its own copy, so the producer's buffer is never stored. They are
     not taken (the other readers' groups copy them too); what nothing reads any more is dropped by the
     rebuild. A copy's operands that are not copied too are read by every group holding it: they are
     ``pinned``, never absorbed into a group of their own readers."""
-    copies: set[int] = set()
-    todo = list(members)
+    instrs, copies, todo = walk.instrs, set(), list(members)
     while todo and len(copies) < MAX_DUPLICATES:
         for a in instrs[todo.pop()].args:
-            p = instrs[a]
-            if (a in members or a in copies or a in taken or a in outputs or a in pinned
-                    or pointwise(p, instrs) not in CHEAP or p.shape != root.shape
-                    or not all(pointwise(instrs[u], instrs) and instrs[u].shape == p.shape for u in users[a])):
+            if (a in members or a in copies or a in walk.taken or a in walk.outputs or a in walk.pinned
+                    or walk.ops[a] not in CHEAP or instrs[a].shape != root.shape
+                    or not all(walk.ops[u] and instrs[u].shape == instrs[a].shape for u in walk.users[a])):
                 continue
             copies.add(a)
             todo.append(a)
-    pinned.update(a for c in copies for a in instrs[c].args if a not in members and a not in copies)
+    walk.pinned.update(a for c in copies for a in instrs[c].args if a not in members and a not in copies)
     return copies
 
 
