@@ -4,6 +4,7 @@
     python scripts/bench_overlap.py --ranks 2 --rounds 5 --steps 6
     python scripts/bench_overlap.py --prefetch 3670016   # no MPI: FSDP's weight all-gathers in the listing
     python scripts/bench_overlap.py --ranks 2 --presets dp wus   # any training preset on one axis of all ranks
+    python scripts/bench_overlap.py --ranks 2 --presets fsdp --scan-prefetch   # + the scans' next-layer gathers
 
 For each world size it starts one MPI job per progress setting (MPICH_ASYNC_PROGRESS=0, then 1: MPICH reads it
 at MPI_Init). Inside a job, rank 0 partitions each preset twice, with the scheduler's start/done pairs
@@ -39,7 +40,7 @@ def mesh_shape(preset: str, n: int) -> tuple:
 
 
 # ---------------------------------------------------------------- the MPI job
-def job(rounds: int, steps: int, presets) -> None:
+def job(rounds: int, steps: int, presets, scan_prefetch: bool = False) -> None:
     import numpy as np
     from mpi4py import MPI
 
@@ -52,9 +53,11 @@ def job(rounds: int, steps: int, presets) -> None:
     in_mpi = _time_mpi(collectives)
     cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8)
     built = {}
+    overlaps = ("off", "on", "prefetch") if scan_prefetch else ("off", "on")
     for preset in presets:
-        for overlap in ("off", "on"):
-            os.environ["SPMD_ASYNC"] = "1" if overlap == "on" else "0"
+        for overlap in overlaps:  # "prefetch": on, and each scan starts its next iteration's gathers early
+            os.environ["SPMD_ASYNC"] = "0" if overlap == "off" else "1"
+            os.environ["SPMD_SCAN_PREFETCH"] = "1" if overlap == "prefetch" else "0"
             built[preset, overlap] = build_train_step_on_root(cfg, sr.train_mesh(mesh_shape(preset, world.size),
                                                                                  preset), preset, sr.AdamW(), world)
     rng = np.random.default_rng(0)
@@ -62,7 +65,7 @@ def job(rounds: int, steps: int, presets) -> None:
     runtime = Runtime.world()
     for rnd in range(rounds):
         for preset in presets:
-            for overlap, progress in CONFIGS:
+            for overlap, progress in CONFIGS + ((("prefetch", "test"),) if scan_prefetch else ()):
                 ts = built[preset, overlap]
                 os.environ["SPMD_PROGRESS"] = progress
                 runtime._interpreters.clear()  # bound anew: the progress setting is read when binding
@@ -173,6 +176,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), help="training presets to run")
+    parser.add_argument("--scan-prefetch", action="store_true",
+                        help="also run each preset with $SPMD_SCAN_PREFETCH=1 (the scans prefetch their gathers)")
     parser.add_argument("--async-progress", choices=["both", "0", "1"], default="both",
                         help="MPICH_ASYNC_PROGRESS settings to run (one MPI job each)")
     parser.add_argument("--prefetch", type=int, metavar="BUDGET",
@@ -181,7 +186,7 @@ def main() -> None:
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        job(args.rounds, args.steps, args.presets)
+        job(args.rounds, args.steps, args.presets, args.scan_prefetch)
         return
     if args.prefetch is not None:
         prefetch(args.prefetch)
@@ -194,7 +199,8 @@ def main() -> None:
         for ap in (["0", "1"] if args.async_progress == "both" else [args.async_progress]):
             env = {**os.environ, "MPICH_ASYNC_PROGRESS": ap}
             cmd = [*mpiexec.split(), "-n", str(n), sys.executable, __file__, "--job", "--rounds", str(args.rounds),
-                   "--steps", str(args.steps), "--presets", *args.presets]
+                   "--steps", str(args.steps), "--presets", *args.presets,
+                   *(["--scan-prefetch"] if args.scan_prefetch else [])]
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
             for line in proc.stdout:
                 if not line.startswith("{"):
@@ -216,8 +222,8 @@ def main() -> None:
 def _progress(r) -> str:
     if r["overlap"] == "off":
         return "blocking" + (" +async thread" if r["async_progress"] == "1" else "")
-    return {"test": "MPI_Test", "none": "waits only"}[r["progress"]] + (" +async thread" if r["async_progress"] == "1"
-                                                                      else "")
+    return ("scan prefetch, " if r["overlap"] == "prefetch" else "") + {"test": "MPI_Test", "none": "waits only"}[
+        r["progress"]] + (" +async thread" if r["async_progress"] == "1" else "")
 
 
 def _summary(results) -> None:

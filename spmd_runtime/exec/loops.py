@@ -21,6 +21,7 @@ def bind_scan(interp, ins):
     stacked array (a planned buffer always holds its value, C-ordered: exec/buffers.py), the rest copied."""
     a, xp, mesh = ins.attrs, interp.xp, interp.program.mesh
     length, nc, nx = a["length"], a["num_carry"], a["num_xs"]
+    shifts = a.get("shifts") or (0,) * nx  # an xs read at t + shift (wrapping): a prefetched next slice
     body = _bound(interp, a["body"], frozenset(range(nc, len(a["body"].outputs))))
     stacked = [((length,) + o.sharding.local_shape(o.shape, mesh), o.dtype) for o in a["body"].outputs[nc:]]
     order = range(length - 1, -1, -1) if a["reverse"] else range(length)
@@ -34,7 +35,7 @@ def bind_scan(interp, ins):
         carry, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
         ys = kept if kept is not None else [xp.empty(shape, dtype) for shape, dtype in stacked]
         for t in order:
-            outs = body.run(carry + [x[t] for x in xs] + consts, steps[t])
+            outs = body.run(carry + [x[(t + s) % length] for x, s in zip(xs, shifts)] + consts, steps[t])
             carry = outs[:nc]
             for j in copied:
                 ys[j][t] = outs[nc + j]

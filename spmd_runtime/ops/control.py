@@ -243,12 +243,13 @@ def _loop_out_kernel(xp, t, index):
 
 # ``policy`` and ``results`` are graph attributes; a program's control instruction (run by its binder) has neither
 @opdef.kernel(SCAN)
-def _scan_kernel(xp, *operands, body, length, reverse, num_carry, num_xs, policy=None, results=()):
+def _scan_kernel(xp, *operands, body, length, reverse, num_carry, num_xs, policy=None, results=(), shifts=()):
     carry = list(operands[:num_carry])
     xs, consts = operands[num_carry:num_carry + num_xs], list(operands[num_carry + num_xs:])
     ys = [xp.empty(s.shape, s.dtype) for s in results[num_carry:]]
+    shifts = shifts or (0,) * num_xs  # an xs read at t + shift, wrapping (partition/scan_prefetch.py)
     for t in (reversed(range(length)) if reverse else range(length)):
-        outs = _evaluate(body, carry + [x[t] for x in xs] + consts, xp)
+        outs = _evaluate(body, carry + [x[(t + s) % length] for x, s in zip(xs, shifts)] + consts, xp)
         carry = outs[:num_carry]
         for y, o in zip(ys, outs[num_carry:]):
             y[t] = o

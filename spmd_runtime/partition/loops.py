@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 from ..bodies import TUPLE_DTYPE, extract
 from ..sharding import Sharding
-from .partitioner import LocalValue, _live_nodes, _user_shardings, partition
+from .partitioner import LocalValue, _assign_buffers, _live_nodes, _user_shardings, partition
+from .scan_prefetch import pipelined_body, prefetch_enabled
+from .schedule import overlap_budget
 from .propagation import legalize, merge, propagate
 
 
@@ -208,10 +210,38 @@ def partition_scan(ctx, node):
         body = extract(body, body.params, body.outputs[:nc] + [body.outputs[k] for k in kept], keep_inputs=True)[0]
     ys = [_strip(ag.result.parts[k]) for k in kept]
     program = _partition_body(ctx, node, body, inner, carry + ys, "scan body")
-    results = carry + [Sharding(((),) + o.sharding.dims) for o in program.outputs[nc:]]
-    ctx.result_positions[node.id] = {k: p for p, k in enumerate(list(range(nc)) + kept)}
-    return _emit_control(ctx, node, args, {"body": program, "length": a["length"], "reverse": a["reverse"],
-                                           "num_carry": nc, "num_xs": nx}, results)
+    attrs = {"body": program, "length": a["length"], "reverse": a["reverse"], "num_carry": nc, "num_xs": nx}
+    piped = pipelined_body(program, nc, nx, overlap_budget(None)) if prefetch_enabled() and a["length"] > 1 \
+        else None
+    m = 0
+    if piped is not None:  # the next iteration's gathers start in this one (partition/scan_prefetch.py)
+        program, picks = piped
+        _assign_buffers(program.instrs, {o.slot for o in program.outputs})
+        m = len(picks)
+        first = a["length"] - 1 if a["reverse"] else 0
+        gathered = [_gathered_slice(ctx, args[nc + p.xs], first, p.gather, program.outputs[nc + j])
+                    for j, p in enumerate(picks)]
+        args = args[:nc] + gathered + args[nc:nc + nx] + [args[nc + p.xs] for p in picks] + args[nc + nx:]
+        attrs.update(body=program, num_carry=nc + m, num_xs=nx + m,
+                     shifts=(0,) * nx + ((-1 if a["reverse"] else 1),) * m)
+    results = carry + [o.sharding for o in program.outputs[nc:nc + m]] \
+        + [Sharding(((),) + o.sharding.dims) for o in program.outputs[nc + m:]]
+    ctx.result_positions[node.id] = {k: p + (m if p >= nc else 0) for p, k in enumerate(list(range(nc)) + kept)}
+    return _emit_control(ctx, node, args, attrs, results)
+
+
+def _gathered_slice(ctx, stacked: LocalValue, t: int, gather, like) -> LocalValue:
+    """Iteration ``t``'s slice of the stacked xs operand gathered as the body gathers it: the first
+    iteration's prefetched weight, computed before the loop."""
+    one = ctx.emit("slice", [stacked], {"start": (t,) + (0,) * (len(stacked.shape) - 1),
+                                        "limit": (t + 1,) + stacked.sharding.local_shape(stacked.shape, ctx.mesh)[1:],
+                                        "strides": (1,) * len(stacked.shape)},
+                   stacked.sharding, (1,) + stacked.shape[1:], stacked.dtype)
+    body_operand = Sharding(stacked.sharding.dims[1:])
+    flat = ctx.emit("reshape", [one], {"shape": body_operand.local_shape(stacked.shape[1:], ctx.mesh)},
+                    body_operand, stacked.shape[1:], stacked.dtype)
+    return ctx.emit("all_gather", [flat], dict(gather.attrs), like.sharding, like.shape, like.dtype)
+
 
 
 def partition_while(ctx, node):

@@ -13,7 +13,8 @@ their order and only the collectives move:
 
 Memory budget: the receive buffers of the collectives in flight at any point stay within ``budget``
 bytes; a start that would exceed it moves later, as far as its done allows. FSDP's weight all-gathers,
-whose operands exist from the top of the program, thus prefetch as many layers ahead as the budget holds.
+whose operands exist from the top of the program, thus prefetch as many layers ahead as the budget holds
+(inside a scanned layer stack, one iteration ahead when asked: partition/scan_prefetch.py).
 
 A collective stays one blocking instruction when nothing would run between its start and its done, when
 it feeds only other collectives, or when it moves 16-bit floats (emulated by several collectives). One that
