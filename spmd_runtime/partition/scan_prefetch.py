@@ -7,8 +7,8 @@ wait: the body instead receives its gathered weight as a carry, starts the gathe
 slice (an ``xs`` read at t + 1: ``shifts``) before its compute and waits for it at its end, handing it on as
 the carry; a gather before the loop fills the first iteration's. The last iteration gathers a slice no one
 reads (t + 1 wraps around): one gather more than the loop's length, the price of a body the same every
-iteration. Two gathered weights are alive at once (this layer's and the next's): taken only while their
-bytes fit the overlap budget.
+iteration. Two gathered weights are alive at once (this layer's and the next's): taken only while the
+prefetched bytes alone fit the overlap budget (the body's own collectives were scheduled within it before).
 
 Asked for with ``$SPMD_SCAN_PREFETCH=1`` (off by default: on this project's CPU hosts the ranks copy each
 other's bytes on the cores the compute uses, so overlap buys nothing measurable; see docs/BENCHMARKS.md).
