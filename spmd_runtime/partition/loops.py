@@ -211,23 +211,29 @@ def partition_scan(ctx, node):
     ys = [_strip(ag.result.parts[k]) for k in kept]
     program = _partition_body(ctx, node, body, inner, carry + ys, "scan body")
     attrs = {"body": program, "length": a["length"], "reverse": a["reverse"], "num_carry": nc, "num_xs": nx}
-    piped = pipelined_body(program, nc, nx, overlap_budget(None)) if prefetch_enabled() and a["length"] > 1 \
-        else None
-    m = 0
-    if piped is not None:  # the next iteration's gathers start in this one (partition/scan_prefetch.py)
-        program, picks = piped
-        _assign_buffers(program.instrs, {o.slot for o in program.outputs})
-        m = len(picks)
-        first = a["length"] - 1 if a["reverse"] else 0
-        gathered = [_gathered_slice(ctx, args[nc + p.xs], first, p.gather, program.outputs[nc + j])
-                    for j, p in enumerate(picks)]
-        args = args[:nc] + gathered + args[nc:nc + nx] + [args[nc + p.xs] for p in picks] + args[nc + nx:]
-        attrs.update(body=program, num_carry=nc + m, num_xs=nx + m,
-                     shifts=(0,) * nx + ((-1 if a["reverse"] else 1),) * m)
+    args, m = _prefetching(ctx, attrs, args) if prefetch_enabled() and a["length"] > 1 else (args, 0)
+    program = attrs["body"]
     results = carry + [o.sharding for o in program.outputs[nc:nc + m]] \
         + [Sharding(((),) + o.sharding.dims) for o in program.outputs[nc + m:]]
     ctx.result_positions[node.id] = {k: p + (m if p >= nc else 0) for p, k in enumerate(list(range(nc)) + kept)}
     return _emit_control(ctx, node, args, attrs, results)
+
+
+def _prefetching(ctx, attrs: dict, args: list) -> tuple[list, int]:
+    """The scan's operands and how many gathers it prefetches, with ``attrs`` (its body, arity and ``shifts``)
+    rewritten where the body's gathers of xs slices start an iteration early (partition/scan_prefetch.py)."""
+    nc, nx = attrs["num_carry"], attrs["num_xs"]
+    piped = pipelined_body(attrs["body"], nc, nx, overlap_budget(None))
+    if piped is None:
+        return args, 0
+    program, picks = piped
+    _assign_buffers(program.instrs, {o.slot for o in program.outputs})
+    m, first = len(picks), attrs["length"] - 1 if attrs["reverse"] else 0
+    gathered = [_gathered_slice(ctx, args[nc + p.xs], first, p.gather, program.outputs[nc + j])
+                for j, p in enumerate(picks)]
+    attrs.update(body=program, num_carry=nc + m, num_xs=nx + m,
+                 shifts=(0,) * nx + ((-1 if attrs["reverse"] else 1),) * m)
+    return args[:nc] + gathered + args[nc:nc + nx] + [args[nc + p.xs] for p in picks] + args[nc + nx:], m
 
 
 def _gathered_slice(ctx, stacked: LocalValue, t: int, gather, like) -> LocalValue:
@@ -241,7 +247,6 @@ def _gathered_slice(ctx, stacked: LocalValue, t: int, gather, like) -> LocalValu
     flat = ctx.emit("reshape", [one], {"shape": body_operand.local_shape(stacked.shape[1:], ctx.mesh)},
                     body_operand, stacked.shape[1:], stacked.dtype)
     return ctx.emit("all_gather", [flat], dict(gather.attrs), like.sharding, like.shape, like.dtype)
-
 
 
 def partition_while(ctx, node):
