@@ -27,6 +27,10 @@ class TensorSpec:
     def __str__(self):
         return f"{self.dtype}{list(self.shape)}"
 
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
     @classmethod
     def of(cls, x) -> "TensorSpec":
         if isinstance(x, TensorSpec):

@@ -121,14 +121,12 @@ def _cheap_recomputed(joint, saved: set, on_in: dict) -> set:
         if v not in saved or node.op not in RECOMPUTED:
             continue
         needed = {i for i in node.inputs if on_in[i] and joint.nodes[i].op != "parameter"} - saved
-        if all(_storable(joint, i, on_in) for i in needed) and _nbytes(joint, needed) <= _nbytes(joint, {v}):
+        if all(_storable(joint, i, on_in) for i in needed) and \
+                sum(joint.nodes[i].spec.nbytes for i in needed) <= node.spec.nbytes:
             saved = (saved - {v}) | needed
             todo = sorted(set(todo) | needed)
     return saved
 
-
-def _nbytes(joint, ids) -> int:
-    return sum(int(np.prod(joint.nodes[i].spec.shape)) * np.dtype(joint.nodes[i].spec.dtype).itemsize for i in ids)
 
 
 def linearize(body: BodyGraph, num_carry: int, policy: str) -> Linearized:

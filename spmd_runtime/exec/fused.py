@@ -146,8 +146,8 @@ def as_fusion(ins, program):
 
 def compiled_fusions(program, groups=None) -> dict:
     """Slot -> compiled C loop (ctypes function) of every fusion (and fused_reduce, and op in COMPILED_ALONE)
-    of ``program`` that has one here (exec/cpu_kernels.py): one library per program, compiled at bind time; {} when compiling is off,
-    impossible (said once) or fails (said once, with the compiler's message). ``groups`` (lead slot ->
+    of ``program`` that has one here (exec/cpu_kernels.py): one library per program, compiled at bind time;
+    {} when compiling is off, impossible (said once) or fails (said once, with the compiler's message). ``groups`` (lead slot ->
     exec/groups.Group): each group that compiles gets ONE loop, under ``("group", lead slot)``, its members
     none of their own."""
     if not cpu_kernels.enabled():

@@ -204,8 +204,8 @@ def cond(pred, true_fun, false_fun, *operands):
 def remat(fn, policy="nothing_saveable"):
     """``fn`` whose intermediates the backward pass recomputes instead of storing (JAX's ``checkpoint``).
     ``policy``: "nothing_saveable" (recompute all), "dots_saveable" (keep contraction results),
-    "cheap_recomputed" (keep all but cheap pointwise and layout ops), "everything_saveable". As a scan body it sets the scan's policy; elsewhere it runs ``fn`` as a
-    one-step scan with that policy."""
+    "cheap_recomputed" (keep all but cheap pointwise and layout ops), "everything_saveable". As a scan body
+    it sets the scan's policy; elsewhere it runs ``fn`` as a one-step scan with that policy."""
     _check_policy(policy)
 
     def remat_fn(*args):

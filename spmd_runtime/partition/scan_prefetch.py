@@ -37,8 +37,8 @@ class Prefetch:
 
 def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
     """``(body', prefetches)``: ``body`` with each all-gather of an xs slice taken from a carry and the next
-    iteration's started at its top and waited at its end, or None when it has none (or they exceed
-    ``budget`` bytes twice over). Inputs of ``body'``: carries, then one per prefetch (its gathered weight),
+    iteration's started at its top and waited at its end, or None when it has none (or their gathered bytes
+    exceed ``budget``). Inputs of ``body'``: carries, then one per prefetch (its gathered weight),
     xs, then one per prefetch (its slice at the next iteration), then the loop invariants; outputs: carries,
     the prefetched weights, then the stacked ys."""
     instrs = body.instrs
