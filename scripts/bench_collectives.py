@@ -149,12 +149,14 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def ours(mc, kind, x, **attrs):
-    """The project call as the interpreter makes it: bound once, then called on the step's array.
+    """The project call as the interpreter makes it: bound once, then called on the step's array, which is
+    the same array every call (the interpreter's planned buffer): a persistent request on host buffers unless
+    ``SPMD_PERSISTENT=0``.
     ``--unbound`` times the one-shot function API (``collectives.all_reduce(mc, x, ...)``) instead."""
     if UNBOUND:
         fn = getattr(collectives, kind)
         return lambda: fn(mc, x, **attrs)
-    bound = collectives.bind(mc, kind, BUF.xp, x.shape, x.dtype, nonblocking=NONBLOCKING, **attrs)
+    bound = collectives.bind(mc, kind, BUF.xp, x.shape, x.dtype, nonblocking=NONBLOCKING, operand=x, **attrs)
     return (lambda: bound(x).wait()) if NONBLOCKING else lambda: bound(x)
 
 
@@ -359,7 +361,7 @@ def run(sizes: list[int], rounds: int, device: bool = False, only=tuple(CASES)) 
         for row, runs in zip(rows, times):
             name, axes, label, nbytes = row
             runs.append(bench_row(name, mc, axes, label, nbytes, rng, round_no))
-    all_same = all(same for runs in times for *_, same in runs)
+    all_same = all(same for runs in times for _, _, _, _, same, _, _ in runs)
     report(f"# summary: minimum over {rounds} rounds of each side's median, and the median over rounds of the paired ratio"
            f"\n{summary(rows, times)}\n"
            f"# results identical to mpi4py on every row: {'yes' if all_same else 'NO'}\n{machine_state('after')}")

@@ -68,7 +68,7 @@ def job(rounds: int, steps: int, presets, scan_prefetch: bool = False) -> None:
             for overlap, progress in CONFIGS + ((("prefetch", "test"),) if scan_prefetch else ()):
                 ts = built[preset, overlap]
                 os.environ["SPMD_PROGRESS"] = progress
-                runtime._interpreters.clear()  # bound anew: the progress setting is read when binding
+                runtime.unbind()  # bound anew: the progress setting is read when binding
                 local = ts.shard_state(ts.init(0), rank)
                 records = []
                 for k, x in enumerate(tokens):

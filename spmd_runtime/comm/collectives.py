@@ -30,9 +30,16 @@ receive buffer is kept (or that reduces in place) keeps its ``Pending`` too and
 posts from one Python frame: one call in flight per binding, as in a program. Device arrays staged
 through the host and 16-bit floats run blocking at the start (no overlap there).
 
-MPI-4 persistent requests (``Send_init``/``Recv_init``, ``Allreduce_init``) are not used: they fix the send
-buffer too, and a binding's operand is a different array from call to call; copying it into a kept send
-buffer cost what the persistent start saved at 8 B (and 3x at 1 MiB), measured on MPICH 5.0.2.
+``bind(..., operand=a)`` names the array every call's operand will be (the interpreter's planned buffer
+of the operand, exec/buffers.py): a host binding with kept buffers then sets up an MPI-4 persistent request
+(``Allreduce_init``, ``Allgather_init``, ``Reduce_scatter_block_init``, ``Alltoall_init``; ``Send_init`` and
+``Recv_init`` for a permute) once, and every call is ``Start`` (+ ``Wait``): MPI's argument checks and
+schedule setup are paid once per program, not per step (8 B over 2 ranks: 4.0 vs 4.9 us per all-reduce on
+MPICH 5.0.2; blocking reductions only up to ``PERSISTENT_REDUCTION_MAX``). An operand that arrives in
+another array is copied into ``a`` first. Persistent collectives match only persistent ones, so every rank
+must bind the same way: the ranks bind the same program with the same plan. ``release(f)`` frees a
+binding's requests (the interpreter's ``free``). ``$SPMD_PERSISTENT=0`` (or an MPI without the ``_init``
+calls) keeps the plain calls.
 
 Wire bytes (per rank, ring algorithms, S = local bytes) are in each docstring;
 they are the denominators of the cost model and of the bus-bandwidth figures.
@@ -40,12 +47,24 @@ they are the denominators of the cost model and of the bus-bandwidth figures.
 """
 from __future__ import annotations
 
+import os
+import weakref
+from functools import partial
+
 import numpy as np
 from mpi4py import MPI
 
 from spmd_runtime.comm import low_precision, watchdog
 from spmd_runtime.comm.communicator import mpi_op
 from spmd_runtime.dtypes import is_low_precision
+
+PERSISTENT_ENV = "SPMD_PERSISTENT"
+# MPICH runs a persistent collective with its nonblocking algorithms: for a blocking all-reduce of 256 KiB and a
+# reduce-scatter of 1 MiB (2 ranks, MPICH 5.0.2) those took 1.2-1.9x the blocking ones, so blocking reductions
+# above this size keep the plain call. Moves (all-gather, all-to-all, permute) and nonblocking calls: no size
+# measured was slower (scripts/bench_collectives.py, docs/BENCHMARKS.md).
+PERSISTENT_REDUCTION_MAX = 64 << 10
+_REDUCTIONS = ("Allreduce", "Reduce_scatter_block")
 
 
 def all_reduce(mc, x, axes, op: str = "sum"):
@@ -94,9 +113,10 @@ def collective_permute(mc, x, pairs):
 
 
 def bind(mc, kind: str, xp, shape, dtype, *, reuse: bool = True, in_place: bool = False, nonblocking: bool = False,
-         **attrs):
+         operand=None, **attrs):
     """``f(x)`` running collective ``kind`` with ``attrs`` on ``xp`` arrays of ``shape``/``dtype``; see the module doc.
-    ``nonblocking``: ``start(x) -> Pending`` instead.
+    ``nonblocking``: ``start(x) -> Pending`` instead. ``operand``: the array ``x`` will be at every call, for
+    persistent requests (module doc).
 
     Collective on first use of a new axes tuple (the sub-communicator split), like every collective.
     """
@@ -108,7 +128,7 @@ def bind(mc, kind: str, xp, shape, dtype, *, reuse: bool = True, in_place: bool 
         return lambda x: Pending((), run(x), None, what)
     if is_low_precision(dtype):  # 16-bit floats: moved as uint16, reduced in float32 (low_precision.py)
         return low_precision.bind(bind, mc, kind, xp, tuple(shape), np.dtype(dtype), reuse=reuse, **attrs)
-    plan = _Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse, nonblocking, what)
+    plan = _Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse, nonblocking, what, operand)
     run = _BINDERS[kind](plan, in_place=in_place, **attrs)
     return plan.starter(run) if nonblocking and not plan.starts_itself else run
 
@@ -158,8 +178,9 @@ def _bind_fresh(mc, kind, x, **attrs):
 class _Plan:
     """What every binder needs: the array module, the shapes, and buffers made once (reuse) or per call."""
 
-    def __init__(self, mc, xp, shape, dtype, reuse, nonblocking=False, what=""):
+    def __init__(self, mc, xp, shape, dtype, reuse, nonblocking=False, what="", operand=None):
         self.mc, self.xp, self.shape, self.dtype, self.reuse = mc, xp, shape, dtype, reuse
+        self.operand = operand  # the array every call's operand will be (persistent requests), or None
         self.host, self.nonblocking, self.issued, self.what = xp is np, nonblocking, [], what
         self.comm = None  # the communicator the nonblocking calls went to (a Pending's peers)
         self.starts_itself = False  # the binder returned ``start(x) -> Pending`` itself (``_direct``)
@@ -205,6 +226,19 @@ class _Plan:
     def direct(self) -> bool:
         """Host buffers kept across calls: the binder may call MPI on them with nothing between (``_direct``)."""
         return self.host and self.reuse
+
+    def persistent(self, comm, name: str):
+        """``comm``'s MPI-4 ``<name>_init`` when this binding may use a persistent request, else None: host
+        buffers (the binders call it only with a kept receive buffer or in place), the operand's array known
+        (``bind(operand=...)``), C-ordered and of the bound layout."""
+        operand = self.operand
+        if (operand is None or not self.host or os.environ.get(PERSISTENT_ENV, "1").strip() == "0"
+                or not isinstance(operand, np.ndarray) or not operand.flags.c_contiguous
+                or operand.shape != self.shape or operand.dtype != self.dtype):
+            return None
+        if not self.nonblocking and name in _REDUCTIONS and operand.nbytes > PERSISTENT_REDUCTION_MAX:
+            return None
+        return getattr(comm, name + "_init", None)
 
     def buffer(self, shape):
         """A zero-argument maker of a receive buffer: the same one every call when reusing."""
@@ -356,6 +390,9 @@ def _direct(plan, comm, name: str, recv, op=None):
     positionally: a ``*args`` call costs more than the contiguity check); nonblocking: ``start(x) -> Pending``
     around its ``I`` variant, the handle kept like ``recv`` (one call in flight per binding). ``recv`` None:
     reduced into the operand (``MPI.IN_PLACE``)."""
+    init = plan.persistent(comm, name)
+    if init is not None:
+        return _persistent(plan, comm, init, recv, op)
     contiguous, in_place = _host_contiguous, MPI.IN_PLACE
     if not plan.nonblocking:
         call = getattr(comm, name)
@@ -393,9 +430,72 @@ def _direct(plan, comm, name: str, recv, op=None):
     return start_in_place if recv is None else start_move if op is None else start_reduce
 
 
+def _persistent(plan, comm, init, recv, op=None):
+    """``_direct`` over one persistent request made here by ``init`` on the operand's array and ``recv`` (None:
+    reduced in place into the operand): a call is ``Start`` + ``Wait``, or ``Start`` and a kept ``Pending``."""
+    operand = plan.operand
+    args = (MPI.IN_PLACE, operand) if recv is None else (operand, recv)
+    request = init(*args) if op is None else init(*args, op)
+    return _started(plan, comm, (request,), operand, operand if recv is None else recv)
+
+
+def _started(plan, comm, requests, operand, value):
+    """A binding that starts the persistent ``requests`` (set up on ``operand``) each call and gives ``value``;
+    an ``x`` in another array is copied into ``operand`` first (its planned buffer: the operand's own while it
+    lives). ``release`` frees the requests, or the binding's collection does."""
+    copyto, requests = np.copyto, list(requests)
+    if len(requests) == 1:  # bound methods, no Python frame between us and MPI
+        start, wait = requests[0].Start, requests[0].Wait
+    else:
+        start, wait = partial(MPI.Prequest.Startall, requests), partial(MPI.Request.Waitall, requests)
+    if not plan.nonblocking:
+        def run_persistent(x):
+            if x is not operand:
+                copyto(operand, x)
+            start()
+            wait()
+            return value
+        bound = run_persistent
+    else:
+        plan.starts_itself = True
+        pending = Pending(tuple(requests), value, operand, plan.what, comm)
+
+        def start_persistent(x):
+            if x is not operand:
+                copyto(operand, x)
+            start()
+            return pending
+        bound = start_persistent
+    bound.persistent_requests = requests  # what it starts: ``release`` frees them
+    weakref.finalize(bound, _free_requests, requests)  # a binding dropped unreleased frees them when collected
+    return bound
+
+
+def release(bound) -> None:
+    """Free the MPI-4 persistent requests a bound collective holds, now (a local call; the binding must not be
+    called again). The interpreter releases its bindings when its runtime drops it; other bindings free theirs
+    when garbage-collected."""
+    _free_requests(getattr(bound, "persistent_requests", ()))
+
+
+def _free_requests(requests) -> None:
+    """Free persistent requests not freed yet, unless MPI has already finalized (it freed them then)."""
+    if MPI.Is_finalized():
+        return
+    for request in requests:
+        if request:
+            request.Free()
+
+
 def _permute_direct(plan, comm, to_peer, from_peer, recv):
     """``_direct`` for a permute that receives into the kept ``recv``: one Sendrecv (or an Irecv and an Isend)
     from one Python frame; no send when ``to_peer`` is MPI_PROC_NULL."""
+    if plan.persistent(comm, "Send") is not None:  # Send_init + Recv_init on the operand and ``recv``
+        operand = plan.operand
+        requests = [comm.Recv_init(recv, from_peer, 0)]
+        if to_peer != MPI.PROC_NULL:
+            requests.append(comm.Send_init(operand, to_peer, 0))
+        return _started(plan, comm, requests, operand, recv)
     contiguous = _host_contiguous
     if not plan.nonblocking:
         sendrecv = comm.Sendrecv
@@ -423,7 +523,7 @@ def _permute_direct(plan, comm, to_peer, from_peer, recv):
 
 
 # Their closures call MPI (the binders' own closures are marked by exec/runner.py): the watchdog names them.
-for _maker in (_direct, _permute_direct):
+for _maker in (_direct, _permute_direct, _started):
     watchdog.collective_closures(_maker, lambda frame: "an MPI collective")
 
 
@@ -532,4 +632,5 @@ def _check_divisible(shape, dim: int, k: int, what: str) -> None:
         )
 
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute", "all_to_allv", "Pending"]
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute", "all_to_allv", "Pending",
+           "release"]

@@ -64,7 +64,7 @@ def may_reach_outputs(program, slots) -> bool:
 # ------------------------------------------------------------------ planned result buffers
 PLAN_ENV = "SPMD_PLAN_BUFFERS"
 # With the ufunc ops: the ops whose binder or kernel (its ``into=``) writes into a given buffer.
-PLANNED_OPS = ("fusion", "einsum", "reduce", "select", "convert")
+PLANNED_OPS = ("fusion", "fused_reduce", "einsum", "reduce", "select", "convert")
 
 
 def plans_into(ins) -> bool:

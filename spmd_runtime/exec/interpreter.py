@@ -10,6 +10,7 @@ from functools import partial
 
 import numpy as np
 
+from ..comm import collectives
 from ..opdef import lookup
 from ..partition.schedule import pairs
 from ..program import SPMDProgram
@@ -37,6 +38,7 @@ class Interpreter:
                       if not any(m in self.planned for m in g.members[1:])}
         self.cpu_kernels = compiled_fusions(program, candidates) if xp is np else {}  # slot -> compiled C loop
         self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == "parameter"]
+        self.children: list = []  # the interpreters of loop bodies and branches bound inside this one
         self.in_flight: list = []  # issued nonblocking collectives not yet waited for, oldest first
         self.dones = pairs(program)  # start slot -> done slot: a start binds with its done's flags
         grouped = {slot: bound for lead, group in candidates.items()
@@ -77,6 +79,14 @@ class Interpreter:
         if ins.out in self.planned:  # a kernel that takes into= (exec/buffers.PLANNED_OPS)
             return partial(record.kernel, self.xp, **ins.attrs, into=self.planned[ins.out])
         return partial(record.kernel, self.xp, **ins.attrs)
+
+    def free(self) -> None:
+        """Free what the bound program holds outside Python, now: its collectives' MPI-4 persistent requests
+        (comm/collectives.release), its loop bodies' too. Local; this interpreter must not run again."""
+        for child in self.children:
+            child.free()
+        for _, fn, _, _ in self.bound:
+            collectives.release(fn)
 
     def run(self, local_inputs, steps=None) -> list:
         """Local output shards for local input shards; each buffer is dropped after its last use. ``steps``:

@@ -10,7 +10,9 @@ from .interpreter import Interpreter
 
 
 def _bound(interp, program, copied_outputs=frozenset()):
-    return Interpreter(program, interp.mc, interp.xp, copied_outputs, groups=False)
+    child = Interpreter(program, interp.mc, interp.xp, copied_outputs, groups=False)
+    interp.children.append(child)  # freed with its parent
+    return child
 
 
 def bind_scan(interp, ins):

@@ -4,7 +4,7 @@ A start binds its collective once, nonblocking (``collectives.bind(..., nonblock
 posts the MPI call and returns the ``Pending`` handle; the done waits on it (a watchdog wait site, so a
 stuck collective is still named with its instruction) and returns the result. An all-reduce whose done
 donates its operand reduces into it (``MPI.IN_PLACE``); receive buffers are kept across runs as the
-blocking binders keep them.
+blocking binders keep them, and an operand with a planned buffer gets a persistent request on it.
 
 Progress: MPICH advances nonblocking collectives only inside MPI calls (unless ``MPICH_ASYNC_PROGRESS=1``
 gives it a thread). With ``SPMD_PROGRESS=test`` (the default) every instruction that runs while a
@@ -36,14 +36,15 @@ def _bind_start(interp, ins):
     done, operand = interp.program.instrs[interp.dones[ins.out]], interp.program.instrs[ins.args[0]]
     start = collectives.bind(interp.mc, ins.op[:-len("_start")], interp.xp, operand.shape, operand.dtype,
                              **ins.attrs, reuse=done.out not in interp.keep_fresh and done.donate != 1,
-                             in_place=done.donate == 1,
-                             nonblocking=True)
+                             in_place=done.donate == 1, nonblocking=True,
+                             operand=interp.planned.get(operand.out))
     in_flight = interp.in_flight
 
     def run(x):
         pending = start(x)
         in_flight.append(pending)
         return pending
+    run.persistent_requests = getattr(start, "persistent_requests", ())
     return run
 
 

@@ -115,7 +115,7 @@ class Runtime:
                 check_backend(xp, dtype)  # CuPy has no bfloat16: refused, not emulated
             interp = self._interpreters[key] = Interpreter(program, mc, xp)
             while len(self._interpreters) > INTERPRETERS_KEPT:
-                self._interpreters.popitem(last=False)
+                self._interpreters.popitem(last=False)[1].free()
         else:
             self._interpreters.move_to_end(key)
         return interp
@@ -128,9 +128,16 @@ class Runtime:
             self._gpu_bound = True
         return xp
 
-    def free(self) -> None:
-        """Release every mesh communicator's sub-communicators and the bound programs (collective)."""
+    def unbind(self) -> None:
+        """Drop the bound programs, their persistent requests freed (local): the next run binds again, reading
+        the binding settings of the environment (``SPMD_PROGRESS``, ``SPMD_PERSISTENT`` ...) anew."""
+        for interp in self._interpreters.values():
+            interp.free()
         self._interpreters.clear()
+
+    def free(self) -> None:
+        """Release the bound programs and every mesh communicator's sub-communicators (collective)."""
+        self.unbind()
         for mesh in list(self._meshes):
             self._meshes.pop(mesh).free()
 

@@ -30,10 +30,12 @@ RESIZE = define("resize", "program")  # a dim trimmed, or zero-padded, to a size
 def _bind_collective(interp, ins):
     """The collective bound once for its operand's shape and dtype: its receive buffer is kept across runs
     unless a program output may be it, and an all-reduce into a dying operand runs in place (where MPI cannot,
-    on device arrays, its result is a fresh buffer: the output analysis counted it as the operand's)."""
+    on device arrays, its result is a fresh buffer: the output analysis counted it as the operand's). An operand
+    with a planned buffer gets a persistent request on it (comm/collectives.py)."""
     operand = interp.program.instrs[ins.args[0]]
     return collectives.bind(interp.mc, ins.op, interp.xp, operand.shape, operand.dtype, **ins.attrs,
-                            reuse=ins.out not in interp.keep_fresh and ins.donate != 0, in_place=ins.donate == 0)
+                            reuse=ins.out not in interp.keep_fresh and ins.donate != 0, in_place=ins.donate == 0,
+                            operand=interp.planned.get(operand.out))
 
 
 @opdef.bind(ALL_TO_ALLV)

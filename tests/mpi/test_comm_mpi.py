@@ -252,3 +252,80 @@ def test_a_runtime_over_an_explicit_mpi_communicator_prepares_the_process_once(m
     finally:
         dup.Free()
     assert calls == ["bind", "heap"]
+
+
+def _persistent_cases(mesh, rank, shape):
+    """(kind, attrs, in_place, raw(x)) on the whole mesh: one of each MPI call the persistent path sets up."""
+    n, axes = mesh.size, mesh.axis_names
+    ring = [(r, (r + 1) % n) for r in range(n)]
+    shift = [(r, r + 1) for r in range(n - 1)]  # the ends: send only, receive only
+    sub = WORLD  # k == n: every rank's group is the world
+
+    def gathered(x):
+        recv = np.empty((n * shape[0],) + shape[1:], x.dtype)
+        sub.Allgather(x, recv)
+        return recv
+
+    def scattered(x):
+        recv = np.empty((shape[0] // n,) + shape[1:], x.dtype)
+        sub.Reduce_scatter_block(x, recv, MPI.SUM)
+        return recv
+    def reduced(op):
+        def call(x):
+            recv = np.empty_like(x)
+            sub.Allreduce(x, recv, op)
+            return recv
+        return call
+    return [("all_reduce", {"axes": axes, "op": "sum"}, False, reduced(MPI.SUM)),
+            ("all_reduce", {"axes": axes, "op": "max"}, True, reduced(MPI.MAX)),
+            ("all_gather", {"axes": axes, "dim": 0}, False, gathered),
+            ("reduce_scatter", {"axes": axes, "dim": 0, "op": "sum"}, False, scattered),
+            ("all_to_all", {"axes": axes, "split_dim": 0, "concat_dim": 0}, False, lambda x: _raw_all_to_all(sub, x)),
+            ("collective_permute", {"pairs": ring}, False, lambda x: _raw_permute(x, ring, rank)),
+            ("collective_permute", {"pairs": shift}, False, lambda x: _raw_permute(x, shift, rank))]
+
+
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
+def test_persistent_bindings_equal_raw_mpi4py_for_the_operand_and_for_other_arrays(nonblocking, make_mc):
+    """``bind(operand=a)``: one persistent request per binding (MPI-4 ``*_init``), started every call; the result
+    equals the raw call's whether ``x`` is ``a`` (the interpreter's planned buffer) or another array (copied into
+    ``a`` first), the receive array is the same every call, and ``release`` frees its requests."""
+    mesh = MESHES[0]
+    mc, rank, n = make_mc(mesh), WORLD.Get_rank(), mesh.size
+    if n == 1:
+        pytest.skip("one rank: every collective is a local copy, no MPI call")
+    shape = (4 * n, 3)
+    checks, freed = [], []
+    for kind, attrs, in_place, raw in _persistent_cases(mesh, rank, shape):
+        planned = np.empty(shape, np.float64)
+        bound = collectives.bind(mc, kind, np, shape, np.float64, nonblocking=nonblocking, in_place=in_place,
+                                 operand=planned, **attrs)
+        f = (lambda x, bound=bound: bound(x).wait()) if nonblocking else bound
+        results = []
+        for seed, into_planned in [(0, True), (1, False), (2, True)]:
+            x = local_arrays(mesh, shape, np.float64, seed)[rank]
+            expected = raw(x.copy())
+            if into_planned:
+                planned[...] = x
+                x = planned
+            got = f(x)
+            results.append(got)
+            checks.append((kind, seed, got.copy(), expected))
+        receives = kind != "collective_permute" or rank in {d for _, d in attrs["pairs"]}
+        if nonblocking:
+            pending = bound(planned)
+            pending.wait()
+            requests = pending.requests
+        checks.append((kind, "persistent", bool(getattr(bound, "persistent_requests", ())) or not receives,
+                       True))
+        checks.append((kind, "one receive array", all(r is results[0] for r in results) or not receives, True))
+        if nonblocking and receives:
+            collectives.release(bound)
+            freed.append((kind, all(not r for r in requests)))
+    for kind, what, got, expected in checks:
+        if expected is True:
+            assert got, f"{kind}: {what}"
+        else:
+            assert_same(got, expected)
+    for kind, ok in freed:
+        assert ok, f"{kind}: release left a persistent request unfreed"

@@ -112,6 +112,33 @@ def test_overlapped_step_equals_the_blocking_step(shape, preset, reverse, monkey
         np.testing.assert_array_equal(g, w, err_msg=io.name)
 
 
+def _persistent_bindings() -> int:
+    """How many bound collectives of the programs bound on WORLD start MPI-4 persistent requests."""
+    from spmd_runtime.exec.runner import Runtime
+    return sum(bool(getattr(fn, "persistent_requests", ())) for interp in Runtime.of(WORLD)._interpreters.values() for _, fn, _, _ in interp.bound)
+
+
+def test_persistent_collectives_give_the_bits_of_plain_calls(monkeypatch):
+    """Collectives on planned operands run as persistent requests (``Allreduce_init`` ..., set up once when the
+    program is bound); ``$SPMD_PERSISTENT=0`` binds the plain calls: two steps give the same bits either way.
+    Megatron: its forward all-reduces reduce planned buffers in place (dp's gradients become the new weights,
+    outputs, so they are not planned)."""
+    from spmd_runtime.exec.runner import Runtime
+    ts = build_train_step_on_root(CFG, mesh_of((N,), "megatron", False), "megatron", OPT, WORLD)
+    state, data = ts.init(seed=1), feed(2)
+    results = {}
+    for persistent in ("0", "1"):
+        monkeypatch.setenv("SPMD_PERSISTENT", persistent)
+        Runtime.of(WORLD).unbind()  # bind the program again under this setting
+        results[persistent] = (*train(ts, ts.shard_state(state, WORLD.Get_rank()), data), _persistent_bindings())
+    (plain, plain_losses, none), (got, got_losses, made) = results["0"], results["1"]
+    assert none == 0
+    assert N == 1 or made > 0, "no collective of the step was bound to a persistent request"
+    assert got_losses == plain_losses
+    for g, w in zip(pytree.flatten(got)[0], pytree.flatten(plain)[0]):
+        np.testing.assert_array_equal(g, w)
+
+
 PREFETCH_CFG = LMConfig(layers=3, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, dtype="float64", remat="full")
 
 
