@@ -113,6 +113,17 @@ def _cases() -> list[Case]:
             sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waited", "at an MPI collective in instruction %",
                                "= all_reduce(axes=('x',), op=sum)", "ranks that never arrived there: [1]"],
              env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
+        Case("SIGSTOP of a rank while the others wait in a persistent all-reduce", """
+            p = sr.partition(sr.trace(lambda a: snp.exp(a).reshape((SIZE, 4)).sum(axis=0).sum(),
+                                      sr.TensorSpec((4 * SIZE,), "float64")), MESH, in_specs=[("x",)], fuse=False)
+            if RANK == 1:  # the all-reduce reduces the first reduce's planned buffer: a persistent request
+                def stop(xp, x, kind, axes, into=None):
+                    fault("SIGSTOP inside the reduce kernel")
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                replace_kernel("reduce", stop)
+            sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waited", "at an MPI collective in instruction %",
+                               "= all_reduce(axes=('x',), op=sum)", "ranks that never arrived there: [1]"],
+             env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
         Case("SIGSTOP of a rank while a nonblocking all-reduce is in flight", """
             p = sr.partition(sr.trace(lambda a, w: a.sum() + snp.exp(w).sum(), sr.TensorSpec((4 * SIZE,), "float64"),
                                       sr.TensorSpec((4,), "float64")), MESH, in_specs=[("x",), None], fuse=False)
