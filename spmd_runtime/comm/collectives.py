@@ -27,8 +27,11 @@ layouts and buffers, but the MPI call is the nonblocking one (``Iallreduce``,
 for a permute) and ``Pending.wait()`` gives the result (the scheduled programs'
 ``*_start`` / ``*_done`` pairs, ``partition/schedule.py``). A host binding whose
 receive buffer is kept (or that reduces in place) keeps its ``Pending`` too and
-posts from one Python frame: one call in flight per binding, as in a program. Device arrays staged
-through the host and 16-bit floats run blocking at the start (no overlap there).
+posts from one Python frame: one call in flight per binding, as in a program. Device arrays overlap too:
+the start waits for the kernels that made the operand (one stream synchronisation) and posts the call on the
+device buffers (CUDA-aware MPI) or on pinned host copies of its own (``Transport.start``), whose result
+reaches the device at the wait; the GPU runs the kernels queued after the start meanwhile. 16-bit floats
+run blocking at the start (no overlap there).
 
 ``bind(..., operand=a)`` names the array every call's operand will be (the interpreter's planned buffer
 of the operand, exec/buffers.py): a host binding with kept buffers then sets up an MPI-4 persistent request
@@ -123,7 +126,7 @@ def bind(mc, kind: str, xp, shape, dtype, *, reuse: bool = True, in_place: bool 
     if kind not in _BINDERS:
         raise ValueError(f"collective kind must be one of {sorted(_BINDERS)}; got {kind!r}")
     what = f"{kind} over mesh axes {attrs.get('axes', 'of the permute pairs')}"
-    if nonblocking and (is_low_precision(dtype) or xp is not np):  # staged or emulated: blocking at the start
+    if nonblocking and is_low_precision(dtype):  # emulated by several collectives: blocking at the start
         run = bind(mc, kind, xp, shape, dtype, reuse=reuse, in_place=in_place, **attrs)
         return lambda x: Pending((), run(x), None, what)
     if is_low_precision(dtype):  # 16-bit floats: moved as uint16, reduced in float32 (low_precision.py)
@@ -137,11 +140,12 @@ class Pending:
     """An issued nonblocking collective: its MPI requests and the result they fill (read it after ``wait``).
     Holds the operand too: MPI reads the send buffer until the requests complete."""
 
-    __slots__ = ("requests", "value", "operand", "what", "comm")
+    __slots__ = ("requests", "value", "operand", "what", "comm", "finish")
 
-    def __init__(self, requests, value, operand, what: str, comm=None):
+    def __init__(self, requests, value, operand, what: str, comm=None, finish=()):
         self.requests, self.value, self.operand, self.what = requests, value, operand, what
         self.comm = comm  # whose members the wait needs (the watchdog's peers); None: every rank
+        self.finish = finish  # run once the requests are complete: a staged receive's copy to the device
 
     def __repr__(self):
         return f"Pending({self.what}, {len(self.requests)} request(s))"
@@ -155,6 +159,8 @@ class Pending:
     def wait(self):
         for request in self.requests:
             request.Wait()
+        for finish in self.finish:
+            finish()
         value = self.value
         return value.result() if isinstance(value, _After) else value
 
@@ -182,6 +188,7 @@ class _Plan:
         self.mc, self.xp, self.shape, self.dtype, self.reuse = mc, xp, shape, dtype, reuse
         self.operand = operand  # the array every call's operand will be (persistent requests), or None
         self.host, self.nonblocking, self.issued, self.what = xp is np, nonblocking, [], what
+        self.finishers: list = []  # what a nonblocking device call completes at the wait (``Transport.start``)
         self.comm = None  # the communicator the nonblocking calls went to (a Pending's peers)
         self.starts_itself = False  # the binder returned ``start(x) -> Pending`` itself (``_direct``)
 
@@ -216,11 +223,14 @@ class _Plan:
         """``start(x) -> Pending`` from a binder's ``run`` whose MPI calls left their requests in ``issued``."""
         issued, plan, what = self.issued, self, self.what
 
+        finishers = self.finishers
+
         def start(x):
             value = run(x)
-            requests = tuple(issued)
+            requests, finish = tuple(issued), tuple(finishers)
             issued.clear()
-            return Pending(requests, value, x, what, plan.comm)
+            finishers.clear()
+            return Pending(requests, value, x, what, plan.comm, finish)
         return start
 
     def direct(self) -> bool:
@@ -249,11 +259,22 @@ class _Plan:
         return lambda: xp.empty(shape, dtype)
 
     def mpi(self, call):
-        """``call(send, recv)`` on MPI-readable buffers: direct for host arrays, else through the Transport."""
+        """``call(send, recv)`` on MPI-readable buffers: direct for host arrays, else through the Transport (a
+        nonblocking call: ``Transport.start`` with staging buffers of this binding's own, its completion kept
+        for the ``Pending``)."""
         if self.host:
             return call
-        run = self.mc.transport.run
-        return lambda send, recv: run(call, send, recv)
+        transport = self.mc.transport
+        if not self.nonblocking:
+            run = transport.run
+            return lambda send, recv: run(call, send, recv)
+        start, finishers, staging = transport.start, self.finishers, {}
+
+        def post(send, recv):
+            finish = start(call, send, recv, staging)
+            if finish is not None:
+                finishers.append(finish)
+        return post
 
     def contiguous(self):
         """``x`` as a C-contiguous array of its shape (F-ordered buffers would pass MPI's buffer check)."""

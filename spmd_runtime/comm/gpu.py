@@ -143,18 +143,37 @@ class Transport:
         if recv is not None:
             self.device_ops.copy_to_device(host_recv, recv)
 
-    def _stage_to_host(self, device_array) -> np.ndarray:
-        host = self.pinned("send", device_array.shape, device_array.dtype)
+    def start(self, mpi_call, send, recv, staging: dict):
+        """``run`` for a nonblocking ``mpi_call`` (it posts requests): returns what completes the result once
+        they are done (a staged receive's copy to the device), or None. ``staging``: the caller's own pinned
+        buffers (a dict it keeps), since calls in flight at once must not share them."""
+        if not (is_device_array(send) or is_device_array(recv)):
+            return mpi_call(send, recv)
+        self.device_ops.synchronize()  # the kernels producing `send` must have run before MPI reads it
+        if self.cuda_aware:
+            return mpi_call(send, recv)
+        host_send = None if send is None else self._stage_to_host(send, staging)
+        host_recv = None if recv is None else self.pinned("recv", recv.shape, recv.dtype, staging)
+        mpi_call(host_send, host_recv)
+        if recv is None:
+            return None
+        copy_to_device = self.device_ops.copy_to_device
+        return lambda: copy_to_device(host_recv, recv)
+
+    def _stage_to_host(self, device_array, cache=None) -> np.ndarray:
+        host = self.pinned("send", device_array.shape, device_array.dtype, cache)
         self.device_ops.copy_to_host(device_array, host)
         return host
 
-    def pinned(self, role: str, shape, dtype) -> np.ndarray:
-        """A pinned host array for ``role`` ('send' | 'recv'), reusing the cached buffer when big enough."""
+    def pinned(self, role: str, shape, dtype, cache: dict | None = None) -> np.ndarray:
+        """A pinned host array for ``role`` ('send' | 'recv'), reusing the cached buffer when big enough;
+        ``cache``: a dict of the caller's own instead of this Transport's."""
+        cache = self._pinned if cache is None else cache
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        cached = self._pinned.get(role)
+        cached = cache.get(role)
         if cached is None or cached.nbytes < nbytes:
             # Grow geometrically so a slowly growing message size does not re-pin every call.
             capacity = max(nbytes, 2 * (0 if cached is None else cached.nbytes), 64)
-            cached = self._pinned[role] = self.device_ops.empty_pinned(capacity)
+            cached = cache[role] = self.device_ops.empty_pinned(capacity)
         return cached[:nbytes].view(dtype).reshape(shape)

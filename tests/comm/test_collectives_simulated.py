@@ -18,12 +18,13 @@ from spmd_runtime.comm import (
     all_reduce,
     all_to_all,
     collective_permute,
+    collectives,
     cuda_aware_mpi,
     reduce_scatter,
     run_simulated,
 )
 from spmd_runtime.comm import testing as ref
-from spmd_runtime.comm.testing import HostDeviceArray, HostDeviceOps
+from spmd_runtime.comm.testing import HostDeviceArray, HostDeviceModule, HostDeviceOps
 from spmd_runtime.mesh import Mesh
 from mesh_cases import axes_choices
 
@@ -402,6 +403,59 @@ def test_device_arrays(mesh, axes, cuda_aware):
             # Grown at most a few times during the first round, then reused.
             assert 1 <= rank_events.count("pin") <= 4 and "pin" not in rank_events[len(rank_events) // 2:]
             assert rank_events.count("to_device") >= 12
+
+
+NONBLOCKING_CALLS = {"Iallreduce", "Iallgather", "Ireduce_scatter_block", "Ialltoall", "Isend", "Irecv"}
+
+
+@pytest.mark.parametrize("cuda_aware", [True, False], ids=["direct", "staged"])
+@pytest.mark.parametrize("mesh, axes", [(Mesh((4,), ("x",)), ("x",)), (Mesh((2, 3), ("x", "y")), ("y", "x"))],
+                         ids=str)
+def test_nonblocking_device_collectives_post_at_the_start_and_land_at_the_wait(mesh, axes, cuda_aware):
+    """Bound nonblocking collectives on device arrays (the scheduled start/done pairs on GPUs): the start
+    synchronises the stream once and posts MPI's nonblocking call, on the device buffers (CUDA-aware) or on
+    pinned host copies of the binding's own; a staged result reaches the device at the wait. Two calls of one
+    kind in flight at once stay apart, and every result is right, twice over (buffers reused)."""
+    n, k = mesh.size, mesh.axis_size(axes)
+    shape = (2 * k, 3 * k)
+    data = [local_arrays(mesh, shape, np.float32, seed) for seed in (0, 1)]
+    kinds = [("all_reduce", {"axes": axes, "op": "sum"}, lambda r, v: ref.reference_all_reduce(mesh, v, r, axes, "sum")),
+             ("all_gather", {"axes": axes, "dim": 1}, lambda r, v: ref.reference_all_gather(mesh, v, r, axes, 1)),
+             ("reduce_scatter", {"axes": axes, "dim": 0, "op": "max"},
+              lambda r, v: ref.reference_reduce_scatter(mesh, v, r, axes, 0, "max")),
+             ("all_to_all", {"axes": axes, "split_dim": 0, "concat_dim": 1},
+              lambda r, v: ref.reference_all_to_all(mesh, v, r, axes, 0, 1)),
+             ("collective_permute", {"pairs": [(0, n - 1), (n - 1, 0)]},
+              lambda r, v: ref.reference_permute(v, r, [(0, n - 1), (n - 1, 0)]))]
+    events = [[] for _ in range(n)]
+
+    def body(mc):
+        log, out = events[mc.rank], []
+        for kind, attrs, _ in kinds:
+            first, second = (collectives.bind(mc, kind, HostDeviceModule, shape, np.float32, nonblocking=True,
+                                              **attrs) for _ in range(2))
+            for _ in range(2):
+                mark = len(log)
+                pending = [first(HostDeviceArray(data[0][mc.rank])), second(HostDeviceArray(data[1][mc.rank]))]
+                at_start, mark = log[mark:], len(log)
+                results = [p.wait() for p in pending]
+                out.append((kind, [r.get() for r in results], at_start, log[mark:]))
+        return out
+
+    results = on_mesh(mesh, body, comm_wrapper=lambda c: RecordingComm(c, events[c.Get_rank()]),
+                      transport_for=lambda r: Transport(cuda_aware=cuda_aware, device_ops=HostDeviceOps(events[r])))
+    for rank, runs in enumerate(results):
+        for (kind, got, at_start, at_wait), (_, _, reference) in zip(runs, [c for c in kinds for _ in range(2)]):
+            for g, v in zip(got, data):
+                assert_same(g, reference(rank, v))
+            moves = kind != "collective_permute" or rank in (0, n - 1)
+            posted = [e for e in at_start if e in NONBLOCKING_CALLS]
+            assert not COLLECTIVE_CALLS & set(at_start), f"{kind}: a blocking MPI call at the start: {at_start}"
+            assert bool(posted) == moves and at_start.count("sync") == (2 if moves else 0), (kind, at_start)
+            assert not moves or at_start.index("sync") < at_start.index(posted[0]), f"{kind}: posted before a sync"
+            assert "to_device" not in at_start, f"{kind}: the result was copied to the device before the wait"
+            assert at_wait.count("to_device") == (2 if moves and not cuda_aware else 0), (kind, at_wait)
+            assert ("to_host" in at_start) == (moves and not cuda_aware)
 
 
 def test_pinned_buffers_are_reused_and_grow_only_when_needed():

@@ -288,6 +288,22 @@ class RecordingComm:
         self._note("Sendrecv", sendbuf, recvbuf)
         self._comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
 
+    def Iallreduce(self, send, recv, op=MPI.SUM):
+        self._note("Iallreduce", send, recv)
+        return self._comm.Iallreduce(send, recv, op)
+
+    def Iallgather(self, send, recv):
+        self._note("Iallgather", send, recv)
+        return self._comm.Iallgather(send, recv)
+
+    def Isend(self, buf, dest, tag=0):
+        self._note("Isend", buf)
+        return self._comm.Isend(buf, dest, tag)
+
+    def Irecv(self, buf, source, tag=0):
+        self._note("Irecv", buf)
+        return self._comm.Irecv(buf, source, tag)
+
 
 def run_on_fake_gpus(program, inputs, seen_per_rank=None):
     """``sr.run(..., backend="cupy")`` on every simulated rank; returns each rank's outputs."""
@@ -683,6 +699,24 @@ def test_fused_abs_clears_the_sign_of_negative_zero_as_numpy(fake_cupy, host_ker
     want = np.abs(x) + np.full_like(x, -0.0)
     np.testing.assert_array_equal(np.signbit(backend.to_host(got)), np.signbit(want))
     np.testing.assert_array_equal(backend.to_host(got), want)
+
+
+@pytest.mark.parametrize("cuda_aware", [True, False], ids=["direct", "staged"])
+def test_scheduled_collectives_overlap_on_device_arrays(fake_cupy, monkeypatch, cuda_aware):
+    """A program's start/done pairs on device arrays post MPI's nonblocking calls at the start (on the device
+    buffers, or on pinned host copies) and the done completes them: the GPU computes in between."""
+    from windowed_cases import windowed_program
+    monkeypatch.setenv("SPMD_CUDA_AWARE", "1" if cuda_aware else "0")
+    graph, inputs, program = windowed_program("gather_kept", sr.Mesh((3,), ("x",)), ("x",), 7)
+    starts = [i for i in program.instrs if i.op.endswith("_start")]
+    seen = [[] for _ in range(3)]
+    outs = run_on_fake_gpus(program, inputs, seen)
+    want = sr.evaluate(graph, *inputs)[0]
+    for got in outs:
+        np.testing.assert_allclose(backend.to_host(got[0]), want, rtol=1e-12, atol=1e-12)
+    posted = [kinds for rank_calls in seen for call, kinds in rank_calls if call.startswith("I")]
+    assert starts and len(posted) >= len(starts), "the starts did not post nonblocking MPI calls"
+    assert {k for kinds in posted for k in kinds} == ({"device"} if cuda_aware else {"host"})
 
 
 @pytest.mark.parametrize("pattern", ["gather_kept", "gather_contracted", "reduce_scatter"])
