@@ -31,7 +31,7 @@ posts from one Python frame: one call in flight per binding, as in a program. De
 the start waits for the kernels that made the operand (one stream synchronisation) and posts the call on the
 device buffers (CUDA-aware MPI) or on pinned host copies of its own (``Transport.start``), whose result
 reaches the device at the wait; the GPU runs the kernels queued after the start meanwhile. 16-bit floats
-run blocking at the start (no overlap there).
+overlap when moved; their reductions run blocking at the start (several collectives, low_precision.py).
 
 ``bind(..., operand=a)`` names the array every call's operand will be (the interpreter's planned buffer
 of the operand, exec/buffers.py): a host binding with kept buffers then sets up an MPI-4 persistent request
@@ -126,11 +126,12 @@ def bind(mc, kind: str, xp, shape, dtype, *, reuse: bool = True, in_place: bool 
     if kind not in _BINDERS:
         raise ValueError(f"collective kind must be one of {sorted(_BINDERS)}; got {kind!r}")
     what = f"{kind} over mesh axes {attrs.get('axes', 'of the permute pairs')}"
-    if nonblocking and is_low_precision(dtype):  # emulated by several collectives: blocking at the start
-        run = bind(mc, kind, xp, shape, dtype, reuse=reuse, in_place=in_place, **attrs)
-        return lambda x: Pending((), run(x), None, what)
     if is_low_precision(dtype):  # 16-bit floats: moved as uint16, reduced in float32 (low_precision.py)
-        return low_precision.bind(bind, mc, kind, xp, tuple(shape), np.dtype(dtype), reuse=reuse, **attrs)
+        if nonblocking and kind in low_precision.EMULATED:  # several collectives: blocking at the start
+            run = bind(mc, kind, xp, shape, dtype, reuse=reuse, in_place=in_place, **attrs)
+            return lambda x: Pending((), run(x), None, what)
+        return low_precision.bind(bind, mc, kind, xp, tuple(shape), np.dtype(dtype), reuse=reuse,
+                                  nonblocking=nonblocking, **attrs)
     plan = _Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse, nonblocking, what, operand)
     run = _BINDERS[kind](plan, in_place=in_place, **attrs)
     return plan.starter(run) if nonblocking and not plan.starts_itself else run

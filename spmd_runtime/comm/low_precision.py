@@ -16,7 +16,9 @@ extension, bfloat16 has none) and no reduction over one everywhere. So:
   message segment inside MPI.
 
 ``bind`` mirrors ``collectives.bind`` (every decision made once per shape) and
-builds on its uint16 binders, so buffers, staging and reuse work as there.
+builds on its uint16 binders, so buffers, staging and reuse work as there. A move
+may be nonblocking (its start's ``Pending`` seen through ``Viewed``); the
+reductions (``EMULATED``) are blocking.
 """
 from __future__ import annotations
 
@@ -28,17 +30,39 @@ from spmd_runtime.comm.communicator import mpi_op
 from spmd_runtime.dtypes import ACCUMULATE
 
 WIRE = np.dtype(np.uint16)
+EMULATED = ("all_reduce", "reduce_scatter")  # several collectives and a float32 reduction: blocking only
 
 
-def bind(raw_bind, mc, kind, xp, shape, dtype, *, reuse, **attrs):
-    """``f(x)`` running collective ``kind`` on 16-bit ``dtype`` arrays; ``raw_bind`` is ``collectives.bind``."""
+def bind(raw_bind, mc, kind, xp, shape, dtype, *, reuse, nonblocking=False, **attrs):
+    """``f(x)`` running collective ``kind`` on 16-bit ``dtype`` arrays; ``raw_bind`` is ``collectives.bind``.
+    ``nonblocking`` (moves only): ``start(x) -> Viewed``."""
     raw = lambda kind, shape, **a: raw_bind(mc, kind, xp, shape, WIRE, reuse=reuse, **a)
     if kind == "all_reduce":
         return _bind_all_reduce(raw, mc, xp, shape, dtype, **attrs)
     if kind == "reduce_scatter":
         return _bind_reduce_scatter(raw, mc, xp, shape, dtype, **attrs)
-    move = raw(kind, shape, **attrs)
+    move = raw(kind, shape, nonblocking=nonblocking, **attrs)
+    if nonblocking:
+        return lambda x: Viewed(move(x.view(WIRE)), dtype)
     return lambda x: move(x.view(WIRE)).view(dtype)
+
+
+class Viewed:
+    """An issued nonblocking move of 16-bit floats: its uint16 ``Pending``, the result seen as ``dtype``."""
+
+    __slots__ = ("pending", "dtype")
+
+    def __init__(self, pending, dtype):
+        self.pending, self.dtype = pending, dtype
+
+    def __repr__(self):
+        return f"Viewed({self.pending!r} as {self.dtype})"
+
+    def test(self) -> bool:
+        return self.pending.test()
+
+    def wait(self):
+        return self.pending.wait().view(self.dtype)
 
 
 def _bind_all_reduce(raw, mc, xp, shape, dtype, axes, op="sum"):
@@ -81,4 +105,4 @@ def _bind_reduce_blocks(raw, xp, blocks_shape, dtype, axes, op):
     return lambda blocks: reduce(exchange(blocks.view(WIRE)).view(dtype), axis=0)
 
 
-__all__ = ["bind"]
+__all__ = ["bind", "Viewed", "EMULATED"]

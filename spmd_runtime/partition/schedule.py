@@ -17,7 +17,8 @@ whose operands exist from the top of the program, thus prefetch as many layers a
 (inside a scanned layer stack, one iteration ahead when asked: partition/scan_prefetch.py).
 
 A collective stays one blocking instruction when nothing would run between its start and its done, when
-it feeds only other collectives, or when it moves 16-bit floats (emulated by several collectives). One that
+it feeds only other collectives, or when it reduces 16-bit floats (emulated by several collectives; 16-bit
+moves are split like any other). One that
 feeds compute and another collective (a windowed einsum's ring, partition/windowed.py) is split, and the
 collective it feeds starts after its done.
 ``partition(overlap=False)`` or ``SPMD_ASYNC=0`` turns the pass off; ``SPMD_ASYNC_BUDGET`` (bytes) or
@@ -30,6 +31,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..comm.low_precision import EMULATED  # 16-bit reductions: several collectives, blocking
 from ..cost import ASYNC_KINDS
 from ..dtypes import is_low_precision
 from ..opdef import define, lookup
@@ -120,7 +122,7 @@ def schedule_collectives(program: SPMDProgram, budget: int):
 def _window(ins: Instr, instrs, users, n, collective) -> tuple[int, int] | None:
     """(earliest start gap, done gap) of a collective worth splitting, else None. Gap g lies just before %g.
     ``collective``: op name -> whether it is a collective."""
-    if ins.op not in ASYNC_KINDS or is_low_precision(ins.dtype) or not ins.args:
+    if ins.op not in ASYNC_KINDS or not ins.args or (is_low_precision(ins.dtype) and ins.op in EMULATED):
         return None
     readers = users.get(ins.out, [])
     if readers and all(collective[instrs[u].op] for u in readers):

@@ -157,6 +157,55 @@ def test_16bit_reduce_scatter_max_gather_and_permute(dtype):
         np.testing.assert_array_equal(perm.view(np.uint16), xs[(rank - 1) % k].view(np.uint16))
 
 
+@pytest.mark.parametrize("dtype", LOW)
+def test_16bit_moves_are_nonblocking_and_reductions_block_at_the_start(dtype, monkeypatch):
+    """A bound nonblocking 16-bit move posts one uint16 I-call at the start and gives the 16-bit result at the
+    wait (FSDP's bf16 weight gathers overlap); a 16-bit reduction (several collectives) runs at the start."""
+    k, rng = 4, np.random.default_rng(4)
+    xs = [rng.standard_normal((8, 3)).astype(dtype) for _ in range(k)]
+    posted, lock = [], threading.Lock()
+    original = SimulatedComm.Iallgather
+
+    def counted(comm, send, recv):
+        with lock:
+            posted.append(np.asarray(send).dtype)
+        return original(comm, send, recv)
+    monkeypatch.setattr(SimulatedComm, "Iallgather", counted)
+
+    def body(mc, x):
+        gather = collectives.bind(mc, "all_gather", np, x.shape, x.dtype, nonblocking=True, axes=("x",), dim=0)
+        reduce = collectives.bind(mc, "all_reduce", np, x.shape, x.dtype, nonblocking=True, axes=("x",))
+        started, summed = gather(x), reduce(x)
+        return started.test(), summed.test(), started.wait(), summed.wait()
+    want = np.stack(xs).astype(np.float32).sum(axis=0).astype(dtype)
+    for done_early, reduced_early, gathered, total in run_collective(body, xs, k):
+        assert reduced_early, "a 16-bit reduction must be complete at its start (blocking, emulated)"
+        assert gathered.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(gathered.view(np.uint16), np.concatenate(xs).view(np.uint16))
+        np.testing.assert_array_equal(total.view(np.uint16), want.view(np.uint16))
+    assert posted == [np.dtype(np.uint16)] * k, "each rank posts one uint16 Iallgather"
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_the_scheduler_splits_16bit_moves_and_keeps_16bit_reductions_whole(dtype):
+    """A 16-bit all-gather becomes a start/done pair around independent compute; a 16-bit all-reduce, which
+    float32 would split there too, stays one instruction; the program still computes the reference."""
+    def built(d):
+        graph = sr.trace(lambda w, y: ((snp.exp(y) * 2.0).sum(), w * 3.0), *[sr.TensorSpec((8, 4), d)] * 2)
+        program = sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None)] * 2,
+                               out_specs=[(), (None, None)])
+        return graph, program, {i.op for i in program.instrs}
+    assert {"all_gather_start", "all_reduce_start"} <= built("float32")[2]
+    graph, program, ops = built(dtype)
+    assert "all_gather_start" in ops and "all_reduce" in ops and "all_reduce_start" not in ops, ops
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal((8, 4)).astype(dtype) for _ in range(2)]
+    want = sr.evaluate(graph, *inputs)
+    for outs in run_simulated(2, lambda comm: sr.run(program, *inputs, comm=comm)):
+        np.testing.assert_array_equal(outs[1].view(np.uint16), want[1].view(np.uint16))
+        np.testing.assert_allclose(np.float32(outs[0]), np.float32(want[0]), rtol=2e-2)
+
+
 # ---------------------------------------------------------------- training
 TINY = dict(layers=1, d=32, heads=4, ffn=64, vocab=len(data.ALPHABET), seq=16, batch=8)
 
