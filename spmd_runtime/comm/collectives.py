@@ -62,10 +62,11 @@ from spmd_runtime.comm.communicator import mpi_op
 from spmd_runtime.dtypes import is_low_precision
 
 PERSISTENT_ENV = "SPMD_PERSISTENT"
-# MPICH runs a persistent collective with its nonblocking algorithms: for a blocking all-reduce of 256 KiB and a
-# reduce-scatter of 1 MiB (2 ranks, MPICH 5.0.2) those took 1.2-1.9x the blocking ones, so blocking reductions
-# above this size keep the plain call. Moves (all-gather, all-to-all, permute) and nonblocking calls: no size
-# measured was slower (scripts/bench_collectives.py, docs/BENCHMARKS.md).
+# MPICH runs a persistent collective with its nonblocking algorithms: a blocking reduce-scatter of 1 MiB took
+# 1.7-1.9x the plain call with them (2 ranks, MPICH 5.0.2; all-reduces of 64 KiB-4 MiB were no slower), and a
+# large message gains nothing from skipping per-call setup, so blocking reductions above this size keep the
+# plain call. Moves (all-gather, all-to-all, permute) and nonblocking calls: no size measured was slower
+# (scripts/bench_collectives.py, docs/BENCHMARKS.md).
 PERSISTENT_REDUCTION_MAX = 64 << 10
 _REDUCTIONS = ("Allreduce", "Reduce_scatter_block")
 
