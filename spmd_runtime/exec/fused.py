@@ -14,9 +14,9 @@
 * Any other array module: the steps as plain calls.
 
 A ``fused_reduce`` (a chain reduced over its trailing dims) runs compiled as one loop accumulating each row
-(exec/cpu_kernels.py); on CuPy a sum as one generated ``ReductionKernel`` (the chain as its map, accumulated
-in double); elsewhere (and max/min on CuPy) as its chain into a buffer (scratch on NumPy) and the ``reduce``
-op's own kernel.
+(exec/cpu_kernels.py); on CuPy as one generated ``ReductionKernel`` (the chain as its map; a sum accumulated
+in double, a max/min of floats in the float type, NaN-propagating as NumPy's); elsewhere as its chain into a
+buffer (scratch on NumPy) and the ``reduce`` op's own kernel.
 """
 from __future__ import annotations
 
@@ -85,15 +85,15 @@ def _bind_fusion(interp, ins):
 @opdef.bind(FUSED_REDUCE)
 def _bind_fused_reduce(interp, ins):
     """The chain's kernel into a buffer and the ``reduce`` op's own kernel over it (its numerics exactly); on
-    CuPy a sum as one ReductionKernel. (Where it compiled, the interpreter binds the loop: bind_compiled.)"""
+    CuPy one ReductionKernel. (Where it compiled, the interpreter binds the loop: bind_compiled.)"""
     chain, xp, planned = chain_of(ins), interp.xp, interp.planned.get(ins.out)
     reduce_kernel, kind, axes = lookup("reduce").kernel, ins.attrs["kind"], ins.attrs["axes"]
     dtypes = operand_dtypes(interp.program, ins)
     if xp is np:  # the chain's values into scratch kept across runs (they never outlive this instruction)
         values = interp.fusion_scratch.get(chain.shape, np.dtype(chain.dtype), "reduced chain")
         run_chain = _numpy_chain(Fusion(chain), interp.fusion_scratch, values)
-    elif kind == "sum" and _is_cupy(xp) and hasattr(xp, "ReductionKernel"):
-        return _cupy_sum_kernel(Fusion(chain), xp, dtypes, axes, planned)
+    elif _is_cupy(xp) and hasattr(xp, "ReductionKernel") and _cupy_reduction(kind, chain.dtype) is not None:
+        return _cupy_reduce_kernel(Fusion(chain), xp, dtypes, kind, axes, planned)
     else:
         run_chain = bind_fusion(chain, xp, dtypes, interp.fusion_scratch)
     return lambda *args: reduce_kernel(xp, run_chain(*args), kind, axes, into=planned)
@@ -449,13 +449,33 @@ def _is_cupy(xp) -> bool:
     return getattr(xp, "__name__", "") == "cupy"
 
 
-def _cupy_sum_kernel(fusion: Fusion, cp, operand_dtypes, axes, planned):
-    """A fused sum as ONE ``ReductionKernel``: the chain is the map (a device function generated as the
-    ElementwiseKernel's body), the sum accumulates in double (as the compiled CPU loop does)."""
+# -inf and +inf as CUDA device intrinsics (no header needed): the identities of max and min.
+_INF_BITS = {"float": ("__int_as_float", "0x7f800000", "0xff800000"),
+             "double": ("__longlong_as_double", "0x7ff0000000000000LL", "0xfff0000000000000LL")}
+
+
+def _cupy_reduction(kind: str, dtype) -> tuple[str, str, str] | None:
+    """(reduce_expr, identity, reduce_type) of a fused ``kind`` reduction's ReductionKernel, or None (max/min
+    of a non-float: the chain then the library's reduction). Max/min keep a NaN from either side, as NumPy's."""
+    if kind == "sum":
+        return "a + b", "0", "double"
+    ctype = _C_TYPES.get(np.dtype(dtype).name)
+    if kind not in ("max", "min") or ctype not in _INF_BITS:
+        return None
+    cast, plus, minus = _INF_BITS[ctype]
+    if kind == "max":
+        return "(a != a || a > b) ? a : b", f"{cast}({minus})", ctype
+    return "(a != a || a < b) ? a : b", f"{cast}({plus})", ctype
+
+
+def _cupy_reduce_kernel(fusion: Fusion, cp, operand_dtypes, kind, axes, planned):
+    """A fused reduction as ONE ``ReductionKernel``: the chain is the map (a device function generated as the
+    ElementwiseKernel's body); a sum accumulates in double (as the compiled CPU loop does)."""
     in_params, head, body = cuda_reduce_source(fusion, operand_dtypes)
-    kernel = cp.ReductionKernel(in_params, f"{fusion.dtype.name} out", head, "a + b",
-                                f"out = ({_C_TYPES[fusion.dtype.name]})a", "0", "spmd_fused_sum", reduce_type="double",
-                                preamble=body)
+    reduce_expr, identity, reduce_type = _cupy_reduction(kind, fusion.dtype)
+    kernel = cp.ReductionKernel(in_params, f"{fusion.dtype.name} out", head, reduce_expr,
+                                f"out = ({_C_TYPES[fusion.dtype.name]})a", identity, f"spmd_fused_{kind}",
+                                reduce_type=reduce_type, preamble=body)
     views, axes = fusion.views, tuple(axes)
 
     def run(*args):
@@ -468,7 +488,7 @@ def _cupy_sum_kernel(fusion: Fusion, cp, operand_dtypes, axes, planned):
 
 
 def cuda_reduce_source(fusion: Fusion, operand_dtypes) -> tuple[str, str, str]:
-    """(in_params, map expression, preamble) of a fused sum's ReductionKernel: the chain as a device function
+    """(in_params, map expression, preamble) of a fused reduction's ReductionKernel: the chain as a device function
     ``spmd_chain(p0, ...)`` returning its last step."""
     in_params, _, operation = cuda_source(fusion, operand_dtypes)
     params = fusion.param_dtypes(operand_dtypes)

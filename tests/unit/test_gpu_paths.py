@@ -600,26 +600,55 @@ class HostElementwiseKernel:
 
 
 class HostReductionKernel:
-    """``cupy.ReductionKernel`` for the fake GPU, for the sums the runtime generates: the map expression (and
-    its preamble) compiled by the host g++ into a loop writing each element's mapped value in double, then
-    summed over ``axis`` in double and cast to the output type, as ``reduce_type="double"`` with ``a + b``
-    does on the device."""
+    """``cupy.ReductionKernel`` for the fake GPU, for the reductions the runtime generates: the map expression
+    (and its preamble) compiled by the host g++ into a loop writing each element's mapped value in double, then
+    a second generated loop folding each output's elements with ``reduce_expr`` from ``identity`` in
+    ``reduce_type`` (the kernel's own strings, CUDA's -inf/+inf intrinsics given host definitions), cast to
+    the output type."""
+
+    _folds: dict = {}  # source -> compiled fold
+    _HOST_INTRINSICS = (
+        "#include <cstring>\n"
+        "static inline float __int_as_float(unsigned int i) { float f; std::memcpy(&f, &i, 4); return f; }\n"
+        "static inline double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }\n")
 
     def __init__(self, fake, in_params, out_params, map_expr, reduce_expr, post_map_expr, identity, name,
                  tmp_path, reduce_type=None, preamble=""):
-        assert (reduce_expr, identity, reduce_type) == ("a + b", "0", "double"), "the fake only sums in double"
+        import ctypes
+        import subprocess
         (self.out_dtype, _), = [p.split() for p in out_params.split(", ")]
         self.fake = fake
         fake.events.append("reduction kernel")
         self.mapped = HostElementwiseKernel(fake, in_params, "float64 out", f"out = (double){map_expr};", name,
                                             tmp_path, preamble)
+        source = (f"{self._HOST_INTRINSICS}typedef {reduce_type} T;\n#define REDUCE(a, b) ({reduce_expr})\n"
+                  f"extern \"C\" void fold(const double* x, double* out, long rows, long n) {{\n"
+                  f"  for (long r = 0; r < rows; ++r) {{ T a = (T)({identity});\n"
+                  f"    for (long j = 0; j < n; ++j) {{ const T b = (T)x[r * n + j]; a = REDUCE(a, b); }}\n"
+                  f"    out[r] = (double)a; }} }}\n")
+        with HostElementwiseKernel._lock:  # simulated ranks are threads: one builds, the others wait
+            if source not in self._folds:
+                stem = tmp_path / f"{name}_fold_{len(self._folds)}"
+                stem.with_suffix(".cpp").write_text(source)
+                subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(stem.with_suffix(".so")),
+                                str(stem.with_suffix(".cpp"))], check=True)
+                self._folds[source] = ctypes.CDLL(str(stem.with_suffix(".so"))).fold
+            self.fold = self._folds[source]
 
     def __call__(self, *args, axis):
+        import ctypes
         ins = [self.fake.unwrap(a) for a in args]
         shape = np.broadcast_shapes(*[a.shape for a in ins])
         mapped = self.fake.asarray(np.empty(shape))
         self.mapped(*args, mapped)
-        return self.fake.asarray(self.fake.unwrap(mapped).sum(axis=axis).astype(self.out_dtype))
+        axes = tuple(a % len(shape) for a in np.atleast_1d(axis))
+        kept = [d for d in range(len(shape)) if d not in axes]
+        rows = np.ascontiguousarray(np.transpose(self.fake.unwrap(mapped), kept + list(axes)))
+        n = int(np.prod([shape[d] for d in axes]))
+        out = np.empty(rows.size // max(n, 1))
+        self.fold(rows.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+                  ctypes.c_long(out.size), ctypes.c_long(n))
+        return self.fake.asarray(out.reshape([shape[d] for d in kept]).astype(self.out_dtype))
 
 
 @pytest.fixture
@@ -735,8 +764,8 @@ def test_windowed_einsum_rings_run_on_device_arrays(fake_cupy, monkeypatch, patt
 
 
 def test_fused_reductions_run_on_device_arrays(fake_cupy, host_kernels):
-    """A fused_reduce on the fake GPU: a sum as one generated ReductionKernel (the chain as its map), a max as
-    the chain's kernel then the library's reduction."""
+    """A fused_reduce on the fake GPU: a sum and a max each as one generated ReductionKernel (the chain as its
+    map), nothing else compiled."""
     x = np.random.default_rng(0).standard_normal((4, 6, 40))
     graph = sr.trace(lambda a: (snp.sum(snp.exp(a) * 2.0, axis=-1), snp.max(-a, axis=(1, 2))), x)
     program = sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None, None)])
@@ -746,5 +775,24 @@ def test_fused_reductions_run_on_device_arrays(fake_cupy, host_kernels):
         for g, want in zip(got, sr.evaluate(graph, x)):
             assert backend.is_device_array(g)
             np.testing.assert_allclose(backend.to_host(g), want, rtol=1e-12, atol=1e-12)
-    assert fake_cupy.events.count("compile") == 2 * 2  # per rank: the sum's map, the max's chain
-    assert fake_cupy.events.count("reduction kernel") == 2  # per rank: the sum in one kernel
+    assert fake_cupy.events.count("compile") == 2 * 2  # per rank: the sum's map, the max's map
+    assert fake_cupy.events.count("reduction kernel") == 2 * 2  # per rank: the sum and the max, one kernel each
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_max_and_min_kernels_keep_nan_and_infinities_as_numpy(fake_cupy, host_kernels, dtype):
+    """The generated max/min ReductionKernels start from -inf/+inf and keep a NaN from either side, as
+    np.max/np.min: rows of all -inf, a NaN first or last, a row of +inf."""
+    x = np.random.default_rng(1).standard_normal((4, 5, 6)).astype(dtype)
+    x[0, 0, :] = -np.inf
+    x[0, 1, 0], x[0, 2, -1] = np.nan, np.nan
+    x[1, 0, :] = np.inf
+    graph = sr.trace(lambda a: (snp.max(a * 2.0, axis=-1), snp.min(a - 1.0, axis=-1)), x)
+    program = sr.partition(graph, sr.Mesh((1,), ("x",)))
+    assert sorted(i.attrs["kind"] for i in program.instrs if i.op == "fused_reduce") == ["max", "min"]
+    got = run_simulated(1, lambda comm: sr.run(program, x, comm=comm, backend="cupy"))[0]
+    with np.errstate(invalid="ignore"):
+        want = sr.evaluate(graph, x)
+    assert fake_cupy.events.count("reduction kernel") == 2
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(backend.to_host(g), w)
