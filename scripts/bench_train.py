@@ -64,6 +64,8 @@ def parse_args(argv=None):
     ap.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="with scanned layers")
     ap.add_argument("--microbatches", type=int, default=1,
                     help="gradient accumulation over this many slices (pipeline preset: its micro-batches)")
+    ap.add_argument("--donate", action="store_true",
+                    help="update the parameters and optimizer state in place (build_train_step(donate=True))")
     ap.add_argument("--partition-only", action="store_true",
                     help="only trace and partition: print partition seconds and instruction counts")
     return ap.parse_args(argv)
@@ -112,7 +114,7 @@ def build(args, comm):
     def build_timed():
         t0 = time.perf_counter()
         step = build_train_step(cfg, train_mesh(shape, args.preset), args.preset, make_optimizer(args.optimizer),
-                                microbatches=args.microbatches)
+                                microbatches=args.microbatches, donate=args.donate)
         return step, time.perf_counter() - t0
     return comm.bcast(run_on_root(comm, build_timed), root=0)
 
@@ -177,7 +179,7 @@ def main():
             "max_rss_bytes_per_rank": rss * 1024, "program_peak_bytes_per_rank": ts.program.peak_bytes(),
             "memory_per_rank": ts.memory_report(), "instructions": len(ts.program.instrs),
             "instructions_with_bodies": count_instructions(ts.program), "scan_layers": cfg.scanned,
-            "remat": ARGS.remat, "microbatches": ARGS.microbatches, "build_s": build_seconds,
+            "remat": ARGS.remat, "microbatches": ARGS.microbatches, "donate": ARGS.donate, "build_s": build_seconds,
             "loss_first": losses[0], "loss_last": losses[-1],
             "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg()),
             **({"moe": moe_report(ts)} if cfg.moe_every else {}),

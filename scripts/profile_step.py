@@ -22,9 +22,11 @@ from spmd_runtime.exec.runner import Runtime, communicator
 # Layers unrolled: a per-op profile (scanned layers put the whole stack in one "scan" instruction).
 ap = argparse.ArgumentParser()
 ap.add_argument("--batch", type=int, default=8)
-B = ap.parse_args().batch
+ap.add_argument("--donate", action="store_true", help="the state updated in place (build_train_step(donate=True))")
+ARGS = ap.parse_args()
+B = ARGS.batch
 cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=B, scan_layers=False)
-ts = sr.build_train_step(cfg, sr.train_mesh((1,), "dp"), "dp", sr.AdamW())
+ts = sr.build_train_step(cfg, sr.train_mesh((1,), "dp"), "dp", sr.AdamW(), donate=ARGS.donate)
 prog = ts.program
 state = ts.init(0)
 rng = np.random.default_rng(0)

@@ -30,7 +30,7 @@ from .trace import mesh_split, trace
 
 
 def jit(fn=None, *, mesh: Mesh | None = None, in_specs=None, out_specs=None, static_argnums=(), profile=None,
-        comm=None):
+        comm=None, donate_argnums=()):
     """``fn`` compiled for ``mesh`` (default: the context mesh at call time).
 
     ``in_specs`` / ``out_specs``: ``P`` specs as a pytree prefix of the
@@ -39,11 +39,14 @@ def jit(fn=None, *, mesh: Mesh | None = None, in_specs=None, out_specs=None, sta
     sharding). ``static_argnums``: positions passed to ``fn`` as Python values
     (part of the cache key). ``profile``: a directory; each call writes one
     Chrome trace per rank there (see ``spmd_runtime.profile``).
+    ``donate_argnums``: positions of arguments whose buffers the program may overwrite (JAX's): a DArray
+    argument's local blocks are then consumed by the call (do not use it afterwards); a NumPy argument's
+    blocks are copied first, so the array itself is left as it was.
     """
     if fn is None:
         return lambda f: jit(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, static_argnums=static_argnums,
-                             profile=profile, comm=comm)
-    return Jitted(fn, mesh, in_specs, out_specs, static_argnums, profile, comm)
+                             profile=profile, comm=comm, donate_argnums=donate_argnums)
+    return Jitted(fn, mesh, in_specs, out_specs, static_argnums, profile, comm, donate_argnums)
 
 
 def _is_spec(x) -> bool:
@@ -51,9 +54,10 @@ def _is_spec(x) -> bool:
 
 
 class Jitted:
-    def __init__(self, fn, mesh, in_specs, out_specs, static_argnums, profile, comm):
+    def __init__(self, fn, mesh, in_specs, out_specs, static_argnums, profile, comm, donate_argnums=()):
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+        self.donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self.profile, self.comm = profile, comm
         self._cache: dict = {}
         self.hits = self.misses = 0
@@ -72,8 +76,10 @@ class Jitted:
             program, error = None, program
         digest = None if program is None else program.hash
         _agree_call(mc, digest, error, _describe_args(args), self.__name__)
-        blocks = [x.local if isinstance(x, DArray) else shard(x, s.sharding, mesh, mc.rank)
-                  for x, s in zip(leaves, program.inputs)]
+        donated = program.donated  # a NumPy argument's blocks are views of it: donated ones are copied
+        blocks = [x.local if isinstance(x, DArray) else
+                  np.array(shard(x, s.sharding, mesh, mc.rank)) if k in donated else shard(x, s.sharding, mesh, mc.rank)
+                  for k, (x, s) in enumerate(zip(leaves, program.inputs))]
         with profiling(self.profile, f"jit({self.__name__})"):
             outs = run_local(program, *blocks, comm=comm)
         return program.out_tree.unflatten(DArray(o, s.shape, s.dtype, mesh, s.sharding, comm)
@@ -132,7 +138,23 @@ class Jitted:
             if self.out_specs is not None:
                 outs = pytree.broadcast_prefix(self.out_specs, graph.out_tree.unflatten([0] * len(graph.outputs)),
                                                _is_spec, "out_specs")
-            return partition(graph, mesh, in_specs=specs, out_specs=outs)
+            return partition(graph, mesh, in_specs=specs, out_specs=outs, donate=self._donated_leaves(static, dynamic))
+
+    def _donated_leaves(self, static, dynamic) -> list[int]:
+        """Flat input positions of the leaves of the arguments at ``donate_argnums``."""
+        n = len(static) + len(dynamic)
+        bad = [i for i in self.donate if not isinstance(i, int) or not 0 <= i < n or i in static]
+        if bad:
+            raise ValueError(f"donate_argnums must index the {n} arguments, none of them static ({sorted(static)}); "
+                             f"got {bad}")
+        positions = [i for i in range(n) if i not in static]
+        leaves, first = [], 0
+        for i, arg in zip(positions, dynamic):
+            count = len(pytree.flatten(arg)[0])
+            if i in self.donate:
+                leaves += range(first, first + count)
+            first += count
+        return leaves
 
     def _input_specs(self, dynamic, leaves) -> tuple[list, dict]:
         """(one spec per leaf, {leaf: declared Sharding} for partial DArrays declared as final values)."""

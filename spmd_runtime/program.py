@@ -130,24 +130,38 @@ class SPMDProgram:
                 for o in self.outputs]
 
     def peak_bytes(self) -> int:
-        """Largest sum of live local buffers at any point (inputs included)."""
-        live = {i.slot: int(np.prod(i.sharding.local_shape(i.shape, self.mesh))) * np.dtype(i.dtype).itemsize
-                for i in self.inputs}
-        peak = cur = sum(live.values())
+        """Largest sum of live local buffers at any point, inputs included: the caller holds an input for the
+        whole run unless it is donated (then it is freed, or reused, where it dies); a result written into a
+        dying operand (``donate``) takes no new buffer."""
+        sizes = {i.slot: int(np.prod(i.sharding.local_shape(i.shape, self.mesh))) * np.dtype(i.dtype).itemsize
+                 for i in self.inputs}
+        donated = {self.inputs[k].slot for k in self.donated}
+        live = {s: n for s, n in sizes.items() if s in donated}  # what the program may free
+        peak = cur = sum(sizes.values())
         for ins in self.instrs:
             for body in _bodies(ins):  # a loop's temporaries live while it runs
                 peak = max(peak, cur + body.peak_bytes() - sum(body.input_bytes()) + _stacked_bytes(ins))
             if ins.op != "parameter":  # inputs are counted above
-                live[ins.out] = ins.nbytes
-                cur += ins.nbytes
+                reused = ins.donate >= 0 and ins.args[ins.donate] in live
+                live[ins.out] = live.pop(ins.args[ins.donate]) if reused else ins.nbytes
+                cur += 0 if reused else ins.nbytes
                 peak = max(peak, cur)
             cur -= sum(live.pop(s, 0) for s in ins.free)
         return peak
 
     # ------------------------------------------------------------ listing
+    @property
+    def donated(self) -> frozenset:
+        """Positions of the inputs whose buffers the program may overwrite (``partition(donate=...)``)."""
+        if "_donated" not in self.__dict__:
+            self.__dict__["_donated"] = frozenset(i.attrs["index"] for i in self.instrs
+                                                  if i.op == "parameter" and i.attrs.get("donated"))
+        return self.__dict__["_donated"]
+
     def __str__(self):
         head = f"SPMDProgram on {self.mesh}  hash={self.hash[:12]}  wire_bytes/rank={self.wire_bytes:.0f}"
-        params = ", ".join(f"%{i.slot} {i.name}: {_ty(i.dtype, i.shape)} {i.sharding}" for i in self.inputs)
+        params = ", ".join(f"%{i.slot} {i.name}: {_ty(i.dtype, i.shape)} {i.sharding}"
+                           f"{' donated' if k in self.donated else ''}" for k, i in enumerate(self.inputs))
         lines = [head, f"  inputs ({params})"] + self._listing("  ")
         lines += [f"  # note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -36,7 +36,7 @@ INTERPRETER_OPS = {"parameter": {"index"}, "shard_slice": {"dim", "axes"}, "shar
                    "all_to_allv": {"src_dims", "dst_dims", "partial_axes", "axes", "wire_bytes"},
                    "fusion": {"code", "consts", "dtypes", "shapes"},
                    "fused_reduce": {"code", "consts", "dtypes", "shapes", "chain_shape", "kind", "axes"}}
-INTERPRETER_OPTIONAL = {"all_to_allv": {"maps", "fill"}, "shard_slice": {"shift"}}  # a window exchange (slice, pad, concatenate)
+INTERPRETER_OPTIONAL = {"all_to_allv": {"maps", "fill"}, "shard_slice": {"shift"}, "parameter": {"donated"}}  # a window exchange (slice, pad, concatenate)
 FUSION_STEP = re.compile(r"^t(\d+)=(\w+)\(((?:[pct]\d+)(?:,[pct]\d+)*)\)$")  # partition/fusion.py's code
 
 

@@ -382,10 +382,12 @@ def _output_name(path: tuple) -> str:
 
 
 def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
-                     microbatches: int = 1) -> "TrainStep":
+                     microbatches: int = 1, donate: bool = False) -> "TrainStep":
     """Trace and partition one training step of ``cfg`` over ``mesh`` with ``preset`` (name or Preset);
     ``microbatches`` > 1 accumulates gradients over that many slices of the batch (one optimizer update);
-    with the ``pipeline`` preset they are the pipeline's micro-batches."""
+    with the ``pipeline`` preset they are the pipeline's micro-batches. ``donate``: the step updates the
+    parameters and optimizer state in place (``partition(donate=...)``, JAX's ``donate_argnums``): no new
+    buffers for the new state, and ``step`` consumes the local state it is given (use the one it returns)."""
     if not isinstance(microbatches, int) or microbatches < 1 or cfg.batch % microbatches:
         raise ValueError(f"microbatches must be a positive int dividing the batch; got microbatches="
                          f"{microbatches!r} for batch={cfg.batch}")
@@ -400,7 +402,8 @@ def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimize
     layout = make_layout(cfg, mesh, preset, optimizer)
     graph = trace(train_step_fn(cfg, optimizer, layout, microbatches), *input_specs(cfg, optimizer))
     in_specs, out_specs = step_specs(graph, layout)
-    program = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs)
+    state = [k for k, node in enumerate(graph.params) if not graph.name_of(node).startswith("batch.")] if donate else ()
+    program = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs, donate=state)
     return TrainStep(cfg, mesh, preset, optimizer, layout, graph, program)
 
 
@@ -410,13 +413,13 @@ def metric_names(cfg: LMConfig) -> tuple[str, ...]:
 
 
 def build_train_step_on_root(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
-                             comm=None, microbatches: int = 1) -> "TrainStep":
+                             comm=None, microbatches: int = 1, donate: bool = False) -> "TrainStep":
     """Collective: rank 0 traces and partitions, every rank receives the same TrainStep (each rank would
     otherwise repeat the same deterministic work, N times over on shared cores)."""
     comm = comm if comm is not None else _world()
     check_experts(cfg, mesh, _preset(preset).on(mesh))  # on every rank, before rank 0 goes off alone
     check_pipeline(cfg, mesh, _preset(preset), microbatches)
-    step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer, microbatches),
+    step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer, microbatches, donate),
                        "tracing and partitioning the training step on rank 0")
     return comm.bcast(step, root=0)
 
@@ -505,8 +508,10 @@ class TrainStep:
         return {"params": params, "opt_state": self.optimizer.init_state(params)}
 
     def shard_state(self, state: dict, rank: int) -> dict:
-        """``rank``'s TRUE blocks of the global ``state`` (sliced once; the step then keeps them local)."""
-        return self._tree([shard(np.asarray(x), io.sharding, self.mesh, rank)
+        """``rank``'s TRUE blocks of the global ``state`` (sliced once; the step then keeps them local). Views of
+        ``state``, or copies when the step donates its state (it would write into ``state`` itself)."""
+        own = np.array if self.program.donated else (lambda block: block)
+        return self._tree([own(shard(np.asarray(x), io.sharding, self.mesh, rank))
                            for x, io in zip(self._flat(state), self._state_ios)])
 
     def _batch(self, tokens, labels) -> list:

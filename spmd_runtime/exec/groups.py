@@ -6,7 +6,9 @@ parameter p') leaves those results in memory only to read them back; when the ot
 anyway (they are program outputs), one loop can read g, m, v, p once and write m', v', p' (7 passes over the
 parameter instead of 10). The group's loop runs where its first member stands, so every operand a member
 takes from outside the group must exist by then; the members keep their places in the program (and its
-listing), each handing on its result from the group's loop. ``$SPMD_CPU_GROUPS=0`` binds every fusion alone.
+listing), each handing on its result from the group's loop. A member that writes into a dying operand
+(``donate``: AdamW's update of a donated parameter, ``partition(donate=...)``) does so from the group's loop
+too, where nothing else reads that operand after the lead. ``$SPMD_CPU_GROUPS=0`` binds every fusion alone.
 
 Only compiled loops (exec/cpu_kernels.py) and CuPy's generated kernels run groups: on NumPy without a
 compiler, for a group too small or not compilable, in loop bodies (whose results a scan redirects per
@@ -37,6 +39,7 @@ class Group:
     fusion: Fusion
     results: tuple
     dtypes: tuple  # of ins.args
+    into: tuple = ()  # per member: the position in ins.args of the dying operand it writes into, or -1
 
 
 def sibling_groups(program) -> dict[int, Group]:
@@ -46,6 +49,10 @@ def sibling_groups(program) -> dict[int, Group]:
         return {}
     instrs = program.instrs
     at = {ins.out: k for k, ins in enumerate(instrs)}
+    readers: dict[int, list[int]] = {}
+    for ins in instrs:
+        for a in ins.args:
+            readers.setdefault(a, []).append(ins.out)
     taken: set[int] = set()
     groups = {}
     for ins in instrs:
@@ -58,10 +65,30 @@ def sibling_groups(program) -> dict[int, Group]:
             continue
         members = sorted(feeders + [ins.out], key=at.get)
         outside = {a for m in members for a in instrs[at[m]].args if a not in members}
-        if all(at[a] < at[members[0]] for a in outside):
+        if all(at[a] < at[members[0]] for a in outside) and _donations_hold(instrs, at, members, readers):
             groups[members[0]] = _merged(program, [instrs[at[m]] for m in members])
             taken.update(members)
     return groups
+
+
+def _donations_hold(instrs, at, members, readers) -> bool:
+    """Whether every member that writes into a dying operand (``donate``) may do so at the lead's place: the
+    operand comes from outside the group, no other instruction reads it after the lead (the member's own
+    place is its last read), and every member reads it whole (the loop then reads each element before
+    writing it: a broadcast read would see another element already overwritten)."""
+    lead, inside = at[members[0]], set(members)
+    for m in members:
+        ins = instrs[at[m]]
+        if ins.donate < 0:
+            continue
+        x = ins.args[ins.donate]
+        if x in inside or any(r not in inside and at[r] > lead for r in readers.get(x, ())):
+            return False
+        for other in members:
+            o = instrs[at[other]]
+            if any(a == x and tuple(s) != tuple(ins.shape) for a, s in zip(o.args, o.attrs["shapes"])):
+                return False
+    return True
 
 
 def bind_group(interp, group: Group) -> dict:
@@ -84,11 +111,12 @@ def _compiled(interp, group: Group):
     kernel.argtypes = [ctypes.c_void_p] * (len(group.ins.args) + len(group.members))
     kernel.restype = None
     check = operand_check(group.fusion, group.dtypes)
-    made = [(interp.planned.get(slot), *_result(interp, slot)) for slot in group.members]
+    made = [(interp.planned.get(slot), *_result(interp, slot), k) for slot, k in zip(group.members, group.into)]
 
     def compute(args):
         arrays = check(args)
-        outs = [planned if planned is not None else np.empty(shape, dtype) for planned, shape, dtype in made]
+        outs = [arrays[k] if k >= 0 else planned if planned is not None else np.empty(shape, dtype)
+                for planned, shape, dtype, k in made]
         kernel(*[a.ctypes.data for a in arrays], *[o.ctypes.data for o in outs])
         return outs
     return compute
@@ -98,10 +126,10 @@ def _elementwise_kernel(interp, group: Group):
     """``operands -> member results`` through ONE generated CuPy ElementwiseKernel writing every member."""
     cp = interp.xp
     kernel = cp.ElementwiseKernel(*cuda_source(group.fusion, group.dtypes, group.results), "spmd_group")
-    made = [_result(interp, slot) for slot in group.members]
+    made = [(*_result(interp, slot), k) for slot, k in zip(group.members, group.into)]
 
     def compute(args):
-        outs = [cp.empty(shape, dtype) for shape, dtype in made]
+        outs = [args[k] if k >= 0 else cp.empty(shape, dtype) for shape, dtype, k in made]
         kernel(*group.fusion.views(args), *outs)
         return outs
     return compute
@@ -113,7 +141,7 @@ def _result(interp, slot: int) -> tuple:
 
 
 def _groupable(ins) -> bool:
-    return ins.op == "fusion" and ins.donate < 0
+    return ins.op == "fusion"
 
 
 def _merged(program, members: list) -> Group:
@@ -147,5 +175,6 @@ def _merged(program, members: list) -> Group:
     merged = members[0].copy(args=tuple(params), free=(), donate=-1,
                              attrs={"code": "; ".join(steps), "consts": tuple(consts), "dtypes": tuple(dtypes),
                                     "shapes": tuple(shapes)})
+    into = tuple(params.index(i.args[i.donate]) if i.donate >= 0 else -1 for i in members)
     return Group(tuple(i.out for i in members), merged, Fusion(merged), tuple(results),
-                 tuple(operand_dtypes(program, merged)))
+                 tuple(operand_dtypes(program, merged)), into)

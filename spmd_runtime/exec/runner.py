@@ -163,11 +163,12 @@ def run(program: SPMDProgram, *inputs, comm=None, backend=None, check_inputs=Non
     digest = _digest(inputs) if check_inputs and error is None else None
     mc = _prepare(rt, program, error, digest)
     xp = rt.array_module(backend)
-    mesh = program.mesh
-    with profiling(profile, "run"):
+    mesh, donated = program.mesh, program.donated
+    with profiling(profile, "run"):  # a donated input's shard is a copy: the caller's global array stays whole
         outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, [
-            to_device(shard(x, spec.sharding, mesh, mc.rank, pad=True), xp)
-            for x, spec in zip(inputs, program.inputs)]))
+            to_device(_owned(shard(x, spec.sharding, mesh, mc.rank, pad=True)) if k in donated else
+                      shard(x, spec.sharding, mesh, mc.rank, pad=True), xp)
+            for k, (x, spec) in enumerate(zip(inputs, program.inputs))]))
     return _guarded(mc, lambda: [unshard(o, spec.sharding, spec.shape, mc) for o, spec in zip(outs, program.outputs)])
 
 
@@ -184,10 +185,70 @@ def run_local_checked(program: SPMDProgram, local_inputs, comm=None, backend=Non
     error = error or _capture(lambda: rt.mesh_error(mesh) or _check_local(program, local_inputs, rt.rank))
     mc = _prepare(rt, program, error, None)
     xp = rt.array_module(backend)
-    outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, [
+    outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, _donatable(program, [
         _pad_to(to_device(x, xp), s.sharding.local_shape(s.shape, mesh), xp)
-        for x, s in zip(local_inputs, program.inputs)]))
+        for x, s in zip(local_inputs, program.inputs)])))
     return [_trim(o, spec, mesh, mc.rank) for o, spec in zip(outs, program.outputs)]
+
+
+def _donatable(program, local: list) -> list:
+    """``local`` with each donated input the program may overwrite as it is: a writeable C-ordered array that
+    shares no memory with another input; any other is copied first, with a warning once per program and input
+    (writing into it would change another input, or fail)."""
+    donated = program.donated
+    if not donated:
+        return local
+    shared, reach, holder = set(), -1, None  # sweep the inputs' byte ranges by start: overlaps share memory
+    for (start, end), k in sorted((_span(x), k) for k, x in enumerate(local)):
+        if start < reach:
+            shared.update((k, holder))
+        if end > reach:
+            reach, holder = end, k
+    out = list(local)
+    for k in donated:
+        x = local[k]
+        why = ("it shares memory with another input" if k in shared else
+               "it is not a writeable C-ordered array" if not _writeable(x) else None)
+        if why is not None:
+            _warn_once((program.hash, k, why), f"donated input {program.inputs[k].name!r} was copied before the "
+                                               f"run: {why} (donation writes the program's results into the array "
+                                               f"passed)")
+            out[k] = _owned(x)
+    return out
+
+
+def _span(x) -> tuple[int, int]:
+    """[first byte, end) of the memory ``x`` may touch (host or device, any strides); empty for zero-size."""
+    interface = getattr(x, "__cuda_array_interface__", None) or getattr(x, "__array_interface__", None)
+    if interface is None or not x.size:
+        return (0, 0)
+    start = end = interface["data"][0]
+    itemsize = np.dtype(x.dtype).itemsize
+    strides = interface.get("strides") or np.cumprod((1,) + tuple(x.shape[:0:-1]))[::-1] * itemsize
+    for n, stride in zip(x.shape, strides):
+        (start, end) = (start + stride * (n - 1), end) if stride < 0 else (start, end + stride * (n - 1))
+    return (start, end + itemsize)
+
+
+def _writeable(x) -> bool:
+    flags = getattr(x, "flags", None)
+    return flags is not None and flags.c_contiguous and getattr(flags, "writeable", True)
+
+
+def _owned(x):
+    """A C-ordered copy of ``x`` that this run owns."""
+    return x.copy(order="C") if hasattr(x, "copy") else np.array(x, order="C")
+
+
+_WARNED: set = set()
+
+
+def _warn_once(key, message: str) -> None:
+    """``message`` as a warning the first time this process meets ``key``."""
+    import warnings
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=4)
 
 
 def block_slices(shape, sharding, mesh, rank) -> tuple[slice, ...]:

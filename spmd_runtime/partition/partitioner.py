@@ -140,7 +140,7 @@ def _moves_nothing(step, mesh: Mesh) -> bool:
 
 def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: bool | None = None,
               cost_profile=None, overlap: bool | None = None, overlap_budget: int | None = None,
-              timings: dict | None = None, windowed_einsum: int | None = None) -> SPMDProgram:
+              timings: dict | None = None, windowed_einsum: int | None = None, donate=()) -> SPMDProgram:
     """Partition ``graph`` over ``mesh`` into one SPMD program.
 
     ``in_specs`` / ``out_specs``: one ``mesh_split``-style spec per graph
@@ -157,6 +157,10 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     ``windowed_einsum``: bytes from which an all-gather before an einsum, or a reduce-scatter after it, may
     become a ring of collective_permutes overlapped with the einsum's steps where the cost model says it pays
     (``partition/windowed.py``); None (default): ``$SPMD_WINDOWED_EINSUM``, else off.
+    ``donate``: input positions (or input names) whose buffers the program may overwrite, as JAX's
+    ``donate_argnums``: an update such as AdamW's then writes the new parameter into the old one's buffer
+    instead of a fresh one (``sr.run_local`` hands it the caller's arrays: do not read a donated array after
+    the run; ``sr.run`` donates copies of its shards).
     ``timings``: a dict that receives, for benchmarks, the seconds of each pass run (``partition``: propagation,
     partition rules, resharding; ``fuse`` and ``schedule``, each with frees and donations) and the instructions
     it left (``<pass>_instrs``).
@@ -178,6 +182,8 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
         if overlap_enabled(overlap):
             program = scheduled_program(program, _budget(overlap_budget))
             laps.lap("schedule", program)
+        if donate:
+            program = donated_program(program, donate)
     program.cost_model = model
     return program
 
@@ -243,6 +249,25 @@ def fused_program(program: SPMDProgram) -> SPMDProgram:
     slots = {i.out for i in instrs}
     return SPMDProgram(program.mesh, instrs, inputs, outputs, list(program.notes), program.report, program.in_tree,
                        program.out_tree, {s: n for s, n in program.names.items() if s in slots})
+
+
+def donated_program(program: SPMDProgram, donate) -> SPMDProgram:
+    """``program`` with the inputs ``donate`` names (positions or names) marked donated on their parameter
+    instructions, and its donations redone: an op may now write into a donated input's buffer where that
+    input dies, in preference to an intermediate's (which could then never be planned: exec/buffers.py)."""
+    names = {io.name: k for k, io in enumerate(program.inputs)}
+    positions = set()
+    for d in (donate if isinstance(donate, (list, tuple, set, frozenset)) else [donate]):
+        k = names.get(d, d) if isinstance(d, str) else d
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 0 <= k < len(program.inputs):
+            raise ValueError(f"donate takes input positions in [0, {len(program.inputs)}) or input names "
+                             f"{sorted(names)[:8]}{' ...' if len(names) > 8 else ''}; got {d!r}")
+        positions.add(int(k))
+    for ins in program.instrs:
+        if ins.op == "parameter" and ins.attrs["index"] in positions:
+            ins.attrs = {**ins.attrs, "donated": True}
+    _assign_buffers(program.instrs, {o.slot for o in program.outputs})
+    return program
 
 
 def scheduled_program(program: SPMDProgram, budget: int) -> SPMDProgram:
@@ -434,10 +459,10 @@ def _assign_donations(instrs: list[Instr], keep: set[int], last: list[int]) -> N
     viewers: dict[int, list[int]] = {}  # fresh slot -> the slots that may view its buffer
     for ins in instrs:
         record = records[ins.op]
-        if record.read_only:
-            roots[ins.out] = frozenset({("read-only", ins.out)})
-        elif record.fresh:
+        if record.fresh or donated_input(ins):  # a donated input's buffer is the program's to overwrite
             roots[ins.out] = frozenset({ins.out})
+        elif record.read_only:
+            roots[ins.out] = frozenset({("read-only", ins.out)})
         else:
             rs = roots[ins.out] = frozenset().union(*(roots[a] for a in ins.args)) | {("view", ins.out)}
             for r in rs:
@@ -448,8 +473,14 @@ def _assign_donations(instrs: list[Instr], keep: set[int], last: list[int]) -> N
         last[slot] = len(instrs)
     for ins in instrs:
         if records[ins.op].in_place and ins.shape:
-            ins.donate = next((k for k, a in enumerate(ins.args) if _donatable(instrs[a], ins, roots, viewers, last)),
-                              -1)
+            able = [k for k, a in enumerate(ins.args) if _donatable(instrs[a], ins, roots, viewers, last)]
+            # A donated input first: an intermediate written into an output could never have a planned buffer.
+            ins.donate = min(able, key=lambda k: not donated_input(instrs[ins.args[k]]), default=-1)
+
+
+def donated_input(ins: Instr) -> bool:
+    """Whether ``ins`` is the parameter of an input the program may overwrite (``partition(donate=...)``)."""
+    return ins.op == "parameter" and bool(ins.attrs.get("donated"))
 
 
 def _donatable(src: Instr, ins: Instr, roots, viewers, last) -> bool:

@@ -139,6 +139,26 @@ def test_persistent_collectives_give_the_bits_of_plain_calls(monkeypatch):
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_a_donating_step_equals_the_plain_step(preset, monkeypatch):
+    """``build_train_step(donate=True)``: the state updated in its own buffers, under real MPI: the same bits as
+    the plain step over two steps; data-parallel gradients are then planned, so their all-reduces run as
+    persistent requests."""
+    from spmd_runtime.exec.runner import Runtime
+    mesh = mesh_of((N,), preset, False)
+    plain = build_train_step_on_root(CFG, mesh, preset, OPT, WORLD)
+    donating = build_train_step_on_root(CFG, mesh, preset, OPT, WORLD, donate=True)
+    state, data = plain.init(seed=1), feed(2)
+    want, want_losses = train(plain, plain.shard_state(state, WORLD.Get_rank()), data)
+    Runtime.of(WORLD).unbind()
+    got, got_losses = train(donating, donating.shard_state(state, WORLD.Get_rank()), data)
+    persistent = _persistent_bindings()
+    assert got_losses == want_losses
+    for g, w in zip(pytree.flatten(got)[0], pytree.flatten(want)[0]):
+        np.testing.assert_array_equal(g, w)
+    assert N == 1 or preset != "dp" or persistent > 0, "dp's gradient all-reduces should be persistent"
+
+
 PREFETCH_CFG = LMConfig(layers=3, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, dtype="float64", remat="full")
 
 

@@ -10,10 +10,10 @@ import spmd_runtime.numpy as snp
 MESH = sr.Mesh((2, 4), ("data", "model"))
 
 
-def mlp_program():
+def mlp_program(donate=()):
     graph = sr.trace(lambda x, w1, w2: snp.tanh(x @ w1) @ w2, sr.TensorSpec((8, 16), "float32"),
                      sr.TensorSpec((16, 32), "float32"), sr.TensorSpec((32, 16), "float32"))
-    return sr.partition(graph, MESH, in_specs=[("data", None), (None, "model"), ("model", None)])
+    return sr.partition(graph, MESH, in_specs=[("data", None), (None, "model"), ("model", None)], donate=donate)
 
 
 def test_listing_shows_local_shapes_shardings_and_collectives():
@@ -37,9 +37,12 @@ def test_buffers_are_freed_after_last_use():
     freed = [s for i in program.instrs for s in i.free]
     outputs = {o.slot for o in program.outputs}
     assert sorted(freed) == sorted(i.out for i in program.instrs if i.out not in outputs)
-    # local float32 inputs: x 4x16 (256 B), w1 16x8 (512 B), w2 8x16 (512 B) = 1280 B; the peak is while the
-    # first einsum's 4x8 result (128 B) exists, before x and w1 die; later values never need more.
-    assert program.peak_bytes() == 1280 + 128
+    # local float32 inputs: x 4x16 (256 B), w1 16x8 (512 B), w2 8x16 (512 B) = 1280 B, held by the caller for
+    # the whole run; the first einsum's 4x8 result (128 B), tanh'd in place, and the second's 4x16 partial
+    # (256 B), all-reduced in place, are alive at once.
+    assert program.peak_bytes() == 1280 + 128 + 256
+    # donated inputs die at their last use: x and w1 at the first einsum, before the partial exists
+    assert mlp_program(donate=(0, 1, 2)).peak_bytes() == 1280 + 128
 
 
 def test_save_load_roundtrip_keeps_hash_and_text(tmp_path):

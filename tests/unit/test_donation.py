@@ -1,0 +1,176 @@
+"""Donated inputs (``partition(donate=...)``, ``jit(donate_argnums=...)``, ``build_train_step(donate=True)``):
+the program writes its results into the buffers of inputs that die, the caller's arrays are only ever
+overwritten where the caller handed them over (``run_local``, DArrays), and the results are the same bits."""
+import warnings
+
+import numpy as np
+import pytest
+
+import spmd_runtime as sr
+import spmd_runtime.numpy as snp
+from spmd_runtime.comm import run_simulated
+from spmd_runtime.exec.groups import sibling_groups
+from spmd_runtime.models.lm import LMConfig
+from spmd_runtime.train import build_train_step, train_mesh
+
+MESH = sr.Mesh((2,), ("x",))
+
+
+def sgd(p, g, v):
+    """A momentum update: the new velocity feeds the new parameter (one sibling group when fused)."""
+    v2 = 0.9 * v + g
+    return p - 0.1 * v2, v2
+
+
+def sgd_program(donate=(), **kw):
+    specs = [sr.TensorSpec((8, 3), "float64")] * 3
+    return sr.partition(sr.trace(sgd, *specs), MESH, in_specs=[("x", None)] * 3, donate=donate, **kw)
+
+
+def inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((8, 3)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_updates_write_into_the_donated_inputs_they_replace(fuse):
+    program = sgd_program(donate=("p", 2), fuse=fuse)  # by name and by position
+    assert program.donated == {0, 2}
+    assert "%0 p: float64[8,3] [x, R] donated" in str(program) and "%1 g: float64[8,3] [x, R]," in str(program)
+    params = {i.out: i.attrs["index"] for i in program.instrs if i.op == "parameter"}
+    written = sorted(params[i.args[i.donate]] for i in program.instrs if i.donate >= 0 and i.args[i.donate] in params)
+    assert written == [0, 2]  # p' into p, v' into v; g (not donated) is never written
+    assert sgd_program().donated == frozenset()
+
+
+@pytest.mark.parametrize("bad", [5, -1, "w", 1.0, True])
+def test_a_bad_donation_names_the_rule_and_the_inputs(bad):
+    with pytest.raises(ValueError, match=r"donate takes input positions in \[0, 3\) or input names \['g', 'p', 'v'\]"):
+        sgd_program(donate=[bad])
+
+
+def test_run_local_overwrites_the_donated_arrays_and_computes_the_same():
+    program, xs = sgd_program(donate=(0, 2)), inputs()
+    want = sr.evaluate(sr.trace(sgd, *xs), *xs)
+
+    def body(comm):
+        rank = comm.Get_rank()
+        local = [np.ascontiguousarray(x[4 * rank:4 * rank + 4]) for x in xs]
+        g_before = local[1].copy()
+        outs = sr.run_local(program, *local, comm=comm)
+        return [np.shares_memory(o, local[k]) for o, k in zip(outs, (0, 2))], np.array_equal(local[1], g_before), \
+            [o.copy() for o in outs]
+
+    for rank, (shared, g_kept, outs) in enumerate(run_simulated(2, body)):
+        assert shared == [True, True], "the new p and v must live in the donated p and v"
+        assert g_kept, "a non-donated input must never be written"
+        for got, w in zip(outs, want):
+            np.testing.assert_array_equal(got, w[4 * rank:4 * rank + 4])
+
+
+def test_aliased_or_strided_donated_inputs_are_copied_with_a_warning():
+    program, xs = sgd_program(donate=(0,)), inputs(1)
+
+    def body(comm):
+        rank = comm.Get_rank()
+        p = np.ascontiguousarray(xs[0][4 * rank:4 * rank + 4])
+        aliased = sr.run_local(program, p, p, p, comm=comm)[0].copy()  # p also passed as g and v
+        fortran = sr.run_local(program, np.asfortranarray(p), p.copy(), p.copy(), comm=comm)[0].copy()
+        return aliased, fortran
+
+    x = np.ascontiguousarray(xs[0])
+    with warnings.catch_warnings(record=True) as caught:  # process-wide: the simulated ranks are threads
+        warnings.simplefilter("always")
+        results = run_simulated(2, body)
+    messages = [str(w.message) for w in caught]
+    for rank, (aliased, fortran) in enumerate(results):
+        mine = x[4 * rank:4 * rank + 4]
+        want = sr.evaluate(sr.trace(sgd, *[sr.TensorSpec((4, 3), "float64")] * 3), mine, mine, mine)[0]
+        np.testing.assert_array_equal(aliased, want)
+        np.testing.assert_array_equal(fortran, want)
+        assert any("donated input 'p' was copied before the run: it shares memory with another input" in m
+                   for m in messages), messages
+        assert any("it is not a writeable C-ordered array" in m for m in messages), messages
+
+
+def test_run_and_jit_never_write_into_the_callers_global_arrays():
+    program, xs = sgd_program(donate=(0, 1, 2)), inputs(2)
+    kept = [x.copy() for x in xs]
+    f = sr.jit(sgd, mesh=MESH, in_specs=(sr.P("x"),) * 3, donate_argnums=(0, 2))
+
+    def body(comm):
+        ran = sr.run(program, *xs, comm=comm)
+        jitted = sr.jit(sgd, mesh=MESH, in_specs=(sr.P("x"),) * 3, donate_argnums=(0, 2), comm=comm)(*xs)
+        return ran, [np.asarray(o) for o in jitted]
+
+    want = sr.evaluate(sr.trace(sgd, *xs), *xs)
+    for ran, jitted in run_simulated(2, body):
+        for got in (ran, jitted):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+    for x, k in zip(xs, kept):
+        np.testing.assert_array_equal(x, k)
+    assert f.lower(*xs).donated == {0, 2}
+
+
+def test_jit_rejects_static_or_missing_donate_argnums():
+    f = sr.jit(lambda x, k: x * k, mesh=MESH, static_argnums=1, donate_argnums=(1,))
+    with pytest.raises(ValueError, match=r"donate_argnums must index the 2 arguments, none of them static \(\[1\]\); "
+                                         r"got \[1\]"):
+        f.lower(np.ones(4), 2.0)
+
+
+def test_jit_consumes_a_donated_darray():
+    def body(comm):
+        x = sr.device_put(np.arange(8.0), sr.P("x"), MESH, comm=comm)
+        local = x.local
+        f = sr.jit(lambda a: a * 2.0, mesh=MESH, comm=comm, donate_argnums=0)
+        y = f(x)
+        return np.shares_memory(y.local, local), np.asarray(y)
+
+    for shared, y in run_simulated(2, body):
+        assert shared, "the result must be written into the donated DArray's block"
+        np.testing.assert_array_equal(y, np.arange(8.0) * 2.0)
+
+
+CFG = LMConfig(layers=2, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8)
+
+
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_a_donating_train_step_gives_the_bits_of_the_plain_one(preset):
+    """The state updated in place (AdamW writes p', m', v' into p, m, v, still one loop per parameter): the
+    same losses and state, bit for bit, over three steps; the state passed to ``shard_state`` is untouched."""
+    mesh = train_mesh((2,), preset)
+    plain, donating = build_train_step(CFG, mesh, preset), build_train_step(CFG, mesh, preset, donate=True)
+    assert len(donating.program.donated) == len(donating.state_names)
+    assert len(sibling_groups(donating.program)) == len(sibling_groups(plain.program)) > 0
+    params = {i.out for i in donating.program.instrs if i.op == "parameter"}
+    assert sum(i.donate >= 0 and i.args[i.donate] in params for i in donating.program.instrs) >= 3 * 10
+    state = plain.init(1)
+    kept = [x.copy() for x in sr.pytree.flatten(state)[0]]
+    rng = np.random.default_rng(0)
+    data = [(rng.integers(0, 24, (8, 8)), rng.integers(0, 24, (8, 8))) for _ in range(3)]
+
+    def train(ts):
+        def body(comm):
+            local, losses = ts.shard_state(state, comm.Get_rank()), []
+            for x, y in data:
+                local, loss = ts.step(local, x, y, comm=comm)
+                losses.append(loss)
+            return sr.pytree.flatten(ts.gather(local, comm))[0], losses
+        return run_simulated(2, body)
+
+    for (want, want_losses), (got, losses) in zip(train(plain), train(donating)):
+        assert losses == want_losses
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    for x, k in zip(sr.pytree.flatten(state)[0], kept):
+        np.testing.assert_array_equal(x, k)
+
+
+def test_a_saved_program_keeps_its_donations(tmp_path):
+    from spmd_runtime.program import load_program
+    program = sgd_program(donate=(0, 2))
+    program.save(tmp_path / "p.json")
+    loaded = load_program(tmp_path / "p.json")
+    assert loaded.donated == {0, 2} and loaded.hash == program.hash != sgd_program().hash
