@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import warnings
 import zlib
 from collections import OrderedDict
 
@@ -245,7 +246,6 @@ _WARNED: set = set()
 
 def _warn_once(key, message: str) -> None:
     """``message`` as a warning the first time this process meets ``key``."""
-    import warnings
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(message, stacklevel=4)
