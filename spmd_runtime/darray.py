@@ -32,6 +32,27 @@ class DArray:
     def __init__(self, local, shape, dtype, mesh: Mesh, sharding: Sharding, comm=None):
         self.local, self.shape, self.dtype = local, tuple(shape), np.dtype(dtype)
         self.mesh, self.sharding, self.comm = mesh, sharding, comm
+        self._deleted: str | None = None
+
+    @property
+    def local(self):
+        """This rank's block. A DArray donated to a call (``jit(donate_argnums=...)``) has none: its buffer
+        holds that call's result now."""
+        if self._deleted is not None:
+            raise RuntimeError(f"this DArray was {self._deleted}: its buffer now holds that call's result; use the "
+                               f"result instead (or do not donate the argument)")
+        return self._local
+
+    @local.setter
+    def local(self, value) -> None:
+        self._local = value
+
+    def delete(self, why: str = "deleted") -> None:
+        """Give up this DArray's block (JAX's ``Array.delete``): any later use raises, saying ``why``."""
+        self._local, self._deleted = None, why
+
+    def is_deleted(self) -> bool:
+        return self._deleted is not None
 
     ndim = property(lambda self: len(self.shape))
     size = property(lambda self: int(np.prod(self.shape)))
@@ -39,8 +60,8 @@ class DArray:
     spec = property(lambda self: to_spec(self.sharding))
 
     def __repr__(self):
-        return (f"DArray({self.dtype.name}{list(self.shape)} {self.sharding} on {self.mesh}, "
-                f"local {self.dtype.name}{list(self.local.shape)})")
+        local = f"{self._deleted}" if self._deleted else f"local {self.dtype.name}{list(self.local.shape)}"
+        return f"DArray({self.dtype.name}{list(self.shape)} {self.sharding} on {self.mesh}, {local})"
 
     def gather(self):
         """The global array on every rank (collective: all-gathers the split dims, reduces partial sums)."""

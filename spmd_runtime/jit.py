@@ -82,6 +82,9 @@ class Jitted:
                   for k, (x, s) in enumerate(zip(leaves, program.inputs))]
         with profiling(self.profile, f"jit({self.__name__})"):
             outs = run_local(program, *blocks, comm=comm)
+        for k in donated:  # consumed, as JAX's donated arrays: a later use raises instead of reading the result
+            if isinstance(leaves[k], DArray):
+                leaves[k].delete(f"donated to jit({self.__name__}) (donate_argnums)")
         return program.out_tree.unflatten(DArray(o, s.shape, s.dtype, mesh, s.sharding, comm)
                                           for o, s in zip(outs, program.outputs))
 

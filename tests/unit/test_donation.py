@@ -126,11 +126,15 @@ def test_jit_consumes_a_donated_darray():
         local = x.local
         f = sr.jit(lambda a: a * 2.0, mesh=MESH, comm=comm, donate_argnums=0)
         y = f(x)
-        return np.shares_memory(y.local, local), np.asarray(y)
+        with pytest.raises(RuntimeError, match=r"this DArray was donated to jit\(<lambda>\) \(donate_argnums\): its "
+                                               r"buffer now holds that call's result; use the result instead"):
+            np.asarray(x)
+        return np.shares_memory(y.local, local), np.asarray(y), x.is_deleted(), repr(x)
 
-    for shared, y in run_simulated(2, body):
+    for shared, y, deleted, text in run_simulated(2, body):
         assert shared, "the result must be written into the donated DArray's block"
         np.testing.assert_array_equal(y, np.arange(8.0) * 2.0)
+        assert deleted and text.endswith("donated to jit(<lambda>) (donate_argnums))")
 
 
 CFG = LMConfig(layers=2, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8)
