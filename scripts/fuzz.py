@@ -1,6 +1,7 @@
 """Differential fuzzing driver: random programs partitioned on random meshes vs the reference evaluator.
 
     python scripts/fuzz.py --seeds 0:2000            # in-process simulated ranks
+    python scripts/fuzz.py --seeds 0:2000 --donate   # every input donated
     mpiexec -n 4 python scripts/fuzz.py --mpi --seeds 0:300
 
 Prints each failing seed with its error; a failing seed reproduces exactly with
@@ -31,6 +32,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0:500", help="start:stop")
     ap.add_argument("--mpi", action="store_true", help="run under the real MPI world (same seeds on every rank)")
+    ap.add_argument("--donate", action="store_true", help="every input donated (partition(donate=...))")
     args = ap.parse_args()
     start, stop = (int(v) for v in args.seeds.split(":"))
     warnings.simplefilter("ignore")
@@ -44,7 +46,7 @@ def main():
         case = random_case(seed, devices=world) if args.mpi else random_case(seed)
         try:
             with contextlib.redirect_stderr(io.StringIO()):
-                check_case(case, run)
+                check_case(case, run, donate=range(len(case.inputs)) if args.donate else ())
         except Exception as e:  # noqa: BLE001 - report every kind of failure
             failures.append(seed)
             if rank == 0:

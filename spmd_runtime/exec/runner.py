@@ -186,13 +186,13 @@ def run_local_checked(program: SPMDProgram, local_inputs, comm=None, backend=Non
     error = error or _capture(lambda: rt.mesh_error(mesh) or _check_local(program, local_inputs, rt.rank))
     mc = _prepare(rt, program, error, None)
     xp = rt.array_module(backend)
-    outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, _donatable(program, [
+    outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, _owned_donations(program, [
         _pad_to(to_device(x, xp), s.sharding.local_shape(s.shape, mesh), xp)
         for x, s in zip(local_inputs, program.inputs)])))
     return [_trim(o, spec, mesh, mc.rank) for o, spec in zip(outs, program.outputs)]
 
 
-def _donatable(program, local: list) -> list:
+def _owned_donations(program, local: list) -> list:
     """``local`` with each donated input the program may overwrite as it is: a writeable C-ordered array that
     shares no memory with another input; any other is copied first, with a warning once per program and input
     (writing into it would change another input, or fail)."""

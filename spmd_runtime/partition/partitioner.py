@@ -257,7 +257,7 @@ def donated_program(program: SPMDProgram, donate) -> SPMDProgram:
     input dies, in preference to an intermediate's (which could then never be planned: exec/buffers.py)."""
     names = {io.name: k for k, io in enumerate(program.inputs)}
     positions = set()
-    for d in (donate if isinstance(donate, (list, tuple, set, frozenset)) else [donate]):
+    for d in ([donate] if isinstance(donate, (str, int, np.integer)) else donate):
         k = names.get(d, d) if isinstance(d, str) else d
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 0 <= k < len(program.inputs):
             raise ValueError(f"donate takes input positions in [0, {len(program.inputs)}) or input names "

@@ -20,3 +20,13 @@ def test_random_program_matches_reference(seed):
         warnings.simplefilter("ignore")
         case = random_case(seed, devices=WORLD)
         check_case(case, lambda program, inputs: sr.run(program, *inputs))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("seed", SEEDS[:50])
+def test_random_program_with_donated_inputs_matches_reference(seed):
+    """The same cases with every input donated: in-place writes into the inputs' copies, same results."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        case = random_case(seed, devices=WORLD)
+        check_case(case, lambda program, inputs: sr.run(program, *inputs), donate=range(len(case.inputs)))

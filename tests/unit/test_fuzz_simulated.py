@@ -33,6 +33,22 @@ def test_random_programs_match_reference(seed):
         check_case(random_case(seed), simulated)
 
 
+DONATED_CASES = 300
+
+
+@settings(max_examples=DONATED_CASES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.integers(min_value=0, max_value=2**31 - 1))
+def test_random_programs_with_every_input_donated_match_reference(seed):
+    """Every input donated (``partition(donate=...)``): ops write into the inputs where they die, and the
+    results still equal the reference (``sr.run`` donates copies of its shards)."""
+    case = random_case(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = check_case(case, simulated, donate=range(len(case.inputs)))
+    assert program.donated == set(range(len(case.inputs)))
+
+
 # Windowed einsum on random einsums: random specs (batch, contracted, kept and summed-away letters), sizes
 # (uneven too), shardings and meshes; under a cost model whose permutes cost nothing, every einsum next to a
 # gather or reduce-scatter that a ring can replace becomes one (and the planner's exchanges are free).
