@@ -71,6 +71,12 @@ PERSISTENT_REDUCTION_MAX = 64 << 10
 _REDUCTIONS = ("Allreduce", "Reduce_scatter_block")
 
 
+def persistent_enabled() -> bool:
+    """Whether bindings may use persistent requests (``$SPMD_PERSISTENT``, default on). Every rank must agree:
+    persistent collectives match only persistent ones (exec/runner.py checks it before each run)."""
+    return os.environ.get(PERSISTENT_ENV, "1").strip() != "0"
+
+
 def all_reduce(mc, x, axes, op: str = "sum"):
     """Elementwise ``op`` ('sum' | 'max' | 'min') of ``x`` over the group; same shape as ``x``.
 
@@ -244,7 +250,7 @@ class _Plan:
         buffers (the binders call it only with a kept receive buffer or in place), the operand's array known
         (``bind(operand=...)``), C-ordered and of the bound layout."""
         operand = self.operand
-        if (operand is None or not self.host or os.environ.get(PERSISTENT_ENV, "1").strip() == "0"
+        if (operand is None or not self.host or not persistent_enabled()
                 or not isinstance(operand, np.ndarray) or not operand.flags.c_contiguous
                 or operand.shape != self.shape or operand.dtype != self.dtype):
             return None

@@ -67,6 +67,11 @@ PLAN_ENV = "SPMD_PLAN_BUFFERS"
 PLANNED_OPS = ("fusion", "fused_reduce", "einsum", "reduce", "select", "convert")
 
 
+def planning_enabled() -> bool:
+    """Whether result buffers are planned (``$SPMD_PLAN_BUFFERS``, default on)."""
+    return os.environ.get(PLAN_ENV, "1").strip() != "0"
+
+
 def plans_into(ins) -> bool:
     """Whether ``ins`` can write its result into a buffer planned for it (and needs one: not in place)."""
     record = lookup(ins.op)
@@ -81,7 +86,7 @@ def plan_buffers(program, xp, copied=frozenset()) -> dict:
     Program outputs keep fresh buffers: the caller holds them after the run; those at the positions in
     ``copied`` are planned too (the caller copies them before the next run), busy to the run's end. ``$SPMD_PLAN_BUFFERS=0``: none
     planned (every result a new buffer each run; for measuring what the plan saves)."""
-    if os.environ.get(PLAN_ENV, "1").strip() == "0":
+    if not planning_enabled():
         return {}
     instrs = program.instrs
     leaves = output_buffers(program, copied)

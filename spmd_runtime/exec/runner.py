@@ -19,6 +19,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..comm import collectives, jobguard, watchdog
+from ..comm.collectives import persistent_enabled
 from ..comm.affinity import bind_to_cores
 from ..comm.communicator import MeshCommunicator, agree
 from ..dtypes import check_backend
@@ -26,6 +27,7 @@ from .. import pytree
 from ..profile import instrument, profiling
 from ..program import SPMDProgram
 from .backend import get_array_module, select_device, to_device
+from .buffers import planning_enabled
 from .heap import keep_freed_memory
 from .interpreter import Interpreter
 
@@ -288,23 +290,34 @@ def _trim(x, spec, mesh, rank):
 
 
 def _prepare(rt: Runtime, program, error, digest) -> MeshCommunicator:
-    """Agree that every rank is ready (no local error, same program, same inputs) before any collective."""
-    mine = program.hash
-    views = agree(rt.comm, error, "preparing the run", (mine, digest))
-    if any(h != mine for h, _ in views):
-        hashes = {}
-        for rank, (h, _) in enumerate(views):
-            hashes.setdefault(h[:12], []).append(rank)
-        agree(rt.comm, f"every rank must run the same program; got program hashes {hashes} (hash: ranks)",
-              "preparing the run")
-    if digest is not None and any(d != digest for _, d in views):
-        digests = {}
-        for rank, (_, d) in enumerate(views):
-            digests.setdefault(f"{d:08x}", []).append(rank)
-        agree(rt.comm, f"every rank must pass the same global inputs to sr.run; got input crc32 {digests} "
-                       f"(crc: ranks); pass check_inputs=False (or SPMD_CHECK_INPUTS=0) to skip this check",
-              "preparing the run")
+    """Agree that every rank is ready (no local error, same program, same inputs, same binding settings) before
+    any collective. Each rank compares every rank's view with its own, so all see a difference and raise alike."""
+    mine = (program.hash, digest, binding_settings())
+    views = agree(rt.comm, error, "preparing the run", mine)
+    for k, (rule, shown) in enumerate(_PREPARE_RULES):
+        if any(view[k] != mine[k] for view in views):
+            ranks: dict = {}
+            for rank, view in enumerate(views):
+                ranks.setdefault(shown(view[k]), []).append(rank)
+            agree(rt.comm, rule.format(ranks), "preparing the run")
     return rt.communicator(program.mesh)
+
+
+def binding_settings() -> tuple[bool, bool]:
+    """(persistent requests, planned buffers): with them a rank's bound collectives are persistent requests or
+    plain calls, and those do not match each other across ranks."""
+    return persistent_enabled(), planning_enabled()
+
+
+# (rule, how a view's value is shown) per item of _prepare's view: program hash, input digest, binding settings
+_PREPARE_RULES = (
+    ("every rank must run the same program; got program hashes {} (hash: ranks)", lambda h: h[:12]),
+    ("every rank must pass the same global inputs to sr.run; got input crc32 {} (crc: ranks); pass "
+     "check_inputs=False (or SPMD_CHECK_INPUTS=0) to skip this check",
+     lambda d: "unchecked" if d is None else f"{d:08x}"),
+    ("every rank must bind programs with the same SPMD_PERSISTENT and SPMD_PLAN_BUFFERS (persistent collectives "
+     "match only persistent ones); got {} ((persistent, planned buffers): ranks)", lambda b: b),
+)
 
 
 def _digest(inputs) -> int:

@@ -50,6 +50,23 @@ def test_different_global_inputs_fail_on_every_rank_unless_unchecked():
     assert outs[0] == outs[1]  # the mix the check exists to prevent: each rank's block of a different input
 
 
+def test_ranks_binding_collectives_differently_fail_on_every_rank(monkeypatch):
+    """SPMD_PERSISTENT or SPMD_PLAN_BUFFERS set on some ranks only: persistent requests on some, plain calls on
+    the others would never match, so the run stops on every rank before any collective."""
+    import threading
+    from spmd_runtime.exec import runner
+    mine = threading.local()  # the simulated ranks are threads of one process: one environment
+    monkeypatch.setattr(runner, "binding_settings", lambda: (mine.persistent, True))
+    program = _program()
+
+    def body(comm):
+        mine.persistent = comm.Get_rank() == 0
+        sr.run(program, np.arange(6.0), comm=comm)
+    for m in _errors(body):
+        assert "every rank must bind programs with the same SPMD_PERSISTENT and SPMD_PLAN_BUFFERS" in m
+        assert "got {(True, True): [0], (False, True): [1]}" in m
+
+
 def test_rank_local_input_errors_are_agreed_on():
     program = _program()
 
