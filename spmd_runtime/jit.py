@@ -77,8 +77,7 @@ class Jitted:
         digest = None if program is None else program.hash
         _agree_call(mc, digest, error, _describe_args(args), self.__name__)
         donated = program.donated  # a NumPy argument's blocks are views of it: donated ones are copied
-        blocks = [x.local if isinstance(x, DArray) else
-                  np.array(shard(x, s.sharding, mesh, mc.rank)) if k in donated else shard(x, s.sharding, mesh, mc.rank)
+        blocks = [x.local if isinstance(x, DArray) else shard(x, s.sharding, mesh, mc.rank, own=k in donated)
                   for k, (x, s) in enumerate(zip(leaves, program.inputs))]
         with profiling(self.profile, f"jit({self.__name__})"):
             outs = run_local(program, *blocks, comm=comm)

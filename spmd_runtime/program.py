@@ -133,8 +133,7 @@ class SPMDProgram:
         """Largest sum of live local buffers at any point, inputs included: the caller holds an input for the
         whole run unless it is donated (then it is freed, or reused, where it dies); a result written into a
         dying operand (``donate``) takes no new buffer."""
-        sizes = {i.slot: int(np.prod(i.sharding.local_shape(i.shape, self.mesh))) * np.dtype(i.dtype).itemsize
-                 for i in self.inputs}
+        sizes = {i.slot: n for i, n in zip(self.inputs, self.input_bytes())}
         donated = {self.inputs[k].slot for k in self.donated}
         live = {s: n for s, n in sizes.items() if s in donated}  # what the program may free
         peak = cur = sum(sizes.values())

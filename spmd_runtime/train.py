@@ -510,8 +510,8 @@ class TrainStep:
     def shard_state(self, state: dict, rank: int) -> dict:
         """``rank``'s TRUE blocks of the global ``state`` (sliced once; the step then keeps them local). Views of
         ``state``, or copies when the step donates its state (it would write into ``state`` itself)."""
-        own = np.array if self.program.donated else (lambda block: block)
-        return self._tree([own(shard(np.asarray(x), io.sharding, self.mesh, rank))
+        own = bool(self.program.donated)
+        return self._tree([shard(np.asarray(x), io.sharding, self.mesh, rank, own=own)
                            for x, io in zip(self._flat(state), self._state_ios)])
 
     def _batch(self, tokens, labels) -> list:

@@ -169,8 +169,7 @@ def run(program: SPMDProgram, *inputs, comm=None, backend=None, check_inputs=Non
     mesh, donated = program.mesh, program.donated
     with profiling(profile, "run"):  # a donated input's shard is a copy: the caller's global array stays whole
         outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, [
-            to_device(_owned(shard(x, spec.sharding, mesh, mc.rank, pad=True)) if k in donated else
-                      shard(x, spec.sharding, mesh, mc.rank, pad=True), xp)
+            to_device(shard(x, spec.sharding, mesh, mc.rank, pad=True, own=k in donated), xp)
             for k, (x, spec) in enumerate(zip(inputs, program.inputs))]))
     return _guarded(mc, lambda: [unshard(o, spec.sharding, spec.shape, mc) for o, spec in zip(outs, program.outputs)])
 
@@ -226,11 +225,11 @@ def _span(x) -> tuple[int, int]:
     if interface is None or not x.size:
         return (0, 0)
     start = end = interface["data"][0]
-    itemsize = np.dtype(x.dtype).itemsize
-    strides = interface.get("strides") or np.cumprod((1,) + tuple(x.shape[:0:-1]))[::-1] * itemsize
-    for n, stride in zip(x.shape, strides):
+    if not interface.get("strides"):  # C-ordered
+        return (start, start + x.nbytes)
+    for n, stride in zip(x.shape, interface["strides"]):
         (start, end) = (start + stride * (n - 1), end) if stride < 0 else (start, end + stride * (n - 1))
-    return (start, end + itemsize)
+    return (start, end + np.dtype(x.dtype).itemsize)
 
 
 def _writeable(x) -> bool:
@@ -258,15 +257,18 @@ def block_slices(shape, sharding, mesh, rank) -> tuple[slice, ...]:
     return sharding.block_slices(shape, mesh, rank)
 
 
-def shard(x, sharding, mesh, rank, pad=False):
-    """This rank's true block of the global array ``x``; ``pad=True`` zero-pads it to the ceil size.
+def shard(x, sharding, mesh, rank, pad=False, own=False):
+    """This rank's true block of the global array ``x``; ``pad=True`` zero-pads it to the ceil size; ``own``:
+    a C-ordered array of its own, never a view of ``x`` (a program may overwrite a donated input's block).
     Partial over some axes (a pending sum): the block on coordinate 0 along them, zeros elsewhere, so the
     summands add up to ``x`` (max/min: ``x`` everywhere)."""
     block = x[block_slices(x.shape, sharding, mesh, rank)]
     if sharding.partial and sharding.reduce_op == "sum" and mesh.index_along(rank, sharding.partial):
         block = np.zeros_like(block)
     widths = [(0, want - have) for have, want in zip(block.shape, sharding.local_shape(x.shape, mesh))]
-    return np.pad(block, widths) if pad and any(w for _, w in widths) else block
+    if pad and any(w for _, w in widths):
+        return np.pad(block, widths)  # a new array
+    return np.array(block, order="C") if own else block
 
 
 def unshard(local, sharding, shape, mc):
