@@ -229,16 +229,16 @@ def _prefetching(ctx, attrs: dict, args: list) -> tuple[list, int]:
     program, picks = piped
     _assign_buffers(program.instrs, {o.slot for o in program.outputs})
     m, first = len(picks), attrs["length"] - 1 if attrs["reverse"] else 0
-    gathered = [_gathered_slice(ctx, args[nc + p.xs], first, p.gather, program.outputs[nc + j])
-                for j, p in enumerate(picks)]
+    gathered = [_gathered_slice(ctx, args[nc + x], first, program.outputs[nc + j]) for j, x in enumerate(picks)]
     attrs.update(body=program, num_carry=nc + m, num_xs=nx + m,
                  shifts=(0,) * nx + ((-1 if attrs["reverse"] else 1),) * m)
-    return args[:nc] + gathered + args[nc:nc + nx] + [args[nc + p.xs] for p in picks] + args[nc + nx:], m
+    return args[:nc] + gathered + args[nc:nc + nx] + [args[nc + x] for x in picks] + args[nc + nx:], m
 
 
-def _gathered_slice(ctx, stacked: LocalValue, t: int, gather, like) -> LocalValue:
-    """Iteration ``t``'s slice of the stacked xs operand gathered as the body gathers it: the first
-    iteration's prefetched weight, computed before the loop."""
+def _gathered_slice(ctx, stacked: LocalValue, t: int, like) -> LocalValue:
+    """Iteration ``t``'s slice of the stacked xs operand laid out as the body's gathered weight ``like``
+    (through the resharding planner: the body's all-gather): the first iteration's prefetched weight,
+    computed before the loop."""
     one = ctx.emit("slice", [stacked], {"start": (t,) + (0,) * (len(stacked.shape) - 1),
                                         "limit": (t + 1,) + stacked.sharding.local_shape(stacked.shape, ctx.mesh)[1:],
                                         "strides": (1,) * len(stacked.shape)},
@@ -246,7 +246,7 @@ def _gathered_slice(ctx, stacked: LocalValue, t: int, gather, like) -> LocalValu
     body_operand = Sharding(stacked.sharding.dims[1:])
     flat = ctx.emit("reshape", [one], {"shape": body_operand.local_shape(stacked.shape[1:], ctx.mesh)},
                     body_operand, stacked.shape[1:], stacked.dtype)
-    return ctx.emit("all_gather", [flat], dict(gather.attrs), like.sharding, like.shape, like.dtype)
+    return ctx.reshard(flat, like.sharding)
 
 
 def partition_while(ctx, node):

@@ -16,7 +16,6 @@ other's bytes on the cores the compute uses, so overlap buys nothing measurable;
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from ..program import IOSpec, Instr, SPMDProgram
 
@@ -27,20 +26,12 @@ def prefetch_enabled() -> bool:
     return os.environ.get(PREFETCH_ENV, "0").strip() == "1"
 
 
-@dataclass(frozen=True)
-class Prefetch:
-    """One pipelined gather: ``xs`` (its operand's position among the scan's xs) and the gather instruction
-    the body ran (its attrs, result shape and sharding: what the gather before the loop repeats)."""
-    xs: int
-    gather: Instr
-
-
 def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
-    """``(body', prefetches)``: ``body`` with each all-gather of an xs slice taken from a carry and the next
+    """``(body', picks)``: ``body`` with each all-gather of an xs slice taken from a carry and the next
     iteration's started at its top and waited at its end, or None when it has none (or their gathered bytes
     exceed ``budget``). Inputs of ``body'``: carries, then one per prefetch (its gathered weight),
     xs, then one per prefetch (its slice at the next iteration), then the loop invariants; outputs: carries,
-    the prefetched weights, then the stacked ys."""
+    the prefetched weights, then the stacked ys; ``picks``: per prefetch, its operand's position among the xs."""
     instrs = body.instrs
     params = {i.out: i.attrs["index"] for i in instrs if i.op == "parameter"}
     starts = {i.out: i for i in instrs if i.op == "all_gather_start" and nc <= params.get(i.args[0], -1) < nc + nx}
@@ -48,7 +39,7 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
     if not dones or sum(d.nbytes for d in dones) > budget:
         return None
     m = len(dones)
-    picks = [Prefetch(params[starts[d.args[0]].args[0]] - nc, starts[d.args[0]]) for d in dones]
+    picks = [params[starts[d.args[0]].args[0]] - nc for d in dones]  # each gather's operand among the xs
     moved = {d.args[0] for d in dones} | {d.out for d in dones}
 
     def index(old: int) -> int:  # carries stay; xs move past the new carries; invariants past both
