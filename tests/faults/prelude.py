@@ -42,6 +42,14 @@ def break_kernel(op: str, exc: BaseException) -> None:
     replace_kernel(op, broken)
 
 
+def stop_kernel(op: str, what: str) -> None:
+    """Make this rank's ``op`` kernel stop the process (SIGSTOP): the peers wait at the next collective."""
+    def stop(xp, *args, **kwargs):
+        fault(what)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    replace_kernel(op, stop)
+
+
 def replace_kernel(op: str, fn) -> None:
     from spmd_runtime import opdef
     opdef.lookup(op).kernel = fn

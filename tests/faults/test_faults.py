@@ -64,6 +64,8 @@ def one_rank_computes(rank: int) -> str:
 
 def _cases() -> list[Case]:
     timeout = 3
+    stopped_in_all_reduce = ["[0] spmd_runtime: rank 0 waited", "at an MPI collective in instruction %",
+                             "= all_reduce(axes=('x',), op=sum)", "ranks that never arrived there: [1]"]
     return [
         Case("exception before a run", """
             p = program()
@@ -106,32 +108,19 @@ def _cases() -> list[Case]:
         Case("SIGSTOP of a rank inside a run", """
             p = program()
             if RANK == 1:
-                def stop(xp, x, kind, axes):
-                    fault("SIGSTOP inside the reduce kernel")
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                replace_kernel("reduce", stop)
-            sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waited", "at an MPI collective in instruction %",
-                               "= all_reduce(axes=('x',), op=sum)", "ranks that never arrived there: [1]"],
-             env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
+                stop_kernel("reduce", "SIGSTOP inside the reduce kernel")
+            sr.run(p, X)""", stopped_in_all_reduce, env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
         Case("SIGSTOP of a rank while the others wait in a persistent all-reduce", """
             p = sr.partition(sr.trace(lambda a: snp.exp(a).reshape((SIZE, 4)).sum(axis=0).sum(),
                                       sr.TensorSpec((4 * SIZE,), "float64")), MESH, in_specs=[("x",)], fuse=False)
             if RANK == 1:  # the all-reduce reduces the first reduce's planned buffer: a persistent request
-                def stop(xp, x, kind, axes, into=None):
-                    fault("SIGSTOP inside the reduce kernel")
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                replace_kernel("reduce", stop)
-            sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waited", "at an MPI collective in instruction %",
-                               "= all_reduce(axes=('x',), op=sum)", "ranks that never arrived there: [1]"],
-             env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
+                stop_kernel("reduce", "SIGSTOP inside the reduce kernel")
+            sr.run(p, X)""", stopped_in_all_reduce, env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
         Case("SIGSTOP of a rank while a nonblocking all-reduce is in flight", """
             p = sr.partition(sr.trace(lambda a, w: a.sum() + snp.exp(w).sum(), sr.TensorSpec((4 * SIZE,), "float64"),
                                       sr.TensorSpec((4,), "float64")), MESH, in_specs=[("x",), None], fuse=False)
             if RANK == 1:
-                def stop(xp, x, kind, axes):
-                    fault("SIGSTOP before the all-reduce's start: rank 0 waits at its done")
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                replace_kernel("reduce", stop)
+                stop_kernel("reduce", "SIGSTOP before the all-reduce's start: rank 0 waits at its done")
             sr.run(p, X, np.ones(4))""", ["[0] spmd_runtime: rank 0 waited", "at MPI Wait for the all_reduce over mesh "
                                           "axes ('x',) in instruction %", "= all_reduce_done()",
                                           "ranks that never arrived there: [1]"],
