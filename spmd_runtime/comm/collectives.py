@@ -229,9 +229,7 @@ class _Plan:
 
     def starter(self, run):
         """``start(x) -> Pending`` from a binder's ``run`` whose MPI calls left their requests in ``issued``."""
-        issued, plan, what = self.issued, self, self.what
-
-        finishers = self.finishers
+        issued, finishers, plan, what = self.issued, self.finishers, self, self.what
 
         def start(x):
             value = run(x)
