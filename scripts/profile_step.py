@@ -4,6 +4,7 @@
     SPMD_FUSE=0 python scripts/profile_step.py    # unfused program (one instruction per elementwise op)
     SPMD_PROFILE_CLOCK=cpu python scripts/profile_step.py  # this thread's CPU time (less sensitive to load)
     python scripts/profile_step.py --batch 4     # half the batch: one rank's share of a 2-rank dp step
+    python scripts/profile_step.py --batch 4 --donate --scan-layers --microbatches 2   # memory of a looped step
 (Set OMP_NUM_THREADS / OPENBLAS_NUM_THREADS before running to change the BLAS threads.) Two at once, no MPI,
 give the compute floor of a 2-rank dp step on this machine:
     python scripts/profile_step.py --batch 4 & python scripts/profile_step.py --batch 4; wait
@@ -19,14 +20,17 @@ import time
 import numpy as np
 import spmd_runtime as sr
 from spmd_runtime.exec.runner import Runtime, communicator
-# Layers unrolled: a per-op profile (scanned layers put the whole stack in one "scan" instruction).
+# Layers unrolled by default: a per-op profile (scanned layers put the whole stack in one "scan" instruction).
 ap = argparse.ArgumentParser()
 ap.add_argument("--batch", type=int, default=8)
 ap.add_argument("--donate", action="store_true", help="the state updated in place (build_train_step(donate=True))")
+ap.add_argument("--scan-layers", action="store_true", help="layers as one scan (the profile then shows it as one op)")
+ap.add_argument("--microbatches", type=int, default=1, help="gradients accumulated over this many micro-batches")
 ARGS = ap.parse_args()
 B = ARGS.batch
-cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=B, scan_layers=False)
-ts = sr.build_train_step(cfg, sr.train_mesh((1,), "dp"), "dp", sr.AdamW(), donate=ARGS.donate)
+cfg = sr.LMConfig(layers=2, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=B, scan_layers=ARGS.scan_layers)
+ts = sr.build_train_step(cfg, sr.train_mesh((1,), "dp"), "dp", sr.AdamW(), donate=ARGS.donate,
+                         microbatches=ARGS.microbatches)
 prog = ts.program
 state = ts.init(0)
 rng = np.random.default_rng(0)

@@ -13,6 +13,8 @@ A record holds everything the layers above need to know about one op:
   ``autodiff.py``;
 - ``fresh`` / ``read_only``: whether its result is a buffer no other value shares, or the caller's or
   the program's own array (buffer donation in the partitioner, buffer reuse in the interpreter);
+  ``fresh_if``: ``fn(instr, operand instrs) -> bool`` for an op whose results are fresh for some
+  instructions only (a scan's stacked results, not its carries; read through ``fresh_result``);
   ``in_place``: it may write its result into an operand whose buffer dies there; ``ufunc``: the
   array-module ufunc of an elementwise op (it takes ``out=``); ``collective``: it moves data between
   ranks.
@@ -49,6 +51,7 @@ class OpDef:
     name: str
     kind: str = "graph"
     fresh: bool = False
+    fresh_if: Callable | None = None
     read_only: bool = False
     in_place: bool = False
     ufunc: str | None = None
@@ -97,6 +100,13 @@ def lookup(op) -> OpDef:
     except KeyError:
         raise NotImplementedError(f"every op needs a definition (spmd_runtime.opdef.define); got none for op "
                                   f"{op!r}") from None
+
+
+def fresh_result(ins, producer) -> bool:
+    """Whether instruction ``ins`` makes a buffer no other value shares: its record's ``fresh``, or its
+    ``fresh_if`` given the instructions of its operands (``producer``: slot -> instruction)."""
+    record = lookup(ins.op)
+    return record.fresh or (record.fresh_if is not None and record.fresh_if(ins, [producer(a) for a in ins.args]))
 
 
 def _attach(part: str, ops, value):

@@ -13,19 +13,20 @@ import os
 
 import numpy as np
 
-from ..opdef import lookup
+from ..opdef import fresh_result, lookup
 
 
 def buffer_owners(program) -> dict[int, frozenset]:
     """Per slot, the instructions whose buffers its value may be or view (none for read-only values)."""
     owners: dict[int, frozenset] = {}
+    producer = {ins.out: ins for ins in program.instrs}.__getitem__
     for ins in program.instrs:
         record = lookup(ins.op)
         if record.read_only:
             owners[ins.out] = frozenset()
         elif ins.donate >= 0:
             owners[ins.out] = owners[ins.args[ins.donate]]
-        elif record.fresh:
+        elif fresh_result(ins, producer):
             owners[ins.out] = frozenset({ins.out})
         else:
             owners[ins.out] = frozenset().union(*(owners[a] for a in ins.args))
@@ -47,6 +48,7 @@ def may_reach_outputs(program, slots) -> bool:
         for a in ins.args:
             users.setdefault(a, []).append(ins)
     outputs, seen, stack = {o.slot for o in program.outputs}, set(), list(slots)
+    producer = {ins.out: ins for ins in program.instrs}.__getitem__
     while stack:
         slot = stack.pop()
         if slot in outputs:
@@ -54,9 +56,8 @@ def may_reach_outputs(program, slots) -> bool:
         if slot not in seen:
             seen.add(slot)
             for user in users.get(slot, ()):
-                record = lookup(user.op)
-                fresh = record.fresh and (user.donate < 0 or user.args[user.donate] != slot)
-                if not fresh and not record.read_only:
+                fresh = fresh_result(user, producer) and (user.donate < 0 or user.args[user.donate] != slot)
+                if not fresh and not lookup(user.op).read_only:
                     stack.append(user.out)
     return False
 

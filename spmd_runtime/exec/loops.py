@@ -32,9 +32,12 @@ def bind_scan(interp, ins):
     steps = [body.steps_into({slot: kept[j][t] for j, slot in direct.items()}) if direct else None
              for t in range(length)]
     copied = [j for j in range(len(stacked)) if j not in direct]
+    overwritten = _overwritten_carries(a["body"], nc)
 
     def run(*args):
         carry, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
+        for k in overwritten:  # the body writes the carry in place: into the loop's own buffer, not the caller's
+            carry[k] = xp.array(carry[k], copy=True)
         ys = kept if kept is not None else [xp.empty(shape, dtype) for shape, dtype in stacked]
         for t in order:
             outs = body.run(carry + [x[(t + s) % length] for x, s in zip(xs, shifts)] + consts, steps[t])
@@ -52,12 +55,21 @@ def _written_in_place(body, nc: int) -> dict:
     return {k - nc: s for k, s in enumerate(slots) if k >= nc and s in body.planned and slots.count(s) == 1}
 
 
+def _overwritten_carries(body, nc: int) -> list[int]:
+    """The carries some body instruction writes into (donated carries, partition/loops.py)."""
+    slots = {body.inputs[k].slot: k for k in body.donated if k < nc}
+    return sorted({slots[i.args[i.donate]] for i in body.instrs if i.donate >= 0 and i.args[i.donate] in slots})
+
+
 def bind_while(interp, ins):
     a = ins.attrs
     cond, body, n, n_cond = _bound(interp, a["cond"]), _bound(interp, a["body"]), a["num_carry"], a["captures"][0]
+    overwritten, xp = _overwritten_carries(a["body"], n), interp.xp
 
     def run(*args):
         carry, cond_caps, body_caps = list(args[:n]), list(args[n:n + n_cond]), list(args[n + n_cond:])
+        for k in overwritten:  # as a scan's: the loop's own buffer, never the caller's
+            carry[k] = xp.array(carry[k], copy=True)
         while bool(cond.run(carry + cond_caps)[0]):  # replicated: every rank takes the same branch
             carry = body.run(carry + body_caps)
         return tuple(carry)

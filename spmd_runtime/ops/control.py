@@ -41,7 +41,20 @@ from . import core
 SCAN = define("scan")
 WHILE = define("while")
 COND = define("cond")
-LOOP_OUT = define("loop_out")  # result ``index`` of a control node
+
+
+def _scan_owned(ins, operands) -> bool:
+    """A scan's stacked result (``ys``) is an array the scan makes and fills (exec/loops.py); a carry its body
+    marks donated (partition/loops.py) is, after one iteration or more, the body's buffer or the scan's copy
+    of the initial value. Any other carry may be (or view) an operand: a body may hand one on as it is."""
+    node = operands[0]
+    if node.op != "scan":
+        return False
+    k, a = ins.attrs["index"], node.attrs
+    return k >= a["num_carry"] or (k in a["body"].donated and a["length"] >= 1)
+
+
+LOOP_OUT = define("loop_out", fresh_if=_scan_owned)  # result ``index`` of a control node
 POLICIES = ("cheap_recomputed", "everything_saveable", "nothing_saveable", "dots_saveable")
 DEFAULT_POLICY = "cheap_recomputed"  # a scan's: save all but what is cheaper to recompute (loop_autodiff.py)
 

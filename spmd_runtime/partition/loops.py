@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from ..bodies import TUPLE_DTYPE, extract
 from ..sharding import Sharding
-from .partitioner import LocalValue, _assign_buffers, _live_nodes, _user_shardings, partition
+from .partitioner import (LocalValue, _assign_buffers, _live_nodes, _user_shardings, buffer_roots, donated_program,
+                          partition)
 from .scan_prefetch import pipelined_body, prefetch_enabled
 from .schedule import overlap_budget
 from .propagation import legalize, merge, propagate
@@ -212,11 +213,29 @@ def partition_scan(ctx, node):
     program = _partition_body(ctx, node, body, inner, carry + ys, "scan body")
     attrs = {"body": program, "length": a["length"], "reverse": a["reverse"], "num_carry": nc, "num_xs": nx}
     args, m = _prefetching(ctx, attrs, args) if prefetch_enabled() and a["length"] > 1 else (args, 0)
-    program = attrs["body"]
+    program = attrs["body"] = _carries_in_place(attrs["body"], attrs["num_carry"])
     results = carry + [o.sharding for o in program.outputs[nc:nc + m]] \
         + [Sharding(((),) + o.sharding.dims) for o in program.outputs[nc + m:]]
     ctx.result_positions[node.id] = {k: p + (m if p >= nc else 0) for p, k in enumerate(list(range(nc)) + kept)}
     return _emit_control(ctx, node, args, attrs, results)
+
+
+def _carries_in_place(body, nc: int):
+    """``body`` with the carries it makes buffers of its own for marked donated: it may then write an
+    iteration's carry into the last one's buffer (a gradient accumulator updated in place) instead of a new
+    buffer per iteration. A carry qualifies when its body result can only be (or view) buffers that body ops
+    make fresh, none shared with another result: then each iteration's carry is the loop's alone, from the
+    scan's own copy of the initial value (exec/loops.py) to the final result, which is the scan's fresh
+    buffer (ops/control.py)."""
+    roots = buffer_roots(body.instrs)[0]
+    results = [roots[o.slot] for o in body.outputs]
+    owned = [k for k in range(nc) if _made_by_body(results[k])
+             and not any(results[k] & r for j, r in enumerate(results) if j != k)]
+    return donated_program(body, owned) if owned else body
+
+
+def _made_by_body(roots) -> bool:
+    return any(type(r) is int for r in roots) and all(type(r) is int or r[0] == "view" for r in roots)
 
 
 def _prefetching(ctx, attrs: dict, args: list) -> tuple[list, int]:
@@ -257,7 +276,7 @@ def partition_while(ctx, node):
     ops = carry + [_or_replicated(s, ctx.graph[i].spec) for i, s in zip(node.inputs[n:], ag.operands[n:])]
     args = [ctx.reshard(ctx.value(i), s) for i, s in zip(node.inputs, ops)]
     cond_p = _partition_body(ctx, node, cond_g, carry + ops[n:n + n_cond], [Sharding(())], "while cond")
-    body_p = _partition_body(ctx, node, body, carry + ops[n + n_cond:], carry, "while body")
+    body_p = _carries_in_place(_partition_body(ctx, node, body, carry + ops[n + n_cond:], carry, "while body"), n)
     return _emit_control(ctx, node, args, {"cond": cond_p, "body": body_p, "num_carry": n,
                                            "captures": a["captures"]}, carry)
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..cost import resolve_model, using
 from ..graph import Graph, Node
 from ..mesh import Mesh
-from ..opdef import OPS, lookup
+from ..opdef import OPS, fresh_result, lookup
 from ..comm.simulated import is_lead_rank
 from ..program import Instr, IOSpec, ShardingReport, SPMDProgram
 from ..sharding import Sharding, parse_spec_free
@@ -450,24 +450,10 @@ def _assign_donations(instrs: list[Instr], keep: set[int], last: list[int]) -> N
 
     Safe only when that buffer is owned by the operand alone: produced by a fresh op, not viewed by any
     value still alive (outputs, ``keep``, live to the end), of the result's shape and dtype. Decided once
-    here, not per step at run time. Which ops return fresh buffers, read-only arrays or views, and which
-    may write in place, their records say (``OpDef.fresh``, ``read_only``, ``in_place``; any other op may
-    return a view of its operands).
+    here, not per step at run time.
     """
     records = {op: lookup(op) for op in {ins.op for ins in instrs}}
-    roots: list = [None] * len(instrs)  # slot -> the buffers it may share: its own slot when fresh
-    viewers: dict[int, list[int]] = {}  # fresh slot -> the slots that may view its buffer
-    for ins in instrs:
-        record = records[ins.op]
-        if record.fresh or donated_input(ins):  # a donated input's buffer is the program's to overwrite
-            roots[ins.out] = frozenset({ins.out})
-        elif record.read_only:
-            roots[ins.out] = frozenset({("read-only", ins.out)})
-        else:
-            rs = roots[ins.out] = frozenset().union(*(roots[a] for a in ins.args)) | {("view", ins.out)}
-            for r in rs:
-                if type(r) is int:
-                    viewers.setdefault(r, []).append(ins.out)
+    roots, viewers = buffer_roots(instrs)
     last = list(last)
     for slot in keep:
         last[slot] = len(instrs)
@@ -476,6 +462,26 @@ def _assign_donations(instrs: list[Instr], keep: set[int], last: list[int]) -> N
             able = [k for k, a in enumerate(ins.args) if _donatable(instrs[a], ins, roots, viewers, last)]
             # A donated input first: an intermediate written into an output could never have a planned buffer.
             ins.donate = min(able, key=lambda k: not donated_input(instrs[ins.args[k]]), default=-1)
+
+
+def buffer_roots(instrs: list[Instr]) -> tuple[list, dict]:
+    """Per slot (slots are positions), the buffers its value may share: its own slot for a fresh op or a donated
+    input, ``("read-only", slot)`` for the caller's or the program's array, and for any other op its operands'
+    plus ``("view", slot)``; and per fresh slot, the slots that may view its buffer. Which ops return fresh
+    buffers, read-only arrays or views, their records say (``OpDef.fresh``, ``fresh_if``, ``read_only``)."""
+    roots: list = [None] * len(instrs)
+    viewers: dict[int, list[int]] = {}
+    for ins in instrs:
+        if fresh_result(ins, instrs.__getitem__) or donated_input(ins):  # a donated input is the program's to overwrite
+            roots[ins.out] = frozenset({ins.out})
+        elif lookup(ins.op).read_only:
+            roots[ins.out] = frozenset({("read-only", ins.out)})
+        else:
+            rs = roots[ins.out] = frozenset().union(*(roots[a] for a in ins.args)) | {("view", ins.out)}
+            for r in rs:
+                if type(r) is int:
+                    viewers.setdefault(r, []).append(ins.out)
+    return roots, viewers
 
 
 def donated_input(ins: Instr) -> bool:

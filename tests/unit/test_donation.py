@@ -150,10 +150,106 @@ def test_a_donating_train_step_gives_the_bits_of_the_plain_one(preset):
     assert len(sibling_groups(donating.program)) == len(sibling_groups(plain.program)) > 0
     params = {i.out for i in donating.program.instrs if i.op == "parameter"}
     assert sum(i.donate >= 0 and i.args[i.donate] in params for i in donating.program.instrs) >= 3 * 10
+    _same_training(plain, donating, steps=3)
+
+
+def test_a_saved_program_keeps_its_donations(tmp_path):
+    from spmd_runtime.program import load_program
+    program = sgd_program(donate=(0, 2))
+    program.save(tmp_path / "p.json")
+    loaded = load_program(tmp_path / "p.json")
+    assert loaded.donated == {0, 2} and loaded.hash == program.hash != sgd_program().hash
+
+
+# ---------------------------------------------------------------- loop carries updated in place
+def _scan_of(body):
+    """A program scanning ``body`` over xs [5, 8, 3] from carries (a, b) [8, 3], and its scan's body."""
+    def f(a, b, xs):
+        return sr.scan(body, (a, b), xs)
+    specs = [sr.TensorSpec((8, 3), "float64")] * 2 + [sr.TensorSpec((5, 8, 3), "float64")]
+    program = sr.partition(sr.trace(f, *specs), MESH, in_specs=[("x", None)] * 2 + [(None, "x", None)])
+    return program, next(i for i in program.instrs if i.op == "scan").attrs["body"]
+
+
+def _written(body) -> set:
+    """The carries some body instruction writes into."""
+    params = {i.out: i.attrs["index"] for i in body.instrs if i.op == "parameter"}
+    return {params[i.args[i.donate]] for i in body.instrs if i.donate >= 0 and i.args[i.donate] in params}
+
+
+def _also_a_y(s, t):
+    return (s, t), s
+
+
+# (name, body, carries the body makes alone: donated, and those written in place)
+CARRY_CASES = [
+    ("accumulate", lambda c, x: ((c[0] + x, c[1] * x), snp.sum(x)), {0, 1}, {0, 1}),
+    ("handed_on", lambda c, x: ((c[0], c[1] + x), snp.sum(x)), {1}, {1}),  # c0 is the operand itself
+    ("swapped", lambda c, x: ((c[1], c[0]), snp.sum(x)), set(), set()),
+    ("from_xs", lambda c, x: ((x, c[1] + x), snp.sum(x)), {1}, {1}),  # c0 views an xs slice
+    ("shared", lambda c, x: (((c[0] + x),) * 2, snp.sum(x)), set(), set()),  # one buffer for both carries
+    ("also_a_y", lambda c, x: _also_a_y(c[0] + x, c[1] + x), {1}, {1}),  # c0' is also stacked into ys
+]
+
+
+@pytest.mark.parametrize("name,body,donated,written", CARRY_CASES, ids=[c[0] for c in CARRY_CASES])
+def test_a_scan_body_writes_the_carries_it_owns_in_place(name, body, donated, written):
+    """A carry whose body result is a buffer the body alone makes is donated to the body (each iteration
+    writes into the last one's buffer); a carry that may be an operand, an xs slice, or share its buffer
+    with another result is not. The caller's initial carries are never written, over two runs, and the
+    results are the reference's."""
+    program, scanned = _scan_of(body)
+    assert scanned.donated == donated and _written(scanned) == written
+    rng = np.random.default_rng(2)
+    a, b, xs = rng.standard_normal((8, 3)), rng.standard_normal((8, 3)), rng.standard_normal((5, 8, 3))
+    want = sr.evaluate(sr.trace(lambda a, b, xs: sr.scan(body, (a, b), xs), a, b, xs), a, b, xs)
+
+    def run(comm):
+        r = comm.Get_rank()
+        local = [np.ascontiguousarray(a[4 * r:4 * r + 4]), np.ascontiguousarray(b[4 * r:4 * r + 4]),
+                 np.ascontiguousarray(xs[:, 4 * r:4 * r + 4])]
+        kept = [x.copy() for x in local]
+        first = [o.copy() for o in sr.run_local(program, *local, comm=comm)]
+        second = sr.run_local(program, *local, comm=comm)
+        return first, second, all(np.array_equal(x, k) for x, k in zip(local, kept))
+
+    for r, (first, second, untouched) in enumerate(run_simulated(2, run)):
+        assert untouched, "a scan must write its carries into buffers of its own, never the caller's"
+        for got, again, w in zip(first, second, want):
+            part = w if w.shape == got.shape else w[..., 4 * r:4 * r + 4, :]  # a split carry or ys
+            np.testing.assert_allclose(got, part, rtol=1e-12)
+            np.testing.assert_array_equal(again, got)
+
+
+@pytest.mark.parametrize("scan_layers,microbatches", [(True, 1), (False, 2), (True, 2)])
+def test_scanned_and_accumulating_steps_update_every_state_buffer_in_place(scan_layers, microbatches):
+    """With layers scanned or gradients accumulated over micro-batches, the donating step still writes every
+    new parameter and moment into its donated input (a scan's stacked results and owned carries are its own
+    buffers, not views of its operands), and gives the plain step's bits."""
+    cfg = LMConfig(**{**CFG.__dict__, "scan_layers": scan_layers})
+    mesh = train_mesh((2,), "dp")
+    plain = build_train_step(cfg, mesh, "dp", microbatches=microbatches)
+    donating = build_train_step(cfg, mesh, "dp", microbatches=microbatches, donate=True)
+    prog = donating.program
+    donated_params = {i.out for i in prog.instrs if i.op == "parameter" and i.attrs.get("donated")}
+
+    def home(slot):  # the buffer a result is written into: followed through in-place writes
+        ins = prog.instrs[slot]
+        return home(ins.args[ins.donate]) if ins.donate >= 0 else slot
+    n = len(donating.state_names)  # the new state comes first, as the inputs' state
+    assert [(o.shape, o.dtype) for o in prog.outputs[:n]] == [(i.shape, i.dtype) for i in prog.inputs[:n]]
+    state_outputs = [o.slot for o in prog.outputs[:n]]
+    assert sum(home(s) in donated_params for s in state_outputs) >= len(state_outputs) - 1  # all but AdamW's count
+    _same_training(plain, donating)
+
+
+def _same_training(plain, donating, steps=2):
+    """The same losses and state, bit for bit, over ``steps`` steps on 2 simulated ranks; the state passed to
+    ``shard_state`` is untouched."""
     state = plain.init(1)
     kept = [x.copy() for x in sr.pytree.flatten(state)[0]]
     rng = np.random.default_rng(0)
-    data = [(rng.integers(0, 24, (8, 8)), rng.integers(0, 24, (8, 8))) for _ in range(3)]
+    data = [(rng.integers(0, 24, (8, 8)), rng.integers(0, 24, (8, 8))) for _ in range(steps)]
 
     def train(ts):
         def body(comm):
@@ -172,9 +268,28 @@ def test_a_donating_train_step_gives_the_bits_of_the_plain_one(preset):
         np.testing.assert_array_equal(x, k)
 
 
-def test_a_saved_program_keeps_its_donations(tmp_path):
-    from spmd_runtime.program import load_program
-    program = sgd_program(donate=(0, 2))
-    program.save(tmp_path / "p.json")
-    loaded = load_program(tmp_path / "p.json")
-    assert loaded.donated == {0, 2} and loaded.hash == program.hash != sgd_program().hash
+@pytest.mark.parametrize("trips", [0, 3])
+def test_a_while_body_writes_its_accumulator_in_place(trips):
+    """``while i < n: (i, acc) = (i + 1, acc * 0.5 + w)``: both carries are the body's own, so it writes them in
+    place, into the loop's copy of the initial values (the caller's stay as they were), also when the loop
+    runs no iteration."""
+    def f(i, acc, w):
+        return sr.while_loop(lambda c: c[0] < trips, lambda c: (c[0] + 1, c[1] * 0.5 + w), (i, acc))
+    specs = [sr.TensorSpec((), "int32"), sr.TensorSpec((8, 3), "float64"), sr.TensorSpec((8, 3), "float64")]
+    program = sr.partition(sr.trace(f, *specs), MESH, in_specs=[(), ("x", None), ("x", None)])
+    body = next(i for i in program.instrs if i.op == "while").attrs["body"]
+    assert body.donated == {0, 1} and 1 in _written(body)
+    rng = np.random.default_rng(3)
+    acc, w = rng.standard_normal((8, 3)), rng.standard_normal((8, 3))
+    want = sr.evaluate(sr.trace(f, *specs), np.int32(0), acc, w)[1]
+
+    def run(comm):
+        r = comm.Get_rank()
+        local = [np.int32(0), np.ascontiguousarray(acc[4 * r:4 * r + 4]), np.ascontiguousarray(w[4 * r:4 * r + 4])]
+        kept = local[1].copy()
+        got = sr.run_local(program, *local, comm=comm)[1].copy()
+        return got, np.array_equal(local[1], kept)
+
+    for r, (got, untouched) in enumerate(run_simulated(2, run)):
+        assert untouched
+        np.testing.assert_allclose(got, want[4 * r:4 * r + 4], rtol=1e-12)
