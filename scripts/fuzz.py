@@ -2,10 +2,11 @@
 
     python scripts/fuzz.py --seeds 0:2000            # in-process simulated ranks
     python scripts/fuzz.py --seeds 0:2000 --donate   # every input donated
+    python scripts/fuzz.py --seeds 0:2000 --loops    # each case ending in one or two scans / while loops
     mpiexec -n 4 python scripts/fuzz.py --mpi --seeds 0:300
 
 Prints each failing seed with its error; a failing seed reproduces exactly with
-``random_case(seed)`` in tests/fuzz_programs.py (add it to tests/unit/test_fuzz_regressions.py).
+``random_case(seed)`` (``loops=True`` with --loops) in tests/fuzz_programs.py (add it to tests/unit/test_fuzz_regressions.py).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def main():
     ap.add_argument("--seeds", default="0:500", help="start:stop")
     ap.add_argument("--mpi", action="store_true", help="run under the real MPI world (same seeds on every rank)")
     ap.add_argument("--donate", action="store_true", help="every input donated (partition(donate=...))")
+    ap.add_argument("--loops", action="store_true", help="each case ends in one or two loops (scan, while)")
     args = ap.parse_args()
     start, stop = (int(v) for v in args.seeds.split(":"))
     warnings.simplefilter("ignore")
@@ -43,7 +45,7 @@ def main():
     run = (lambda p, x: sr.run(p, *x)) if args.mpi else simulated
     failures, t0 = [], time.perf_counter()
     for seed in range(start, stop):
-        case = random_case(seed, devices=world) if args.mpi else random_case(seed)
+        case = random_case(seed, devices=world if args.mpi else None, loops=args.loops)
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 check_case(case, run, donate=range(len(case.inputs)) if args.donate else ())

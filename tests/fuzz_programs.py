@@ -9,6 +9,9 @@ on split dims: roll, wide windows, unaligned reshapes, the kernel-gradient conv,
 with random mesh_split
 annotations; meshes have 1 to 8 devices, 1-d and 2-d, sometimes reordered; sizes are
 often uneven. Values are kept bounded (tanh squashing) so float64 tolerances stay tight.
+With ``loops=True`` a case ends with one or two loops over pool tensors (``_Builder.LOOPS``: scans whose
+bodies make, hand on, take from xs, swap or share their carries; a while loop updating a pool tensor), drawn
+after the other ops so that every seed's program without loops stays what it was.
 """
 from __future__ import annotations
 
@@ -348,13 +351,49 @@ class _Builder:
         starts = [start if i == d else 0 for i in range(t.ndim)]
         return snp.dynamic_slice(t, starts, [size if i == d else n for i, n in enumerate(t.shape)])
 
+    def scan_(self, t):
+        """A scan over ``t``'s leading dim from carries (c, d) of a slice's shape, with a body from
+        ``SCAN_BODIES``; the final carries and the stacked ys join the pool."""
+        if t.ndim == 0:
+            return None
+        init = (snp.tanh(snp.sum(t, axis=0)), snp.tanh(snp.max(t, axis=0)))
+        body = SCAN_BODIES[self.rng.integers(len(SCAN_BODIES))]
+        (c, d), ys = sr.scan(body, init, t, reverse=bool(self.rng.random() < 0.3))
+        self.pool += [c, d]
+        return ys
+
+    def while_(self, t):
+        """``t`` updated 0 to 3 times by a while loop (its body writes the carry in place: the loop's copy,
+        not ``t``, which stays in the pool)."""
+        trips = int(self.rng.integers(4))
+        start = snp.astype(snp.sum(t) * 0.0, "int32")
+        return sr.while_loop(lambda c: c[0] < trips, lambda c: (c[0] + 1, snp.tanh(c[1] * 0.5 + t)), (start, t))[1]
+
+    LOOPS = ("scan_", "while_")
+
     def new_param(self, shape):
         self.extra_shapes.append(shape)
         return self.extra[len(self.extra_shapes) - 1]
 
 
-def random_case(seed: int, max_devices: int = 8, steps=(3, 9), devices=None) -> FuzzCase:
-    """A random program, mesh and shardings; deterministic in ``seed`` (and ``devices``, the exact mesh size)."""
+def _shared(s):
+    return (s, s), s
+
+
+# Scan bodies (carries (c, d), slice x) -> ((c', d'), y): each carry made by the body (updated in place), handed
+# on as it is, taken from xs, swapped, or one buffer for both carries and y (neither in place).
+SCAN_BODIES = [
+    lambda cd, x: ((snp.tanh(cd[0] + x), cd[1] * 0.5 + x), cd[0] * x),
+    lambda cd, x: ((cd[0], snp.tanh(cd[1] - x)), x + cd[0]),
+    lambda cd, x: ((x, snp.tanh(cd[0] * cd[1])), cd[1]),
+    lambda cd, x: ((cd[1], cd[0]), snp.tanh(x)),
+    lambda cd, x: _shared(snp.tanh(cd[0] + cd[1] + x)),
+]
+
+
+def random_case(seed: int, max_devices: int = 8, steps=(3, 9), devices=None, loops=False) -> FuzzCase:
+    """A random program, mesh and shardings; deterministic in ``seed`` (and ``devices``, the exact mesh size,
+    and ``loops``: one or two loops at the end)."""
     rng = np.random.default_rng(seed)
     mesh = random_mesh(rng, max_devices, devices)
     n_in = int(rng.integers(1, 3))
@@ -362,7 +401,7 @@ def random_case(seed: int, max_devices: int = 8, steps=(3, 9), devices=None) -> 
     n_steps = int(rng.integers(*steps))
     extra_shapes = _extra_shapes(seed, mesh, shapes, n_steps)
     all_shapes = shapes + extra_shapes
-    fn = _program(seed, mesh, n_in, n_steps)
+    fn = _program(seed, mesh, n_in, n_steps, loops)
     graph = sr.trace(fn, *[sr.TensorSpec(s, "float64") for s in all_shapes])
     spec_rng = np.random.default_rng(seed + 1_000_003)
     in_specs = [random_sharding(spec_rng, mesh, len(s)) if spec_rng.random() < 0.7 else None for s in all_shapes]
@@ -373,7 +412,7 @@ def random_case(seed: int, max_devices: int = 8, steps=(3, 9), devices=None) -> 
     return FuzzCase(seed, mesh, graph, inputs, in_specs, out_specs)
 
 
-def _program(seed, mesh, n_in, n_steps):
+def _program(seed, mesh, n_in, n_steps, loops=False):
     """The traced function: replays the same random choices on whatever tensors it receives."""
     def fn(*args):
         rng = np.random.default_rng(seed + 17)
@@ -381,6 +420,9 @@ def _program(seed, mesh, n_in, n_steps):
         b.extra = list(args[n_in:])
         for _ in range(n_steps):
             b.step()
+        for _ in range(int(rng.integers(1, 3)) if loops else 0):
+            out = getattr(b, b.LOOPS[rng.integers(len(b.LOOPS))])(b.pick())
+            b.pool += [out] if out is not None else []
         outs = b.pool[n_in:] or b.pool
         return outs[-1], outs[int(rng.integers(len(outs)))]
     return fn

@@ -30,3 +30,14 @@ def test_random_program_with_donated_inputs_matches_reference(seed):
         warnings.simplefilter("ignore")
         case = random_case(seed, devices=WORLD)
         check_case(case, lambda program, inputs: sr.run(program, *inputs), donate=range(len(case.inputs)))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("seed", SEEDS[:30])
+def test_random_program_ending_in_loops_matches_reference(seed):
+    """Cases ending in scans and while loops (tests/fuzz_programs.py), every other one with donated inputs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        case = random_case(seed, devices=WORLD, loops=True)
+        check_case(case, lambda program, inputs: sr.run(program, *inputs),
+                   donate=range(len(case.inputs)) if seed % 2 else ())

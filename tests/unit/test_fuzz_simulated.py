@@ -49,6 +49,22 @@ def test_random_programs_with_every_input_donated_match_reference(seed):
     assert program.donated == set(range(len(case.inputs)))
 
 
+LOOP_CASES = 300
+
+
+@settings(max_examples=LOOP_CASES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.integers(min_value=0, max_value=2**31 - 1))
+def test_random_programs_ending_in_loops_match_reference(seed):
+    """Cases ending in scans and while loops whose bodies make, hand on, take from xs, swap or share their
+    carries (the carries a body owns are updated in place: partition/loops.py), every other seed with every
+    input donated."""
+    case = random_case(seed, loops=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_case(case, simulated, donate=range(len(case.inputs)) if seed % 2 else ())
+
+
 # Windowed einsum on random einsums: random specs (batch, contracted, kept and summed-away letters), sizes
 # (uneven too), shardings and meshes; under a cost model whose permutes cost nothing, every einsum next to a
 # gather or reduce-scatter that a ring can replace becomes one (and the planner's exchanges are free).
