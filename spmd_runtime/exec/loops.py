@@ -32,12 +32,10 @@ def bind_scan(interp, ins):
     steps = [body.steps_into({slot: kept[j][t] for j, slot in direct.items()}) if direct else None
              for t in range(length)]
     copied = [j for j in range(len(stacked)) if j not in direct]
-    overwritten = _overwritten_carries(a["body"], nc)
+    own = _OwnCarries(interp, ins, nc)
 
     def run(*args):
-        carry, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
-        for k in overwritten:  # the body writes the carry in place: into the loop's own buffer, not the caller's
-            carry[k] = xp.array(carry[k], copy=True)
+        carry, xs, consts = own.filled(list(args[:nc])), args[nc:nc + nx], list(args[nc + nx:])
         ys = kept if kept is not None else [xp.empty(shape, dtype) for shape, dtype in stacked]
         for t in order:
             outs = body.run(carry + [x[(t + s) % length] for x, s in zip(xs, shifts)] + consts, steps[t])
@@ -55,21 +53,42 @@ def _written_in_place(body, nc: int) -> dict:
     return {k - nc: s for k, s in enumerate(slots) if k >= nc and s in body.planned and slots.count(s) == 1}
 
 
-def _overwritten_carries(body, nc: int) -> list[int]:
-    """The carries some body instruction writes into (donated carries, partition/loops.py)."""
-    slots = {body.inputs[k].slot: k for k in body.donated if k < nc}
-    return sorted({slots[i.args[i.donate]] for i in body.instrs if i.donate >= 0 and i.args[i.donate] in slots})
+class _OwnCarries:
+    """The loop's own buffers for the carries its body writes in place (donated carries, partition/loops.py),
+    filled with the initial values at the start of every run: the caller's arrays are never written. A buffer
+    is made once and refilled every run when no program output can be that carry's final value (it dies
+    within the run: a gradient accumulator); otherwise each run copies afresh (the caller keeps the output)."""
+
+    def __init__(self, interp, ins, nc: int):
+        body, program = ins.attrs["body"], interp.program
+        slots = {body.inputs[k].slot: k for k in body.donated if k < nc}
+        self.carries = sorted({slots[i.args[i.donate]] for i in body.instrs
+                               if i.donate >= 0 and i.args[i.donate] in slots})
+        self.reused = {k for k in self.carries if not may_reach_outputs(program, [
+            i.out for i in program.instrs if i.op == "loop_out" and i.args[0] == ins.out and i.attrs["index"] == k])}
+        self.xp, self.buffers = interp.xp, {}
+
+    def filled(self, carry: list) -> list:
+        """``carry`` with each overwritten carry replaced by the loop's own buffer holding its value."""
+        for k in self.carries:
+            buffer = self.buffers.get(k)
+            if buffer is None:
+                buffer = self.xp.array(carry[k], copy=True)
+                if k in self.reused:
+                    self.buffers[k] = buffer
+            else:
+                self.xp.copyto(buffer, carry[k])
+            carry[k] = buffer
+        return carry
 
 
 def bind_while(interp, ins):
     a = ins.attrs
     cond, body, n, n_cond = _bound(interp, a["cond"]), _bound(interp, a["body"]), a["num_carry"], a["captures"][0]
-    overwritten, xp = _overwritten_carries(a["body"], n), interp.xp
+    own = _OwnCarries(interp, ins, n)
 
     def run(*args):
-        carry, cond_caps, body_caps = list(args[:n]), list(args[n:n + n_cond]), list(args[n + n_cond:])
-        for k in overwritten:  # as a scan's: the loop's own buffer, never the caller's
-            carry[k] = xp.array(carry[k], copy=True)
+        carry, cond_caps, body_caps = own.filled(list(args[:n])), list(args[n:n + n_cond]), list(args[n + n_cond:])
         while bool(cond.run(carry + cond_caps)[0]):  # replicated: every rank takes the same branch
             carry = body.run(carry + body_caps)
         return tuple(carry)
