@@ -61,9 +61,7 @@ class _OwnCarries:
 
     def __init__(self, interp, ins, nc: int):
         body, program = ins.attrs["body"], interp.program
-        slots = {body.inputs[k].slot: k for k in body.donated if k < nc}
-        self.carries = sorted({slots[i.args[i.donate]] for i in body.instrs
-                               if i.donate >= 0 and i.args[i.donate] in slots})
+        self.carries = sorted(k for k in body.written_inputs if k < nc)
         self.reused = {k for k in self.carries if not may_reach_outputs(program, [
             i.out for i in program.instrs if i.op == "loop_out" and i.args[0] == ins.out and i.attrs["index"] == k])}
         self.xp, self.buffers = interp.xp, {}

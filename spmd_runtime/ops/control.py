@@ -43,18 +43,22 @@ WHILE = define("while")
 COND = define("cond")
 
 
-def _scan_owned(ins, operands) -> bool:
-    """A scan's stacked result (``ys``) is an array the scan makes and fills (exec/loops.py); a carry its body
-    marks donated (partition/loops.py) is, after one iteration or more, the body's buffer or the scan's copy
-    of the initial value. Any other carry may be (or view) an operand: a body may hand one on as it is."""
+def _loop_owned(ins, operands) -> bool:
+    """A scan's stacked result (``ys``) is an array the scan makes and fills (exec/loops.py). A carry its body
+    writes in place is the loop's own copy of the initial value from the start (partition/loops.py); a scan's
+    carry its body owns (donated) is, after one iteration or more, the body's buffer. Any other carry may be
+    (or view) an operand: a body may hand one on as it is, a loop may run no iteration."""
     node = operands[0]
-    if node.op != "scan":
+    if node.op not in ("scan", "while"):
         return False
     k, a = ins.attrs["index"], node.attrs
-    return k >= a["num_carry"] or (k in a["body"].donated and a["length"] >= 1)
+    if node.op == "scan" and k >= a["num_carry"]:
+        return True
+    body = a["body"]
+    return k in body.written_inputs or (node.op == "scan" and k in body.donated and a["length"] >= 1)
 
 
-LOOP_OUT = define("loop_out", fresh_if=_scan_owned)  # result ``index`` of a control node
+LOOP_OUT = define("loop_out", fresh_if=_loop_owned)  # result ``index`` of a control node
 POLICIES = ("cheap_recomputed", "everything_saveable", "nothing_saveable", "dots_saveable")
 DEFAULT_POLICY = "cheap_recomputed"  # a scan's: save all but what is cheaper to recompute (loop_autodiff.py)
 

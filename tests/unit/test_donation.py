@@ -302,3 +302,32 @@ def test_a_while_body_writes_its_accumulator_in_place(trips):
     for r, (got, untouched) in enumerate(run_simulated(2, run)):
         assert untouched
         np.testing.assert_allclose(got, want[4 * r:4 * r + 4], rtol=1e-12)
+
+
+def test_a_loops_own_carry_is_no_view_of_its_operands():
+    """``acc = while(..., p)`` then ``q = p * 3`` with p donated: the loop's final accumulator (alive after q)
+    is its own copy, not a view of p, so q may still be written into p; the same through a scan."""
+    def by_while(p, w):
+        acc = sr.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] * 0.5 + w), (snp.astype(snp.sum(w) * 0.0,
+                                                                                          "int32"), p))[1]
+        return p * 3.0, acc
+
+    def by_scan(p, w):
+        acc = sr.scan(lambda c, x: (c * 0.5 + x, snp.sum(x)), p, snp.stack([w, w]))[0]
+        return p * 3.0, acc
+
+    specs = [sr.TensorSpec((8, 3), "float64")] * 2
+    rng = np.random.default_rng(4)
+    p, w = rng.standard_normal((8, 3)), rng.standard_normal((8, 3))
+    for f in (by_while, by_scan):
+        program = sr.partition(sr.trace(f, *specs), MESH, in_specs=[("x", None)] * 2, donate=(0,))
+        assert program.written_inputs == {0}, f.__name__
+        want = sr.evaluate(sr.trace(f, *specs), p, w)
+
+        def run(comm, program=program):
+            r = comm.Get_rank()
+            return [o.copy() for o in sr.run_local(program, np.ascontiguousarray(p[4 * r:4 * r + 4]),
+                                                   np.ascontiguousarray(w[4 * r:4 * r + 4]), comm=comm)]
+        for r, outs in enumerate(run_simulated(2, run)):
+            for g, x in zip(outs, want):
+                np.testing.assert_allclose(g, x[4 * r:4 * r + 4], rtol=1e-12)
