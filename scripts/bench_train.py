@@ -195,13 +195,13 @@ class LoopClock:
         self.seconds: dict[int, list[float]] = {}
         original = loops._bound
 
-        def bound(interp, program):
-            body = original(interp, program)
+        def bound(interp, program, *options):
+            body = original(interp, program, *options)
             record, run = self.seconds.setdefault(id(program), []), body.run
 
-            def timed(inputs):
+            def timed(inputs, *steps):
                 t0 = time.perf_counter()
-                out = run(inputs)
+                out = run(inputs, *steps)
                 record.append(time.perf_counter() - t0)
                 return out
             body.run = timed
