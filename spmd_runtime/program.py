@@ -159,12 +159,10 @@ class SPMDProgram:
 
     @property
     def written_inputs(self) -> frozenset:
-        """Positions of the donated inputs some instruction writes its result into (``Instr.donate``)."""
-        if "_written" not in self.__dict__:
-            donated = {i.out: i.attrs["index"] for i in self.instrs if i.op == "parameter" and i.attrs.get("donated")}
-            self.__dict__["_written"] = frozenset(donated[i.args[i.donate]] for i in self.instrs
-                                                  if i.donate >= 0 and i.args[i.donate] in donated)
-        return self.__dict__["_written"]
+        """Positions of the donated inputs some instruction writes its result into (``Instr.donate``). Not
+        cached: a pass that redoes the donations changes it."""
+        donated = {i.out: i.attrs["index"] for i in self.instrs if i.op == "parameter" and i.attrs.get("donated")}
+        return frozenset(donated[i.args[i.donate]] for i in self.instrs if i.donate >= 0 and i.args[i.donate] in donated)
 
     def __str__(self):
         head = f"SPMDProgram on {self.mesh}  hash={self.hash[:12]}  wire_bytes/rank={self.wire_bytes:.0f}"

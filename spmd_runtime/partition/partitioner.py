@@ -266,6 +266,7 @@ def donated_program(program: SPMDProgram, donate) -> SPMDProgram:
     for ins in program.instrs:
         if ins.op == "parameter" and ins.attrs["index"] in positions:
             ins.attrs = {**ins.attrs, "donated": True}
+    program.__dict__.pop("_donated", None)  # SPMDProgram.donated's cache, if read before
     _assign_buffers(program.instrs, {o.slot for o in program.outputs})
     return program
 
