@@ -9,7 +9,7 @@ on split dims: roll, wide windows, unaligned reshapes, the kernel-gradient conv,
 with random mesh_split
 annotations; meshes have 1 to 8 devices, 1-d and 2-d, sometimes reordered; sizes are
 often uneven. Values are kept bounded (tanh squashing) so float64 tolerances stay tight.
-With ``loops=True`` a case ends with one or two loops over pool tensors (``_Builder.LOOPS``: scans whose
+With ``loops=True`` a case ends with one or two loops over pool tensors (``_Builder.scan_``, ``while_``: scans whose
 bodies make, hand on, take from xs, swap or share their carries; a while loop updating a pool tensor), drawn
 after the other ops so that every seed's program without loops stays what it was.
 """
@@ -369,8 +369,6 @@ class _Builder:
         start = snp.astype(snp.sum(t) * 0.0, "int32")
         return sr.while_loop(lambda c: c[0] < trips, lambda c: (c[0] + 1, snp.tanh(c[1] * 0.5 + t)), (start, t))[1]
 
-    LOOPS = ("scan_", "while_")
-
     def new_param(self, shape):
         self.extra_shapes.append(shape)
         return self.extra[len(self.extra_shapes) - 1]
@@ -421,7 +419,7 @@ def _program(seed, mesh, n_in, n_steps, loops=False):
         for _ in range(n_steps):
             b.step()
         for _ in range(int(rng.integers(1, 3)) if loops else 0):
-            out = getattr(b, b.LOOPS[rng.integers(len(b.LOOPS))])(b.pick())
+            out = (b.scan_, b.while_)[rng.integers(2)](b.pick())
             b.pool += [out] if out is not None else []
         outs = b.pool[n_in:] or b.pool
         return outs[-1], outs[int(rng.integers(len(outs)))]

@@ -60,10 +60,8 @@ class _OwnCarries:
     within the run: a gradient accumulator); otherwise each run copies afresh (the caller keeps the output)."""
 
     def __init__(self, interp, ins, nc: int):
-        body, program = ins.attrs["body"], interp.program
-        self.carries = sorted(k for k in body.written_inputs if k < nc)
-        self.reused = {k for k in self.carries if not may_reach_outputs(program, [
-            i.out for i in program.instrs if i.op == "loop_out" and i.args[0] == ins.out and i.attrs["index"] == k])}
+        self.carries = sorted(k for k in ins.attrs["body"].written_inputs if k < nc)
+        self.reused = {k for k in self.carries if not _escapes(interp.program, ins, k.__eq__)}
         self.xp, self.buffers = interp.xp, {}
 
     def filled(self, carry: list) -> list:
@@ -104,11 +102,12 @@ def bind_cond(interp, ins):
     return run
 
 
-def _escapes(program, ins) -> bool:
-    """Whether a program output may be (or view) one of the stacked results of scan ``ins``."""
-    ys = [i.out for i in program.instrs if i.op == "loop_out" and i.args[0] == ins.out
-          and i.attrs["index"] >= ins.attrs["num_carry"]]
-    return may_reach_outputs(program, ys)
+def _escapes(program, ins, which=None) -> bool:
+    """Whether a program output may be (or view) one of the results of control instruction ``ins`` whose index
+    ``which`` accepts (default: a scan's stacked results)."""
+    which = which or (lambda k: k >= ins.attrs["num_carry"])
+    return may_reach_outputs(program, [i.out for i in program.instrs
+                                       if i.op == "loop_out" and i.args[0] == ins.out and which(i.attrs["index"])])
 
 
 LOOP_BINDERS = {"scan": bind_scan, "while": bind_while, "cond": bind_cond}

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..bodies import TUPLE_DTYPE, extract
 from ..sharding import Sharding
 from .partitioner import (LocalValue, _assign_buffers, _live_nodes, _user_shardings, buffer_roots, donated_program,
-                          partition)
+                          made_fresh, partition)
 from .scan_prefetch import pipelined_body, prefetch_enabled
 from .schedule import overlap_budget
 from .propagation import legalize, merge, propagate
@@ -229,13 +229,9 @@ def _carries_in_place(body, nc: int):
     buffer (ops/control.py)."""
     roots = buffer_roots(body.instrs)[0]
     results = [roots[o.slot] for o in body.outputs]
-    owned = [k for k in range(nc) if _made_by_body(results[k])
+    owned = [k for k in range(nc) if made_fresh(results[k])
              and not any(results[k] & r for j, r in enumerate(results) if j != k)]
     return donated_program(body, owned) if owned else body
-
-
-def _made_by_body(roots) -> bool:
-    return any(type(r) is int for r in roots) and all(type(r) is int or r[0] == "view" for r in roots)
 
 
 def _prefetching(ctx, attrs: dict, args: list) -> tuple[list, int]:

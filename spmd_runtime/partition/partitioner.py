@@ -485,6 +485,12 @@ def buffer_roots(instrs: list[Instr]) -> tuple[list, dict]:
     return roots, viewers
 
 
+def made_fresh(roots) -> bool:
+    """Whether a value with ``roots`` (``buffer_roots``) can only be, or view, buffers that fresh ops made: no
+    read-only array, no input's buffer."""
+    return any(type(r) is int for r in roots) and all(type(r) is int or r[0] == "view" for r in roots)
+
+
 def donated_input(ins: Instr) -> bool:
     """Whether ``ins`` is the parameter of an input the program may overwrite (``partition(donate=...)``)."""
     return ins.op == "parameter" and bool(ins.attrs.get("donated"))

@@ -179,12 +179,6 @@ def _scan_of(body, summed=False):
     return program, next(i for i in program.instrs if i.op == "scan").attrs["body"]
 
 
-def _written(body) -> set:
-    """The carries some body instruction writes into."""
-    params = {i.out: i.attrs["index"] for i in body.instrs if i.op == "parameter"}
-    return {params[i.args[i.donate]] for i in body.instrs if i.donate >= 0 and i.args[i.donate] in params}
-
-
 def _also_a_y(s, t):
     return (s, t), s
 
@@ -208,7 +202,7 @@ def test_a_scan_body_writes_the_carries_it_owns_in_place(name, body, donated, wr
     with another result is not. Over two runs on different inputs: the caller's initial carries are never
     written, the first run's results are not overwritten by the second, and both are the reference's."""
     program, scanned = _scan_of(body, summed)
-    assert scanned.donated == donated and _written(scanned) == written
+    assert scanned.donated == donated and scanned.written_inputs == written
     rng = np.random.default_rng(2)
     runs = [[rng.standard_normal((8, 3)), rng.standard_normal((8, 3)), rng.standard_normal((5, 8, 3))]
             for _ in range(2)]
@@ -287,7 +281,7 @@ def test_a_while_body_writes_its_accumulator_in_place(trips):
     specs = [sr.TensorSpec((), "int32"), sr.TensorSpec((8, 3), "float64"), sr.TensorSpec((8, 3), "float64")]
     program = sr.partition(sr.trace(f, *specs), MESH, in_specs=[(), ("x", None), ("x", None)])
     body = next(i for i in program.instrs if i.op == "while").attrs["body"]
-    assert body.donated == {0, 1} and 1 in _written(body)
+    assert body.donated == {0, 1} and 1 in body.written_inputs
     rng = np.random.default_rng(3)
     acc, w = rng.standard_normal((8, 3)), rng.standard_normal((8, 3))
     want = sr.evaluate(sr.trace(f, *specs), np.int32(0), acc, w)[1]
