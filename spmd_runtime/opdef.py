@@ -109,6 +109,43 @@ def fresh_result(ins, producer) -> bool:
     return record.fresh or (record.fresh_if is not None and record.fresh_if(ins, [producer(a) for a in ins.args]))
 
 
+class RuleTable:
+    """One layer's rules for the ops, keyed by the op record: the layer that transforms programs (partition,
+    autodiff, exec) owns its table, in its own folder, and fills it with ``register``; the records never
+    know their rules (JAX's per-transformation tables keyed by primitive). ``get`` is the one read."""
+
+    def __init__(self, part: str):
+        self.part = part
+        self._rules: dict[OpDef, object] = {}
+
+    def __repr__(self):
+        return f"RuleTable({self.part!r}, {len(self._rules)} ops)"
+
+    def register(self, *ops, value=None):
+        """Decorate ``fn`` as the rule of ``ops`` (records or names); each op has one rule per table.
+        ``value=`` registers it directly (no decorator)."""
+        def add(rule):
+            for op in ops:
+                record = lookup(op)
+                if record in self._rules or getattr(record, self.part, None) is not None:
+                    raise ValueError(f"an op has one {self.part} rule; got a second one for {record.name!r}")
+                self._rules[record] = rule
+            return rule
+        return add if value is None else add(value)
+
+    def get(self, op):
+        """The rule of ``op`` (a record or its name), or None (an op still carrying its rule on the record
+        counts until every family has moved its rules to its layer)."""
+        record = lookup(op)
+        return self._rules.get(record, getattr(record, self.part, None))
+
+    def __contains__(self, op) -> bool:
+        return self.get(op) is not None
+
+    def ops(self) -> list[OpDef]:
+        return [r for r in _OPS.values() if r in self]
+
+
 def _attach(part: str, ops, value):
     for op in ops:
         record = lookup(op)

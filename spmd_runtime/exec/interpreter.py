@@ -18,6 +18,7 @@ from .buffers import output_buffers, plan_buffers
 from .fused import Scratch, bind_compiled, compiled_fusions, elementwise_kernels
 from .groups import bind_group, sibling_groups
 from .overlap import with_progress
+from .rules.table import BIND
 
 
 class Interpreter:
@@ -71,8 +72,9 @@ class Interpreter:
             return partial(_into_operand, getattr(self.xp, record.ufunc), ins.donate)
         if ins.out in self.planned and record.ufunc:
             return partial(_into_buffer, getattr(self.xp, record.ufunc), self.planned[ins.out])
-        if record.bind is not None:
-            return record.bind(self, ins)
+        binder = BIND.get(record)
+        if binder is not None:
+            return binder(self, ins)
         if record.kernel is None:
             raise NotImplementedError(f"the interpreter runs ops with a kernel or a binder; got neither for "
                                       f"{ins.op!r}")

@@ -27,6 +27,7 @@ from .propagation import propagate, refine_free
 from .windowed import OFF, windowed_threshold, windowing
 from .schedule import overlap_budget as _budget, overlap_enabled, schedule_collectives
 from .resharding import plan_cost, plan_reshard
+from .rules.table import PARTITION
 
 @dataclass(frozen=True, slots=True)
 class LocalValue:
@@ -300,7 +301,7 @@ def _name_notes(ctx: PartitionContext, node: Node, before: int) -> None:
 
 
 def _partition_node(ctx: PartitionContext, node: Node) -> LocalValue:
-    fn = OPS[node.op].partition if node.op in OPS else None
+    fn = PARTITION.get(node.op) if node.op in OPS else None
     if fn is None:
         shardings = [str(ctx.value(i).sharding) for i in node.inputs]
         raise NotImplementedError(f"every op needs a partition rule; got none for op {node.op!r} "

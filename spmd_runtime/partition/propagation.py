@@ -11,8 +11,9 @@ An annotation may leave dims free (``UNCONSTRAINED`` in a spec: a mesh_split's
 are pinned, and the free ones are refined by propagation like any unannotated
 value, with the axes the pinned dims leave unused.
 
-Each op's rule (level, forward, backward) is part of its record (``opdef.OpDef.propagation``),
-defined with the op in ``spmd_runtime/ops/``; this module is the engine and the helpers rules share.
+Each op's rule (level, forward, backward) sits in the partition layer's table (``rules/table.py:
+PROPAGATION``, keyed by the op's record, one module per op family in ``rules/``); this module is the
+engine and the helpers rules share.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ..graph import Graph
 from ..mesh import Mesh
 from ..opdef import BROADCAST_LEVEL, DOT_LEVEL, ELEMENTWISE_LEVEL, OPS
 from ..sharding import Sharding
+from .rules.table import PROPAGATION
 
 
 @dataclass
@@ -36,7 +38,7 @@ def propagate(graph: Graph, mesh: Mesh, fixed: dict[int, Sharding], seeds=None, 
     """Complete shardings for every node; ``fixed`` holds the user's annotations, ``seeds`` starting
     shardings that propagation may refine (a loop body's parameters, from outside the loop), ``free``
     value -> dims of its annotation left UNCONSTRAINED (mesh_split nodes say theirs themselves)."""
-    rules = {n.op: OPS[n.op].propagation for n in graph.nodes if n.op in OPS}
+    rules = {n.op: PROPAGATION.get(n.op) for n in graph.nodes if n.op in OPS}
     missing = sorted({n.op for n in graph.nodes if rules.get(n.op) is None})
     if missing:
         raise NotImplementedError(f"sharding propagation needs a rule for every op; got no rule for {missing}")

@@ -6,8 +6,8 @@ one into the SAME graph: ``trace(value_and_grad(loss), *specs)`` is one graph
 whose outputs are ``(loss, grads)``, which partitions like any other.
 
 The backward pass walks the nodes recorded while ``fn`` ran in reverse order,
-accumulating cotangents with each op's VJP rule (``OpDef.vjp``, defined with the op in
-``spmd_runtime/ops/``). Rules emit ordinary traced ops; a ``mesh_split`` in the
+accumulating cotangents with each op's VJP rule (the table
+``autodiff/rules/table.py: VJP``, keyed by the op's record, one family file per ``ops/`` family). Rules emit ordinary traced ops; a ``mesh_split`` in the
 forward pass puts a ``mesh_split`` with the same sharding on the cotangent, so
 gradient shardings follow their primal values through propagation.
 
@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import inspect
 
-from . import pytree
-from .dtypes import is_floating
-from .graph import Node
-from .opdef import OPS
-from .ops.core import CONVERT, asarray, ones, zeros
-from .bodies import BodyGraph, capture
-from .trace import Tensor, current_graph, emit
+from .. import pytree
+from ..dtypes import is_floating
+from ..graph import Node
+from ..opdef import OPS
+from .rules.table import VJP
+from ..ops.core import CONVERT, asarray, ones, zeros
+from ..bodies import BodyGraph, capture
+from ..trace import Tensor, current_graph, emit
 
 
 # ---------------------------------------------------------------- public API
@@ -88,7 +89,7 @@ def backward_from(seeds: dict, wrt: list[Tensor], start: int) -> list[Tensor]:
     for node in reversed(g.nodes[start:stop + 1]):
         if node.id not in cts or node.id not in active:
             continue
-        rule = OPS[node.op].vjp if node.op in OPS else None
+        rule = VJP.get(node.op) if node.op in OPS else None
         if rule is None:
             raise NotImplementedError(f"reverse-mode differentiation needs a VJP rule for every op on the path "
                                       f"to the output; got none for op {node.op!r} (%{node.id} {node.spec})")

@@ -1,0 +1,2 @@
+"""The VJP rules of the ``ops/core.py`` family, registered in ``table.py``."""
+from __future__ import annotations

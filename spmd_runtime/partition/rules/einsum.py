@@ -1,0 +1,2 @@
+"""The propagation and partition rules of the ``ops/einsum.py`` family, registered in ``table.py``."""
+from __future__ import annotations

@@ -1,0 +1,2 @@
+"""The propagation and partition rules of the ``ops/slicing.py`` family, registered in ``table.py``."""
+from __future__ import annotations
