@@ -23,11 +23,11 @@ from .bodies import TUPLE_DTYPE, TUPLE_SHAPE, BodyGraph, extract, inline, tracin
 from .dtypes import is_floating
 from .graph import TensorSpec
 from .ops.core import zeros
-from .partition.fusion import CHEAP
+from .opdef import OPS
 
 # Recomputed by the backward body rather than stacked by the forward scan ("cheap_recomputed", the default):
 # cheaper to redo, fused into the backward's loops, than to write, stack and reread.
-RECOMPUTED = CHEAP | {"broadcast_in_dim", "reshape", "transpose"}
+RECOMPUTED = frozenset(r.name for r in OPS.values() if r.cheap) | {"broadcast_in_dim", "reshape", "transpose"}
 
 CONTROL_OPS = ("scan", "while", "cond")
 

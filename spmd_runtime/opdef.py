@@ -17,7 +17,8 @@ A record holds everything the layers above need to know about one op:
   instructions only (a scan's stacked results, not its carries; read through ``fresh_result``);
   ``in_place``: it may write its result into an operand whose buffer dies there; ``ufunc``: the
   array-module ufunc of an elementwise op (it takes ``out=``); ``collective``: it moves data between
-  ranks.
+  ranks; ``cheap``: pointwise with no transcendental and no division, so cheaper to recompute in each
+  consumer than to store (fusion's duplicated producers, the scan backward's recomputed values).
 
 The shape/dtype rule of a graph op is its traced constructor (e.g. ``ops.core.add``), the one
 function that emits it. ``kind`` says which parts an op must have: a ``"graph"`` op (traced) has a
@@ -56,6 +57,7 @@ class OpDef:
     in_place: bool = False
     ufunc: str | None = None
     collective: bool = False
+    cheap: bool = False
     propagation: PropagationRule | None = None
     partition: Callable | None = None
     kernel: Callable | None = None

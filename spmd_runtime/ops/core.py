@@ -35,13 +35,14 @@ BINARY_UFUNCS = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "tru
                  "maximum": "maximum", "minimum": "minimum", "eq": "equal", "ne": "not_equal", "lt": "less",
                  "le": "less_equal", "gt": "greater", "ge": "greater_equal", "and": "logical_and",
                  "or": "logical_or"}
-ELEMENTWISE = {name: define(name, fresh=True, in_place=True, ufunc=ufunc)
+EXPENSIVE = ("exp", "log", "tanh", "sqrt", "div", "pow")  # transcendental or a division: never ``cheap``
+ELEMENTWISE = {name: define(name, fresh=True, in_place=True, ufunc=ufunc, cheap=name not in EXPENSIVE)
                for name, ufunc in {**UNARY_UFUNCS, **BINARY_UFUNCS}.items()}
 UNARY = tuple(ELEMENTWISE[n] for n in UNARY_UFUNCS)
 BINARY = tuple(ELEMENTWISE[n] for n in BINARY_UFUNCS)
 COMPARISONS = tuple(ELEMENTWISE[n] for n in ("eq", "ne", "lt", "le", "gt", "ge"))
-SELECT = define("select", fresh=True)
-CONVERT = define("convert", fresh=True)
+SELECT = define("select", fresh=True, cheap=True)
+CONVERT = define("convert", fresh=True, cheap=True)
 ELEMENTWISE_LIKE = UNARY + BINARY + (SELECT, CONVERT)  # same shape in and out, computed pointwise
 BROADCAST_IN_DIM = define("broadcast_in_dim")
 RESHAPE = define("reshape")

@@ -5,7 +5,7 @@ Runs once after partitioning. Walking the program backwards, every elementwise
 instruction not yet taken roots a group and absorbs each elementwise producer of
 the same shape whose users all lie inside the group and that is no program
 output: the producer's buffer then never exists. A cheap producer (no
-transcendental, no division: ``CHEAP``) read by several elementwise consumers is
+transcendental, no division: ``OpDef.cheap``) read by several elementwise consumers is
 instead computed again inside each consumer's group (XLA duplicates such producers
 into every consumer fusion), so its buffer need not exist either: GELU's ``0.5 * x``
 and ``1 + tanh(...)``, read by the forward and by the backward, cost no pass of
@@ -44,8 +44,6 @@ FUSED_REDUCE = define("fused_reduce", "program", fresh=True)
 REDUCIBLE = ("sum", "max", "min")
 # Recomputed in every consumer's fusion rather than stored: cheaper than the memory pass that stores and
 # rereads them (XLA's InstructionFusion duplicates all but its "expensive" ops: exp, log, tanh, divide, ...).
-CHEAP = frozenset({"add", "sub", "mul", "neg", "abs", "maximum", "minimum", "select", "convert", "not", "and",
-                   "or", "eq", "ne", "lt", "le", "gt", "ge"})
 DUPLICATE_ENV = "SPMD_FUSE_DUPLICATE"
 MAX_DUPLICATES = 16  # cheap producers recomputed per group: bounds the work a long shared chain can add
 
@@ -197,7 +195,7 @@ def _duplicates(walk: _Walk, root: Instr, members: set[int]) -> set[int]:
     while todo and len(copies) < MAX_DUPLICATES:
         for a in instrs[todo.pop()].args:
             if (a in members or a in copies or a in walk.taken or a in walk.outputs or a in walk.pinned
-                    or walk.ops[a] not in CHEAP or instrs[a].shape != root.shape
+                    or not (walk.ops[a] and lookup(walk.ops[a]).cheap) or instrs[a].shape != root.shape
                     or not all(walk.ops[u] and instrs[u].shape == instrs[a].shape for u in walk.users[a])):
                 continue
             copies.add(a)
