@@ -232,7 +232,7 @@ def dynamic_slice(x, start_indices, slice_sizes) -> Tensor:
     """XLA DynamicSlice: x[s:s+size] per dim, each start (traced 0-d integer or int) clamped to
     [0, n - size]. With only Python ints this is a static slice."""
     x = core.asarray(x)
-    starts, sizes = _start_list(start_indices, x.ndim, "dynamic_slice"), _ints(slice_sizes)
+    starts, sizes = _start_list(start_indices, x.ndim, DYNAMIC_SLICE.name), _ints(slice_sizes)
     if len(sizes) != x.ndim or any(not 0 <= m <= n for m, n in zip(sizes, x.shape)):
         raise ValueError(f"dynamic_slice needs one size per dim with 0 <= size <= dim; got {sizes} for "
                          f"shape {x.shape}")
@@ -247,7 +247,7 @@ def dynamic_update_slice(x, update, start_indices) -> Tensor:
     (update is cast to x's dtype)."""
     x = core.asarray(x)
     update = core.astype(core.asarray(update), x.dtype)
-    starts = _start_list(start_indices, x.ndim, "dynamic_update_slice")
+    starts = _start_list(start_indices, x.ndim, DYNAMIC_UPDATE_SLICE.name)
     if update.ndim != x.ndim or any(m > n for m, n in zip(update.shape, x.shape)):
         raise ValueError(f"dynamic_update_slice needs an update of x's rank no larger than x in any dim; got "
                          f"update {update.shape} for x {x.shape}")
