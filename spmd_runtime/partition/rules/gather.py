@@ -136,8 +136,8 @@ def _partition_scatter_add(ctx, node):
     updates = ctx.mask_padding(updates, range(axis, axis + len(indices.shape)), 0)  # padding must add nothing
     if add_after(shardings[0], result):
         scattered = _scatter_local(ctx, node, _zeros(ctx, node, result), indices, updates, result)
-        total = [ctx.reshard(scattered, target), ctx.reshard(operand, target)]
-        return ctx.emit_like(node, core.ELEMENTWISE["add"], total, {}, target)
+        summands = [ctx.reshard(scattered, target), ctx.reshard(operand, target)]
+        return ctx.emit_like(node, core.ELEMENTWISE["add"], summands, {}, target)
     base = ctx.reshard(operand, shardings[0])
     if result.partial:
         keep = ctx.shard_index(result.partial)
