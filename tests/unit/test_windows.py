@@ -9,7 +9,8 @@ import pytest
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.opdef import OPS
-from spmd_runtime.ops.windows import halo_plan, out_size, shift_pairs
+from spmd_runtime.ops.windows import out_size
+from spmd_runtime.partition.rules.windows import halo_plan, shift_pairs
 from spmd_runtime.cost import collective_kind
 
 import simulated
