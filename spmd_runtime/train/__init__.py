@@ -18,15 +18,15 @@ iterates on local shards with ``sr.run_local``.
 The package:
 
 - ``presets``: the presets (mesh axes per role), ``train_mesh``, and what a preset needs of the config;
-- ``layout``: every input's spec and the activation annotations a preset gives the step;
+- ``layout``: every input's spec (parameters by the sharding role the model declares for each) and the
+  activation annotations a preset gives the step;
 - ``step``: the traced step (and the FSDP / pipeline ways to run the scanned layers, gradient accumulation);
 - ``runtime``: ``build_train_step``, ``TrainStep`` (run, gather, checkpoints, reports) and the MPI helpers
   that do rank 0's work while the other ranks sleep.
 
 Optimizers (``optim``), checkpoints (``checkpoint``) and the pipeline (``pipeline``) are their own modules.
 """
-from .layout import (EXPERT_PARAMS, MEGATRON_DIMS, MOE_ROLES, Layout, make_layout, moe_activation_spec, param_spec,
-                     state_leaf_name, update_spec)
+from .layout import MOE_ROLES, Layout, make_layout, moe_activation_spec, param_spec, state_leaf_name, update_spec
 from .presets import BOTH, PIPELINE_AXES, PRESETS, Preset, _preset, check_experts, check_pipeline, train_mesh
 from .runtime import (TrainStep, _pad_to, _sleep_until_every_rank_arrives, _stored_names, _world, build_train_step,
                       build_train_step_on_root, check_batch, format_comm, run_on_root)

@@ -1,5 +1,6 @@
 """Layouts: every input's spec of the traced training step (parameters, optimizer state, batch) and the
-activation annotations, derived from a preset."""
+activation annotations, derived from a preset. A parameter's spec follows from its sharding role, which the
+model declares (``models.lm.param_roles``): the preset's axes go on the dims that role splits."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -7,28 +8,20 @@ from dataclasses import dataclass
 
 from .. import pytree
 from ..mesh import Mesh
-from ..models.lm import LMConfig, is_stacked, param_kind, param_shapes
+from ..models.lm import LMConfig, param_kind, param_role, param_roles, param_shapes
+from ..models.roles import ParamRole
 from ..optim import Optimizer
 from ..sharding import parse_spec
 from ..trace import mesh_split
 from .presets import Preset, check_experts
 
-MEGATRON_DIMS = {"embed": 0, "unembed": 1, "wq": 1, "wk": 1, "wv": 1, "w1": 1, "wo": 0, "w2": 0, "we1": 2, "we2": 1}
-EXPERT_PARAMS = ("we1", "we2")  # (experts, ...): dim 0 on the expert axes
-
-
-def param_spec(name: str, shape, preset: Preset) -> tuple:
-    """Megatron splits a weight's head / hidden / vocab dim over the model axes, expert weights their expert
-    dim over the expert axes; all else is replicated."""
-    spec = [None] * len(shape)
-    dim = MEGATRON_DIMS.get(param_kind(name))
-    if preset.model and dim is not None:
-        spec[dim + is_stacked(name)] = preset.model  # stacked layers: after the layer dim
-    if preset.stage and is_stacked(name):
-        spec[0] = preset.stage  # pipeline: rank j holds the layers of stage j
-    if preset.experts and param_kind(name) in EXPERT_PARAMS:
-        spec[0] = preset.experts
-    return tuple(spec)
+def param_spec(role: ParamRole | str, shape, preset: Preset) -> tuple:
+    """Megatron splits a weight's head / hidden / vocab dim (its role's tensor dim) over the model axes, the
+    pipeline the layer dim of stacked layers over the stage axes, expert weights their expert dim over the
+    expert axes; all else is replicated. ``role``: the parameter's sharding role, or an LM parameter's name
+    (its ``models.lm.param_role``)."""
+    role = param_role(role) if isinstance(role, str) else role
+    return role.spec(len(shape), tensor=preset.model, layers=preset.stage, experts=preset.experts)
 
 
 def update_spec(shape, spec, axes, mesh: Mesh, first_dim: int = 0) -> tuple:
@@ -58,6 +51,7 @@ class Layout:
     update: dict  # parameter name -> spec of its gradient, optimizer state and updated block
     use: dict  # parameter name -> spec of the weight where the model uses it (FSDP: gathered to this)
     slots: list  # the optimizer's StateSlots
+    roles: dict  # parameter name -> its sharding role (the model's ``param_roles``)
 
     def annotate(self, x, spec):
         """``x`` pinned to ``spec`` with ``mesh_split``; on a one-device mesh there is nothing to say."""
@@ -76,6 +70,12 @@ class Layout:
         paths, tree = pytree.flatten_with_path(state)
         return tree.unflatten(self.annotate(x, self.specs[pytree.keystr(p, "opt_state")]) for p, x in paths)
 
+    def layer_specs(self, specs: dict) -> dict:
+        """Of per-parameter ``specs`` (``use`` or ``update``), those of the stacked layer parameters, keyed as the
+        model keys one layer's parameters (``param_kind``) and without the leading layer dim: the specs of one
+        layer's slice, where a loop over the layers uses it."""
+        return {param_kind(n): spec[1:] for n, spec in specs.items() if self.roles[n].stacked}
+
 
 MOE_ROLES = ("groups", "expert_in", "expert_hidden")
 
@@ -92,9 +92,9 @@ def moe_activation_spec(preset: Preset, role: str, ndim: int) -> tuple:
 
 def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
     check_experts(cfg, mesh, preset)
-    shapes = param_shapes(cfg)
-    use = OrderedDict((n, param_spec(n, s, preset)) for n, s in shapes.items())
-    update = {n: update_spec(s, use[n], preset.update, mesh, first_dim=int(is_stacked(n)))  # never the scanned dim
+    shapes, roles = param_shapes(cfg), param_roles(cfg)
+    use = OrderedDict((n, param_spec(roles[n], s, preset)) for n, s in shapes.items())
+    update = {n: update_spec(s, use[n], preset.update, mesh, first_dim=int(roles[n].stacked))  # never the scanned dim
               for n, s in shapes.items()}
     slots = optimizer.state_layout(shapes, cfg.master_dtype)
     specs = {f"params.{n}": update[n] if preset.shard_params else use[n] for n in shapes}
@@ -103,7 +103,7 @@ def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer)
     specs["batch.tokens"] = specs["batch.labels"] = (preset.batch or None, preset.seq or None)
     for name, spec in specs.items():
         parse_spec(spec, mesh, len(spec), name)  # fail early, naming the value
-    return Layout(mesh, preset, specs, update, use, slots)
+    return Layout(mesh, preset, specs, update, use, slots, roles)
 
 
 def state_leaf_name(slot) -> str:

@@ -39,8 +39,8 @@ from ..models.lm import LMConfig
 @dataclass(frozen=True)
 class Preset:
     """Mesh axes per role: ``batch``/``seq`` split the tokens and activations, ``model`` splits the
-    Megatron weight dims, ``update`` shards the optimizer state and the weight update, ``experts`` splits
-    the expert dim of MoE blocks."""
+    Megatron weight dims (the tensor dim of each parameter's role), ``update`` shards the optimizer state and
+    the weight update, ``experts`` splits the expert dim of MoE blocks."""
     name: str
     batch: tuple[str, ...] = ()
     seq: tuple[str, ...] = ()

@@ -9,19 +9,16 @@ update. float16 steps use ``DynamicLossScale``.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from .. import numpy as snp
 from .. import pytree
 from ..autodiff import value_and_grad
-from ..models.lm import (BLOCK_PARAMS, STACKED, LMConfig, block_shapes, is_stacked, lm_loss_and_metrics,
-                         param_shapes, pipelined_layers, scan_layers)
+from ..models.lm import LMConfig, lm_loss_and_metrics, param_shapes, pipelined_layers, scan_layers
 from ..ops.control import scan
 from ..optim import DynamicLossScale, Optimizer
 from ..trace import mesh_split
-from .layout import Layout, param_spec
+from .layout import Layout
 
 TOKEN_DTYPE = "int32"
 
@@ -35,14 +32,14 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
     run_layers = (pipeline_layers(cfg, layout, microbatches) if layout.preset.stage
                   else fsdp_layers(layout) if layout.preset.shard_params and cfg.scanned else None)
     # weight decay on matrices only, whether or not the layers are stacked on a leading dim
-    matrices = {n for n, shape in param_shapes(cfg).items() if len(shape) - is_stacked(n) >= 2}
+    matrices = {n for n, shape in param_shapes(cfg).items() if len(shape) - layout.roles[n].stacked >= 2}
 
     def step(params, opt_state, batch):
         # Mixed precision: the model runs on 16-bit copies, so activations, gradients and the collectives
         # on them are 16-bit; FSDP gathers the (16-bit) copy of each sharded weight where it is used.
         compute = {n: snp.astype(p, cfg.dtype) for n, p in params.items()}
         if layout.preset.shard_params:  # stacked layer weights: gathered one layer at a time in the loop
-            compute = {n: p if cfg.scanned and is_stacked(n) else layout.annotate(p, layout.use[n])
+            compute = {n: p if layout.roles[n].stacked else layout.annotate(p, layout.use[n])
                        for n, p in compute.items()}
         scale = optimizer.loss_scale(opt_state)
 
@@ -70,8 +67,7 @@ def fsdp_layers(layout: Layout):
     """FSDP's ``run_layers`` for scanned layers: the stacked weights stay sharded and the loop body gathers each
     layer's slice where it is used (one layer's weights at a time, as with unrolled layers); the slice's
     gradient is annotated sharded, so the backward body reduce-scatters it instead of all-reducing it."""
-    use = {n[len(STACKED):]: spec[1:] for n, spec in layout.use.items() if is_stacked(n)}
-    update = {n[len(STACKED):]: spec[1:] for n, spec in layout.update.items() if is_stacked(n)}
+    use, update = layout.layer_specs(layout.use), layout.layer_specs(layout.update)
 
     def gathered(w, k):
         return mesh_split(w, layout.mesh, use[k], grad_spec=update[k]) if layout.mesh.size > 1 else w
@@ -85,9 +81,8 @@ def pipeline_layers(cfg: LMConfig, layout: Layout, microbatches: int):
     """The pipeline preset's ``run_layers``: stages over the stage axes, each micro-batch's residual split like
     the batch, each stage's weights split like megatron's."""
     p = layout.preset
-    specs = {k: param_spec(STACKED + k, (cfg.layers,) + shape, dataclasses.replace(p, stage=()))[1:]
-             for k, shape in block_shapes(cfg).items() if k in BLOCK_PARAMS}
-    return pipelined_layers(layout.mesh, microbatches, p.stage[0], specs, (p.batch or None, p.seq or None, None))
+    return pipelined_layers(layout.mesh, microbatches, p.stage[0], layout.layer_specs(layout.use),
+                            (p.batch or None, p.seq or None, None))
 
 
 def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):
