@@ -15,6 +15,7 @@ from ..sharding import parse_spec
 from ..trace import mesh_split
 from .presets import Preset, check_experts
 
+
 def param_spec(role: ParamRole | str, shape, preset: Preset) -> tuple:
     """Megatron splits a weight's head / hidden / vocab dim (its role's tensor dim) over the model axes, the
     pipeline the layer dim of stacked layers over the stage axes, expert weights their expert dim over the
