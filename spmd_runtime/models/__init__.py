@@ -1,7 +1,9 @@
-"""Models written as traced functions."""
-from .lm import LMConfig, init_params, lm_logits, lm_loss, lm_loss_and_metrics, param_shapes
+"""Models written as traced functions, each declaring its parameters' sharding roles (``roles``)."""
+from .lm import LMConfig, init_params, lm_logits, lm_loss, lm_loss_and_metrics, param_roles, param_shapes
 from .moe import MoEConfig, moe_ffn, top2_gating
+from .roles import ParamRole
 from .transformer import BlockConfig, block_params, megatron_specs, transformer_block
 
 __all__ = ["BlockConfig", "block_params", "megatron_specs", "transformer_block", "LMConfig", "init_params",
-           "lm_loss", "lm_loss_and_metrics", "lm_logits", "param_shapes", "MoEConfig", "moe_ffn", "top2_gating"]
+           "lm_loss", "lm_loss_and_metrics", "lm_logits", "param_shapes", "param_roles", "ParamRole", "MoEConfig",
+           "moe_ffn", "top2_gating"]

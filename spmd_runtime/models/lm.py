@@ -9,7 +9,9 @@ like any other graph; how is decided only by annotations (``spmd_runtime.train``
 
 Parameters are an ordered dict name -> array (``param_shapes``); the traced
 loss takes them in that order. Names are Python identifiers, so a traced step
-names its inputs after them.
+names its inputs after them. Each parameter has a sharding role
+(``PARAM_ROLES``, ``param_roles``: which dims tensor and expert parallelism
+split), so a trainer lays parameters out by role, never by name.
 """
 from __future__ import annotations
 
@@ -29,13 +31,24 @@ from ..nn import gelu
 from ..ops.control import scan
 from ..ops.core import stop_gradient
 from ..pipeline import pipeline
-from .moe import MoEConfig, check_moe, moe_ffn, one_hot
+from .moe import EXPERT_COLUMN, EXPERT_ROW, ROUTER, MoEConfig, check_moe, moe_ffn, one_hot
+from .roles import COLUMN, NORM, ROW, ParamRole
 
 STACKED = "layers_"  # with scan_layers, block parameter k of every layer is "layers_<k>", shape (layers, ...)
 REMAT_POLICIES = {"none": None, "full": "nothing_saveable", "dots": "dots_saveable"}
 BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")
 MOE_BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "wg", "we1", "we2")
 MASKED_SCORE = -1e9  # finite, so a masked score times a zero cotangent never makes a NaN (float16: -max/2)
+
+# Sharding hints: the role of each parameter kind (``param_kind``); tensor parallelism splits the vocab of the
+# embedding and output layer, the heads and MLP hidden dim of the blocks
+EMBEDDING = ParamRole("embedding", tensor=0)  # (vocab, d)
+OUTPUT = ParamRole("output layer", tensor=1)  # (d, vocab)
+POSITIONAL = ParamRole("positional table")  # (seq, d): replicated
+PARAM_ROLES = {"embed": EMBEDDING, "pos": POSITIONAL, "lnf_g": NORM, "lnf_b": NORM, "unembed": OUTPUT,
+               "ln1_g": NORM, "ln1_b": NORM, "wq": COLUMN, "wk": COLUMN, "wv": COLUMN, "wo": ROW,
+               "ln2_g": NORM, "ln2_b": NORM, "w1": COLUMN, "w2": ROW,
+               "wg": ROUTER, "we1": EXPERT_COLUMN, "we2": EXPERT_ROW}  # MoE blocks: moe_ffn's wg, w1, w2
 
 
 @dataclass(frozen=True)
@@ -144,7 +157,7 @@ def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
 
 
 def param_kind(name: str) -> str:
-    """The role of a parameter regardless of its layer: 'wq', 'ln1_g', 'embed', ..."""
+    """The kind of a parameter regardless of its layer: 'wq', 'ln1_g', 'embed', ..."""
     if is_stacked(name):
         return name[len(STACKED):]
     return name.split("_", 1)[1] if name[0] == "l" and name.split("_", 1)[0][1:].isdigit() else name
@@ -153,6 +166,18 @@ def param_kind(name: str) -> str:
 def is_stacked(name: str) -> bool:
     """Whether ``name`` holds one block parameter of every layer on a leading layer dim (scanned layers)."""
     return name.startswith(STACKED)
+
+
+def param_role(name: str) -> ParamRole:
+    """The sharding role of parameter ``name``: its kind's (``PARAM_ROLES``), stacked on the layer dim when
+    ``name`` holds every layer's."""
+    role = PARAM_ROLES[param_kind(name)]
+    return role.stack() if is_stacked(name) else role
+
+
+def param_roles(cfg: LMConfig) -> "OrderedDict[str, ParamRole]":
+    """name -> sharding role of every parameter, in ``param_shapes`` order."""
+    return OrderedDict((n, param_role(n)) for n in param_shapes(cfg))
 
 
 def layer_views(cfg: LMConfig, names) -> dict:
@@ -375,6 +400,6 @@ def cross_entropy(logits, labels):
     return -snp.mean(picked)
 
 
-__all__ = ["LMConfig", "param_shapes", "param_kind", "is_stacked", "layer_views", "pipelined_layers",
-           "init_params", "lm_loss", "lm_loss_and_metrics",
-           "lm_logits", "cross_entropy", "embed"]
+__all__ = ["LMConfig", "param_shapes", "param_kind", "param_role", "param_roles", "PARAM_ROLES", "is_stacked",
+           "layer_views", "pipelined_layers", "init_params", "lm_loss", "lm_loss_and_metrics", "lm_logits",
+           "cross_entropy", "embed"]

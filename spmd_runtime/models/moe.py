@@ -30,9 +30,16 @@ import numpy as np
 
 from .. import numpy as snp
 from ..nn import gelu
+from .roles import ParamRole
 
 SECOND_POLICIES = ("all", "random")
 GATE_DTYPE = "float32"
+
+# Sharding hints: the roles of ``moe_ffn``'s weights (its argument names), so a trainer splits them by role
+ROUTER = ParamRole("router")  # gate (M, E): replicated
+EXPERT_COLUMN = ParamRole("expert column-parallel weight", tensor=2, experts=0)  # w1 (E, M, H): experts, hidden
+EXPERT_ROW = ParamRole("expert row-parallel weight", tensor=1, experts=0)  # w2 (E, H, M): experts, hidden
+PARAM_ROLES = {"wg": ROUTER, "w1": EXPERT_COLUMN, "w2": EXPERT_ROW}
 
 
 @dataclass(frozen=True)
@@ -168,4 +175,5 @@ def moe_ffn(x, wg, w1, w2, cfg: MoEConfig, annotate=no_annotation, noise=None):
     return annotate(snp.einsum("GSEC,EGCM->GSM", combine, expert_out), "groups"), gating
 
 
-__all__ = ["MoEConfig", "Gating", "check_moe", "top2_gating", "moe_ffn", "one_hot", "SECOND_POLICIES"]
+__all__ = ["MoEConfig", "Gating", "check_moe", "top2_gating", "moe_ffn", "one_hot", "SECOND_POLICIES",
+           "PARAM_ROLES"]

@@ -8,8 +8,12 @@ import numpy as np
 
 from .. import numpy as snp
 from ..nn import gelu, layer_norm, softmax
+from .roles import COLUMN, NORM, ROW
 
 PARAM_NAMES = ("x", "ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")
+# Sharding hints: the role of each parameter (every input but x); the weights are (d_in, d_out) matrices
+PARAM_ROLES = {"ln1_g": NORM, "ln1_b": NORM, "wq": COLUMN, "wk": COLUMN, "wv": COLUMN, "wo": ROW,
+               "ln2_g": NORM, "ln2_b": NORM, "w1": COLUMN, "w2": ROW}
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,6 @@ def block_params(cfg: BlockConfig, seed: int = 0) -> list[np.ndarray]:
 def megatron_specs(data_axis: str | None, model_axis: str | None) -> list:
     """Megatron-LM tensor parallelism: batch on ``data_axis``; heads (QKV columns, output-projection rows)
     and the MLP hidden dim on ``model_axis``. One all-reduce over ``model_axis`` after attention and one
-    after the MLP; everything else is local."""
-    col, row = (None, model_axis), (model_axis, None)
-    return [(data_axis, None, None), None, None, col, col, col, row, None, None, col, row]
+    after the MLP; everything else is local. The norms' gains and biases are left unannotated."""
+    roles = [PARAM_ROLES[n] for n in PARAM_NAMES[1:]]
+    return [(data_axis, None, None)] + [None if r.tensor is None else r.spec(2, tensor=model_axis) for r in roles]

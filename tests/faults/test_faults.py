@@ -222,7 +222,7 @@ def _cases() -> list[Case]:
              every_rank="got errors on rank(s) [1]: OSError: no space left on device (injected)"),
         Case("trace error on rank 0 in build_train_step_on_root", """
             from spmd_runtime import train
-            train.lm_loss_and_metrics = lambda cfg, ps, *rest: float(ps[0])  # float() on a traced Tensor
+            train.step.lm_loss_and_metrics = lambda cfg, ps, *rest: float(ps[0])  # float() on a traced Tensor
             cfg = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2)
             fault("rank 0 traces a loss that calls float() on a Tensor")
             train.build_train_step_on_root(cfg, sr.train_mesh((SIZE,), "dp"), "dp", sr.SGD(lr=0.1))""", [],

@@ -397,7 +397,7 @@ def test_a_checkpoint_with_flat_names_from_before_state_trees_loads(shape, prese
 def test_a_trace_error_on_rank_0_is_one_agreed_error_on_every_rank(monkeypatch):
     """build_train_step_on_root traces on rank 0 only: its failure must not leave the other ranks waiting."""
     from spmd_runtime import train
-    monkeypatch.setattr(train, "lm_loss_and_metrics", lambda cfg, ps, *rest: float(ps[0]))  # float() on a Tensor
+    monkeypatch.setattr(train.step, "lm_loss_and_metrics", lambda cfg, ps, *rest: float(ps[0]))  # float() on a Tensor
     cfg = LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2)
 
     def body(comm):

@@ -1,0 +1,112 @@
+"""Layouts: every input's spec of the traced training step (parameters, optimizer state, batch) and the
+activation annotations, derived from a preset. A parameter's spec follows from its sharding role, which the
+model declares (``models.lm.param_roles``): the preset's axes go on the dims that role splits."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .. import pytree
+from ..mesh import Mesh
+from ..models.lm import LMConfig, param_kind, param_role, param_roles, param_shapes
+from ..models.roles import ParamRole
+from ..optim import Optimizer
+from ..sharding import parse_spec
+from ..trace import mesh_split
+from .presets import Preset, check_experts
+
+
+def param_spec(role: ParamRole | str, shape, preset: Preset) -> tuple:
+    """Megatron splits a weight's head / hidden / vocab dim (its role's tensor dim) over the model axes, the
+    pipeline the layer dim of stacked layers over the stage axes, expert weights their expert dim over the
+    expert axes; all else is replicated. ``role``: the parameter's sharding role, or an LM parameter's name
+    (its ``models.lm.param_role``)."""
+    role = param_role(role) if isinstance(role, str) else role
+    return role.spec(len(shape), tensor=preset.model, layers=preset.stage, experts=preset.experts)
+
+
+def update_spec(shape, spec, axes, mesh: Mesh, first_dim: int = 0) -> tuple:
+    """``spec`` further split over ``axes`` (minor to what already splits it, so each rank's update block
+    lies inside its parameter block) on the first dim from ``first_dim`` on whose local size divides evenly:
+    the outermost, so each rank's update block is contiguous in its (row-major) parameter block and the
+    gradient's reduce-scatter and the weight's all-gather move it with no packing on either side; ``spec``
+    itself when there are no axes or no dim divides."""
+    if not axes:
+        return tuple(spec)
+    have = [() if e is None else tuple(e) if isinstance(e, tuple) else (e,) for e in spec]
+    k = mesh.axis_size(axes)
+    fits = [d for d, (n, h) in enumerate(zip(shape, have)) if n % (mesh.axis_size(h) * k) == 0 and d >= first_dim]
+    if not fits:
+        return tuple(spec)
+    dim = fits[0]
+    return tuple(tuple(h) + tuple(axes) if d == dim else (tuple(h) or None) for d, h in enumerate(have))
+
+
+@dataclass
+class Layout:
+    """Every input's spec by leaf name (``params.wq``, ``opt_state.m.wq``, ``batch.tokens``: the names the
+    traced step gives them), and the update spec of each per-parameter value."""
+    mesh: Mesh
+    preset: Preset
+    specs: dict  # leaf name -> spec of that input (and of the output that replaces it)
+    update: dict  # parameter name -> spec of its gradient, optimizer state and updated block
+    use: dict  # parameter name -> spec of the weight where the model uses it (FSDP: gathered to this)
+    slots: list  # the optimizer's StateSlots
+    roles: dict  # parameter name -> its sharding role (the model's ``param_roles``)
+
+    def annotate(self, x, spec):
+        """``x`` pinned to ``spec`` with ``mesh_split``; on a one-device mesh there is nothing to say."""
+        return mesh_split(x, self.mesh, spec) if self.mesh.size > 1 else x
+
+    def activation(self, x, role):
+        p = self.preset
+        if role in MOE_ROLES:
+            return self.annotate(x, moe_activation_spec(p, role, x.ndim))
+        model = p.model if role == "logits" else None
+        stage = (p.stage or None,) if x.ndim == 4 else ()  # inside the pipeline: (stages, batch, seq, d)
+        return self.annotate(x, stage + (p.batch or None, p.seq or None, model or None))
+
+    def annotate_state(self, state: dict) -> dict:
+        """The new optimizer state tree, each slot pinned to its input's spec (so the step iterates)."""
+        paths, tree = pytree.flatten_with_path(state)
+        return tree.unflatten(self.annotate(x, self.specs[pytree.keystr(p, "opt_state")]) for p, x in paths)
+
+    def layer_specs(self, specs: dict) -> dict:
+        """Of per-parameter ``specs`` (``use`` or ``update``), those of the stacked layer parameters, keyed as the
+        model keys one layer's parameters (``param_kind``) and without the leading layer dim: the specs of one
+        layer's slice, where a loop over the layers uses it."""
+        return {param_kind(n): spec[1:] for n, spec in specs.items() if self.roles[n].stacked}
+
+
+MOE_ROLES = ("groups", "expert_in", "expert_hidden")
+
+
+def moe_activation_spec(preset: Preset, role: str, ndim: int) -> tuple:
+    """'groups' (G, ...): groups split like the batch; 'expert_in' (E, G, C, M) and 'expert_hidden'
+    (E, G, C, H): experts on the expert axes, groups on the rest of the batch axes, H on the model axes."""
+    if role == "groups":
+        return (preset.batch or None,) + (None,) * (ndim - 1)
+    rest = tuple(a for a in preset.batch if a not in preset.experts) or None
+    hidden = (preset.model or None) if role == "expert_hidden" else None
+    return (preset.experts or None, rest, None, hidden)
+
+
+def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
+    check_experts(cfg, mesh, preset)
+    shapes, roles = param_shapes(cfg), param_roles(cfg)
+    use = OrderedDict((n, param_spec(roles[n], s, preset)) for n, s in shapes.items())
+    update = {n: update_spec(s, use[n], preset.update, mesh, first_dim=int(roles[n].stacked))  # never the scanned dim
+              for n, s in shapes.items()}
+    slots = optimizer.state_layout(shapes, cfg.master_dtype)
+    specs = {f"params.{n}": update[n] if preset.shard_params else use[n] for n in shapes}
+    for slot in slots:
+        specs[state_leaf_name(slot)] = update[slot.param] if slot.param else (None,) * len(slot.shape)
+    specs["batch.tokens"] = specs["batch.labels"] = (preset.batch or None, preset.seq or None)
+    for name, spec in specs.items():
+        parse_spec(spec, mesh, len(spec), name)  # fail early, naming the value
+    return Layout(mesh, preset, specs, update, use, slots, roles)
+
+
+def state_leaf_name(slot) -> str:
+    """The traced step's name of an optimizer state slot: its path under ``opt_state``."""
+    return pytree.keystr(slot.key, "opt_state")

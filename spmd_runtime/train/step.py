@@ -1,0 +1,127 @@
+"""The traced training step: forward, backward (``value_and_grad``) and optimizer update of the language
+model, annotated by a layout; the preset-specific ways to run the scanned layers (FSDP, pipeline) and
+gradient accumulation.
+
+Mixed precision (``LMConfig(dtype="bfloat16" | "float16")``): the inputs (master weights, optimizer
+state) are ``cfg.master_dtype`` (float32); the step casts the weights to ``cfg.dtype`` before use, so
+activations, gradients and their collectives are 16-bit, and casts the reduced gradients back for the
+update. float16 steps use ``DynamicLossScale``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import numpy as snp
+from .. import pytree
+from ..autodiff import value_and_grad
+from ..models.lm import LMConfig, lm_loss_and_metrics, param_shapes, pipelined_layers, scan_layers
+from ..ops.control import scan
+from ..optim import DynamicLossScale, Optimizer
+from ..trace import mesh_split
+from .layout import Layout
+
+TOKEN_DTYPE = "int32"
+
+
+def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatches: int = 1):
+    """``step(params, opt_state, batch) -> (new_params, new_opt_state, metrics, loss)``, annotated: ``params``
+    a dict name -> weight, ``opt_state`` the optimizer's state tree, ``batch`` ``{"tokens", "labels"}``,
+    ``metrics`` a dict of scalars ({} for a dense model)."""
+    order = list(param_shapes(cfg))  # the model takes its weights in this order
+    scaled = isinstance(optimizer, DynamicLossScale)
+    run_layers = (pipeline_layers(cfg, layout, microbatches) if layout.preset.stage
+                  else fsdp_layers(layout) if layout.preset.shard_params and cfg.scanned else None)
+    # weight decay on matrices only, whether or not the layers are stacked on a leading dim
+    matrices = {n for n, shape in param_shapes(cfg).items() if len(shape) - layout.roles[n].stacked >= 2}
+
+    def step(params, opt_state, batch):
+        # Mixed precision: the model runs on 16-bit copies, so activations, gradients and the collectives
+        # on them are 16-bit; FSDP gathers the (16-bit) copy of each sharded weight where it is used.
+        compute = {n: snp.astype(p, cfg.dtype) for n, p in params.items()}
+        if layout.preset.shard_params:  # stacked layer weights: gathered one layer at a time in the loop
+            compute = {n: p if layout.roles[n].stacked else layout.annotate(p, layout.use[n])
+                       for n, p in compute.items()}
+        scale = optimizer.loss_scale(opt_state)
+
+        def loss_and_grads(compute, tokens, labels):
+            def loss_fn(ps):
+                loss, metrics = lm_loss_and_metrics(cfg, [ps[n] for n in order], tokens, labels, layout.activation,
+                                                     run_layers)
+                return (loss * scale, metrics) if scaled else (loss, metrics)
+            (loss, metrics), grads = value_and_grad(loss_fn, has_aux=True)(compute)
+            loss = loss / scale if scaled else loss
+            return loss, metrics, {n: layout.annotate(g, layout.update[n]) for n, g in grads.items()}
+        if microbatches == 1 or run_layers:
+            loss, metrics, grads = loss_and_grads(compute, batch["tokens"], batch["labels"])
+        else:
+            loss, metrics, grads = accumulate(loss_and_grads, compute, batch["tokens"], batch["labels"],
+                                              microbatches)
+        grads = {n: snp.astype(g, params[n].dtype) for n, g in grads.items()}  # reduced in 16 bits, updated in master
+        new_params, new_state = optimizer.update(params, grads, opt_state, matrices)
+        new_params = {n: layout.annotate(p, layout.update[n]) for n, p in new_params.items()}
+        return new_params, layout.annotate_state(new_state), {k: metrics[k] for k in metric_names(cfg)}, loss
+    return step
+
+
+def fsdp_layers(layout: Layout):
+    """FSDP's ``run_layers`` for scanned layers: the stacked weights stay sharded and the loop body gathers each
+    layer's slice where it is used (one layer's weights at a time, as with unrolled layers); the slice's
+    gradient is annotated sharded, so the backward body reduce-scatters it instead of all-reducing it."""
+    use, update = layout.layer_specs(layout.use), layout.layer_specs(layout.update)
+
+    def gathered(w, k):
+        return mesh_split(w, layout.mesh, use[k], grad_spec=update[k]) if layout.mesh.size > 1 else w
+
+    def run(cfg, block, x, stacked):
+        return scan_layers(cfg, lambda x, layer: block(x, {k: gathered(w, k) for k, w in layer.items()}), x, stacked)
+    return run
+
+
+def pipeline_layers(cfg: LMConfig, layout: Layout, microbatches: int):
+    """The pipeline preset's ``run_layers``: stages over the stage axes, each micro-batch's residual split like
+    the batch, each stage's weights split like megatron's."""
+    p = layout.preset
+    return pipelined_layers(layout.mesh, microbatches, p.stage[0], layout.layer_specs(layout.use),
+                            (p.batch or None, p.seq or None, None))
+
+
+def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):
+    """Gradient accumulation: ONE scan over ``microbatches`` slices of the batch (rows m, m + M, ... form
+    micro-batch m, so a batch split stays local), summing loss and gradients; returns their means, equal to
+    the loss and gradients of the whole batch."""
+    batch, seq = tokens.shape
+    split = lambda t: snp.transpose(snp.reshape(t, (batch // microbatches, microbatches, seq)), (1, 0, 2))
+
+    def body(acc, batch_m):
+        loss, _, grads = loss_and_grads(params, *batch_m)
+        return (acc[0] + snp.astype(loss, acc[0].dtype), {n: a + grads[n] for n, a in acc[1].items()}), None
+    dtype = np.result_type(next(iter(params.values())).dtype, np.float32)
+    init = (snp.zeros((), dtype), {n: snp.zeros(p.shape, p.dtype) for n, p in params.items()})
+    (loss, grads), _ = scan(body, init, (split(tokens), split(labels)))
+    return loss * (1.0 / microbatches), {}, {n: g * (1.0 / microbatches) for n, g in grads.items()}
+
+
+def input_specs(cfg: LMConfig, optimizer: Optimizer) -> tuple:
+    """Example arrays (shape, dtype) of the step's inputs: (params, opt_state, batch) trees."""
+    params = {k: np.zeros(v, cfg.master_dtype) for k, v in param_shapes(cfg).items()}
+    batch = np.zeros((cfg.batch, cfg.seq), TOKEN_DTYPE)
+    return params, optimizer.init_state(params), {"tokens": batch, "labels": batch}
+
+
+def step_specs(graph, layout: Layout) -> tuple[list, list]:
+    """(in_specs, out_specs) of the traced step, flat in the graph's order: inputs by leaf name, each new
+    parameter and state slot like the input it replaces, metrics and loss replicated."""
+    ins = [layout.specs[n] for n in graph.param_names]
+    outs = [layout.specs[_output_name(path)] if path[0] in (0, 1) else ()
+            for path in pytree.leaf_paths(graph.out_tree)]
+    return ins, outs
+
+
+def _output_name(path: tuple) -> str:
+    """The input an output of ``(new_params, new_opt_state, ...)`` replaces: its path under that argument."""
+    return pytree.keystr(path[1:], ("params", "opt_state")[path[0]])
+
+
+def metric_names(cfg: LMConfig) -> tuple[str, ...]:
+    """Scalars the step returns before the loss: the MoE gating statistics of ``lm_loss_and_metrics``."""
+    return ("aux_loss", "dropped_fraction") if cfg.moe_every else ()
