@@ -10,6 +10,8 @@ from mpi4py import MPI
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 
+if os.environ.get("FAULT_GUARD") != "lazy":  # guarded from here on; "lazy": from the runtime's first use of MPI
+    sr.distributed.initialize()
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 HERE = os.environ["FAULT_DIR"]
 MESH = sr.Mesh((SIZE,), ("x",))
