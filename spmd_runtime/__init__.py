@@ -28,20 +28,20 @@ from .darray import DArray, device_put, from_local, scatter_from_root
 from .jit import jit
 from .visualize import visualize_sharding
 from . import profile
+from . import distributed
 from .train import PRESETS, Preset, TrainStep, build_train_step, build_train_step_on_root, train_mesh
 
 from .exec import Runtime
-from .comm.communicator import AgreedError
-from .comm import jobguard as _jobguard
+from .comm.agreement import AgreedError
 
 __version__ = "0.1.0"
 
-# Under mpiexec with more than one rank: an uncaught exception, SIGINT/SIGTERM, a rank that exits early or a
-# collective nobody joins (SPMD_TIMEOUT) ends the whole job with the rank named (comm/jobguard.py).
-_jobguard.install()
+# Importing installs nothing. Under mpiexec with more than one rank, sr.distributed.initialize() (or else the
+# runtime's first use of MPI) installs the job guard: an uncaught exception, SIGINT/SIGTERM, a rank that exits
+# early or a collective nobody joins (SPMD_TIMEOUT) then ends the whole job with the rank named (comm/jobguard.py).
 
 __all__ = ["jit", "DArray", "device_put", "from_local", "scatter_from_root", "visualize_sharding", "profile",
-           "pytree", "P", "UNCONSTRAINED", "get_mesh", "set_mesh", "Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
+           "distributed", "pytree", "P", "UNCONSTRAINED", "get_mesh", "set_mesh", "Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "stop_gradient",
            "scan", "fori_loop", "while_loop", "cond", "remat", "shard_map", "psum", "pmax", "pmin", "all_gather",
            "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "save_checkpoint", "load_checkpoint",

@@ -9,7 +9,8 @@ import numpy as np
 
 from .calibrate import calibrate, write_profile
 from .checkpoint import load_checkpoint, save_checkpoint
-from .comm.communicator import AgreedError, agree
+from .comm.agreement import AgreedError, agree, capture
+from .comm.communicator import world
 from .darray import DArray
 from .exec import run as run_program
 from .exec import run_local
@@ -56,8 +57,7 @@ def _calibrate(args) -> int:
         print(f"spmd_runtime calibrate: --sizes must be positive byte counts (comma-separated) and --repeats >= 1; "
               f"got --sizes {args.sizes!r} --repeats {args.repeats}", file=sys.stderr, flush=True)
         return 2
-    from mpi4py import MPI  # here, not at the top: importing it initialises MPI, which `show` does not need
-    comm = MPI.COMM_WORLD
+    comm = world()
     doc = calibrate(comm, sizes, args.repeats)
     if comm.Get_rank() == 0:
         write_profile(doc, args.out)
@@ -75,16 +75,10 @@ def _show(args) -> int:
 
 
 def _run(args) -> int:
-    from mpi4py import MPI  # here, not at the top: importing it initialises MPI, which `show` does not need
-
-    comm = MPI.COMM_WORLD
+    comm = world()
     if os.path.isdir(args.inputs):
         return _run_sharded(args, comm)
-    try:
-        loaded, error = _load(args), None
-    except Exception as e:  # noqa: BLE001 - agreed on below, so every rank reports it
-        reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
-        loaded, error = None, f"could not load the program or inputs: {type(e).__name__}: {reason}"
+    loaded, error = capture(_load, args, describe=_load_error)  # agreed on below, so every rank reports it
     try:
         agree(comm, error, "python -m spmd_runtime run")
         program, inputs = loaded
@@ -112,13 +106,16 @@ def _load(args):
         return program, [data[i.name] for i in program.inputs]
 
 
+def _load_error(e: Exception) -> str:
+    reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
+    return f"could not load the program or inputs: {type(e).__name__}: {reason}"
+
+
 def _run_sharded(args, comm) -> int:
     """Inputs from a sharded directory: each rank memory-maps only its own blocks; nothing global is built
     unless --out is an .npz (every rank then gathers the outputs and rank 0 writes them)."""
-    try:
-        program, error = load_program(args.program), None
-    except Exception as e:  # noqa: BLE001 - agreed on below, so every rank reports it
-        program, error = None, f"could not load the program: {type(e).__name__}: {e}"
+    program, error = capture(load_program, args.program,  # agreed on below, so every rank reports it
+                             describe=lambda e: f"could not load the program: {type(e).__name__}: {e}")
     try:
         agree(comm, error, "python -m spmd_runtime run")
         blocks = load_checkpoint(args.inputs, program.mesh, {i.name: i.sharding for i in program.inputs}, comm=comm)

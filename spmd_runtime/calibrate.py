@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from .comm import collectives, watchdog
+from .comm.communicator import world
 from .cost import PROFILE_FORMAT, CostModel, wire_bytes
 from .exec.runner import communicator
 from .mesh import Mesh
@@ -26,19 +27,17 @@ DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)  # bytes each rank puts in
 
 def calibrate(comm=None, sizes=DEFAULT_SIZES, repeats: int = 5, kinds=KINDS) -> dict:
     """The profile document (same on every rank): one fit per (collective, group size)."""
-    if comm is None:
-        from mpi4py import MPI
-        comm = MPI.COMM_WORLD
-    world = comm.Get_size()
+    comm = world(comm)
+    size = comm.Get_size()
     fits, samples = [], []
-    for k in (d for d in range(2, world + 1) if world % d == 0):
-        mc = communicator(Mesh((world // k, k), ("rest", "group")), comm)
+    for k in (d for d in range(2, size + 1) if size % d == 0):
+        mc = communicator(Mesh((size // k, k), ("rest", "group")), comm)
         for kind in kinds:
             points = [(_wire(kind, k, n), _time(mc, comm, kind, k, n, repeats)) for n in sizes]
             alpha, beta = _fit_line(points)
             fits.append({"op": kind, "k": k, "alpha": alpha, "beta": beta})
             samples += [{"op": kind, "k": k, "wire_bytes": w, "seconds": t} for w, t in points]
-    return {"format": PROFILE_FORMAT, "version": 1, "world_size": world, "repeats": repeats,
+    return {"format": PROFILE_FORMAT, "version": 1, "world_size": size, "repeats": repeats,
             "fits": fits, "samples": samples}
 
 

@@ -40,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .comm.communicator import AgreedError, agree
+from .comm.agreement import AgreedError, agree, capture
+from .comm.communicator import world
 from .exec.backend import to_host
 from .mesh import Mesh
 from . import pytree
@@ -136,9 +137,7 @@ def _load_specs(shardings, mesh: Mesh, stored) -> dict:
 # ------------------------------------------------------------------ collectives
 
 def _world(comm, mesh: Mesh):
-    if comm is None:
-        from mpi4py import MPI  # lazily: importing it initialises MPI
-        comm = MPI.COMM_WORLD
+    comm = world(comm)
     if comm.Get_size() != mesh.size:
         raise ValueError(f"a checkpoint needs one process per mesh device; got {comm.Get_size()} processes for "
                          f"{mesh} with {mesh.size} devices")
@@ -148,14 +147,6 @@ def _world(comm, mesh: Mesh):
 def _agree(comm, error: str | None, what: str, payload=None) -> list:
     """Collective: raise CheckpointError on EVERY rank if any rank has an error; returns every rank's payload."""
     return agree(comm, error, what, payload, CheckpointError)
-
-
-def _capture(fn, *args):
-    """(result, None) or (None, error message): errors are agreed on, not raised, inside collectives."""
-    try:
-        return fn(*args), None
-    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-        return None, f"{type(e).__name__}: {e}"
 
 
 # ------------------------------------------------------------------ save
@@ -181,18 +172,18 @@ def save_checkpoint(directory, tensors: dict, shardings, mesh: Mesh | None = Non
     comm = _world(comm, mesh)
     rank = comm.Get_rank()
     final = Path(os.path.abspath(directory))
-    plan, error = _capture(_plan_save, tensors, shardings, mesh, rank)
+    plan, error = capture(_plan_save, tensors, shardings, mesh, rank)
     tmp = None
     if rank == 0 and error is None:
-        tmp, error = _capture(_make_tmp, final)
+        tmp, error = capture(_make_tmp, final)
     try:
         fingerprint = None if plan is None else (plan["fingerprint"], step)
         gathered = _agree(comm, error, "save_checkpoint", (fingerprint, tmp))
         _check_same(gathered)
         where = Path(gathered[0][1])
-        crcs, error = _capture(_write_blocks, plan, mesh, rank, where)
+        crcs, error = capture(_write_blocks, plan, mesh, rank, where)
         crcs = _agree(comm, error, "save_checkpoint (writing blocks)", crcs)
-        committed = _capture(_publish, plan, mesh, where, final, step, crcs)[1] if rank == 0 else None
+        committed = capture(_publish, plan, mesh, where, final, step, crcs)[1] if rank == 0 else None
         _agree(comm, committed, "save_checkpoint (commit)")
     finally:
         if tmp is not None and tmp.exists():  # a failed save leaves nothing behind (rank 0 owns the tmp dir)
@@ -374,9 +365,9 @@ def load_checkpoint(directory, mesh: Mesh, shardings=None, comm=None, expect=Non
     comm = _world(comm, mesh)
     if verify is None:
         verify = os.environ.get("SPMD_CHECKPOINT_VERIFY", "1").strip().lower() not in ("0", "off", "no", "false")
-    out, error = _capture(_load_local, directory, mesh, shardings, comm.Get_rank(), expect, strict, verify, views)
+    out, error = capture(_load_local, directory, mesh, shardings, comm.Get_rank(), expect, strict, verify, views)
     if error is None and like is not None:  # ``like``: a pytree whose dotted leaf paths name the tensors
-        out, error = _capture(_like, out, like)
+        out, error = capture(_like, out, like)
     _agree(comm, error, "load_checkpoint")
     return out
 

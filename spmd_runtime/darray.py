@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .comm import watchdog
+from .comm.agreement import agree, capture
 from .exec.backend import get_array_module, to_host
 from .exec.runner import block_slices, communicator, run_local, shard, unshard
 from .graph import TensorSpec
@@ -96,15 +97,10 @@ def _resolve(mesh, spec, ndim: int, what: str) -> tuple[Mesh, Sharding]:
     return mesh, parse_spec(P() if spec is None else spec, mesh, ndim, what)
 
 
-@watchdog.collective(lambda frame: "the ranks' agreement on a distributed array's input (an allgather)")
 def _agree(mc, error: str | None, payload=None) -> list:
     """Every rank's payload; raises on every rank if any rank has an error."""
-    gathered = mc.comm.allgather((error, payload))
-    failed = {r: e for r, (e, _) in enumerate(gathered) if e is not None}
-    if failed:
-        details = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
-        raise ValueError(f"every rank must pass valid input; got errors on rank(s) {sorted(failed)}: {details}")
-    return [p for _, p in gathered]
+    return agree(mc.comm, error, "a distributed array's input", payload, ValueError,
+                 rule="every rank must pass valid input")
 
 
 def device_put(x, spec=None, mesh: Mesh | None = None, comm=None) -> DArray:
@@ -117,19 +113,19 @@ def device_put(x, spec=None, mesh: Mesh | None = None, comm=None) -> DArray:
     x = np.asarray(x) if not hasattr(x, "__array_namespace__") and not hasattr(x, "shape") else x
     mesh, sharding = _resolve(mesh, spec, x.ndim, "device_put")
     mc = communicator(mesh, comm)
-    error = None
-    try:
-        sharding.check(mesh, tuple(x.shape), what=f"device_put array {x.dtype}{list(x.shape)}")
-        if sharding.partial:
-            raise ValueError(f"device_put lays out a global value, which is not a partial sum; got spec {spec!r} "
-                             f"(use sr.from_local for per-rank summands)")
-    except (ValueError, TypeError) as e:
-        error = str(e)
+    _, error = capture(_check_put, x, spec, sharding, mesh, catch=(ValueError, TypeError), describe=str)
     shapes = _agree(mc, error, (tuple(x.shape), np.dtype(x.dtype).name))
     if len(set(shapes)) > 1:
         raise ValueError(f"device_put takes the same global array on every rank; got shapes/dtypes "
                          f"{dict(enumerate(shapes))}")
     return DArray(shard(x, sharding, mesh, mc.rank), x.shape, x.dtype, mesh, sharding, comm)
+
+
+def _check_put(x, spec, sharding: Sharding, mesh: Mesh) -> None:
+    sharding.check(mesh, tuple(x.shape), what=f"device_put array {x.dtype}{list(x.shape)}")
+    if sharding.partial:
+        raise ValueError(f"device_put lays out a global value, which is not a partial sum; got spec {spec!r} "
+                         f"(use sr.from_local for per-rank summands)")
 
 
 def _reshard(x: DArray, spec, mesh: Mesh, comm) -> DArray:
@@ -191,13 +187,9 @@ def scatter_from_root(x, spec=None, mesh: Mesh | None = None, root: int = 0, com
     mesh = mesh if mesh is not None else get_mesh(required_by="scatter_from_root")
     mc = communicator(mesh, comm)
     meta, error = None, None
-    if mc.rank == root:
-        try:
-            x = np.ascontiguousarray(to_host(x))
-            meta = (tuple(x.shape), x.dtype.str)
-            _resolve(mesh, spec, x.ndim, "scatter_from_root")[1].check(mesh, x.shape, "scatter_from_root array")
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it
-            error = f"{type(e).__name__}: {e}"
+    if mc.rank == root:  # every rank must hear of an error at the root: it is broadcast with the layout
+        laid_out, error = capture(_root_layout, x, spec, mesh)
+        x, meta = laid_out or (x, None)
     error, meta = _from_root(mc.comm, (error, meta), root)
     if error is not None:
         raise ValueError(f"scatter_from_root: the root rank {root} could not lay out its array: {error}")
@@ -205,6 +197,13 @@ def scatter_from_root(x, spec=None, mesh: Mesh | None = None, root: int = 0, com
     _, sharding = _resolve(mesh, spec, len(shape), "scatter_from_root")
     local = _scatter_blocks(mc.comm, mc.rank, x, shape, dtype, sharding, mesh, root)
     return DArray(local, shape, dtype, mesh, sharding, comm)
+
+
+def _root_layout(x, spec, mesh: Mesh):
+    """The root's array as a C-ordered host array and its (shape, dtype str); raises if it cannot take ``spec``."""
+    x = np.ascontiguousarray(to_host(x))
+    _resolve(mesh, spec, x.ndim, "scatter_from_root")[1].check(mesh, x.shape, "scatter_from_root array")
+    return x, (tuple(x.shape), x.dtype.str)
 
 
 @watchdog.collective(lambda frame: f"scatter_from_root's broadcast from rank {frame.f_locals['root']} (a bcast)")

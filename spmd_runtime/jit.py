@@ -18,7 +18,7 @@ import inspect
 import numpy as np
 
 from . import pytree
-from .comm import watchdog
+from .comm.agreement import agree, capture
 from .darray import DArray
 from .exec.runner import communicator, run_local, shard
 from .graph import TensorSpec
@@ -71,9 +71,8 @@ class Jitted:
     def __call__(self, *args):
         mesh, comm = self._mesh(args), self._comm(args)
         mc = communicator(mesh, comm)
-        (program, leaves), error = self._compiled_or_error(mesh, args), None
-        if isinstance(program, str):
-            program, error = None, program
+        compiled, error = capture(self._compiled, mesh, args)  # agreed on by every rank before anything runs
+        program, leaves = compiled or (None, None)
         digest = None if program is None else program.hash
         _agree_call(mc, digest, error, _describe_args(args), self.__name__)
         donated = program.donated  # a NumPy argument's blocks are views of it: donated ones are copied
@@ -91,12 +90,6 @@ class Jitted:
         """The SPMDProgram this call would run (traced and partitioned, cached; nothing runs)."""
         program, _ = self._compiled(self._mesh(args), args)
         return program
-
-    def _compiled_or_error(self, mesh, args):
-        try:
-            return self._compiled(mesh, args)
-        except Exception as e:  # noqa: BLE001 - agreed on by every rank before anything runs
-            return f"{type(e).__name__}: {e}", None
 
     def _compiled(self, mesh, args):
         static, dynamic = self._split(args)
@@ -240,18 +233,13 @@ def _describe_args(args) -> str:
                                 else x, args))
 
 
-@watchdog.collective(lambda frame: f"the ranks' agreement on jit({frame.f_locals.get('name')}) (an allgather)")
 def _agree_call(mc, digest, error, described, name):
     """One allgather: every rank compiled without error to the same program, or every rank raises."""
-    gathered = mc.comm.allgather((digest, error, described))
-    failed = {r: e for r, (_, e, _) in enumerate(gathered) if e is not None}
-    if failed:
-        details = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
-        raise ValueError(f"jit({name}) compiles on every rank before it runs; got errors on rank(s) "
-                         f"{sorted(failed)}: {details}")
-    if len({d for d, _, _ in gathered}) > 1:
+    gathered = agree(mc.comm, error, f"jit({name})", (digest, described), ValueError,
+                     rule=f"jit({name}) compiles on every rank before it runs")
+    if len({d for d, _ in gathered}) > 1:
         groups: dict = {}
-        for r, (d, _, desc) in enumerate(gathered):
+        for r, (d, desc) in enumerate(gathered):
             groups.setdefault((d, desc), []).append(r)
         details = "; ".join(f"ranks {ranks}: {desc}" for (_, desc), ranks in groups.items())
         raise ValueError(f"jit({name}) must be called with the same argument shapes, dtypes, shardings and "

@@ -12,6 +12,8 @@ contiguous arrays of one dtype (or device arrays for a CUDA-aware MPI) and are
 never pickled. Array-level semantics (layouts, k == 1, GPU staging) live in
 ``collectives.py``.
 
+``world()`` is the world communicator as the runtime uses it: its first use installs the job guard.
+
 Sub-communicators are created lazily by a collective ``Split`` on the world
 communicator, so every rank must request the same axes in the same order,
 which SPMD programs do by construction.
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from spmd_runtime.comm import watchdog
+from spmd_runtime.comm import jobguard, watchdog
+from spmd_runtime.comm.agreement import AgreedError, agree  # noqa: F401  (AgreedError: re-exported, its old home)
 from spmd_runtime.comm.gpu import Transport
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -32,40 +35,21 @@ def mpi_op(op: str):
     return _OPS[op]
 
 
-class AgreedError(RuntimeError):
-    """Raised alike on EVERY rank after the ranks agreed that some rank failed (see ``agree``).
-
-    ``ranks``: the failing ranks. Uncaught, it prints one line per rank and the job exits with status 1.
-    """
-
-    def __init__(self, message: str, ranks=()):
-        super().__init__(message)
-        self.ranks = list(ranks)
-
-
-@watchdog.collective(lambda frame: f"the ranks' agreement on {frame.f_locals.get('what')!r} (an allgather)")
-def agree(comm, error: str | None, what: str, payload=None, error_type=AgreedError) -> list:
-    """Collective: raise ``error_type`` on EVERY rank if any rank passed an error; returns every rank's payload.
-
-    The one place where a rank-local failure becomes a job-wide one: call it before
-    the first collective that depends on the local check, so a rank that failed
-    does not leave the others blocked. Ranks failing alike share one line.
-    """
-    gathered = comm.allgather((None if error is None else str(error), payload))
-    by_message: dict[str, list[int]] = {}
-    for rank, (message, _) in enumerate(gathered):
-        if message is not None:
-            by_message.setdefault(message, []).append(rank)
-    if by_message:
-        failed = sorted(r for ranks in by_message.values() for r in ranks)
-        details = "; ".join(message if len(by_message) == 1 else f"{_ranks(ranks)}: {message}"
-                            for message, ranks in by_message.items())
-        raise error_type(f"{what} must succeed on every rank; got errors on rank(s) {failed}: {details}", failed)
-    return [p for _, p in gathered]
+def world(comm=None):
+    """``comm``, or the world communicator when None: how the runtime reaches MPI, so that its first use of MPI
+    installs the job guard (jobguard.py), as ``sr.distributed.initialize()`` does. Installing is collective
+    over the world: an MPI communicator of only some ranks of the job leaves it to a later use of the world;
+    a simulated communicator (threads of one process) needs no guard."""
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if isinstance(comm, MPI.Comm) and not jobguard.decided() and _spans_the_job(comm):
+        jobguard.install()
+    return comm
 
 
-def _ranks(ranks) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+def _spans_the_job(comm) -> bool:
+    """Whether every rank of the world is a member of ``comm`` (a local check)."""
+    return comm is MPI.COMM_WORLD or (not comm.Is_inter() and MPI.Comm.Compare(comm, MPI.COMM_WORLD) != MPI.UNEQUAL)
 
 
 def _waits(name):
@@ -94,7 +78,7 @@ class MeshCommunicator:
     """
 
     def __init__(self, mesh, comm=None, transport: Transport | None = None):
-        comm = MPI.COMM_WORLD if comm is None else comm
+        comm = world(comm)
         if comm.Get_size() != mesh.size:
             raise ValueError(
                 f"MeshCommunicator needs one MPI process per mesh device; got {comm.Get_size()} "

@@ -1,7 +1,9 @@
 """Job-wide fault handling under MPI: a fault on one rank ends the whole job, with that rank named.
 
-``install()`` runs when ``spmd_runtime`` is imported in an MPI job of more than
-one process (``SPMD_ABORT_ON_ERROR=0`` opts out), like ``python -m mpi4py``:
+Importing ``spmd_runtime`` installs nothing. ``install()`` runs once per process, on every rank alike (it is
+collective over the world), at ``sr.distributed.initialize()`` or else at the runtime's first use of MPI
+(``communicator.world()``: the first run, jit call, distributed array, checkpoint or CLI command); in an MPI
+job of more than one process (``SPMD_ABORT_ON_ERROR=0`` opts out) it installs, like ``python -m mpi4py``:
 
 - ``sys.excepthook``: an uncaught exception (any ``BaseException`` that
   reaches it, KeyboardInterrupt included) prints the traceback with the rank
@@ -19,6 +21,9 @@ one process (``SPMD_ABORT_ON_ERROR=0`` opts out), like ``python -m mpi4py``:
   script ended answers "exited" while it waits for the others), then the
   watchdog stops with no control message left in flight, and the watcher is
   told the job ends normally.
+
+A fault before the guard is installed (an exception raised, or a rank that exits, before the first run) is
+not caught: a script calls ``sr.distributed.initialize()`` first thing to be guarded from its start.
 """
 from __future__ import annotations
 
@@ -32,12 +37,14 @@ import time
 import traceback
 
 from spmd_runtime.comm import deathwatch, watchdog
-from spmd_runtime.comm.communicator import AgreedError
+from spmd_runtime.comm.agreement import AgreedError
 
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE",
                    "SLURM_NTASKS", "PALS_SIZE", "I_MPI_SIZE")
 _aborting = threading.Lock()
+_installing = threading.Lock()
 _state: dict = {}  # the installed guard of this process: comm, rank, size, watchdog
+_decided = False  # set once ``install`` ran in this process (installed or not, it is not tried again)
 
 
 def launched_by_mpi() -> bool:
@@ -53,16 +60,37 @@ def launched_by_mpi() -> bool:
     return False
 
 
+def decided() -> bool:
+    """Whether ``install`` already ran in this process (later calls do nothing)."""
+    return _decided
+
+
+def installed() -> bool:
+    """Whether the guard is installed in this process."""
+    return bool(_state)
+
+
 def install() -> bool:
-    """Install the guard if this is an MPI job of more than one process; returns whether it is installed."""
-    if _state or os.environ.get("SPMD_ABORT_ON_ERROR", "1").strip().lower() in ("0", "off", "no", "false"):
-        return bool(_state)
-    if not launched_by_mpi():
-        return False
+    """Once per process (later calls only answer): install the guard if this is an MPI job of more than one
+    process. Collective over the world when it installs. Returns whether the guard is installed."""
+    global _decided
+    with _installing:
+        if not _decided:
+            _decided = True
+            if _enabled() and launched_by_mpi():
+                _install()
+    return bool(_state)
+
+
+def _enabled() -> bool:
+    return os.environ.get("SPMD_ABORT_ON_ERROR", "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+def _install() -> None:
     from mpi4py import MPI  # not at the top: importing it initialises MPI
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 2:
-        return False
+        return
     _state.update(comm=comm, rank=comm.Get_rank(), size=comm.Get_size())
     _start_deathwatch(comm)
     sys.excepthook = _excepthook
@@ -70,7 +98,6 @@ def install() -> bool:
     control = comm.Dup()  # the watchdog's own communicator: its messages and exit barrier match nothing else
     _state["watchdog"] = watchdog.Watchdog(control, abort_job, watchdog.timeout_seconds(), signal_fd).start()
     atexit.register(_at_exit)  # registered after mpi4py's import, so it runs before MPI_Finalize
-    return True
 
 
 def abort_job(message: str, comm=None, code: int = 1) -> None:
@@ -147,4 +174,4 @@ def _at_exit() -> None:
             pass
 
 
-__all__ = ["install", "abort_job", "launched_by_mpi"]
+__all__ = ["install", "installed", "decided", "abort_job", "launched_by_mpi"]

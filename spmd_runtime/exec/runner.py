@@ -21,7 +21,8 @@ import numpy as np
 from ..comm import collectives, jobguard, watchdog
 from ..comm.collectives import persistent_enabled
 from ..comm.affinity import bind_to_cores
-from ..comm.communicator import MeshCommunicator, agree
+from ..comm.agreement import agree, capture
+from ..comm.communicator import MeshCommunicator, world
 from ..dtypes import check_backend
 from .. import pytree
 from ..profile import instrument, profiling
@@ -46,9 +47,7 @@ class Runtime:
     _process_ready = False
 
     def __init__(self, comm=None):
-        if comm is None:
-            from mpi4py import MPI  # lazily: importing it initialises MPI
-            comm = MPI.COMM_WORLD
+        comm = world(comm)  # MPI's first use by the runtime installs the job guard
         if type(comm).__module__.startswith("mpi4py") and not Runtime._process_ready:
             Runtime._process_ready = True
             self._prepare_process()
@@ -162,7 +161,7 @@ def run(program: SPMDProgram, *inputs, comm=None, backend=None, check_inputs=Non
     rt = Runtime.of(comm)
     if check_inputs is None:
         check_inputs = os.environ.get("SPMD_CHECK_INPUTS", "1").strip().lower() not in ("0", "off", "no", "false")
-    error = _capture(lambda: rt.mesh_error(program.mesh) or _check_global(program, inputs))
+    error = _local_error(lambda: rt.mesh_error(program.mesh) or _check_global(program, inputs))
     digest = _digest(inputs) if check_inputs and error is None else None
     mc = _prepare(rt, program, error, digest)
     xp = rt.array_module(backend)
@@ -184,7 +183,7 @@ def run_local(program: SPMDProgram, *local_inputs, comm=None, backend=None, prof
 def run_local_checked(program: SPMDProgram, local_inputs, comm=None, backend=None, error: str | None = None):
     """``run_local`` for callers with a check of their own: ``error`` (this rank's) is agreed on with the rest."""
     rt, mesh = Runtime.of(comm), program.mesh
-    error = error or _capture(lambda: rt.mesh_error(mesh) or _check_local(program, local_inputs, rt.rank))
+    error = error or _local_error(lambda: rt.mesh_error(mesh) or _check_local(program, local_inputs, rt.rank))
     mc = _prepare(rt, program, error, None)
     xp = rt.array_module(backend)
     outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, _owned_donations(program, [
@@ -332,12 +331,11 @@ def _digest(inputs) -> int:
     return crc
 
 
-def _capture(check) -> str | None:
-    """A local check's error message, never an exception: it must reach the agreement on every rank."""
-    try:
-        return check()
-    except Exception as e:  # noqa: BLE001 - whatever fails here must be agreed on, not raised on one rank
-        return f"{type(e).__name__}: {e}"
+def _local_error(check) -> str | None:
+    """A local check's error message (the one it returns, or the exception it raises), never an exception: it
+    must reach the agreement on every rank."""
+    message, raised = capture(check)
+    return raised or message
 
 
 def _run_checked(rt, program, mc, xp, local) -> list:

@@ -1,4 +1,7 @@
-"""Imported by every fault script (run under mpiexec): a small program, this rank, and markers for the harness."""
+"""Imported by every fault script (run under mpiexec): a small program, this rank, and markers for the harness.
+
+It calls ``sr.distributed.initialize()``, so each script is guarded from its start (a fault before the first run
+ends the job too); a case with ``FAULT_GUARD=lazy`` leaves the guard to the runtime's first use of MPI."""
 import os
 import signal  # noqa: F401 - used by the scripts
 import sys
@@ -10,6 +13,8 @@ from mpi4py import MPI
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 
+if os.environ.get("FAULT_GUARD") != "lazy":
+    sr.distributed.initialize()
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 HERE = os.environ["FAULT_DIR"]
 MESH = sr.Mesh((SIZE,), ("x",))

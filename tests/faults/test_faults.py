@@ -87,6 +87,14 @@ def _cases() -> list[Case]:
                 raise RuntimeError("post-processing failed")
             sr.run(p, X)""", ["[1] spmd_runtime: rank 1 of 2 failed with an uncaught RuntimeError",
                                "post-processing failed"]),
+        Case("exception after a run, the guard installed by the first run (no sr.distributed.initialize)", """
+            p = program()
+            sr.run(p, X)
+            if RANK == 1:
+                fault("raise after the run")
+                raise RuntimeError("post-processing failed")
+            sr.run(p, X)""", ["[1] spmd_runtime: rank 1 of 2 failed with an uncaught RuntimeError",
+                               "post-processing failed"], env={"FAULT_GUARD": "lazy"}),
         Case("KeyboardInterrupt inside a run", """
             p = program()
             if RANK == 1:
@@ -143,6 +151,14 @@ def _cases() -> list[Case]:
                 fault("rank 2's script returns after one run")
             else:
                 sr.run(p, X)""", ["which rank(s) [2] will never join: they exited"], n=4),
+        Case("a rank makes one sr.run call fewer, the guard installed by the first run, 4 ranks", """
+            p = program()
+            sr.run(p, X)
+            if RANK == 2:
+                fault("rank 2's script returns after one run")
+            else:
+                sr.run(p, X)""", ["which rank(s) [2] will never join: they exited"], n=4,
+             env={"FAULT_GUARD": "lazy"}),
         Case("early exit while rank 0 builds the training step, 3 ranks", """
             cfg = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=3)
             if RANK == 1:
