@@ -11,17 +11,19 @@ that ``partition(..., cost_profile=PATH)`` or ``$SPMD_COST_PROFILE`` then uses (
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import numpy as np
 
+from .collective_kinds import KINDS as TABLE, WORLD
 from .comm import collectives, watchdog
 from .comm.communicator import world
 from .cost import PROFILE_FORMAT, CostModel, wire_bytes
 from .exec.runner import communicator
 from .mesh import Mesh
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
+KINDS = tuple(name for name, kind in TABLE.items() if not kind.exchange)  # every kind collectives.bind runs
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)  # bytes each rank puts in
 
 
@@ -53,17 +55,18 @@ def _elements(kind, k, nbytes) -> int:
 
 
 def _wire(kind, k, nbytes) -> float:
-    n = _elements(kind, k, nbytes) * 4
-    return wire_bytes(kind, k, n, n * k if kind == "all_gather" else n // k if kind == "reduce_scatter" else n)
+    """Wire bytes of one timed call: the kind's formula on its result shape (collective_kinds.py)."""
+    elements, spec = _elements(kind, k, nbytes), TABLE[kind]
+    out = math.prod(spec.result_shape((elements,), k, dict(spec.calibration)))
+    return wire_bytes(kind, k, elements * 4, out * 4)
 
 
 def _attrs(kind, mc, k):
-    axes = ("group",)
-    if kind == "collective_permute":  # a shift by one within every group: each rank sends and receives once
+    axes, spec = ("group",), TABLE[kind]
+    if spec.group == WORLD:  # a shift by one within every group: each rank sends and receives once
         mesh = mc.mesh
         return {"pairs": [(g[i], g[(i + 1) % k]) for g in mesh.groups(axes) for i in range(k)]}
-    return {"axes": axes, **({"dim": 0} if kind in ("all_gather", "reduce_scatter") else {}),
-            **({"split_dim": 0, "concat_dim": 0} if kind == "all_to_all" else {})}
+    return {"axes": axes, **dict(spec.calibration)}
 
 
 @watchdog.collective(lambda frame: f"calibrate's timing of {frame.f_locals['kind']} (Barrier, allgather)")

@@ -17,21 +17,16 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from .collective_kinds import BY_START, KINDS, WORLD
 from .mesh import Mesh
-
-# all_to_allv: the resharding planner's exchange of block intersections (point-to-point rounds within a group).
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute", "all_to_allv")
-# Those the scheduler may split into a ``<kind>_start`` / ``<kind>_done`` pair (partition/schedule.py).
-ASYNC_KINDS = COLLECTIVES[:5]
 
 
 def collective_kind(op: str) -> str | None:
-    """The collective an instruction runs: ``op`` itself or, for a ``<kind>_start``, its kind; else None
-    (a ``<kind>_done`` only waits for its start)."""
-    if op in COLLECTIVES:
-        return op
-    kind = op[:-6] if op.endswith("_start") else None
-    return kind if kind in ASYNC_KINDS else None
+    """The collective an instruction runs: ``op`` itself or, for a kind's start, its kind; else None (a done
+    only waits for its start)."""
+    kind = KINDS.get(op) or BY_START.get(op)
+    return None if kind is None else kind.name
+
 
 # What one local flop costs in bytes on the wire: ~10 GB/s between ranks vs ~100 GFLOP/s per rank.
 # Strategies trade the two: gathering operands to skip an all-reduce replicates the matmul on every rank.
@@ -44,20 +39,17 @@ def strategy_cost(wire: float, flops: float) -> float:
 
 
 def wire_bytes(op: str, k: int, bytes_in: int, bytes_out: int, sent: float | None = None) -> float:
-    """Bytes each rank sends for one collective over ``k`` ranks (GSPMD_NOTES.md section 5).
+    """Bytes each rank sends for one collective over ``k`` ranks (its kind's formula in ``collective_kinds.py``;
+    GSPMD_NOTES.md section 5).
 
     An all_to_allv's bytes depend on the blocks, not on k: ``sent``, what its busiest rank sends or receives."""
-    if op == "all_to_allv":
-        return float(sent or 0)
-    if k <= 1 or op not in COLLECTIVES:
-        return 0.0
-    return {"all_reduce": 2 * (k - 1) / k * bytes_in, "all_gather": (k - 1) / k * bytes_out,
-            "reduce_scatter": (k - 1) / k * bytes_in, "all_to_all": (k - 1) / k * bytes_in,
-            "collective_permute": float(bytes_in)}[op]
+    kind = KINDS.get(op)
+    return 0.0 if kind is None else kind.wire_bytes(k, bytes_in, bytes_out, sent)
 
 
 def group_size(step_op: str, attrs: dict, mesh: Mesh) -> int:
-    return mesh.size if step_op == "collective_permute" else mesh.axis_size(attrs["axes"])
+    kind = KINDS.get(step_op)
+    return mesh.size if kind is not None and kind.group == WORLD else mesh.axis_size(attrs["axes"])
 
 
 # The default model's link, ~10 GB/s (what BYTES_PER_FLOP assumes): turns measured seconds into bytes.
@@ -85,11 +77,12 @@ class CostModel:
         wire = wire_bytes(op, k, bytes_in, bytes_out, sent)
         if wire == 0:
             return 0.0
-        fit = self._fit("collective_permute" if op == "all_to_allv" else op, k)
+        kind = KINDS[op]
+        fit = self._fit(kind.rounds_of or op, k)
         if fit is None:
             return wire * SECONDS_PER_BYTE
         alpha, beta = fit
-        return alpha * (max(k - 1, 1) if op == "all_to_allv" else 1) + beta * wire
+        return alpha * (max(k - 1, 1) if kind.exchange else 1) + beta * wire
 
     def collective(self, op: str, k: int, bytes_in: int, bytes_out: int, sent: float | None = None) -> float:
         """The cost the partitioner compares: wire bytes (default) or predicted seconds in bytes of the link."""

@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from .collective_kinds import BY_DONE
 from .cost import collective_kind, group_size, wire_bytes
 
 _active = threading.local()  # per thread: the simulated world runs one rank per thread
@@ -97,7 +98,7 @@ def _timed(fn, ins, program, rec):
         b_in = program.instrs[ins.args[0]].nbytes
         args.update(group=list(axes), group_size=k,
                     wire_bytes=wire_bytes(kind, k, b_in, ins.nbytes))
-    elif ins.op.endswith("_done") and collective_kind(ins.op[:-5] + "_start"):
+    elif ins.op in BY_DONE:
         cat = "comm"  # the wait of a nonblocking collective (partition/schedule.py)
 
     def step(*xs):

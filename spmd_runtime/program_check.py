@@ -19,13 +19,12 @@ import re
 import numpy as np
 
 from . import opdef
-from .comm import collectives
-from .cost import ASYNC_KINDS
+from .collective_kinds import BY_DONE, BY_START, KINDS
 from .dtypes import LOW_PRECISION, dtype as parse_dtype
 
 REDUCE_KINDS = frozenset({"sum", "max", "min", "prod", "mean", "any", "all"})
-COLLECTIVE_OPS = frozenset({"sum", "max", "min"})
-STRING_ATTRIBUTES = {"output": frozenset({"values", "indices"})}  # top_k: which of its two results
+STRING_ATTRIBUTES = {"output": frozenset({"values", "indices"}),  # top_k: which of its two results
+                     **{name: frozenset(allowed) for kind in KINDS.values() for name, allowed in kind.strings}}
 BODY_ATTRIBUTES = ("body", "cond", "branches")  # control instructions (ops/control.py) hold programs
 EINSUM_SPEC = re.compile(r"^[A-Za-z]*(,[A-Za-z]*)*->[A-Za-z]*$")
 DTYPE_KINDS = "biufc"  # bool, ints, floats, complex: never object, string or void
@@ -33,10 +32,9 @@ DTYPE_KINDS = "biufc"  # bool, ints, floats, complex: never object, string or vo
 INTERPRETER_OPS = {"parameter": {"index"}, "shard_slice": {"dim", "axes"}, "shard_index": {"axes"},
                    "rotated_concat": {"dim", "axes"},
                    "mask_padding": {"dim", "axes", "size", "fill"},
-                   "all_to_allv": {"src_dims", "dst_dims", "partial_axes", "axes", "wire_bytes"},
                    "fusion": {"code", "consts", "dtypes", "shapes"},
                    "fused_reduce": {"code", "consts", "dtypes", "shapes", "chain_shape", "kind", "axes"}}
-INTERPRETER_OPTIONAL = {"all_to_allv": {"maps", "fill"}, "shard_slice": {"shift"}, "parameter": {"donated"}}  # a window exchange (slice, pad, concatenate)
+INTERPRETER_OPTIONAL = {"shard_slice": {"shift"}, "parameter": {"donated"}}
 FUSION_STEP = re.compile(r"^t(\d+)=(\w+)\(((?:[pct]\d+)(?:,[pct]\d+)*)\)$")  # partition/fusion.py's code
 
 
@@ -92,10 +90,7 @@ def _check_instr(ins, program, defined: set) -> None:
 
 def _async_half(op: str) -> str | None:
     """'start' / 'done' for the halves of a split collective (partition/schedule.py), else None."""
-    for half in ("start", "done"):
-        if op.endswith("_" + half) and op[:-len(half) - 1] in ASYNC_KINDS:
-            return half
-    return None
+    return "start" if op in BY_START else "done" if op in BY_DONE else None
 
 
 def _check_async_pairs(program) -> None:
@@ -106,12 +101,12 @@ def _check_async_pairs(program) -> None:
         if _async_half(ins.op) != "done":
             continue
         start = by_slot.get(ins.args[0]) if len(ins.args) == 2 else None
-        if start is None or start.op != ins.op[:-len("done")] + "start" or start.args[0] != ins.args[1] \
+        if start is None or BY_START.get(start.op) is not BY_DONE[ins.op] or start.args[0] != ins.args[1] \
                 or start.out in waited:
             raise ProgramError(f"instruction %{ins.out} = {ins.op}: a done takes (its own start, the start's "
                                f"operand), each start waited for once; got operands {list(ins.args)}")
         waited.add(start.out)
-        if ins.donate not in (-1, 1) or (ins.donate == 1 and start.op != "all_reduce_start"):
+        if ins.donate not in (-1, 1) or (ins.donate == 1 and not BY_START[start.op].in_place):
             raise ProgramError(f"instruction %{ins.out} = {ins.op}: only an all-reduce's done may donate, and only "
                                f"its operand (position 1); got donate={ins.donate}")
     unwaited = [i.out for i in program.instrs if _async_half(i.op) == "start" and i.out not in waited]
@@ -121,26 +116,21 @@ def _check_async_pairs(program) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _attribute_names(op: str, n_args: int) -> tuple[frozenset, frozenset]:
-    """(required, optional) attribute names of ``op``: its kernel's keyword parameters."""
-    array_collectives = {"all_reduce": collectives.all_reduce, "all_gather": collectives.all_gather,
-                         "reduce_scatter": collectives.reduce_scatter, "all_to_all": collectives.all_to_all,
-                         "collective_permute": collectives.collective_permute}
+    """(required, optional) attribute names of ``op``: a collective's (or its start's) from its kind, else its
+    kernel's keyword parameters."""
     if op in INTERPRETER_OPS:
         return frozenset(INTERPRETER_OPS[op]), frozenset(INTERPRETER_OPTIONAL.get(op, ()))
-    half = _async_half(op)
-    if half == "done":
+    if op in BY_DONE:
         return frozenset(), frozenset()
-    if half == "start":
-        op = op[:-len("_start")]
-    if op in array_collectives:
-        fn, skip = array_collectives[op], 2  # (mc, x)
-    else:
-        try:
-            fn, skip = opdef.lookup(op).kernel, 1 + n_args  # (xp, *operands)
-        except NotImplementedError:
-            fn = None
-        if fn is None:
-            raise ProgramError(f"the op must be one the interpreter runs (a kernel or a collective); got {op!r}")
+    kind = KINDS.get(op) or BY_START.get(op)
+    if kind is not None:
+        return frozenset(kind.attrs), frozenset(kind.optional)
+    try:
+        fn, skip = opdef.lookup(op).kernel, 1 + n_args  # (xp, *operands)
+    except NotImplementedError:
+        fn = None
+    if fn is None:
+        raise ProgramError(f"the op must be one the interpreter runs (a kernel or a collective); got {op!r}")
     params = list(inspect.signature(fn).parameters.values())
     star = [i for i, p in enumerate(params) if p.kind == p.VAR_POSITIONAL]
     attrs = params[star[0] + 1:] if star else params[skip:]  # (xp, *operands, attr, ...): keyword-only attrs
@@ -167,8 +157,6 @@ def _check_value(name: str, value, program) -> None:
                 raise ProgramError(f"{what} must be distinct axes of {program.mesh}; got {items}")
         else:
             _ints(items, what)
-    elif name == "op":
-        _one_of(value, COLLECTIVE_OPS, what)
     elif name == "kind":
         _one_of(value, REDUCE_KINDS, what)
     elif name in STRING_ATTRIBUTES:

@@ -24,7 +24,7 @@ functions below are ``bind(...)(x)`` with fresh buffers.
 ``bind(..., nonblocking=True)`` returns ``start(x) -> Pending`` instead: the same
 layouts and buffers, but the MPI call is the nonblocking one (``Iallreduce``,
 ``Iallgather``, ``Ireduce_scatter_block``, ``Ialltoall``, ``Irecv`` + ``Isend``
-for a permute) and ``Pending.wait()`` gives the result (the scheduled programs'
+for a permute, ``Ibcast``) and ``Pending.wait()`` gives the result (the scheduled programs'
 ``*_start`` / ``*_done`` pairs, ``partition/schedule.py``). A host binding whose
 receive buffer is kept (or that reduces in place) keeps its ``Pending`` too and
 posts from one Python frame: one call in flight per binding, as in a program. Device arrays overlap too:
@@ -57,6 +57,8 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
+from spmd_runtime.collective_kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COLLECTIVE_PERMUTE,
+                                           FLOAT32, KINDS, REDUCE_SCATTER)
 from spmd_runtime.comm import low_precision, watchdog
 from spmd_runtime.comm.communicator import mpi_op
 from spmd_runtime.dtypes import is_low_precision
@@ -82,7 +84,7 @@ def all_reduce(mc, x, axes, op: str = "sum"):
 
     Wire bytes: 2 (k-1)/k * S.
     """
-    return _bind_fresh(mc, "all_reduce", x, axes=axes, op=op)(x)
+    return _bind_fresh(mc, ALL_REDUCE, x, axes=axes, op=op)(x)
 
 
 def all_gather(mc, x, axes, dim: int):
@@ -90,7 +92,7 @@ def all_gather(mc, x, axes, dim: int):
 
     Wire bytes: (k-1)/k * S_out.
     """
-    return _bind_fresh(mc, "all_gather", x, axes=axes, dim=dim)(x)
+    return _bind_fresh(mc, ALL_GATHER, x, axes=axes, dim=dim)(x)
 
 
 def reduce_scatter(mc, x, axes, dim: int, op: str = "sum"):
@@ -98,7 +100,7 @@ def reduce_scatter(mc, x, axes, dim: int, op: str = "sum"):
 
     Wire bytes: (k-1)/k * S_in.
     """
-    return _bind_fresh(mc, "reduce_scatter", x, axes=axes, dim=dim, op=op)(x)
+    return _bind_fresh(mc, REDUCE_SCATTER, x, axes=axes, dim=dim, op=op)(x)
 
 
 def all_to_all(mc, x, axes, split_dim: int, concat_dim: int):
@@ -108,7 +110,7 @@ def all_to_all(mc, x, axes, split_dim: int, concat_dim: int):
     Resharding use: an array sharded on ``concat_dim`` over ``axes`` becomes sharded on ``split_dim``.
     Wire bytes: (k-1)/k * S.
     """
-    return _bind_fresh(mc, "all_to_all", x, axes=axes, split_dim=split_dim, concat_dim=concat_dim)(x)
+    return _bind_fresh(mc, ALL_TO_ALL, x, axes=axes, split_dim=split_dim, concat_dim=concat_dim)(x)
 
 
 def collective_permute(mc, x, pairs):
@@ -119,28 +121,38 @@ def collective_permute(mc, x, pairs):
     One Sendrecv per rank (MPI_PROC_NULL for a missing partner) cannot deadlock.
     Wire bytes: S.
     """
-    return _bind_fresh(mc, "collective_permute", x, pairs=pairs)(x)
+    return _bind_fresh(mc, COLLECTIVE_PERMUTE, x, pairs=pairs)(x)
 
 
-def bind(mc, kind: str, xp, shape, dtype, *, reuse: bool = True, in_place: bool = False, nonblocking: bool = False,
+def broadcast(mc, x, axes, root: int = 0):
+    """Every rank of the group gets the ``x`` of the group's rank ``root`` (its shard number along ``axes``);
+    same shape as ``x``. One MPI Bcast on the axes' sub-communicator.
+
+    Wire bytes: S (a pipelined broadcast forwards the whole buffer once per rank).
+    """
+    return _bind_fresh(mc, BROADCAST, x, axes=axes, root=root)(x)
+
+
+def bind(mc, kind, xp, shape, dtype, *, reuse: bool = True, in_place: bool = False, nonblocking: bool = False,
          operand=None, **attrs):
-    """``f(x)`` running collective ``kind`` with ``attrs`` on ``xp`` arrays of ``shape``/``dtype``; see the module doc.
-    ``nonblocking``: ``start(x) -> Pending`` instead. ``operand``: the array ``x`` will be at every call, for
-    persistent requests (module doc).
+    """``f(x)`` running collective ``kind`` (a kind of ``collective_kinds.KINDS`` or its name) with ``attrs`` on
+    ``xp`` arrays of ``shape``/``dtype``; see the module doc. ``nonblocking``: ``start(x) -> Pending`` instead.
+    ``operand``: the array ``x`` will be at every call, for persistent requests (module doc).
 
     Collective on first use of a new axes tuple (the sub-communicator split), like every collective.
     """
-    if kind not in _BINDERS:
-        raise ValueError(f"collective kind must be one of {sorted(_BINDERS)}; got {kind!r}")
-    what = f"{kind} over mesh axes {attrs.get('axes', 'of the permute pairs')}"
+    spec = KINDS.get(getattr(kind, "name", kind))
+    if spec not in _BINDERS:
+        raise ValueError(f"collective kind must be one of {sorted(k.name for k in _BINDERS)}; got {kind!r}")
+    what = f"{spec.name} over mesh axes {attrs.get('axes', 'of the permute pairs')}"
     if is_low_precision(dtype):  # 16-bit floats: moved as uint16, reduced in float32 (low_precision.py)
-        if nonblocking and kind in low_precision.EMULATED:  # several collectives: blocking at the start
+        if nonblocking and spec.sixteen_bit == FLOAT32:  # several collectives: blocking at the start
             run = bind(mc, kind, xp, shape, dtype, reuse=reuse, in_place=in_place, **attrs)
             return lambda x: Pending((), run(x), None, what)
-        return low_precision.bind(bind, mc, kind, xp, tuple(shape), np.dtype(dtype), reuse=reuse,
+        return low_precision.bind(bind, mc, spec, xp, tuple(shape), np.dtype(dtype), reuse=reuse,
                                   nonblocking=nonblocking, **attrs)
     plan = _Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse, nonblocking, what, operand)
-    run = _BINDERS[kind](plan, in_place=in_place, **attrs)
+    run = _BINDERS[spec](plan, in_place=in_place, **attrs)
     return plan.starter(run) if nonblocking and not plan.starts_itself else run
 
 
@@ -310,7 +322,7 @@ def _bind_all_reduce(plan, in_place, axes, op="sum"):
 
 def _bind_all_gather(plan, in_place, axes, dim):
     shape, xp, k = plan.shape, plan.xp, plan.mc.axis_size(axes)
-    dim = _normalize_dim(dim, len(shape), "all_gather dim")
+    dim = _normalize_dim(dim, len(shape), f"{ALL_GATHER.name} dim")
     if k == 1:
         return _copy
     front = _front_shape(shape, dim)
@@ -328,8 +340,8 @@ def _bind_all_gather(plan, in_place, axes, dim):
 
 def _bind_reduce_scatter(plan, in_place, axes, dim, op="sum"):
     shape, xp, k = plan.shape, plan.xp, plan.mc.axis_size(axes)
-    dim = _normalize_dim(dim, len(shape), "reduce_scatter dim")
-    _check_divisible(shape, dim, k, "reduce_scatter")
+    dim = _normalize_dim(dim, len(shape), f"{REDUCE_SCATTER.name} dim")
+    _check_divisible(shape, dim, k, REDUCE_SCATTER.name)
     mop = mpi_op(op)
     if k == 1:
         return _copy
@@ -350,9 +362,9 @@ def _bind_reduce_scatter(plan, in_place, axes, dim, op="sum"):
 
 def _bind_all_to_all(plan, in_place, axes, split_dim, concat_dim):
     shape, xp, k = plan.shape, plan.xp, plan.mc.axis_size(axes)
-    split_dim = _normalize_dim(split_dim, len(shape), "all_to_all split_dim")
-    concat_dim = _normalize_dim(concat_dim, len(shape), "all_to_all concat_dim")
-    _check_divisible(shape, split_dim, k, "all_to_all")
+    split_dim = _normalize_dim(split_dim, len(shape), f"{ALL_TO_ALL.name} split_dim")
+    concat_dim = _normalize_dim(concat_dim, len(shape), f"{ALL_TO_ALL.name} concat_dim")
+    _check_divisible(shape, split_dim, k, ALL_TO_ALL.name)
     if k == 1:
         return _copy
     # (..., k, n/k, ...) with the block index in front: send[j] is block j, contiguous (x itself at split_dim 0).
@@ -409,6 +421,40 @@ def _bind_collective_permute(plan, in_place, pairs):
         call(contiguous(x), recv)  # fully overwritten: no memset
         return recv
     return run
+
+
+def _bind_broadcast(plan, in_place, axes, root=0):
+    """The group's rank ``root`` sends a copy of its ``x`` (the result is a buffer of its own) and every other
+    rank receives it: one MPI ``Bcast`` (nonblocking: ``Ibcast``) on the axes' sub-communicator."""
+    k = plan.mc.axis_size(axes)
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < k:
+        raise ValueError(f"{BROADCAST.name} root must be a rank of the group, in [0, {k}); got {root!r}")
+    if k == 1:
+        return _copy
+    root, buffer = int(root), plan.buffer(plan.shape)
+    bcast = plan.method(plan.mc.sub(axes), "Bcast")
+    if plan.mc.index_along(axes) != root:
+        receive_into = plan.mpi(lambda s, r: bcast(r, root))
+
+        def receive(x):
+            recv = buffer()
+            receive_into(None, recv)
+            return recv
+        return receive
+    send_from = plan.mpi(lambda s, r: bcast(s, root))
+    own_copy = partial(_copy_into, buffer) if plan.host else _copy
+
+    def send(x):
+        out = own_copy(x)
+        send_from(out, None)
+        return out
+    return send
+
+
+def _copy_into(buffer, x):
+    out = buffer()
+    np.copyto(out, x)
+    return out
 
 
 def _direct(plan, comm, name: str, recv, op=None):
@@ -554,8 +600,9 @@ for _maker in (_direct, _permute_direct, _started):
     watchdog.collective_closures(_maker, lambda frame: "an MPI collective")
 
 
-_BINDERS = {"all_reduce": _bind_all_reduce, "all_gather": _bind_all_gather, "reduce_scatter": _bind_reduce_scatter,
-            "all_to_all": _bind_all_to_all, "collective_permute": _bind_collective_permute}
+# Every kind of the table but the exchange (all_to_allv, below) has its binder here (tests/comm checks it).
+_BINDERS = {ALL_REDUCE: _bind_all_reduce, ALL_GATHER: _bind_all_gather, REDUCE_SCATTER: _bind_reduce_scatter,
+            ALL_TO_ALL: _bind_all_to_all, COLLECTIVE_PERMUTE: _bind_collective_permute, BROADCAST: _bind_broadcast}
 
 
 def _peer(rank):
@@ -603,7 +650,7 @@ def _permute_partners(pairs, rank: int, world_size: int) -> tuple[int | None, in
     for s, d in pairs:
         if s in sources or d in dests or not (0 <= s < world_size and 0 <= d < world_size):
             raise ValueError(
-                f"collective_permute pairs must have unique sources and unique destinations, all ranks in "
+                f"{COLLECTIVE_PERMUTE.name} pairs must have unique sources and unique destinations, all ranks in "
                 f"[0, {world_size}); got pairs {list(pairs)}"
             )
         sources.add(s)
@@ -659,5 +706,5 @@ def _check_divisible(shape, dim: int, k: int, what: str) -> None:
         )
 
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute", "all_to_allv", "Pending",
-           "release"]
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute", "broadcast", "all_to_allv",
+           "Pending", "release"]

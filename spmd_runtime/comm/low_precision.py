@@ -18,7 +18,7 @@ extension, bfloat16 has none) and no reduction over one everywhere. So:
 ``bind`` mirrors ``collectives.bind`` (every decision made once per shape) and
 builds on its uint16 binders, so buffers, staging and reuse work as there. A move
 may be nonblocking (its start's ``Pending`` seen through ``Viewed``); the
-reductions (``EMULATED``) are blocking.
+reductions (the kinds whose ``sixteen_bit`` is ``FLOAT32`` in ``collective_kinds.py``) are blocking.
 """
 from __future__ import annotations
 
@@ -26,22 +26,21 @@ import math
 
 import numpy as np
 
+from spmd_runtime.collective_kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from spmd_runtime.comm.communicator import mpi_op
 from spmd_runtime.dtypes import ACCUMULATE
 
 WIRE = np.dtype(np.uint16)
-EMULATED = ("all_reduce", "reduce_scatter")  # several collectives and a float32 reduction: blocking only
 
 
 def bind(raw_bind, mc, kind, xp, shape, dtype, *, reuse, nonblocking=False, **attrs):
-    """``f(x)`` running collective ``kind`` on 16-bit ``dtype`` arrays; ``raw_bind`` is ``collectives.bind``.
-    ``nonblocking`` (moves only): ``start(x) -> Viewed``."""
+    """``f(x)`` running collective ``kind`` (a ``collective_kinds`` kind) on 16-bit ``dtype`` arrays; ``raw_bind``
+    is ``collectives.bind``. ``nonblocking`` (moves only): ``start(x) -> Viewed``."""
     raw = lambda kind, shape, **a: raw_bind(mc, kind, xp, shape, WIRE, reuse=reuse, **a)
-    if kind == "all_reduce":
-        return _bind_all_reduce(raw, mc, xp, shape, dtype, **attrs)
-    if kind == "reduce_scatter":
-        return _bind_reduce_scatter(raw, mc, xp, shape, dtype, **attrs)
-    move = raw(kind, shape, nonblocking=nonblocking, **attrs)
+    reduction = _REDUCTIONS.get(kind)
+    if reduction is not None:  # several collectives and a float32 reduction: blocking only
+        return reduction(raw, mc, xp, shape, dtype, **attrs)
+    move = raw(kind.name, shape, nonblocking=nonblocking, **attrs)
     if nonblocking:
         return lambda x: Viewed(move(x.view(WIRE)), dtype)
     return lambda x: move(x.view(WIRE)).view(dtype)
@@ -72,7 +71,7 @@ def _bind_all_reduce(raw, mc, xp, shape, dtype, axes, op="sum"):
         return lambda x: x.copy()
     block = -(-n // k)
     reduce = _bind_reduce_blocks(raw, xp, (k, block), dtype, axes, op)
-    gather = raw("all_gather", (block,), axes=axes, dim=0)
+    gather = raw(ALL_GATHER.name, (block,), axes=axes, dim=0)
     pad = xp.zeros(block * k - n, dtype)
 
     def run(x):
@@ -86,8 +85,8 @@ def _bind_reduce_scatter(raw, mc, xp, shape, dtype, axes, dim, op="sum"):
     mpi_op(op)
     k, ndim = mc.axis_size(axes), len(shape)
     if not -ndim <= dim < ndim or shape[dim % ndim] % k:
-        raise ValueError(f"reduce_scatter needs a dim in [-{ndim}, {ndim}) whose size the group size {k} divides; "
-                         f"got dim {dim} of shape {shape}")
+        raise ValueError(f"{REDUCE_SCATTER.name} needs a dim in [-{ndim}, {ndim}) whose size the group size {k} "
+                         f"divides; got dim {dim} of shape {shape}")
     dim %= ndim
     if k == 1:
         return lambda x: x.copy()
@@ -98,11 +97,13 @@ def _bind_reduce_scatter(raw, mc, xp, shape, dtype, axes, dim, op="sum"):
 
 def _bind_reduce_blocks(raw, xp, blocks_shape, dtype, axes, op):
     """``blocks (k, m) -> (m,)``: block ``index_along(axes)`` of the group's elementwise ``op``, 16-bit in and out."""
-    exchange = raw("all_to_all", blocks_shape, axes=axes, split_dim=0, concat_dim=0)
+    exchange = raw(ALL_TO_ALL.name, blocks_shape, axes=axes, split_dim=0, concat_dim=0)
     if op == "sum":
         return lambda blocks: xp.sum(exchange(blocks.view(WIRE)).view(dtype), axis=0, dtype=ACCUMULATE).astype(dtype)
     reduce = getattr(xp, op)  # max/min are exact in any precision
     return lambda blocks: reduce(exchange(blocks.view(WIRE)).view(dtype), axis=0)
 
 
-__all__ = ["bind", "Viewed", "EMULATED"]
+_REDUCTIONS = {ALL_REDUCE: _bind_all_reduce, REDUCE_SCATTER: _bind_reduce_scatter}  # the FLOAT32 kinds
+
+__all__ = ["bind", "Viewed"]

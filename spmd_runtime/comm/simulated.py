@@ -237,6 +237,13 @@ class SimulatedComm:
 
         recv.reshape(-1)[...] = self._step("Alltoall", send, combine)
 
+    def Bcast(self, buf, root: int = 0) -> None:
+        array = _buffer(buf)
+        # copied once while the root waits: it may write its buffer again before the others have read it
+        sent = self._step(("Bcast", root), array, lambda ps: [_same_shape(ps, "Bcast")[root].copy()] * len(ps))
+        if self._rank != root:
+            array.reshape(-1)[...] = sent.reshape(-1)
+
     # -- nonblocking collectives: run in lockstep at the start (every rank starts them in the same order) ------
 
     def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
@@ -250,6 +257,9 @@ class SimulatedComm:
 
     def Ialltoall(self, sendbuf, recvbuf):
         return _completed(self.Alltoall(sendbuf, recvbuf))
+
+    def Ibcast(self, buf, root: int = 0):
+        return _completed(self.Bcast(buf, root))
 
     def Isend(self, buf, dest: int, tag: int = 0):
         return _completed(self.Send(buf, dest, tag))

@@ -47,6 +47,10 @@ def reference_all_to_all(mesh, xs, rank, axes, split_dim, concat_dim):
     return np.concatenate(blocks, axis=concat_dim)
 
 
+def reference_broadcast(mesh, xs, rank, axes, root=0):
+    return xs[group_members(mesh, rank, axes)[root]].copy()
+
+
 def reference_permute(xs, rank, pairs):
     sources = [s for s, d in pairs if d == rank]
     return xs[sources[0]].copy() if sources else np.zeros_like(xs[rank])

@@ -1,10 +1,5 @@
-"""Running the scheduler's start/done pairs (partition/schedule.py) and making their progress.
-
-A start binds its collective once, nonblocking (``collectives.bind(..., nonblocking=True)``): per run it
-posts the MPI call and returns the ``Pending`` handle; the done waits on it (a watchdog wait site, so a
-stuck collective is still named with its instruction) and returns the result. An all-reduce whose done
-donates its operand reduces into it (``MPI.IN_PLACE``); receive buffers are kept across runs as the
-blocking binders keep them, and an operand with a planned buffer gets a persistent request on it.
+"""Making progress on the scheduler's start/done pairs (partition/schedule.py) while they are in flight; their
+binders are in exec/rules/spmd.py.
 
 Progress: MPICH advances nonblocking collectives only inside MPI calls (unless ``MPICH_ASYNC_PROGRESS=1``
 gives it a thread). With ``SPMD_PROGRESS=test`` (the default) every instruction that runs while a
@@ -16,9 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .. import opdef
-from ..comm import collectives
-from ..partition.schedule import DONES, STARTS
+from ..ops.spmd import DONES, STARTS
 
 PROGRESS_ENV = "SPMD_PROGRESS"
 PROGRESS_MODES = ("test", "none")
@@ -29,33 +22,6 @@ def progress_mode() -> str:
     if mode not in PROGRESS_MODES:
         raise ValueError(f"{PROGRESS_ENV} must be one of {list(PROGRESS_MODES)}; got {mode!r}")
     return mode
-
-
-@opdef.bind(*STARTS.values())
-def _bind_start(interp, ins):
-    done, operand = interp.program.instrs[interp.dones[ins.out]], interp.program.instrs[ins.args[0]]
-    start = collectives.bind(interp.mc, ins.op[:-len("_start")], interp.xp, operand.shape, operand.dtype,
-                             **ins.attrs, reuse=done.out not in interp.keep_fresh and done.donate != 1,
-                             in_place=done.donate == 1, nonblocking=True,
-                             operand=interp.planned.get(operand.out))
-    in_flight = interp.in_flight
-
-    def run(x):
-        pending = start(x)
-        in_flight.append(pending)
-        return pending
-    run.persistent_requests = getattr(start, "persistent_requests", ())
-    return run
-
-
-@opdef.bind(*DONES.values())
-def _bind_done(interp, ins):
-    in_flight = interp.in_flight
-
-    def run(pending, operand):
-        in_flight.remove(pending)
-        return pending.wait()
-    return run
 
 
 def with_progress(interp, steps: list) -> list:

@@ -19,6 +19,7 @@ from ..graph import Graph, Node
 from ..mesh import Mesh
 from ..opdef import OPS, fresh_result, lookup
 from ..comm.simulated import is_lead_rank
+from ..ops.spmd import MASK_PADDING, SHARD_INDEX
 from ..program import Instr, IOSpec, ShardingReport, SPMDProgram
 from ..sharding import Sharding, parse_spec_free
 from .fusion import fuse_elementwise, fusion_enabled
@@ -83,8 +84,8 @@ class PartitionContext:
         for d in dims:
             axes = value.sharding.dims[d]
             if axes and not value.sharding.is_even(value.shape, self.mesh, d):
-                value = self.emit("mask_padding", [value], {"dim": d, "axes": axes, "size": value.shape[d],
-                                                            "fill": fill}, value.sharding, value.shape, value.dtype)
+                value = self.emit(MASK_PADDING, [value], {"dim": d, "axes": axes, "size": value.shape[d],
+                                                          "fill": fill}, value.sharding, value.shape, value.dtype)
         return value
 
     def shared(self, key, build):
@@ -99,7 +100,7 @@ class PartitionContext:
 
     def shard_index(self, axes) -> LocalValue:
         """A 0-d int64 value: this rank's shard number along ``axes`` (its block offset / block size)."""
-        return self.emit("shard_index", [], {"axes": tuple(axes)}, Sharding(()), (), "int64")
+        return self.emit(SHARD_INDEX, [], {"axes": tuple(axes)}, Sharding(()), (), "int64")
 
     def cost(self, value: LocalValue, target: Sharding) -> float:
         return plan_cost(value.sharding, target, value.shape, value.dtype, self.mesh)

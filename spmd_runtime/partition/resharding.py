@@ -46,8 +46,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..cost import COLLECTIVES, DEFAULT_MODEL, CostModel, active_model, group_size
+from ..collective_kinds import KINDS
+from ..cost import DEFAULT_MODEL, CostModel, active_model, group_size
 from ..mesh import Mesh
+from ..ops.spmd import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALLV, COLLECTIVE_PERMUTE, REDUCE_SCATTER, RESIZE,
+                        SHARD_SLICE)
 from ..sharding import Sharding
 
 # Most states the search expands before it settles for the best plan found (or the greedy one).
@@ -56,7 +59,7 @@ SEARCH_LIMIT = 400
 
 @dataclass(frozen=True)
 class Step:
-    op: str  # one of COLLECTIVES, "shard_slice" or "resize"
+    op: str  # the name of a collective (collective_kinds.KINDS), of SHARD_SLICE or of RESIZE
     attrs: dict = field(hash=False)
     result: Sharding = None  # the layout after this step
     local: tuple = ()  # the local shape after this step (a gathered uneven dim is longer until trimmed)
@@ -112,9 +115,9 @@ def _worth_searching(greedy, src, dst, shape, mesh, elements, model) -> bool:
     """Skip the search where the greedy plan is already the cheapest (most plans, keeping partitioning fast):
     one collective that slices nothing after it (slicing first is free), or, under the ring model, as few
     wire elements as the busiest rank must receive anyway (what it needs and does not hold)."""
-    ops = [s.op for s in greedy if s.op != "resize"]
-    colls = [k for k, op in enumerate(ops) if op in COLLECTIVES]
-    if not colls or (len(colls) == 1 and "shard_slice" not in ops[colls[0]:]):
+    ops = [s.op for s in greedy if s.op != RESIZE.name]
+    colls = [k for k, op in enumerate(ops) if op in KINDS]
+    if not colls or (len(colls) == 1 and SHARD_SLICE.name not in ops[colls[0]:]):
         return False
     return src.partial or model != DEFAULT_MODEL or elements > receive_lower_bound(src.dims, dst.dims, shape, mesh)
 
@@ -136,7 +139,7 @@ def _greedy(src, dst, shape, mesh) -> list[Step]:
 def _steps_cost(steps, local, mesh, itemsize, model) -> float:
     total = 0.0
     for s in steps:
-        if s.op in COLLECTIVES:
+        if s.op in KINDS:
             b_in, b_out = math.prod(local) * itemsize, math.prod(s.local) * itemsize
             total += model.collective(s.op, group_size(s.op, s.attrs, mesh), b_in, b_out, s.attrs.get("wire_bytes"))
         local = s.local
@@ -166,7 +169,7 @@ class _Search:
             for edge in self.edges(cur):
                 nxt = edge[-1].result
                 c = cost + _steps_cost(edge, local, self.mesh, self.itemsize, self.model)
-                key = (c, ncoll + sum(s.op in COLLECTIVES for s in edge))
+                key = (c, ncoll + sum(s.op in KINDS for s in edge))
                 if c < limit and nxt not in done and key < best.get(nxt, (math.inf, 0)):
                     best[nxt] = key
                     heapq.heappush(heap, (*key, next(tie), nxt, steps + edge))
@@ -177,7 +180,7 @@ class _Search:
         p = lambda: _Planner(cur, self.shape, self.mesh)
         nd, dst = len(self.shape), self.dst
         if cur.partial and not dst.partial:
-            yield _emitted(p(), lambda q: q.emit("all_reduce", partial=(), axes=cur.partial, op=cur.reduce_op))
+            yield _emitted(p(), lambda q: q.emit(ALL_REDUCE, partial=(), axes=cur.partial, op=cur.reduce_op))
             for n in range(1, len(cur.partial) + 1):
                 for axes, j in itertools.product(itertools.permutations(cur.partial, n), range(nd)):
                     if p()._fits(j, cur.dims[j], axes):
@@ -185,7 +188,7 @@ class _Search:
         busy = set(cur.axes + cur.partial)
         for j, a in itertools.product(range(nd), self.axes):
             if a not in busy and p()._fits(j, cur.dims[j], (a,)):
-                yield _emitted(p(), lambda q: q.emit("shard_slice", q._append(j, (a,)), dim=j, axes=(a,)))
+                yield _emitted(p(), lambda q: q.emit(SHARD_SLICE, q._append(j, (a,)), dim=j, axes=(a,)))
         for i in range(nd):
             for n in range(1, len(cur.dims[i]) + 1):
                 keep, moving = cur.dims[i][:-n], cur.dims[i][-n:]
@@ -231,11 +234,12 @@ class _Planner:
         self.local = src.local_shape(shape, mesh)
 
     def emit(self, kind, dims=None, partial=None, local=None, **attrs):
+        """A step of ``kind`` (an op record) to the layout ``dims`` / ``partial`` (default: as now)."""
         dims = self.cur.dims if dims is None else dims
         partial = self.cur.partial if partial is None else partial
         self.cur = Sharding(tuple(dims), tuple(partial), self.cur.reduce_op if partial else "sum")
         self.local = tuple(local) if local is not None else self.cur.local_shape(self.shape, self.mesh)
-        self.steps.append(Step(kind, attrs, self.cur, self.local))
+        self.steps.append(Step(kind.name, attrs, self.cur, self.local))
 
     def _scaled(self, dim, factor=1, divisor=1) -> list[int]:
         local = list(self.local)
@@ -253,7 +257,7 @@ class _Planner:
         if self.local[dim] != size:
             local = list(self.local)
             local[dim] = size
-            self.emit("resize", local=local, dim=dim, size=size)
+            self.emit(RESIZE, local=local, dim=dim, size=size)
 
     def _padded(self, dim, inner) -> int:
         """Local size of unsplit ``dim`` padded to ``inner`` equal blocks."""
@@ -272,7 +276,7 @@ class _Planner:
             busy = set(self.cur.axes) | set(self.cur.partial)
             add = _prefix_while(self._appendable(dst, j) or (), lambda a: a not in busy)
             if add and self._fits(j, self.cur.dims[j], add):
-                self.emit("shard_slice", self._append(j, add), dim=j, axes=add)
+                self.emit(SHARD_SLICE, self._append(j, add), dim=j, axes=add)
 
     def reduce(self, dst):
         for j in range(len(dst.dims)):
@@ -280,18 +284,18 @@ class _Planner:
             if add and self._fits(j, self.cur.dims[j], add):
                 self.reduce_scatter(j, add)
         if self.cur.partial:
-            self.emit("all_reduce", partial=(), axes=self.cur.partial, op=self.cur.reduce_op)
+            self.emit(ALL_REDUCE, partial=(), axes=self.cur.partial, op=self.cur.reduce_op)
 
     def reduce_scatter(self, j, axes):
         """Partial sums over ``axes`` reduced and scattered innermost on dim j."""
         if self.k(self.cur.dims[j]) == 1:
             self._resize(j, self._padded(j, axes))
         rest = tuple(a for a in self.cur.partial if a not in axes)
-        self.emit("reduce_scatter", self._append(j, axes), rest, self._scaled(j, 1, self.k(axes)),
+        self.emit(REDUCE_SCATTER, self._append(j, axes), rest, self._scaled(j, 1, self.k(axes)),
                   axes=axes, dim=j, op=self.cur.reduce_op)
 
     def permute(self, dst):
-        self.emit("collective_permute", dst.dims, pairs=permute_pairs(self.cur, dst, self.mesh))
+        self.emit(COLLECTIVE_PERMUTE, dst.dims, pairs=permute_pairs(self.cur, dst, self.mesh))
 
     def move_and_gather(self, dst):
         while any(self._removed(dst, i) for i in range(len(dst.dims))):
@@ -303,7 +307,7 @@ class _Planner:
     def gather(self, i, keep):
         """all_gather dim i down to its leading axes ``keep`` (trimmed to the true size when unsplit)."""
         axes = self.cur.dims[i][len(keep):]
-        self.emit("all_gather", [keep if k == i else d for k, d in enumerate(self.cur.dims)],
+        self.emit(ALL_GATHER, [keep if k == i else d for k, d in enumerate(self.cur.dims)],
                   local=self._scaled(i, self.k(axes)), axes=axes, dim=i)
         if self.k(keep) == 1:
             self._resize(i, self.shape[i])
@@ -333,7 +337,7 @@ class _Planner:
         dims = [d[:-len(moving)] if k == i else d + moving if k == j else d for k, d in enumerate(self.cur.dims)]
         local = self._scaled(j, 1, self.k(moving))
         local[i] *= self.k(moving)
-        self.emit("all_to_all", dims, local=local, axes=moving, split_dim=j, concat_dim=i)
+        self.emit(ALL_TO_ALL, dims, local=local, axes=moving, split_dim=j, concat_dim=i)
         if self.k(self.cur.dims[i]) == 1:
             self._resize(i, self.shape[i])
 
@@ -344,18 +348,18 @@ class _Planner:
                 self.gather(j, ())
                 add = dst.dims[j]
             if add:
-                self.emit("shard_slice", self._append(j, add), dim=j, axes=add)
+                self.emit(SHARD_SLICE, self._append(j, add), dim=j, axes=add)
 
     def exchange(self, dst, itemsize):
         """all_to_allv: every rank sends each other rank the intersection of their blocks, all dims at once."""
         table = exchange_table(self.cur.dims, dst.dims, self.shape, self.mesh, self.cur.partial)
-        self.emit("all_to_allv", dst.dims, axes=table.axes, src_dims=self.cur.dims, dst_dims=dst.dims,
+        self.emit(ALL_TO_ALLV, dst.dims, axes=table.axes, src_dims=self.cur.dims, dst_dims=dst.dims,
                   partial_axes=self.cur.partial, wire_bytes=table.busiest * itemsize)
 
 
 def _notes(steps, src, dst, shape) -> list[str]:
-    gathered = {a for s in steps if s.op == "all_gather" for a in s.attrs["axes"]}
-    sliced = {a for s in steps if s.op == "shard_slice" for a in s.attrs["axes"]}
+    gathered = {a for s in steps if s.op == ALL_GATHER.name for a in s.attrs["axes"]}
+    sliced = {a for s in steps if s.op == SHARD_SLICE.name for a in s.attrs["axes"]}
     again = sorted(gathered & sliced)
     return [f"resharding {list(shape)} from {src} to {dst} gathers and re-slices mesh axes {again} "
             f"(a rematerialisation)"] if again else []
@@ -376,8 +380,8 @@ def _merge_gathers(steps: list[Step]) -> list[Step]:
     out: list[Step] = []
     for s in steps:
         prev = out[-1] if out else None
-        if prev and s.op == prev.op == "all_gather" and s.attrs["dim"] == prev.attrs["dim"]:
-            out[-1] = Step("all_gather", {"axes": s.attrs["axes"] + prev.attrs["axes"], "dim": s.attrs["dim"]},
+        if prev and s.op == prev.op == ALL_GATHER.name and s.attrs["dim"] == prev.attrs["dim"]:
+            out[-1] = Step(ALL_GATHER.name, {"axes": s.attrs["axes"] + prev.attrs["axes"], "dim": s.attrs["dim"]},
                            s.result, s.local)
         else:
             out.append(s)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from ..ops.spmd import ALL_GATHER, DONES, STARTS
 from ..program import IOSpec, Instr, SPMDProgram
 
 PREFETCH_ENV = "SPMD_SCAN_PREFETCH"
@@ -34,8 +35,8 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
     the prefetched weights, then the stacked ys; ``picks``: per prefetch, its operand's position among the xs."""
     instrs = body.instrs
     params = {i.out: i.attrs["index"] for i in instrs if i.op == "parameter"}
-    starts = {i.out: i for i in instrs if i.op == "all_gather_start" and nc <= params.get(i.args[0], -1) < nc + nx}
-    dones = [i for i in instrs if i.op == "all_gather_done" and i.args[0] in starts]
+    starts = {i.out: i for i in instrs if i.op == STARTS[ALL_GATHER].name and nc <= params.get(i.args[0], -1) < nc + nx}
+    dones = [i for i in instrs if i.op == DONES[ALL_GATHER].name and i.args[0] in starts]
     if not dones or sum(d.nbytes for d in dones) > budget:
         return None
     m = len(dones)

@@ -31,19 +31,14 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..comm.low_precision import EMULATED  # 16-bit reductions: several collectives, blocking
-from ..cost import ASYNC_KINDS
+from ..collective_kinds import BY_DONE, FLOAT32, KINDS
 from ..dtypes import is_low_precision
-from ..opdef import define, lookup
+from ..opdef import lookup
+from ..ops.spmd import DONES, STARTS
 from ..program import Instr, SPMDProgram
 
 ASYNC_ENV, BUDGET_ENV = "SPMD_ASYNC", "SPMD_ASYNC_BUDGET"
 DEFAULT_BUDGET = 64 << 20  # bytes of receive buffers in flight
-
-# A start's value is the request handle (read only, never a buffer); a done's is the fresh result (or, in place,
-# its operand's buffer: ``donate`` 1). Binders: exec/overlap.py.
-STARTS = {k: define(f"{k}_start", "program", read_only=True, collective=True) for k in ASYNC_KINDS}
-DONES = {k: define(f"{k}_done", "program", fresh=True) for k in ASYNC_KINDS}
 
 
 def overlap_enabled(overlap: bool | None) -> bool:
@@ -108,10 +103,11 @@ def schedule_collectives(program: SPMDProgram, budget: int):
         if what == "instr":
             out.append(ins.renumbered(new, out=pos))
         elif what == "start":
-            out.append(ins.copy(op=f"{ins.op}_start", out=pos, args=(new[ins.args[0]],), free=(), donate=-1))
+            out.append(ins.copy(op=STARTS[lookup(ins.op)].name, out=pos, args=(new[ins.args[0]],), free=(),
+                                donate=-1))
         else:
-            out.append(ins.copy(op=f"{ins.op}_done", out=pos, args=(started[slot], new[ins.args[0]]), attrs={},
-                               free=(), donate=-1))
+            out.append(ins.copy(op=DONES[lookup(ins.op)].name, out=pos, args=(started[slot], new[ins.args[0]]),
+                                attrs={}, free=(), donate=-1))
     inputs = [i.at(new[i.slot]) for i in program.inputs]
     outputs = [o.at(new[o.slot]) for o in program.outputs]
     names = {new[s]: name for s, name in program.names.items() if s in new}
@@ -122,8 +118,10 @@ def schedule_collectives(program: SPMDProgram, budget: int):
 def _window(ins: Instr, instrs, users, n, collective) -> tuple[int, int] | None:
     """(earliest start gap, done gap) of a collective worth splitting, else None. Gap g lies just before %g.
     ``collective``: op name -> whether it is a collective."""
-    if ins.op not in ASYNC_KINDS or not ins.args or (is_low_precision(ins.dtype) and ins.op in EMULATED):
-        return None
+    if lookup(ins.op) not in STARTS or not ins.args:
+        return None  # a kind without a nonblocking split (collective_kinds.py), or not a collective
+    if is_low_precision(ins.dtype) and KINDS[ins.op].sixteen_bit == FLOAT32:
+        return None  # a 16-bit reduction: several collectives, blocking (comm/low_precision.py)
     readers = users.get(ins.out, [])
     if readers and all(collective[instrs[u].op] for u in readers):
         return None  # a chain of collectives (a multi-step reshard) stays blocking: its done would be its start
@@ -158,4 +156,4 @@ def _order(n: int, moved: dict) -> list[tuple[str, int]]:
 
 def pairs(program: SPMDProgram) -> dict[int, int]:
     """start slot -> its done slot."""
-    return {i.args[0]: i.out for i in program.instrs if i.op.endswith("_done") and i.op[:-5] in DONES}
+    return {i.args[0]: i.out for i in program.instrs if i.op in BY_DONE}

@@ -38,7 +38,7 @@ import os
 import numpy as np
 
 from ..cost import BYTES_PER_FLOP, active_model
-from ..ops.spmd import block_pairs
+from ..ops.spmd import COLLECTIVE_PERMUTE, RESIZE, ROTATED_CONCAT, SHARD_SLICE, block_pairs
 from ..sharding import Sharding, block_size
 from .resharding import plan_cost
 
@@ -120,7 +120,7 @@ def _gather_ring(ctx, node, best, terms, values, p_pos):
         q_local = _local(ctx, q_full.sharding, q_full.shape, q_dim, axes)
 
         def step(t, b):
-            q_block = ctx.emit("shard_slice", [q_full], {"dim": q_dim, "axes": axes, "shift": t}, q_full.sharding,
+            q_block = ctx.emit(SHARD_SLICE, [q_full], {"dim": q_dim, "axes": axes, "shift": t}, q_full.sharding,
                                q_full.shape, q_full.dtype, q_local)
             part = _einsum(ctx, node, b, q_block, p_pos, best.result)
             total[:] = [_add(ctx, node, total[0], part, best.result) if total else part]
@@ -141,7 +141,7 @@ def _ring(ctx, p, axes, k, step) -> list:
     for t in range(k):
         step(t, blocks[-1])
         if t < k - 1:
-            blocks.append(ctx.emit("collective_permute", [blocks[-1]], shift, p.sharding, p.shape, p.dtype))
+            blocks.append(ctx.emit(COLLECTIVE_PERMUTE, [blocks[-1]], shift, p.sharding, p.shape, p.dtype))
     return blocks
 
 
@@ -149,9 +149,9 @@ def _joined(ctx, parts, dim, axes, sharding, shape, dtype, size):
     """The k blocks of ``dim`` (step t's at block (i + t) mod k) as one value, trimmed to ``size``."""
     local = list(ctx.local_shape(parts[0]))
     local[dim] *= len(parts)
-    whole = ctx.emit("rotated_concat", parts, {"dim": dim, "axes": axes}, sharding, shape, dtype, local)
+    whole = ctx.emit(ROTATED_CONCAT, parts, {"dim": dim, "axes": axes}, sharding, shape, dtype, local)
     if local[dim] != size:
-        whole = ctx.emit("resize", [whole], {"dim": dim, "size": size}, sharding, shape, dtype)
+        whole = ctx.emit(RESIZE, [whole], {"dim": dim, "size": size}, sharding, shape, dtype)
     return whole
 
 
@@ -180,11 +180,11 @@ def _reduce_scatter_ring(ctx, node, best, terms, values):
     shift = {"pairs": tuple(block_pairs(ctx.mesh, axes, 1, 1, cyclic=True))}
     total = None
     for t in range(k):
-        p_block = ctx.emit("shard_slice", [p], {"dim": p_dim, "axes": axes, "shift": (t + 1) % k}, p.sharding,
+        p_block = ctx.emit(SHARD_SLICE, [p], {"dim": p_dim, "axes": axes, "shift": (t + 1) % k}, p.sharding,
                            p.shape, p.dtype, p_local)
         part = _einsum(ctx, node, p_block, q, p_pos, best.result, summed)
         if total is not None:
-            moved = ctx.emit("collective_permute", [total], shift, best.result, node.shape, node.dtype, summed)
+            moved = ctx.emit(COLLECTIVE_PERMUTE, [total], shift, best.result, node.shape, node.dtype, summed)
             last = t == k - 1  # the whole sum of this rank's block: the node's layout
             part = _add(ctx, node, moved, part, target if last else best.result, None if last else summed)
         total = part
@@ -204,7 +204,7 @@ def _pays(ctx, replaced: float, k: int, big: int, block: int, step_flops: float)
     behind, costs less than the plan it replaces (``replaced``, cost-model units)."""
     if k < 2 or big < _THRESHOLD.get():
         return False
-    permute = active_model().collective("collective_permute", k, block, block)
+    permute = active_model().collective(COLLECTIVE_PERMUTE.name, k, block, block)
     exposed = (k - 1) * max(0.0, permute - BYTES_PER_FLOP * step_flops)
     return exposed < replaced
 

@@ -22,6 +22,7 @@ from spmd_runtime.comm import (
     all_gather,
     all_reduce,
     all_to_all,
+    broadcast,
     collective_permute,
     reduce_scatter,
 )
@@ -109,6 +110,29 @@ def test_collective_permute(mesh, make_mc):
     results = [collective_permute(mc, xs[rank], pairs) for pairs in cases]
     for pairs, got in zip(cases, results):
         assert_same(got, ref.reference_permute(xs, rank, pairs))
+
+
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
+@pytest.mark.parametrize("mesh, axes", CASES)
+def test_broadcast_equals_raw_mpi4py_bcast(mesh, axes, nonblocking, make_mc):
+    """The broadcast kind (added through the kinds table) from every root of the group: the one-shot function
+    and the bound call (kept buffers; nonblocking: Ibcast) equal raw mpi4py Bcast on the axes' sub-communicator."""
+    mc, k, rank = make_mc(mesh), mesh.axis_size(axes), WORLD.Get_rank()
+    sub = mc.sub(axes)
+    checks = []
+    for dtype in DTYPES:
+        xs = local_arrays(mesh, (3, 4), dtype)
+        bound = collectives.bind(mc, "broadcast", np, (3, 4), dtype, nonblocking=nonblocking, axes=axes)
+        for root in range(k):
+            raw = xs[rank].copy()
+            sub.Bcast(raw, root=root)
+            checks.append((broadcast(mc, xs[rank], axes, root), raw))
+        got = bound(xs[rank])
+        raw = xs[rank].copy()
+        sub.Bcast(raw, root=0)
+        checks.append(((got.wait() if nonblocking else got).copy(), raw))
+    for got, expected in checks:
+        assert_same(got, expected)
 
 
 def test_agree_raises_on_every_rank(make_mc):

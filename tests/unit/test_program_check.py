@@ -10,6 +10,10 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
+from spmd_runtime.collective_kinds import BY_START, KINDS
+from spmd_runtime.comm import run_simulated
+from spmd_runtime.cost import group_size
+from spmd_runtime.program import SPMDProgram
 from spmd_runtime.program_check import ProgramError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,11 +41,25 @@ def test_every_table_program_and_a_training_step_load_back(tmp_path):
     for program in programs:
         program.save(tmp_path / "p.json")
         assert sr.load_program(tmp_path / "p.json").hash == program.hash
+        _assert_collective_shapes_follow_their_kinds(program)
     pytest.importorskip("ml_dtypes")
     bf16 = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2, dtype="bfloat16")
     program = sr.build_train_step(bf16, sr.train_mesh((2,), "dp"), "dp", sr.AdamW(lr=0.1)).program
     program.save(tmp_path / "p.json")
     assert sr.load_program(tmp_path / "p.json").hash == program.hash
+
+
+def _assert_collective_shapes_follow_their_kinds(program):
+    """Each collective's (or start's) local shape is its kind's rule applied to its operand's and the group size
+    (collective_kinds.CollectiveKind.result_shape), loop bodies included."""
+    for ins in program.instrs:
+        for body in (v for value in ins.attrs.values() for v in (value if isinstance(value, tuple) else (value,))
+                     if isinstance(v, SPMDProgram)):
+            _assert_collective_shapes_follow_their_kinds(body)
+        kind = KINDS.get(ins.op) or BY_START.get(ins.op)
+        if kind is not None and kind.result is not None:
+            k = group_size(kind.name, ins.attrs, program.mesh)
+            assert ins.shape == kind.result_shape(program.instrs[ins.args[0]].shape, k, ins.attrs), ins
 
 
 def _saved(tmp_path):
@@ -90,6 +108,23 @@ def test_tampered_program_with_recomputed_hash_is_refused(tmp_path, name):
     with pytest.raises(ProgramError, match=r"^(instruction %\d+ = \w+: |output|input)") as info:
         sr.load_program(tmp_path / "p.json")
     assert message in str(info.value)
+
+
+def test_a_broadcast_from_a_program_file_is_checked_by_its_kind_and_runs(tmp_path):
+    """broadcast, added through the kinds table alone (collective_kinds.py and its binder in comm/collectives.py),
+    is checked with its kind's attributes and runs: the all-reduce of the partial sums turned into a broadcast of
+    rank 1's."""
+    doc = _saved(tmp_path)
+    _first(doc, "all_reduce").update(op="broadcast", attrs={"axes": ["x"], "root": 1}, donate=-1)
+    _write_with_hash(tmp_path, doc)
+    program = sr.load_program(tmp_path / "p.json")
+    x, w = np.arange(48.0).reshape(8, 6) / 48, np.arange(24.0).reshape(6, 4) / 24
+    for outs in run_simulated(2, lambda comm: sr.run(program, x, w, comm=comm)):
+        np.testing.assert_allclose(outs[0], np.exp(x[4:] @ w).sum(axis=0))
+    _first(doc, "broadcast")["attrs"].update(dim=0)
+    _write_with_hash(tmp_path, doc)
+    with pytest.raises(ProgramError, match=r"attributes must be \['axes'\] \(optional \['root'\]\); got"):
+        sr.load_program(tmp_path / "p.json")
 
 
 def test_keyed_hmac_authenticates_program_files(tmp_path, monkeypatch):
