@@ -324,7 +324,7 @@ def _typed(body, in_sh, out_sh, mesh, manual) -> tuple[BodyGraph, tuple]:
         for k, p in enumerate(body.params):
             t = typed.add_param(body.nodes[p].spec, body.param_names[k])
             env[p], vary[t.id] = t, frozenset(in_sh[k].axes) - size1 if k < len(in_sh) else frozenset()
-        typed._param_of = {c: env[body._param_of[c]].id for c in body.captured}
+        typed.param_of = {c: env[body.param_of[c]].id for c in body.captured}
 
         def widen(t, want):
             missing = tuple(a for a in manual if a in want - vary[t.id])
