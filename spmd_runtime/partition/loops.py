@@ -16,6 +16,8 @@ and the carry shardings as out_specs, so a disagreeing back edge is resharded in
 The scanned dim of ``xs`` is never split: propagation does not propose it, and an operand that has it
 split (a user annotation) is all-gathered over it first, with a note. Scanning a split dim (each
 rank its slice, the carry handed between ranks) is not implemented.
+
+The rules here are registered in the partition layer's tables by ``rules/control.py``.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ import warnings
 from dataclasses import dataclass
 
 from ..bodies import TUPLE_DTYPE, extract
+from ..ops.control import COND, LOOP_OUT, SCAN, WHILE
+from ..ops.core import RESHAPE
+from ..ops.slicing import SLICE
 from ..sharding import Sharding
 from .partitioner import (LocalValue, assign_buffers, buffer_roots, donated_program, live_nodes, made_fresh,
                           partition, user_shardings)
@@ -143,10 +148,10 @@ def cond_agreement(node, ins, out, mesh) -> Agreement:
     return Agreement(TupleSharding(tuple(results)), operands, dict(zip(branches, sh)))
 
 
-AGREEMENTS = {"scan": scan_agreement, "while": while_agreement, "cond": cond_agreement}
+AGREEMENTS = {SCAN.name: scan_agreement, WHILE.name: while_agreement, COND.name: cond_agreement}
 
 
-# ---------------------------------------------------------------- propagation rules (ops/control.py attaches them)
+# ---------------------------------------------------------------- propagation rules (rules/control.py registers them)
 def control_propagation():
     fwd = lambda node, ins, g, mesh: AGREEMENTS[node.op](node, ins, None, mesh).result
     bwd = lambda node, out, ins, g, mesh: AGREEMENTS[node.op](node, ins, out, mesh).operands
@@ -164,7 +169,7 @@ def loop_out_propagation():
     return fwd, bwd
 
 
-# ---------------------------------------------------------------- partition rules (ops/control.py attaches them)
+# ---------------------------------------------------------------- partition rules (rules/control.py registers them)
 def _or_replicated(s, spec) -> Sharding:
     return s if s is not None else Sharding.replicated(len(spec.shape))
 
@@ -254,12 +259,12 @@ def _gathered_slice(ctx, stacked: LocalValue, t: int, like) -> LocalValue:
     """Iteration ``t``'s slice of the stacked xs operand laid out as the body's gathered weight ``like``
     (through the resharding planner: the body's all-gather): the first iteration's prefetched weight,
     computed before the loop."""
-    one = ctx.emit("slice", [stacked], {"start": (t,) + (0,) * (len(stacked.shape) - 1),
-                                        "limit": (t + 1,) + stacked.sharding.local_shape(stacked.shape, ctx.mesh)[1:],
-                                        "strides": (1,) * len(stacked.shape)},
+    one = ctx.emit(SLICE, [stacked], {"start": (t,) + (0,) * (len(stacked.shape) - 1),
+                                      "limit": (t + 1,) + stacked.sharding.local_shape(stacked.shape, ctx.mesh)[1:],
+                                      "strides": (1,) * len(stacked.shape)},
                    stacked.sharding, (1,) + stacked.shape[1:], stacked.dtype)
     body_operand = Sharding(stacked.sharding.dims[1:])
-    flat = ctx.emit("reshape", [one], {"shape": body_operand.local_shape(stacked.shape[1:], ctx.mesh)},
+    flat = ctx.emit(RESHAPE, [one], {"shape": body_operand.local_shape(stacked.shape[1:], ctx.mesh)},
                     body_operand, stacked.shape[1:], stacked.dtype)
     return ctx.reshard(flat, like.sharding)
 
@@ -274,7 +279,7 @@ def partition_while(ctx, node):
     cond_p = partition_body(ctx, node, cond_g, carry + ops[n:n + n_cond], [Sharding(())], "while cond")
     body_p = _carries_in_place(partition_body(ctx, node, body, carry + ops[n + n_cond:], carry, "while body"), n)
     return emit_control(ctx, node, args, {"cond": cond_p, "body": body_p, "num_carry": n,
-                                           "captures": a["captures"]}, carry)
+                                          "captures": a["captures"]}, carry)
 
 
 def partition_cond(ctx, node):
@@ -294,11 +299,11 @@ def _live_results(ctx, node, indices) -> list[int]:
     if ctx.live_nodes is None:
         ctx.live_nodes = live_nodes(ctx.graph)
     read = {n.attrs["index"] for n in ctx.graph.nodes
-            if n.op == "loop_out" and n.inputs[0] == node.id and n.id in ctx.live_nodes}
+            if n.op == LOOP_OUT.name and n.inputs[0] == node.id and n.id in ctx.live_nodes}
     return [k for k in indices if k in read]
 
 
 def partition_loop_out(ctx, node):
     t, index = ctx.value(node.inputs[0]), node.attrs["index"]
     position = ctx.result_positions.get(node.inputs[0], {}).get(index, index)
-    return ctx.emit_like(node, "loop_out", [t], {"index": position}, t.sharding.parts[position])
+    return ctx.emit_like(node, LOOP_OUT, [t], {"index": position}, t.sharding.parts[position])

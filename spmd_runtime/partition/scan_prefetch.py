@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import os
 
+from ..ops.core import PARAMETER
+from ..ops.spmd import ALL_GATHER
 from ..program import IOSpec, Instr, SPMDProgram
+from .schedule import DONES, STARTS
 
 PREFETCH_ENV = "SPMD_SCAN_PREFETCH"
+GATHER_START, GATHER_DONE = STARTS[ALL_GATHER.name], DONES[ALL_GATHER.name]  # the split all-gather's two halves
 
 
 def prefetch_enabled() -> bool:
@@ -33,9 +37,9 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
     xs, then one per prefetch (its slice at the next iteration), then the loop invariants; outputs: carries,
     the prefetched weights, then the stacked ys; ``picks``: per prefetch, its operand's position among the xs."""
     instrs = body.instrs
-    params = {i.out: i.attrs["index"] for i in instrs if i.op == "parameter"}
-    starts = {i.out: i for i in instrs if i.op == "all_gather_start" and nc <= params.get(i.args[0], -1) < nc + nx}
-    dones = [i for i in instrs if i.op == "all_gather_done" and i.args[0] in starts]
+    params = {i.out: i.attrs["index"] for i in instrs if i.op == PARAMETER.name}
+    starts = {i.out: i for i in instrs if i.op == GATHER_START.name and nc <= params.get(i.args[0], -1) < nc + nx}
+    dones = [i for i in instrs if i.op == GATHER_DONE.name and i.args[0] in starts]
     if not dones or sum(d.nbytes for d in dones) > budget:
         return None
     m = len(dones)
@@ -45,7 +49,7 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
     def index(old: int) -> int:  # carries stay; xs move past the new carries; invariants past both
         return old if old < nc else old + m if old < nc + nx else old + 2 * m
 
-    order: list[Instr] = [i.copy(attrs={"index": index(i.attrs["index"])}) for i in instrs if i.op == "parameter"]
+    order: list[Instr] = [i.copy(attrs={"index": index(i.attrs["index"])}) for i in instrs if i.op == PARAMETER.name]
     carried = [_parameter(d, nc + j, len(instrs) + j) for j, d in enumerate(dones)]
     nxt = [_parameter(instrs[starts[d.args[0]].args[0]], nc + m + nx + j, len(instrs) + m + j)
            for j, d in enumerate(dones)]
@@ -53,7 +57,7 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
     new_starts = [starts[d.args[0]].copy(out=fresh + j, args=(x.out,)) for j, (d, x) in enumerate(zip(dones, nxt))]
     new_dones = [d.copy(out=fresh + m + j, args=(s.out, x.out)) for j, (d, s, x) in enumerate(zip(dones, new_starts,
                                                                                                    nxt))]
-    rest = [i for i in instrs if i.op != "parameter" and i.out not in moved]
+    rest = [i for i in instrs if i.op != PARAMETER.name and i.out not in moved]
     order += carried + nxt + new_starts + rest + new_dones
     replaced = {d.out: p.out for d, p in zip(dones, carried)}  # a done's readers now read the carried weight
     renumber = {ins.out: k for k, ins in enumerate(order)}
@@ -73,4 +77,4 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
 
 def _parameter(like: Instr, index: int, slot: int) -> Instr:
     """A parameter of ``like``'s local shape, dtype and sharding at input ``index``."""
-    return Instr("parameter", slot, (), {"index": index}, like.shape, like.dtype, like.sharding, like.global_shape)
+    return Instr(PARAMETER.name, slot, (), {"index": index}, like.shape, like.dtype, like.sharding, like.global_shape)
