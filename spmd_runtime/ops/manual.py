@@ -227,7 +227,7 @@ def shard_map(f, mesh: Mesh | None = None, in_specs=None, out_specs=None, axis_n
         in_sh = [_parse(s, m, manual, x.shape, f"in_specs of argument leaf {k} {x.node.spec}")
                  for k, (s, x) in enumerate(zip(specs, leaves))]
         outs, out_tree = trace_region(lambda *p: f(*pytree_unflatten(tree, p)), m, manual, leaves, in_sh,
-                                       lambda out_def: _leaf_specs(out_specs, out_def, "out_specs"))
+                                      lambda out_def: _leaf_specs(out_specs, out_def, "out_specs"))
         return pytree_unflatten(out_tree, outs)
     wrapped.__name__ = f"shard_map_{getattr(f, '__name__', 'fn')}"
     return wrapped

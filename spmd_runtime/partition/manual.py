@@ -9,6 +9,9 @@ result is split over its out_spec's manual axes, major, and the body output's au
 
 Propagation: operands take their in_specs; results their out_specs, plus what the body's propagation
 gives over the automatic axes from the operands' automatic splits.
+
+The rules here are registered in the partition layer's tables by ``rules/manual.py`` (beside the rules of the
+collectives inside a region).
 """
 from __future__ import annotations
 
