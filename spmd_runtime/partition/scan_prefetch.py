@@ -18,12 +18,9 @@ from __future__ import annotations
 import os
 
 from ..ops.core import PARAMETER
-from ..ops.spmd import ALL_GATHER
 from ..program import IOSpec, Instr, SPMDProgram
-from .schedule import DONES, STARTS
 
 PREFETCH_ENV = "SPMD_SCAN_PREFETCH"
-GATHER_START, GATHER_DONE = STARTS[ALL_GATHER.name], DONES[ALL_GATHER.name]  # the split all-gather's two halves
 
 
 def prefetch_enabled() -> bool:
@@ -38,8 +35,8 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
     the prefetched weights, then the stacked ys; ``picks``: per prefetch, its operand's position among the xs."""
     instrs = body.instrs
     params = {i.out: i.attrs["index"] for i in instrs if i.op == PARAMETER.name}
-    starts = {i.out: i for i in instrs if i.op == GATHER_START.name and nc <= params.get(i.args[0], -1) < nc + nx}
-    dones = [i for i in instrs if i.op == GATHER_DONE.name and i.args[0] in starts]
+    starts = {i.out: i for i in instrs if i.op == "all_gather_start" and nc <= params.get(i.args[0], -1) < nc + nx}
+    dones = [i for i in instrs if i.op == "all_gather_done" and i.args[0] in starts]
     if not dones or sum(d.nbytes for d in dones) > budget:
         return None
     m = len(dones)
