@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .graph import Graph, TensorSpec
-from .ops.core import asarray
-from .trace import Tensor, _state, current_graph, emit
+from .ops.core import PARAMETER, asarray
+from .trace import Tensor, current_graph, emit, trace_state
 
 TUPLE_SHAPE, TUPLE_DTYPE = (), "float32"  # the placeholder spec of a control node (floating: gradients flow)
 
@@ -26,10 +26,10 @@ class BodyGraph(Graph):
     after the explicit ones); ``parent`` is None for a body that may not capture."""
     parent: Graph | None = None
     captured: list = field(default_factory=list)
-    _param_of: dict = field(default_factory=dict, repr=False)  # captured parent id -> own parameter id
+    param_of: dict = field(default_factory=dict, repr=False)  # captured parent id -> own parameter id
 
     def add_param(self, spec: TensorSpec, name: str) -> Tensor:
-        node = self.add("parameter", [], {"index": len(self.params), "name": name}, spec.shape, spec.dtype)
+        node = self.add(PARAMETER.name, [], {"index": len(self.params), "name": name}, spec.shape, spec.dtype)
         self.params.append(node.id)
         self.param_names.append(name)
         return Tensor(self, node.id)
@@ -41,10 +41,10 @@ class BodyGraph(Graph):
                              f"another trace")
         if t.graph is not self.parent:  # from further out: capture into the parent first
             t = Tensor(self.parent, self.parent.capture(t))
-        if t.id not in self._param_of:
-            self._param_of[t.id] = self.add_param(t.node.spec, f"captured{len(self.captured)}").id
+        if t.id not in self.param_of:
+            self.param_of[t.id] = self.add_param(t.node.spec, f"captured{len(self.captured)}").id
             self.captured.append(t.id)
-        return self._param_of[t.id]
+        return self.param_of[t.id]
 
 
 def capture(t: Tensor) -> Tensor:
@@ -55,11 +55,11 @@ def capture(t: Tensor) -> Tensor:
 
 @contextlib.contextmanager
 def tracing(g: Graph):
-    prev, _state.graph = getattr(_state, "graph", None), g
+    prev, trace_state.graph = getattr(trace_state, "graph", None), g
     try:
         yield g
     finally:
-        _state.graph = prev
+        trace_state.graph = prev
 
 
 def trace_body(fn, specs, names, what: str):
@@ -102,7 +102,7 @@ def extract(graph: Graph, inputs: list[int], outputs: list[int], keep_inputs=Fal
         env[inputs[k]] = g.add_param(graph.nodes[inputs[k]].spec, f"in{k}").id
     for v in sorted(need - set(env)):
         node = graph.nodes[v]
-        if node.op == "parameter":
+        if node.op == PARAMETER.name:
             raise ValueError(f"extract needs every parameter the outputs read among its inputs; got %{v} missing")
         env[v] = g.add(node.op, [env[i] for i in node.inputs], dict(node.attrs), node.shape, node.dtype).id
     g.outputs = [env[o] for o in outputs]

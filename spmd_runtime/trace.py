@@ -12,11 +12,11 @@ from .graph import Graph, TensorSpec
 from .mesh import Mesh, get_mesh
 from .sharding import parse_spec_free
 
-_state = threading.local()
+trace_state = threading.local()  # per thread: ``graph``, the trace being recorded (bodies.tracing switches it)
 
 
 def current_graph() -> Graph:
-    g = getattr(_state, "graph", None)
+    g = getattr(trace_state, "graph", None)
     if g is None:
         raise RuntimeError("traced operations need an active trace: call them inside a function passed to "
                            "sr.trace(fn, *arg_specs); got no active trace")
@@ -94,7 +94,7 @@ def trace(fn, *arg_specs) -> Graph:
     names = _leaf_param_names(fn, arg_specs)
     specs = [_leaf_spec(x, name) for x, name in zip(flat, names)]
     g = Graph()
-    prev, _state.graph = getattr(_state, "graph", None), g
+    prev, trace_state.graph = getattr(trace_state, "graph", None), g
     try:
         leaves = []
         for i, (name, spec) in enumerate(zip(names, specs)):
@@ -103,7 +103,7 @@ def trace(fn, *arg_specs) -> Graph:
             g.param_names.append(name)
         result = fn(*in_tree.unflatten(leaves))
     finally:
-        _state.graph = prev
+        trace_state.graph = prev
     outs, g.out_tree = pytree.flatten(result)
     g.in_tree = in_tree
     for path, o in pytree.flatten_with_path(result)[0]:

@@ -1,10 +1,12 @@
 """Running control instructions: each body is an SPMD program of its own, bound ONCE per rank (its own
 Interpreter) and run as many times as the loop goes round. A control instruction's value is the tuple
-of its results, read by ``loop_out`` instructions."""
+of its results, read by ``loop_out`` instructions. The binders here (scan, while, cond, and a shard_map
+region's) are registered in ``rules/control.py`` and ``rules/manual.py``."""
 from __future__ import annotations
 
 import numpy as np
 
+from ..ops.control import LOOP_OUT
 from .buffers import may_reach_outputs
 from .interpreter import Interpreter
 
@@ -107,10 +109,7 @@ def _escapes(program, ins, which=None) -> bool:
     ``which`` accepts (default: a scan's stacked results)."""
     which = which or (lambda k: k >= ins.attrs["num_carry"])
     return may_reach_outputs(program, [i.out for i in program.instrs
-                                       if i.op == "loop_out" and i.args[0] == ins.out and which(i.attrs["index"])])
-
-
-LOOP_BINDERS = {"scan": bind_scan, "while": bind_while, "cond": bind_cond}
+                                       if i.op == LOOP_OUT.name and i.args[0] == ins.out and which(i.attrs["index"])])
 
 
 def bind_region(interp, ins):

@@ -7,7 +7,7 @@ one ``loop_out`` node per result reads result ``index`` of it, like HLO's get-tu
 Node attributes:
 - ``scan``: ``body`` (params: carries, one slice of each xs, captured values; outputs: new carries,
   one slice of each ys), ``length``, ``reverse``, ``num_carry``, ``num_xs``, ``policy`` (what the
-  backward pass saves, see ``loop_autodiff``) and ``results`` (TensorSpecs: final carries, stacked ys).
+  backward pass saves, see ``autodiff/loops.py``) and ``results`` (TensorSpecs: final carries, stacked ys).
   Operands: carries, xs, captured values.
 - ``while``: ``cond`` and ``body`` graphs (params: carries, then their own captured values),
   ``num_carry``, ``captures`` (how many each graph has), ``results``. Operands: carries, cond's
@@ -15,26 +15,22 @@ Node attributes:
 - ``cond``: ``branches`` (false, true), ``num_operands``, ``captures`` (per branch), ``results``.
   Operands: the scalar bool predicate, the operands, each branch's captured values.
 
-The parts of the records live beside the machinery they drive: propagation and partitioning in
-``partition/loops.py`` (carry shardings agreed around the loop, each body partitioned once as its own
-SPMD program), the VJPs in ``loop_autodiff.py`` (a reverse scan over saved residuals), the binders in
-``exec/loops.py`` (bodies bound once per rank, run as loops); this file defines the records, the traced
-functions, the reference kernels and attaches those parts.
+This file defines the records, the traced functions and the reference kernels. The layers above own the
+other parts, in their rule tables: propagation and partitioning in ``partition/rules/control.py`` (the
+machinery: ``partition/loops.py``, carry shardings agreed around the loop, each body partitioned once as
+its own SPMD program), the VJPs in ``autodiff/rules/control.py`` (the machinery: ``autodiff/loops.py``, a
+reverse scan over saved residuals), the binders in ``exec/rules/control.py`` (the machinery:
+``exec/loops.py``, bodies bound once per rank, run as loops).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .. import loop_autodiff, opdef
-from ..autodiff import backward_from
-from ..loop_autodiff import floating, zeros_like
+from .. import opdef
 from ..reference import evaluate
-from ..bodies import (TUPLE_DTYPE, TUPLE_SHAPE, capture, inline, leaves_as_tensors, pytree_flatten, pytree_unflatten,
-                      trace_body)
-from ..exec import loops as run_loops
+from ..bodies import TUPLE_DTYPE, TUPLE_SHAPE, leaves_as_tensors, pytree_flatten, pytree_unflatten, trace_body
 from ..graph import TensorSpec
-from ..opdef import ELEMENTWISE_LEVEL, define
-from ..partition import loops as partition_loops
+from ..opdef import define
 from ..trace import Tensor, current_graph, emit
 from . import core
 
@@ -49,32 +45,24 @@ def _loop_owned(ins, operands) -> bool:
     carry its body owns (donated) is, after one iteration or more, the body's buffer. Any other carry may be
     (or view) an operand: a body may hand one on as it is, a loop may run no iteration."""
     node = operands[0]
-    if node.op not in ("scan", "while"):
+    if node.op not in (SCAN.name, WHILE.name):
         return False
     k, a = ins.attrs["index"], node.attrs
-    if node.op == "scan" and k >= a["num_carry"]:
+    if node.op == SCAN.name and k >= a["num_carry"]:
         return True
     body = a["body"]
-    return k in body.written_inputs or (node.op == "scan" and k in body.donated and a["length"] >= 1)
+    return k in body.written_inputs or (node.op == SCAN.name and k in body.donated and a["length"] >= 1)
 
 
 LOOP_OUT = define("loop_out", fresh_if=_loop_owned)  # result ``index`` of a control node
 POLICIES = ("cheap_recomputed", "everything_saveable", "nothing_saveable", "dots_saveable")
-DEFAULT_POLICY = "cheap_recomputed"  # a scan's: save all but what is cheaper to recompute (loop_autodiff.py)
+DEFAULT_POLICY = "cheap_recomputed"  # a scan's: save all but what is cheaper to recompute (autodiff/loops.py)
 
 
 # ---------------------------------------------------------------- the control node
 def _emit_control(op, inputs, attrs, results: list[TensorSpec]) -> list[Tensor]:
     node = emit(op, inputs, {**attrs, "results": tuple(results)}, TUPLE_SHAPE, TUPLE_DTYPE)
     return [emit(LOOP_OUT, [node], {"index": k}, s.shape, s.dtype) for k, s in enumerate(results)]
-
-
-def add_results(node_tensor: Tensor, specs: list[TensorSpec]) -> list[Tensor]:
-    """More results of an existing control node (the residuals a backward pass asks a forward scan to save)."""
-    node = node_tensor.node
-    start = len(node.attrs["results"])
-    node.attrs["results"] = tuple(node.attrs["results"]) + tuple(specs)
-    return [emit(LOOP_OUT, [node_tensor], {"index": start + k}, s.shape, s.dtype) for k, s in enumerate(specs)]
 
 
 def _specs(leaves) -> list[TensorSpec]:
@@ -290,104 +278,5 @@ def _cond_kernel(xp, pred, *operands, branches, num_operands, captures, results=
     own = list(operands[start:start + captures[which]])
     return tuple(_evaluate(branches[which], list(operands[:num_operands]) + own, xp))
 
-
-# ---------------------------------------------------------------- VJPs (the machinery: loop_autodiff.py)
-def scan_vjp(node, ct, operands, result):
-    a = node.attrs
-    nc, nx, length, body = a["num_carry"], a["num_xs"], a["length"], a["body"]
-    results = a["results"]
-    lin = loop_autodiff.linearize(body, nc, a["policy"])
-    n_in = len(body.params)
-    # the forward scan also stacks the residuals (and the carries the backward body reads)
-    a["body"] = lin.forward
-    stacks = add_results(result, [TensorSpec((length,) + s.shape, s.dtype) for s in lin.saved_specs])
-    saved_stacks, carry_stacks = stacks[:lin.num_saved], dict(zip(lin.carries_saved, stacks[lin.num_saved:]))
-    out_ct = {k: ct.parts.get(k) if ct.parts.get(k) is not None else zeros_like(results[k]) for k in lin.float_outs}
-
-    float_carries = [i for i in lin.float_ins if i < nc]
-    float_consts = [i for i in lin.float_ins if i >= nc + nx]
-    float_xs = [i for i in lin.float_ins if nc <= i < nc + nx]
-    sources, xs = [], []  # per backward-body input: ("xs", k) | ("const", tensor) | ("carry", k)
-    for p in lin.used:
-        if p < lin.num_saved:
-            sources.append(("xs", len(xs)))
-            xs.append(saved_stacks[p])
-        elif p < lin.num_saved + n_in:
-            i = p - lin.num_saved
-            if i < nc + nx:
-                sources.append(("xs", len(xs)))
-                xs.append(carry_stacks[i] if i < nc else operands[i])
-            else:
-                sources.append(("const", operands[i]))
-        else:
-            k = lin.float_outs[p - lin.num_saved - n_in]
-            if k < nc:
-                sources.append(("carry", float_carries.index(k)))
-            else:
-                sources.append(("xs", len(xs)))
-                xs.append(out_ct[k])
-
-    def step(carry, xs_t):
-        ct_c, acc = carry
-        args = [xs_t[v] if kind == "xs" else ct_c[v] if kind == "carry" else v for kind, v in sources]
-        grads = dict(zip(lin.float_ins, inline(lin.backward, args)))
-        return ([grads[i] for i in float_carries], [s + grads[i] for s, i in zip(acc, float_consts)]), \
-            [grads[i] for i in float_xs]
-
-    init = ([out_ct[i] for i in float_carries], [zeros_like(operands[i].node.spec) for i in float_consts])
-    (ct_init, ct_consts), ct_xs = scan(step, init, xs, length=length, reverse=not a["reverse"])
-    got = {**dict(zip(float_carries, ct_init)), **dict(zip(float_consts, ct_consts)), **dict(zip(float_xs, ct_xs))}
-    return [got.get(i) for i in range(len(operands))]
-
-
-
-def cond_vjp(node, ct, operands, result):
-    a = node.attrs
-    n, (n_false, n_true) = a["num_operands"], a["captures"]
-    pred, ops = operands[0], operands[1:1 + n]
-    caps = (operands[1 + n:1 + n + n_false], operands[1 + n + n_false:])
-    float_res = [k for k, s in enumerate(a["results"]) if floating(s.dtype)]
-    cts = [ct.parts[k] if ct.parts.get(k) is not None else zeros_like(a["results"][k]) for k in float_res]
-    float_ops = [i for i, o in enumerate(ops) if floating(o.dtype)]
-    float_caps = [[i for i, c in enumerate(cs) if floating(c.dtype)] for cs in caps]
-
-    def branch_vjp(which):
-        def fn(*args):
-            own = [capture(t) for t in caps[which]]
-            start = len(current_graph().nodes)
-            outs = inline(a["branches"][which], list(args[:n]) + own)
-            seeds = {}
-            for k, c in zip(float_res, args[n:]):
-                seeds[outs[k].id] = seeds[outs[k].id] + c if outs[k].id in seeds else c
-            wrt = [args[i] for i in float_ops] + [own[i] for i in float_caps[which]]
-            grads = backward_from(seeds, wrt, start)
-            by_branch = [[zeros_like(caps[b][i].node.spec) for i in float_caps[b]] for b in (0, 1)]
-            by_branch[which] = grads[len(float_ops):]
-            return grads[:len(float_ops)] + by_branch[0] + by_branch[1]
-        return fn
-
-    grads = cond(pred, branch_vjp(1), branch_vjp(0), *ops, *cts)
-    out = [None] * len(operands)
-    positions = [1 + i for i in float_ops] + [1 + n + i for i in float_caps[0]] + \
-        [1 + n + n_false + i for i in float_caps[1]]
-    for p, g in zip(positions, grads):
-        out[p] = g
-    return out
-
-
-# ---------------------------------------------------------------- the other parts, beside their machinery
-opdef.propagation(SCAN, WHILE, COND, level=ELEMENTWISE_LEVEL)(partition_loops.control_propagation)
-opdef.propagation(LOOP_OUT, level=ELEMENTWISE_LEVEL)(partition_loops.loop_out_propagation)
-opdef.partition(SCAN)(partition_loops.partition_scan)
-opdef.partition(WHILE)(partition_loops.partition_while)
-opdef.partition(COND)(partition_loops.partition_cond)
-opdef.partition(LOOP_OUT)(partition_loops.partition_loop_out)
-opdef.bind(SCAN)(run_loops.bind_scan)
-opdef.bind(WHILE)(run_loops.bind_while)
-opdef.bind(COND)(run_loops.bind_cond)
-opdef.vjp(SCAN)(scan_vjp)
-opdef.vjp(WHILE)(loop_autodiff.while_vjp)
-opdef.vjp(COND)(cond_vjp)
-opdef.vjp(LOOP_OUT)(loop_autodiff.loop_out_vjp)
 
 __all__ = ["scan", "fori_loop", "while_loop", "cond", "remat"]

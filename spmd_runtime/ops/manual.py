@@ -28,6 +28,12 @@ With the typing the transposes are exact and communication-free where they can b
 (the cotangent of a psum is already the same on every shard), all_gather <-> psum_scatter, ppermute ->
 the inverse permutation, all_to_all -> the inverse all_to_all, axis_index: no gradient; a value
 replicated into the region gets its cotangent summed by the transpose of its pbroadcast.
+
+This file defines the records, the traced functions (``trace_region`` traces and emits a region, for
+``shard_map`` and for the region's VJP) and the reference kernels. The layers above own the other parts,
+in their rule tables: propagation and partitioning in ``partition/rules/manual.py`` (each collective one
+``ops/spmd.py`` collective; the region's machinery: ``partition/manual.py``), the VJPs in
+``autodiff/rules/manual.py``, the region's binder in ``exec/rules/manual.py`` (``exec/loops.py``).
 """
 from __future__ import annotations
 
@@ -38,20 +44,15 @@ from itertools import product
 import numpy as np
 
 from .. import opdef
-from ..autodiff import backward_from
-from ..bodies import BodyGraph, inline, leaves_as_tensors, pytree_unflatten, trace_body, tracing
-from ..dtypes import is_low_precision
-from ..exec import loops as run_loops
+from ..bodies import BodyGraph, leaves_as_tensors, pytree_unflatten, trace_body, tracing
+from ..dtypes import is_floating, is_low_precision
 from ..graph import TensorSpec
-from ..loop_autodiff import floating, zeros_like
 from ..mesh import Mesh, get_mesh
-from ..opdef import BROADCAST_LEVEL, ELEMENTWISE_LEVEL, define
-from ..partition import manual as partition_manual
+from ..opdef import define
 from ..sharding import P, Sharding, parse_spec
 from ..trace import Tensor, current_graph, emit
 from . import core
 from .control import LOOP_OUT
-from .spmd import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 
 SHARD_MAP = define("shard_map")
 PSUM = define("psum")  # attrs: axes, op ("sum" | "max" | "min")
@@ -225,8 +226,8 @@ def shard_map(f, mesh: Mesh | None = None, in_specs=None, out_specs=None, axis_n
         specs = _leaf_specs(in_specs, tree, "in_specs")
         in_sh = [_parse(s, m, manual, x.shape, f"in_specs of argument leaf {k} {x.node.spec}")
                  for k, (s, x) in enumerate(zip(specs, leaves))]
-        outs, out_tree = _trace_region(lambda *p: f(*pytree_unflatten(tree, p)), m, manual, leaves, in_sh,
-                                       lambda out_def: _leaf_specs(out_specs, out_def, "out_specs"))
+        outs, out_tree = trace_region(lambda *p: f(*pytree_unflatten(tree, p)), m, manual, leaves, in_sh,
+                                      lambda out_def: _leaf_specs(out_specs, out_def, "out_specs"))
         return pytree_unflatten(out_tree, outs)
     wrapped.__name__ = f"shard_map_{getattr(f, '__name__', 'fn')}"
     return wrapped
@@ -284,7 +285,7 @@ def _local(shape, s: Sharding, mesh: Mesh, what: str) -> tuple[int, ...]:
     return s.local_shape(tuple(shape), mesh)
 
 
-def _trace_region(flat_fn, mesh, manual, leaves, in_sh, out_specs_for):
+def trace_region(flat_fn, mesh, manual, leaves, in_sh, out_specs_for):
     """Trace ``flat_fn(*blocks)`` as a region body and emit the region; returns (result tensors, out treedef).
     ``out_specs_for(out_treedef)`` gives one spec (or Sharding) per output leaf."""
     local = [TensorSpec(_local(x.shape, s, mesh, f"argument leaf {k} {x.node.spec}"), x.dtype)
@@ -324,11 +325,11 @@ def _typed(body, in_sh, out_sh, mesh, manual) -> tuple[BodyGraph, tuple]:
         for k, p in enumerate(body.params):
             t = typed.add_param(body.nodes[p].spec, body.param_names[k])
             env[p], vary[t.id] = t, frozenset(in_sh[k].axes) - size1 if k < len(in_sh) else frozenset()
-        typed._param_of = {c: env[body._param_of[c]].id for c in body.captured}
+        typed.param_of = {c: env[body.param_of[c]].id for c in body.captured}
 
         def widen(t, want):
             missing = tuple(a for a in manual if a in want - vary[t.id])
-            if not missing or not floating(t.dtype):
+            if not missing or not is_floating(t.dtype):
                 return t
             if (t.id, missing) not in widened:
                 widened[t.id, missing] = out = emit(PBROADCAST, [t], {"axes": missing}, t.shape, t.dtype)
@@ -353,7 +354,7 @@ def _typed(body, in_sh, out_sh, mesh, manual) -> tuple[BodyGraph, tuple]:
 
 def _check_body_annotations(body, manual):
     for n in body.nodes:
-        if n.op == "mesh_split" and set(n.attrs["sharding"].axes + n.attrs["sharding"].partial) & set(manual):
+        if n.op == core.MESH_SPLIT.name and set(n.attrs["sharding"].axes + n.attrs["sharding"].partial) & set(manual):
             raise ValueError(f"inside a shard_map body, mesh_split may name only automatic axes (not {manual}); "
                              f"got {n.attrs['sharding']} on %{n.id} {n.spec}")
 
@@ -486,174 +487,6 @@ def _pbroadcast_group(xp, blocks, *, shards, axes):
 def _axis_index_group(xp, *, shards, axes):
     return [xp.asarray(shards.index(s, axes), "int32") for s in range(len(shards))]
 
-
-# ---------------------------------------------------------------- propagation inside a body (automatic axes)
-def _clear(s: Sharding | None, *dims, keep_partial=True) -> Sharding | None:
-    if s is None:
-        return None
-    out = s.with_dims(tuple(() if d in dims else a for d, a in enumerate(s.dims)))
-    return out if keep_partial else out.without_partial()
-
-
-def _dims_of(node) -> tuple[int, ...]:
-    a = node.attrs
-    return (a["dim"],) if "dim" in a else (a["split_dim"], a["concat_dim"]) if "split_dim" in a else ()
-
-
-@opdef.propagation(PSUM, PPERMUTE, PBROADCAST, level=ELEMENTWISE_LEVEL)
-def _same_layout_propagation():
-    fwd = lambda node, ins, g, mesh: None if ins[0] is None else ins[0].without_partial()
-    bwd = lambda node, out, ins, g, mesh: [out.without_partial()]
-    return fwd, bwd
-
-
-@opdef.propagation(PALL_GATHER, PSUM_SCATTER, PALL_TO_ALL, level=BROADCAST_LEVEL)
-def _whole_dims_propagation():
-    fwd = lambda node, ins, g, mesh: _clear(ins[0], *_dims_of(node), keep_partial=False)
-    bwd = lambda node, out, ins, g, mesh: [_clear(out, *_dims_of(node), keep_partial=False)]
-    return fwd, bwd
-
-
-@opdef.propagation(AXIS_INDEX, level=ELEMENTWISE_LEVEL)
-def _axis_index_propagation():
-    return (lambda node, ins, g, mesh: Sharding(())), (lambda node, out, ins, g, mesh: [])
-
-
-# ---------------------------------------------------------------- partition rules: one collective each
-def _operand(ctx, node, *dims, keep_partial=True):
-    """The operand with ``dims`` whole over the automatic axes (the collective moves them between shards)."""
-    x = ctx.value(node.inputs[0])
-    return ctx.reshard(x, _clear(x.sharding, *dims, keep_partial=keep_partial))
-
-
-@opdef.partition(PSUM)
-def _psum_partition(ctx, node):
-    a = node.attrs
-    x = _operand(ctx, node, keep_partial=a["op"] == "sum")  # a max of partial sums is not their sum's max
-    return ctx.emit_like(node, ALL_REDUCE, [x], {"axes": a["axes"], "op": a["op"]}, x.sharding)
-
-
-@opdef.partition(PALL_GATHER, PSUM_SCATTER)
-def _gather_scatter_partition(ctx, node):
-    a = node.attrs
-    x = _operand(ctx, node, a["dim"])
-    op = ALL_GATHER if node.op == PALL_GATHER.name else REDUCE_SCATTER
-    attrs = {"axes": a["axes"], "dim": a["dim"]} if op is ALL_GATHER else {"axes": a["axes"], "dim": a["dim"],
-                                                                            "op": "sum"}
-    return ctx.emit_like(node, op, [x], attrs, x.sharding)
-
-
-@opdef.partition(PALL_TO_ALL)
-def _all_to_all_partition(ctx, node):
-    a = node.attrs
-    x = _operand(ctx, node, a["split_dim"], a["concat_dim"])
-    return ctx.emit_like(node, ALL_TO_ALL, [x], {"axes": a["axes"], "split_dim": a["split_dim"],
-                                                 "concat_dim": a["concat_dim"]}, x.sharding)
-
-
-@opdef.partition(PPERMUTE)
-def _ppermute_partition(ctx, node):
-    """Shard numbers along the axes become world-rank pairs, in every group of the other axes."""
-    a, x = node.attrs, ctx.value(node.inputs[0])
-    pairs = sorted((group[s], group[d]) for group in ctx.mesh.groups(a["axes"]) for s, d in a["perm"])
-    return ctx.emit_like(node, COLLECTIVE_PERMUTE, [x], {"pairs": tuple(pairs)}, x.sharding)
-
-
-@opdef.partition(PBROADCAST)
-def _pbroadcast_partition(ctx, node):
-    return ctx.value(node.inputs[0])  # a type, no data moved
-
-
-@opdef.partition(AXIS_INDEX)
-def _axis_index_partition(ctx, node):
-    index = ctx.shard_index(node.attrs["axes"])
-    return ctx.emit_like(node, core.CONVERT, [index], {"dtype": "int32"}, Sharding(()))
-
-
-# ---------------------------------------------------------------- VJPs
-@opdef.vjp(PSUM)
-def _psum_vjp(node, g, ops, y):
-    """``g`` is the same on every shard along the axes (so is the psum): it is each summand's cotangent."""
-    a = node.attrs
-    if a["op"] == "sum":
-        return [lambda: pbroadcast(g, a["axes"])]
-    return [lambda: core.where(core.equal(ops[0], y), pbroadcast(g, a["axes"]), core.zeros(g.shape, g.dtype))]
-
-
-@opdef.vjp(PBROADCAST)
-def _pbroadcast_vjp(node, g, ops, y):
-    return [lambda: psum(g, node.attrs["axes"])]
-
-
-@opdef.vjp(PALL_GATHER)
-def _all_gather_vjp(node, g, ops, y):
-    return [lambda: psum_scatter(g, node.attrs["axes"], scatter_dimension=node.attrs["dim"], tiled=True)]
-
-
-@opdef.vjp(PSUM_SCATTER)
-def _psum_scatter_vjp(node, g, ops, y):
-    return [lambda: all_gather(g, node.attrs["axes"], axis=node.attrs["dim"], tiled=True)]
-
-
-@opdef.vjp(PALL_TO_ALL)
-def _all_to_all_vjp(node, g, ops, y):
-    a = node.attrs
-    return [lambda: all_to_all(g, a["axes"], a["concat_dim"], a["split_dim"])]
-
-
-@opdef.vjp(PPERMUTE)
-def _ppermute_vjp(node, g, ops, y):
-    a = node.attrs
-    return [lambda: ppermute(g, a["axes"], [(d, s) for s, d in a["perm"]])]
-
-
-@opdef.vjp(AXIS_INDEX)
-def _axis_index_vjp(node, g, ops, y):
-    return []
-
-
-@opdef.vjp(SHARD_MAP)
-def _shard_map_vjp(node, ct, operands, result):
-    """A region running the body's VJP (the forward recomputed inside it): operands' blocks and the results'
-    cotangent blocks in, the floating operands' cotangent blocks out. The body is typed, so a cotangent is
-    the same along the axes its value is (an output's, by its out_spec; an operand's, by the psum that
-    transposes its pbroadcast)."""
-    a = node.attrs
-    body, mesh, manual, in_sh, out_sh = a["body"], a["mesh"], a["manual"], a["in_specs"], a["out_specs"]
-    float_res = [k for k, s in enumerate(a["results"]) if floating(s.dtype)]
-    float_ops = [i for i, o in enumerate(operands) if floating(o.dtype)]
-    cts = [ct.parts[k] if ct.parts.get(k) is not None else zeros_like(a["results"][k]) for k in float_res]
-    n = len(operands)
-
-    def backward_body(*blocks):
-        start = len(current_graph().nodes)
-        outs = inline(body, list(blocks[:n]))
-        seeds = {}
-        for k, c in zip(float_res, blocks[n:]):
-            c = _from_shard_zero(c, a["out_varying"][k])
-            seeds[outs[k].id] = seeds[outs[k].id] + c if outs[k].id in seeds else c
-        return backward_from(seeds, [blocks[i] for i in float_ops], start)
-
-    outs, _ = _trace_region(backward_body, mesh, manual, list(operands) + cts,
-                            list(in_sh) + [out_sh[k] for k in float_res], lambda _: [in_sh[i] for i in float_ops])
-    grads = [None] * n
-    for i, gr in zip(float_ops, outs):
-        grads[i] = gr
-    return grads
-
-
-def _from_shard_zero(ct, axes):
-    """``ct`` on the shards at coordinate 0 along ``axes``, zeros elsewhere: the cotangent of an output that the
-    forward took from shard 0 along axes it varies over."""
-    for a in axes:
-        ct = core.where(core.equal(axis_index(a), 0), ct, core.zeros(ct.shape, ct.dtype))
-    return ct
-
-
-# ---------------------------------------------------------------- the region's other parts, beside their machinery
-opdef.propagation(SHARD_MAP, level=ELEMENTWISE_LEVEL)(partition_manual.region_propagation)
-opdef.partition(SHARD_MAP)(partition_manual.partition_region)
-opdef.bind(SHARD_MAP)(run_loops.bind_region)
 
 __all__ = ["shard_map", "psum", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all", "ppermute", "axis_index",
            "pbroadcast"]

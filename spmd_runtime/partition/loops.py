@@ -16,6 +16,8 @@ and the carry shardings as out_specs, so a disagreeing back edge is resharded in
 The scanned dim of ``xs`` is never split: propagation does not propose it, and an operand that has it
 split (a user annotation) is all-gathered over it first, with a note. Scanning a split dim (each
 rank its slice, the carry handed between ranks) is not implemented.
+
+The rules here are registered in the partition layer's tables by ``rules/control.py``.
 """
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ import warnings
 from dataclasses import dataclass
 
 from ..bodies import TUPLE_DTYPE, extract
+from ..ops.control import COND, LOOP_OUT, SCAN, WHILE
+from ..ops.core import RESHAPE
+from ..ops.slicing import SLICE
 from ..sharding import Sharding
-from .partitioner import (LocalValue, _assign_buffers, _live_nodes, _user_shardings, buffer_roots, donated_program,
-                          made_fresh, partition)
+from .partitioner import (LocalValue, assign_buffers, buffer_roots, donated_program, live_nodes, made_fresh,
+                          partition, user_shardings)
 from .scan_prefetch import pipelined_body, prefetch_enabled
 from .schedule import overlap_budget
 from .propagation import legalize, merge, propagate
@@ -84,7 +89,7 @@ def body_shardings(body, mesh, seeds: dict) -> dict:
     key = (mesh, tuple(sorted(seeds.items(), key=lambda kv: kv[0])))
     cache = body.__dict__.setdefault("_propagation", {})
     if key not in cache:
-        prop = propagate(body, mesh, _user_shardings(body, mesh, None), seeds)
+        prop = propagate(body, mesh, user_shardings(body, mesh, None), seeds)
         cache[key] = {v: None if prop.origin[v] == "default" else s for v, s in prop.shardings.items()}
     return cache[key]
 
@@ -143,10 +148,10 @@ def cond_agreement(node, ins, out, mesh) -> Agreement:
     return Agreement(TupleSharding(tuple(results)), operands, dict(zip(branches, sh)))
 
 
-AGREEMENTS = {"scan": scan_agreement, "while": while_agreement, "cond": cond_agreement}
+AGREEMENTS = {SCAN.name: scan_agreement, WHILE.name: while_agreement, COND.name: cond_agreement}
 
 
-# ---------------------------------------------------------------- propagation rules (ops/control.py attaches them)
+# ---------------------------------------------------------------- propagation rules (rules/control.py registers them)
 def control_propagation():
     fwd = lambda node, ins, g, mesh: AGREEMENTS[node.op](node, ins, None, mesh).result
     bwd = lambda node, out, ins, g, mesh: AGREEMENTS[node.op](node, ins, out, mesh).operands
@@ -164,7 +169,7 @@ def loop_out_propagation():
     return fwd, bwd
 
 
-# ---------------------------------------------------------------- partition rules (ops/control.py attaches them)
+# ---------------------------------------------------------------- partition rules (rules/control.py registers them)
 def _or_replicated(s, spec) -> Sharding:
     return s if s is not None else Sharding.replicated(len(spec.shape))
 
@@ -175,7 +180,7 @@ def _agreed(ctx, node) -> Agreement:
                                cur if isinstance(cur, TupleSharding) else None, ctx.mesh)
 
 
-def _partition_body(ctx, node, body, in_shardings, out_shardings, what):
+def partition_body(ctx, node, body, in_shardings, out_shardings, what):
     """``body`` as its own SPMD program; its notes join the enclosing program's, naming the node."""
     in_shardings = [_or_replicated(s, body.nodes[p].spec) for s, p in zip(in_shardings, body.params)]
     with warnings.catch_warnings():
@@ -185,7 +190,7 @@ def _partition_body(ctx, node, body, in_shardings, out_shardings, what):
     return program
 
 
-def _emit_control(ctx, node, args, attrs, results) -> LocalValue:
+def emit_control(ctx, node, args, attrs, results) -> LocalValue:
     value = ctx.emit(node.op, args, attrs, Sharding(()), (), TUPLE_DTYPE)
     ctx.shardings[node.id] = TupleSharding(tuple(results))
     return LocalValue(value.slot, ctx.shardings[node.id], (), TUPLE_DTYPE)
@@ -210,14 +215,14 @@ def partition_scan(ctx, node):
     if len(kept) < len(specs) - nc:  # stacked ys nobody reads (e.g. cotangents of undifferentiated xs)
         body = extract(body, body.params, body.outputs[:nc] + [body.outputs[k] for k in kept], keep_inputs=True)[0]
     ys = [_strip(ag.result.parts[k]) for k in kept]
-    program = _partition_body(ctx, node, body, inner, carry + ys, "scan body")
+    program = partition_body(ctx, node, body, inner, carry + ys, "scan body")
     attrs = {"body": program, "length": a["length"], "reverse": a["reverse"], "num_carry": nc, "num_xs": nx}
     args, m = _prefetching(ctx, attrs, args) if prefetch_enabled() and a["length"] > 1 else (args, 0)
     program = attrs["body"] = _carries_in_place(attrs["body"], attrs["num_carry"])
     results = carry + [o.sharding for o in program.outputs[nc:nc + m]] \
         + [Sharding(((),) + o.sharding.dims) for o in program.outputs[nc + m:]]
     ctx.result_positions[node.id] = {k: p + (m if p >= nc else 0) for p, k in enumerate(list(range(nc)) + kept)}
-    return _emit_control(ctx, node, args, attrs, results)
+    return emit_control(ctx, node, args, attrs, results)
 
 
 def _carries_in_place(body, nc: int):
@@ -242,7 +247,7 @@ def _prefetching(ctx, attrs: dict, args: list) -> tuple[list, int]:
     if piped is None:
         return args, 0
     program, picks = piped
-    _assign_buffers(program.instrs, {o.slot for o in program.outputs})
+    assign_buffers(program.instrs, {o.slot for o in program.outputs})
     m, first = len(picks), attrs["length"] - 1 if attrs["reverse"] else 0
     gathered = [_gathered_slice(ctx, args[nc + x], first, program.outputs[nc + j]) for j, x in enumerate(picks)]
     attrs.update(body=program, num_carry=nc + m, num_xs=nx + m,
@@ -254,12 +259,12 @@ def _gathered_slice(ctx, stacked: LocalValue, t: int, like) -> LocalValue:
     """Iteration ``t``'s slice of the stacked xs operand laid out as the body's gathered weight ``like``
     (through the resharding planner: the body's all-gather): the first iteration's prefetched weight,
     computed before the loop."""
-    one = ctx.emit("slice", [stacked], {"start": (t,) + (0,) * (len(stacked.shape) - 1),
-                                        "limit": (t + 1,) + stacked.sharding.local_shape(stacked.shape, ctx.mesh)[1:],
-                                        "strides": (1,) * len(stacked.shape)},
+    one = ctx.emit(SLICE, [stacked], {"start": (t,) + (0,) * (len(stacked.shape) - 1),
+                                      "limit": (t + 1,) + stacked.sharding.local_shape(stacked.shape, ctx.mesh)[1:],
+                                      "strides": (1,) * len(stacked.shape)},
                    stacked.sharding, (1,) + stacked.shape[1:], stacked.dtype)
     body_operand = Sharding(stacked.sharding.dims[1:])
-    flat = ctx.emit("reshape", [one], {"shape": body_operand.local_shape(stacked.shape[1:], ctx.mesh)},
+    flat = ctx.emit(RESHAPE, [one], {"shape": body_operand.local_shape(stacked.shape[1:], ctx.mesh)},
                     body_operand, stacked.shape[1:], stacked.dtype)
     return ctx.reshard(flat, like.sharding)
 
@@ -271,10 +276,10 @@ def partition_while(ctx, node):
     n_cond = a["captures"][0]
     ops = carry + [_or_replicated(s, ctx.graph[i].spec) for i, s in zip(node.inputs[n:], ag.operands[n:])]
     args = [ctx.reshard(ctx.value(i), s) for i, s in zip(node.inputs, ops)]
-    cond_p = _partition_body(ctx, node, cond_g, carry + ops[n:n + n_cond], [Sharding(())], "while cond")
-    body_p = _carries_in_place(_partition_body(ctx, node, body, carry + ops[n + n_cond:], carry, "while body"), n)
-    return _emit_control(ctx, node, args, {"cond": cond_p, "body": body_p, "num_carry": n,
-                                           "captures": a["captures"]}, carry)
+    cond_p = partition_body(ctx, node, cond_g, carry + ops[n:n + n_cond], [Sharding(())], "while cond")
+    body_p = _carries_in_place(partition_body(ctx, node, body, carry + ops[n + n_cond:], carry, "while body"), n)
+    return emit_control(ctx, node, args, {"cond": cond_p, "body": body_p, "num_carry": n,
+                                          "captures": a["captures"]}, carry)
 
 
 def partition_cond(ctx, node):
@@ -284,21 +289,21 @@ def partition_cond(ctx, node):
     args = [ctx.reshard(ctx.value(i), s) for i, s in zip(node.inputs, ops)]
     results = [_or_replicated(s, spec) for s, spec in zip(ag.result.parts, a["results"])]
     own = (ops[1 + n:1 + n + caps[0]], ops[1 + n + caps[0]:])
-    programs = tuple(_partition_body(ctx, node, g, ops[1:1 + n] + list(c), results, f"cond {which} branch")
+    programs = tuple(partition_body(ctx, node, g, ops[1:1 + n] + list(c), results, f"cond {which} branch")
                      for g, c, which in zip(a["branches"], own, ("false", "true")))
-    return _emit_control(ctx, node, args, {"branches": programs, "num_operands": n, "captures": caps}, results)
+    return emit_control(ctx, node, args, {"branches": programs, "num_operands": n, "captures": caps}, results)
 
 
 def _live_results(ctx, node, indices) -> list[int]:
     """The results among ``indices`` that some live ``loop_out`` reads."""
     if ctx.live_nodes is None:
-        ctx.live_nodes = _live_nodes(ctx.graph)
+        ctx.live_nodes = live_nodes(ctx.graph)
     read = {n.attrs["index"] for n in ctx.graph.nodes
-            if n.op == "loop_out" and n.inputs[0] == node.id and n.id in ctx.live_nodes}
+            if n.op == LOOP_OUT.name and n.inputs[0] == node.id and n.id in ctx.live_nodes}
     return [k for k in indices if k in read]
 
 
 def partition_loop_out(ctx, node):
     t, index = ctx.value(node.inputs[0]), node.attrs["index"]
     position = ctx.result_positions.get(node.inputs[0], {}).get(index, index)
-    return ctx.emit_like(node, "loop_out", [t], {"index": position}, t.sharding.parts[position])
+    return ctx.emit_like(node, LOOP_OUT, [t], {"index": position}, t.sharding.parts[position])

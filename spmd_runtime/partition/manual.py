@@ -9,11 +9,14 @@ result is split over its out_spec's manual axes, major, and the body output's au
 
 Propagation: operands take their in_specs; results their out_specs, plus what the body's propagation
 gives over the automatic axes from the operands' automatic splits.
+
+The rules here are registered in the partition layer's tables by ``rules/manual.py`` (beside the rules of the
+collectives inside a region).
 """
 from __future__ import annotations
 
 from ..sharding import Sharding
-from .loops import TupleSharding, _emit_control, _partition_body, body_shardings
+from .loops import TupleSharding, body_shardings, emit_control, partition_body
 
 
 def _auto(s: Sharding | None, manual) -> Sharding | None:
@@ -71,6 +74,6 @@ def partition_region(ctx, node):
     operands, sh = _body_view(node, [ctx.value(i).sharding for i in node.inputs], mesh)
     args = [ctx.reshard(ctx.value(i), s) for i, s in zip(node.inputs, operands)]
     results = _results(node, sh, mesh)
-    program = _partition_body(ctx, node, body, [_inner(s, manual) for s in operands],
-                              [_inner(s, manual) for s in results], "shard_map body")
-    return _emit_control(ctx, node, args, {"body": program, "manual": manual}, results)
+    program = partition_body(ctx, node, body, [_inner(s, manual) for s in operands],
+                             [_inner(s, manual) for s in results], "shard_map body")
+    return emit_control(ctx, node, args, {"body": program, "manual": manual}, results)

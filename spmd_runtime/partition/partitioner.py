@@ -178,7 +178,7 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
         if fusing:
             fused = fused_program(program)
             if fused is program:  # nothing fused
-                _assign_buffers(program.instrs, {o.slot for o in program.outputs})
+                assign_buffers(program.instrs, {o.slot for o in program.outputs})
             program = fused
             laps.lap("fuse", program)
         if overlap_enabled(overlap):
@@ -221,14 +221,14 @@ def _gc_paused():
 def _partition(graph, mesh, in_specs, out_specs, buffers: bool = True) -> SPMDProgram:
     """The partitioned program; ``buffers``: with its frees and donations (else left for a later pass)."""
     free: dict[int, tuple[int, ...]] = {}  # value -> dims its in/out spec leaves UNCONSTRAINED
-    fixed = _user_shardings(graph, mesh, in_specs, free)
+    fixed = user_shardings(graph, mesh, in_specs, free)
     out_specs = _output_shardings(graph, mesh, out_specs, fixed, free)
     prop = propagate(graph, mesh, fixed, free=free)
     out_targets = {k: refine_free(s, dims, prop.shardings[graph.outputs[k]]) if dims else s
                    for k, (s, dims) in out_specs.items()}
     keep_sums_pending(graph, prop.shardings, fixed)
     ctx = PartitionContext(graph, mesh, prop.shardings)
-    live = _live_nodes(graph)
+    live = live_nodes(graph)
     for node in graph.nodes:
         if node.id in live:
             ctx.node, before = node, len(ctx.notes)
@@ -247,7 +247,7 @@ def fused_program(program: SPMDProgram) -> SPMDProgram:
     if fused is None:
         return program
     instrs, inputs, outputs = fused
-    _assign_buffers(instrs, {o.slot for o in outputs})
+    assign_buffers(instrs, {o.slot for o in outputs})
     slots = {i.out for i in instrs}
     return SPMDProgram(program.mesh, instrs, inputs, outputs, list(program.notes), program.report, program.in_tree,
                        program.out_tree, {s: n for s, n in program.names.items() if s in slots})
@@ -269,7 +269,7 @@ def donated_program(program: SPMDProgram, donate) -> SPMDProgram:
         if ins.op == "parameter" and ins.attrs["index"] in positions:
             ins.attrs = {**ins.attrs, "donated": True}
     program.__dict__.pop("_donated", None)  # SPMDProgram.donated's cache, if read before
-    _assign_buffers(program.instrs, {o.slot for o in program.outputs})
+    assign_buffers(program.instrs, {o.slot for o in program.outputs})
     return program
 
 
@@ -280,7 +280,7 @@ def scheduled_program(program: SPMDProgram, budget: int) -> SPMDProgram:
     if scheduled is None:
         return program
     instrs, inputs, outputs, names, in_place = scheduled
-    _assign_buffers(instrs, {o.slot for o in outputs})
+    assign_buffers(instrs, {o.slot for o in outputs})
     for slot in in_place:
         done = instrs[slot]
         if done.args[1] in done.free:
@@ -310,7 +310,7 @@ def _partition_node(ctx: PartitionContext, node: Node) -> LocalValue:
     return fn(ctx, node)
 
 
-def _user_shardings(graph, mesh, in_specs, free=None) -> dict[int, Sharding]:
+def user_shardings(graph, mesh, in_specs, free=None) -> dict[int, Sharding]:
     """value -> the user's sharding (in_specs and mesh_split annotations); ``free`` collects the dims of in_specs
     left UNCONSTRAINED (a mesh_split node keeps its own in its ``unconstrained`` attribute)."""
     fixed: dict[int, Sharding] = {}
@@ -373,7 +373,7 @@ def _describe(graph: Graph, node: Node) -> str:
     return f"tensor {label(node.id)} = {node.op} {node.spec}" + (f" of {', '.join(named)}" if named else "")
 
 
-def _live_nodes(graph: Graph) -> set[int]:
+def live_nodes(graph: Graph) -> set[int]:
     live, stack = set(), list(graph.outputs)
     while stack:
         v = stack.pop()
@@ -392,7 +392,7 @@ def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]
     inputs = [i.at(renumber[i.slot]) for i in inputs]
     outputs = [o.at(renumber[o.slot]) for o in outputs]
     if buffers:
-        _assign_buffers(instrs, {o.slot for o in outputs})
+        assign_buffers(instrs, {o.slot for o in outputs})
     dropped = {n for n, v in ctx.values.items() if v.slot not in renumber}
     notes = list(dict.fromkeys(note for note, n in zip(ctx.notes, ctx.note_nodes + [None] * len(ctx.notes))
                                if n not in dropped))
@@ -424,7 +424,7 @@ def _drop_dead(instrs: list[Instr], roots) -> tuple[list[Instr], dict[int, int]]
     return [i.renumbered(renumber) for i in instrs if i.out in live], renumber  # frees come later
 
 
-def _assign_buffers(instrs: list[Instr], keep: set[int]) -> None:
+def assign_buffers(instrs: list[Instr], keep: set[int]) -> None:
     """Frees, then donations, of a program whose slots are its positions (``instrs[k].out == k``)."""
     last = list(range(len(instrs)))  # slot -> the instruction that reads it last (itself when none does)
     for ins in instrs:

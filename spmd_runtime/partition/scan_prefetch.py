@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from ..ops.core import PARAMETER
 from ..ops.spmd import ALL_GATHER, DONES, STARTS
 from ..program import IOSpec, Instr, SPMDProgram
 
@@ -34,7 +35,7 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
     xs, then one per prefetch (its slice at the next iteration), then the loop invariants; outputs: carries,
     the prefetched weights, then the stacked ys; ``picks``: per prefetch, its operand's position among the xs."""
     instrs = body.instrs
-    params = {i.out: i.attrs["index"] for i in instrs if i.op == "parameter"}
+    params = {i.out: i.attrs["index"] for i in instrs if i.op == PARAMETER.name}
     starts = {i.out: i for i in instrs if i.op == STARTS[ALL_GATHER].name and nc <= params.get(i.args[0], -1) < nc + nx}
     dones = [i for i in instrs if i.op == DONES[ALL_GATHER].name and i.args[0] in starts]
     if not dones or sum(d.nbytes for d in dones) > budget:
@@ -46,7 +47,7 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
     def index(old: int) -> int:  # carries stay; xs move past the new carries; invariants past both
         return old if old < nc else old + m if old < nc + nx else old + 2 * m
 
-    order: list[Instr] = [i.copy(attrs={"index": index(i.attrs["index"])}) for i in instrs if i.op == "parameter"]
+    order: list[Instr] = [i.copy(attrs={"index": index(i.attrs["index"])}) for i in instrs if i.op == PARAMETER.name]
     carried = [_parameter(d, nc + j, len(instrs) + j) for j, d in enumerate(dones)]
     nxt = [_parameter(instrs[starts[d.args[0]].args[0]], nc + m + nx + j, len(instrs) + m + j)
            for j, d in enumerate(dones)]
@@ -54,7 +55,7 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
     new_starts = [starts[d.args[0]].copy(out=fresh + j, args=(x.out,)) for j, (d, x) in enumerate(zip(dones, nxt))]
     new_dones = [d.copy(out=fresh + m + j, args=(s.out, x.out)) for j, (d, s, x) in enumerate(zip(dones, new_starts,
                                                                                                    nxt))]
-    rest = [i for i in instrs if i.op != "parameter" and i.out not in moved]
+    rest = [i for i in instrs if i.op != PARAMETER.name and i.out not in moved]
     order += carried + nxt + new_starts + rest + new_dones
     replaced = {d.out: p.out for d, p in zip(dones, carried)}  # a done's readers now read the carried weight
     renumber = {ins.out: k for k, ins in enumerate(order)}
@@ -74,4 +75,4 @@ def pipelined_body(body: SPMDProgram, nc: int, nx: int, budget: int):
 
 def _parameter(like: Instr, index: int, slot: int) -> Instr:
     """A parameter of ``like``'s local shape, dtype and sharding at input ``index``."""
-    return Instr("parameter", slot, (), {"index": index}, like.shape, like.dtype, like.sharding, like.global_shape)
+    return Instr(PARAMETER.name, slot, (), {"index": index}, like.shape, like.dtype, like.sharding, like.global_shape)

@@ -16,6 +16,12 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
 
 # Op-name strings that are not op references: (module, string) -> why. Keep it short; each entry says why.
 NOT_AN_OP = {
+    **{(m, "reverse"): "a scan's attribute (it runs backwards), not the reverse op"
+       for m in ("ops.control", "partition.loops", "exec.loops", "autodiff.rules.control")},
+    **{(m, "cond"): "a while node's attribute (its condition's graph), not the cond op"
+       for m in ("partition.loops", "exec.loops")},
+    ("ops.manual", "all_gather"): "sr.all_gather, the function its errors name (its op is pall_gather)",
+    ("ops.manual", "all_to_all"): "sr.all_to_all, the function its errors name (its op is pall_to_all)",
 }
 
 

@@ -12,24 +12,29 @@ scan over them emits the cotangents: carry cotangents flow through its carry, lo
 cotangents are summed in its carry, xs cotangents are its stacked ys.
 
 ``cond``'s VJP is a ``cond`` on the same predicate whose branches recompute their forward pass and
-differentiate it. ``while_loop`` is forward only.
+differentiate it. ``while_loop`` is forward only. This module holds the machinery (the split of a body,
+the residual policies, a control node's tuple cotangent); the VJP rules that use it, registered per op,
+are in ``rules/control.py`` (and the shard_map region's in ``rules/manual.py``).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .autodiff import backward_from
-from .bodies import TUPLE_DTYPE, TUPLE_SHAPE, BodyGraph, extract, inline, tracing
-from .dtypes import is_floating
-from .graph import TensorSpec
-from .ops.core import zeros
-from .opdef import OPS
+from ..bodies import TUPLE_DTYPE, TUPLE_SHAPE, BodyGraph, extract, inline, tracing
+from ..dtypes import is_floating
+from ..graph import TensorSpec
+from ..ops.control import COND, LOOP_OUT, SCAN, WHILE
+from ..ops.core import BROADCAST_IN_DIM, PARAMETER, RESHAPE, TRANSPOSE, zeros
+from ..ops.einsum import EINSUM
+from ..opdef import OPS
+from ..trace import Tensor, emit
+from .engine import backward_from
 
 # Recomputed by the backward body rather than stacked by the forward scan ("cheap_recomputed", the default):
 # cheaper to redo, fused into the backward's loops, than to write, stack and reread.
-RECOMPUTED = frozenset(r.name for r in OPS.values() if r.cheap) | {"broadcast_in_dim", "reshape", "transpose"}
+RECOMPUTED = frozenset(r.name for r in OPS.values() if r.cheap) | {BROADCAST_IN_DIM.name, RESHAPE.name, TRANSPOSE.name}
 
-CONTROL_OPS = ("scan", "while", "cond")
+CONTROL_OPS = (SCAN.name, WHILE.name, COND.name)
 
 
 class TupleCotangent:
@@ -48,15 +53,6 @@ class TupleCotangent:
 
 def floating(dtype) -> bool:
     return is_floating(dtype)  # bfloat16 too, which NumPy does not count as np.floating
-
-
-def loop_out_vjp(node, g, ops, y):
-    return [TupleCotangent({node.attrs["index"]: g})]
-
-
-def while_vjp(node, g, ops, y):
-    raise NotImplementedError("reverse-mode differentiation through sr.while_loop is not supported (its trip "
-                              "count is known only at run time); use sr.fori_loop or sr.scan")
 
 
 # ---------------------------------------------------------------- scan
@@ -99,13 +95,13 @@ def _residuals(joint, ct_ids: set, in_ids: set, policy: str) -> list[int]:
         on_in[n.id] = n.id in in_ids or any(on_in[i] for i in n.inputs)
     read = {i for n in joint.nodes if on_ct[n.id] for i in n.inputs if not on_ct[i]}
     saveable = {"everything_saveable": lambda n: True, "cheap_recomputed": lambda n: True,
-                "nothing_saveable": lambda n: False, "dots_saveable": lambda n: n.op == "einsum"}[policy]
+                "nothing_saveable": lambda n: False, "dots_saveable": lambda n: n.op == EINSUM.name}[policy]
     saved = {v for v in read if _storable(joint, v, on_in) and saveable(joint.nodes[v])}
     return sorted(_cheap_recomputed(joint, saved, on_in) if policy == "cheap_recomputed" else saved)
 
 
 def _storable(joint, v: int, on_in: dict) -> bool:
-    return on_in[v] and joint.nodes[v].op not in ("parameter",) + CONTROL_OPS
+    return on_in[v] and joint.nodes[v].op not in (PARAMETER.name,) + CONTROL_OPS
 
 
 def _cheap_recomputed(joint, saved: set, on_in: dict) -> set:
@@ -120,13 +116,20 @@ def _cheap_recomputed(joint, saved: set, on_in: dict) -> set:
         node = joint.nodes[v]
         if v not in saved or node.op not in RECOMPUTED:
             continue
-        needed = {i for i in node.inputs if on_in[i] and joint.nodes[i].op != "parameter"} - saved
+        needed = {i for i in node.inputs if on_in[i] and joint.nodes[i].op != PARAMETER.name} - saved
         if all(_storable(joint, i, on_in) for i in needed) and \
                 sum(joint.nodes[i].spec.nbytes for i in needed) <= node.spec.nbytes:
             saved = (saved - {v}) | needed
             todo = sorted(set(todo) | needed)
     return saved
 
+
+def add_results(node_tensor: Tensor, specs: list[TensorSpec]) -> list[Tensor]:
+    """More results of an existing control node (the residuals a backward pass asks a forward scan to save)."""
+    node = node_tensor.node
+    start = len(node.attrs["results"])
+    node.attrs["results"] = tuple(node.attrs["results"]) + tuple(specs)
+    return [emit(LOOP_OUT, [node_tensor], {"index": start + k}, s.shape, s.dtype) for k, s in enumerate(specs)]
 
 
 def linearize(body: BodyGraph, num_carry: int, policy: str) -> Linearized:
