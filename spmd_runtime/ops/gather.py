@@ -34,6 +34,7 @@ import string
 import numpy as np
 
 from .. import opdef
+from ..devices import scatter_add
 from ..opdef import DOT_LEVEL, define
 from ..partition.propagation import combine, dedupe_axes
 from ..sharding import Sharding
@@ -186,11 +187,8 @@ def _add_rows(xp, operand, rows, updates, axis, keep=None):
             picked = keep.reshape(-1)
             flat, values = flat[picked], values[picked]
         _add_sorted(target, flat, values)
-    elif hasattr(xp.add, "at"):
-        xp.add.at(target, rows.reshape(-1), values)
-    else:  # CuPy without ufunc.at
-        import cupyx  # here, not at the top: cupy is an optional dependency
-        cupyx.scatter_add(target, rows.reshape(-1), values)
+    else:  # ufunc.at, or CuPy's scatter_add where it has none
+        scatter_add(xp, target, rows.reshape(-1), values)
     return out
 
 
