@@ -1,7 +1,8 @@
 """NumPy-named functions on traced tensors: ``import spmd_runtime.numpy as snp``.
 
 The NumPy face of the op records: every name here is a traced function of one op family in
-``spmd_runtime/ops/`` (which defines the op, its rules, kernel and VJP). Binary ops broadcast
+``spmd_runtime/ops/`` (which defines the op, its shape/dtype rule and kernel; the layers' rules for it
+live in ``partition/rules/`` and ``autodiff/rules/``, one module per family). Binary ops broadcast
 NumPy-style by inserting explicit ``broadcast_in_dim`` nodes; Python scalars are weakly typed
 (NEP 50): ``x * 2.0`` keeps x's dtype.
 """

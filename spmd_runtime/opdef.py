@@ -32,6 +32,7 @@ its ``name`` (JSON-able), and ``lookup`` maps a name back, refusing names never 
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable
@@ -51,6 +52,7 @@ class PropagationRule:
 class OpDef:
     name: str
     kind: str = "graph"
+    module: str = ""  # the module that defined it: the one place its name may be written as a string
     fresh: bool = False
     fresh_if: Callable | None = None
     read_only: bool = False
@@ -89,7 +91,7 @@ def define(name: str, kind: str = "graph", **flags) -> OpDef:
         raise ValueError(f"an op is defined once; got a second definition of {name!r}")
     if kind not in KINDS:
         raise ValueError(f"an op's kind is one of {KINDS}; got {kind!r} for {name!r}")
-    _OPS[name] = OpDef(name, kind, **flags)
+    _OPS[name] = OpDef(name, kind, sys._getframe(1).f_globals.get("__name__", ""), **flags)
     return _OPS[name]
 
 

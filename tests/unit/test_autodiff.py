@@ -6,10 +6,10 @@ import pytest
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.autodiff import grad, value_and_grad
+from spmd_runtime.autodiff.rules.table import VJP
 from spmd_runtime.comm import run_simulated
-from spmd_runtime.opdef import OPS
 
-VJP_RULES = {name for name, record in OPS.items() if record.vjp is not None}
+VJP_RULES = {record.name for record in VJP.ops()}
 from spmd_runtime.models import BlockConfig, block_params, transformer_block
 from spmd_runtime.nn import gelu, layer_norm, softmax
 from spmd_runtime.trace import emit

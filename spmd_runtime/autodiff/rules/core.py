@@ -1,2 +1,145 @@
-"""The VJP rules of the ``ops/core.py`` family, registered in ``table.py``."""
+"""The VJP rules of the ``ops/core.py`` family (leaves, elementwise, broadcast / reshape / transpose and
+reductions; the records and traced functions are there), written with those traced functions and
+registered in ``table.py``."""
 from __future__ import annotations
+
+import numpy as np
+
+from ...dtypes import is_floating
+from ...ops.core import (BROADCAST_IN_DIM, COMPARISONS, CONSTANT, CONVERT, ELEMENTWISE, MESH_SPLIT, PARAMETER,
+                         REDUCE, RESHAPE, SELECT, STOP_GRADIENT, TRANSPOSE, astype, broadcast_in_dim, log, negative,
+                         power, reshape, sum, transpose, where)
+from ...trace import emit
+from .table import vjp
+
+
+# ================================================================ VJPs
+@vjp(PARAMETER, CONSTANT)
+def _leaf_vjp(node, g, ops, y):
+    return []
+
+
+@vjp(*COMPARISONS, ELEMENTWISE["and"], ELEMENTWISE["or"], ELEMENTWISE["not"])
+def _no_gradient(node, g, ops, y):
+    return [None] * len(ops)
+
+
+@vjp(ELEMENTWISE["neg"])
+def _neg_vjp(node, g, ops, y):
+    return [negative(g)]
+
+
+@vjp(ELEMENTWISE["exp"])
+def _exp_vjp(node, g, ops, y):
+    return [g * y]
+
+
+@vjp(ELEMENTWISE["log"])
+def _log_vjp(node, g, ops, y):
+    return [g / ops[0]]
+
+
+@vjp(ELEMENTWISE["tanh"])
+def _tanh_vjp(node, g, ops, y):
+    return [g * (1.0 - y * y)]
+
+
+@vjp(ELEMENTWISE["sqrt"])
+def _sqrt_vjp(node, g, ops, y):
+    return [g / (2.0 * y)]
+
+
+@vjp(ELEMENTWISE["abs"])
+def _abs_vjp(node, g, ops, y):
+    return [where(ops[0] >= 0.0, g, -g)]  # JAX: d|x|/dx = 1 at 0
+
+
+@vjp(ELEMENTWISE["add"], ELEMENTWISE["sub"])
+def _add_sub_vjp(node, g, ops, y):
+    return [g, (lambda: -g) if node.op == ELEMENTWISE["sub"].name else g]
+
+
+@vjp(ELEMENTWISE["mul"])
+def _mul_vjp(node, g, ops, y):
+    a, b = ops
+    return [lambda: g * b, lambda: g * a]
+
+
+@vjp(ELEMENTWISE["div"])
+def _div_vjp(node, g, ops, y):
+    a, b = ops
+    return [lambda: g / b, lambda: -(g * y) / b]
+
+
+@vjp(ELEMENTWISE["pow"])
+def _pow_vjp(node, g, ops, y):
+    """d/da a^b = b a^(b-1) (0 where b == 0, even at a == 0); d/db a^b = log(a) a^b (0 where a == 0), as JAX."""
+    a, b = ops
+    da = lambda: g * b * power(a, where(b == 0.0, 1.0, b) - 1.0)
+    db = lambda: g * y * log(where(a == 0.0, 1.0, a))
+    return [da, db]
+
+
+@vjp(ELEMENTWISE["maximum"], ELEMENTWISE["minimum"])
+def _max_min_vjp(node, g, ops, y):
+    """The cotangent goes to the operand that was chosen; ties split it equally (JAX's balanced rule)."""
+    a, b = ops
+    pick = lambda this, other: where(this == y, where(other == y, g * 0.5, g), 0.0)
+    return [lambda: pick(a, b), lambda: pick(b, a)]
+
+
+@vjp(SELECT)
+def _select_vjp(node, g, ops, y):
+    cond = ops[0]
+    return [None, lambda: where(cond, g, 0.0), lambda: where(cond, 0.0, g)]
+
+
+@vjp(CONVERT)
+def _convert_vjp(node, g, ops, y):
+    return [astype(g, ops[0].dtype) if is_floating(ops[0].dtype) else None]
+
+
+@vjp(STOP_GRADIENT)
+def _stop_gradient_vjp(node, g, ops, y):
+    return [None]
+
+
+@vjp(MESH_SPLIT)
+def _mesh_split_vjp(node, g, ops, y):
+    """The cotangent of an annotated value carries the same annotation, or the ``grad_sharding`` asked for."""
+    attrs = dict(node.attrs)
+    if "grad_sharding" in attrs:
+        attrs = {"sharding": attrs.pop("grad_sharding"), "mesh": attrs["mesh"]}
+    return [emit(MESH_SPLIT, [g], attrs, g.shape, g.dtype)]
+
+
+@vjp(BROADCAST_IN_DIM)
+def _broadcast_vjp(node, g, ops, y):
+    """Sum over the new dims and the dims expanded from size 1, then restore the operand's shape."""
+    x, dims = ops[0], node.attrs["dims"]
+    expanded = {d for i, d in enumerate(dims) if x.shape[i] != node.shape[d]}
+    summed = tuple(d for d in range(len(node.shape)) if d not in dims or d in expanded)
+    return [reshape(sum(g, axis=summed), x.shape)]
+
+
+@vjp(RESHAPE)
+def _reshape_vjp(node, g, ops, y):
+    return [reshape(g, ops[0].shape)]
+
+
+@vjp(TRANSPOSE)
+def _transpose_vjp(node, g, ops, y):
+    return [transpose(g, tuple(np.argsort(node.attrs["perm"])))]
+
+
+@vjp(REDUCE)
+def _reduce_vjp(node, g, ops, y):
+    x, axes = ops[0], node.attrs["axes"]
+    kept = tuple(i for i in range(x.ndim) if i not in axes)
+    back = lambda t: broadcast_in_dim(t, x.shape, kept)
+    if node.attrs["kind"] == "sum":
+        return [back(g)]
+    # max / min: the cotangent goes to the positions holding the result, split equally among ties
+    hit = x == back(y)
+    count = sum(astype(hit, x.dtype), axis=axes)
+    return [where(hit, back(g / count), 0.0)]
