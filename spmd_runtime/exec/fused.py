@@ -28,12 +28,12 @@ import subprocess
 import numpy as np
 
 from ..opdef import lookup
-from ..ops.core import CONVERT, MAX_BLAS_ROW, REDUCE, SELECT
+from ..ops.core import CONVERT, EXP, LOG, MAX_BLAS_ROW, POW, REDUCE, SELECT, TANH
 from ..partition.fusion import FUSED_REDUCE, FUSION, row_reduction
 from .backends import backend_of, numpy_c as cpu_kernels
 from .backends.cupy import cuda_source, elementwise_kernels  # noqa: F401  (read here by the tests and the interpreter)
 from .backends.numpy_c import compiled_chain, operand_check  # noqa: F401  (exec/groups.py reads operand_check here)
-from .backends.steps import EXP, LOG, POW, TANH, Fusion, RefIndex, Scratch
+from .backends.steps import Fusion, RefIndex, Scratch
 from .rules.table import bind
 
 
@@ -131,7 +131,7 @@ def compiled_fusions(program, groups=None) -> dict:
         elif compiled_reduction(ins, program) and big(chain_of(ins, program)):
             fusion, dtypes = Fusion(chain_of(ins, program)), operand_dtypes(program, ins)
             if cpu_kernels.reducible(fusion, dtypes, ins.attrs["kind"], len(ins.attrs["axes"]), MAX_BLAS_ROW):
-                chosen[ins.out] = (fusion, dtypes, {"reduce": (ins.attrs["kind"], len(ins.attrs["axes"]))})
+                chosen[ins.out] = (fusion, dtypes, dict(reduce=(ins.attrs["kind"], len(ins.attrs["axes"]))))
     if not chosen or not cpu_kernels.compiler_available():
         return {}
     sources = {slot: cpu_kernels.c_function(f, d, "fusion_KEY", **o) for slot, (f, d, o) in chosen.items()}

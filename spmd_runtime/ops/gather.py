@@ -33,8 +33,7 @@ import string
 
 import numpy as np
 
-from .. import opdef
-from ..devices import scatter_add
+from .. import devices, opdef
 from ..opdef import DOT_LEVEL, define
 from ..partition.propagation import combine, dedupe_axes
 from ..sharding import Sharding
@@ -188,7 +187,7 @@ def _add_rows(xp, operand, rows, updates, axis, keep=None):
             flat, values = flat[picked], values[picked]
         _add_sorted(target, flat, values)
     else:  # ufunc.at, or CuPy's scatter_add where it has none
-        scatter_add(xp, target, rows.reshape(-1), values)
+        devices.scatter_add(xp, target, rows.reshape(-1), values)
     return out
 
 

@@ -13,6 +13,7 @@ import types
 import numpy as np
 import pytest
 
+from spmd_runtime import devices
 from spmd_runtime.exec import backend as bk
 
 
@@ -239,19 +240,23 @@ def test_to_device_cupy_uses_xp_asarray(clean_env):
 
 
 def test_backend_module_does_not_import_cupy_or_mpi():
-    """Importing the backend must stay cheap and optional-dependency free."""
+    """Importing the backend must stay cheap and optional-dependency free: the device floor (where cupy is
+    imported, lazily) imports neither cupy nor MPI, and the backends import no cupy."""
     import subprocess
 
-    # Load the file on its own so that whatever the package __init__ imports
+    # Load the floor file on its own so that whatever the package __init__ imports
     # does not count against it.
     code = (
         "import importlib.util, sys; "
-        f"spec = importlib.util.spec_from_file_location('backend_alone', {bk.__file__!r}); "
+        f"spec = importlib.util.spec_from_file_location('devices_alone', {devices.__file__!r}); "
         "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod); "
         "print(sorted(m for m in ('cupy', 'mpi4py.MPI') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+    code = "import sys, spmd_runtime.exec.backend, spmd_runtime.exec.backends; print('cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # ----------------------------------------------------------- real cupy

@@ -21,15 +21,16 @@ from typing import Any
 import numpy as np
 
 from ...devices import import_cupy, is_cupy
+from ...ops.core import ABS, ADD, AND, DIV, EQ, EXP, GE, GT, LE, LOG, LT, MUL, NE, OR, POW, SQRT, SUB, TANH
 from .numpy_c import POINTWISE
-from .steps import ABS, ADD, AND, DIV, EQ, EXP, GE, GT, LE, LOG, LT, MUL, NE, OR, POW, SQRT, SUB, TANH, Fusion, result_of
+from .steps import Fusion, result_of
 
 _C_TYPES = {"float16": "float16", "float32": "float", "float64": "double", "bool": "bool", "int8": "signed char",
             "int16": "short", "int32": "int", "int64": "long long", "uint8": "unsigned char",
             "uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}
 _C_INFIX = {ADD.name: "+", SUB.name: "-", MUL.name: "*", DIV.name: "/", EQ.name: "==", NE.name: "!=", LT.name: "<",
             LE.name: "<=", GT.name: ">", GE.name: ">=", AND.name: "&&", OR.name: "||"}
-_C_CALL = {EXP.name: "exp", LOG.name: "log", TANH.name: "tanh", SQRT.name: "sqrt", POW.name: "pow"}
+_C_CALL = {op.name: op.name for op in (EXP, LOG, TANH, SQRT, POW)}  # CUDA's math functions, named as the ops
 
 
 def elementwise_kernels(xp) -> bool:

@@ -40,9 +40,9 @@ import numpy as np
 
 from ...devices import to_host
 from ...opdef import lookup
-from ...ops.core import CONVERT, SELECT
-from .steps import (ABS, ADD, AND, DIV, EQ, EXP, GE, GT, LE, LOG, LT, MAXIMUM, MINIMUM, MUL, NE, NEG, NOT, OR,
-                    POW, SQRT, SUB, TANH, Fusion, RefIndex, Scratch, result_of)
+from ...ops.core import (ABS, ADD, AND, CONVERT, DIV, EQ, EXP, GE, GT, LE, LOG, LT, MAXIMUM, MINIMUM, MUL, NE, NEG,
+                         NOT, OR, POW, SELECT, SQRT, SUB, TANH)
+from .steps import Fusion, RefIndex, Scratch, result_of
 
 KERNELS_ENV, MIN_ENV, CACHE_ENV = "SPMD_CPU_KERNELS", "SPMD_CPU_KERNEL_MIN", "SPMD_KERNEL_CACHE"
 # -fno-trapping-math lets selects around float ops become vector blends (FP exception flags are not read
@@ -62,7 +62,8 @@ INFIX = {ADD.name: "+", SUB.name: "-", MUL.name: "*", DIV.name: "/", EQ.name: "=
          LE.name: "<=", GT.name: ">", GE.name: ">=", AND.name: "&&", OR.name: "||"}
 # computed in the step's dtype (operands cast to it), as NumPy's loop for that dtype
 ARITHMETIC = tuple(op.name for op in (ADD, SUB, MUL, DIV, MAXIMUM, MINIMUM, NEG, ABS, EXP, LOG, TANH, SQRT, POW))
-MATH = {EXP.name: "exp", LOG.name: "log", TANH.name: "tanh", SQRT.name: "sqrt", POW.name: "pow", ABS.name: "fabs"}
+# each op's C function: C's math library names them as the ops are named, but for abs
+MATH = {**{op.name: op.name for op in (EXP, LOG, TANH, SQRT, POW)}, ABS.name: "fabs"}
 # NumPy's integer loops differ (true_divide, power)
 FLOAT_ONLY = tuple(op.name for op in (DIV, EXP, LOG, TANH, SQRT, POW))
 
@@ -332,7 +333,7 @@ static inline double spmd_exp(double x) {
 
 def _exp(x: str, dtype: str) -> str:
     prefix = "spmd_" if _vector_math() else ""
-    return f"{prefix}exp{'f' if dtype == 'float32' else ''}({x})"
+    return f"{prefix}{MATH[EXP.name]}{'f' if dtype == 'float32' else ''}({x})"
 
 
 @functools.cache
@@ -341,11 +342,11 @@ def _vector_math() -> str:
     that library is absent (the loops then call the scalar functions)."""
     if platform.machine() != "x86_64" or _glibc() < (2, 22):
         return ""
-    names = ["exp", "log", "pow"] + (["tanh"] if _glibc() >= (2, 35) else [])
+    names = [MATH[op.name] for op in (EXP, LOG, POW)] + ([MATH[TANH.name]] if _glibc() >= (2, 35) else [])
     simd = '__attribute__((simd("notinbranch")))'
     lines = ["#include <string.h>"]
     for n in names:
-        args2 = n == "pow"
+        args2 = n == MATH[POW.name]
         lines.append(f"float {n}f(float{', float' if args2 else ''}) {simd};")
         lines.append(f"double {n}(double{', double' if args2 else ''}) {simd};")
     return "\n".join(lines) + EXP_HELPERS
@@ -628,7 +629,7 @@ def compiled_chain(fusion: Fusion, kernel, dtypes, planned, shape=None):
     return run
 
 
-def _compiled(interp, group):
+def _group_loop(interp, group):
     """``operands -> member results`` through the group's (exec/groups.Group) compiled C loop (above)."""
     kernel = interp.cpu_kernels["group", group.members[0]]
     kernel.argtypes = [ctypes.c_void_p] * (len(group.ins.args) + len(group.members))
@@ -667,7 +668,7 @@ class NumpyC:
         return _numpy_chain(fusion, scratch, out) if xp is np else None
 
     def group_kernel(self, interp, group):
-        return _compiled(interp, group)
+        return _group_loop(interp, group)
 
     def reduction_kernel(self, fusion: Fusion, xp, operand_dtypes, kind, axes, planned):
         return None  # the chain into scratch, then the reduce op's own kernel (or a compiled row loop)

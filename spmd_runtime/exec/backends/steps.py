@@ -1,19 +1,11 @@
 """A fusion instruction decoded for the backends that generate its kernel (``exec/backends/``): its steps,
-typed literals, operand views and result, the position of each ref among the run-time values, the scratch
-buffers a chain's intermediates live in, and the op records the generated code spells out."""
+typed literals, operand views and result, the position of each ref among the run-time values, and the scratch
+buffers a chain's intermediates live in."""
 from __future__ import annotations
 
 import numpy as np
 
-from ...ops.core import ELEMENTWISE
 from ...partition.fusion import parse_code
-
-# The elementwise records the code generators spell out (ops/core.py defines them, in ELEMENTWISE); their
-# tables are keyed by each record's name, the op a fusion step names.
-NEG, ABS, NOT, EXP, LOG, TANH, SQRT = (ELEMENTWISE[n] for n in ("neg", "abs", "not", "exp", "log", "tanh", "sqrt"))
-ADD, SUB, MUL, DIV, POW, MAXIMUM, MINIMUM = (ELEMENTWISE[n] for n in ("add", "sub", "mul", "div", "pow", "maximum",
-                                                                      "minimum"))
-EQ, NE, LT, LE, GT, GE, AND, OR = (ELEMENTWISE[n] for n in ("eq", "ne", "lt", "le", "gt", "ge", "and", "or"))
 
 
 class Scratch:
