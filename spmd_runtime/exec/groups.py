@@ -10,7 +10,7 @@ listing), each handing on its result from the group's loop. A member that writes
 (``donate``: AdamW's update of a donated parameter, ``partition(donate=...)``) does so from the group's loop
 too, where nothing else reads that operand after the lead. ``$SPMD_CPU_GROUPS=0`` binds every fusion alone.
 
-Only compiled loops (exec/cpu_kernels.py) and CuPy's generated kernels run groups: on NumPy without a
+Only compiled loops (exec/backends/numpy_c.py) and CuPy's generated kernels run groups: on NumPy without a
 compiler, for a group too small or not compilable, in loop bodies (whose results a scan redirects per
 iteration), and where a member after the lead has a planned buffer (exec/buffers.py: it may hold another
 value until the member's place), each fusion runs alone.
