@@ -31,8 +31,9 @@ from ..opdef import lookup
 from ..ops.core import CONVERT, EXP, LOG, MAX_BLAS_ROW, POW, REDUCE, SELECT, TANH
 from ..partition.fusion import FUSED_REDUCE, FUSION, row_reduction
 from .backends import backend_of, numpy_c as cpu_kernels
-from .backends.cupy import cuda_source, elementwise_kernels  # noqa: F401  (read here by the tests and the interpreter)
-from .backends.numpy_c import compiled_chain, operand_check  # noqa: F401  (exec/groups.py reads operand_check here)
+# cuda_source, elementwise_kernels, operand_check: read here by the tests and the interpreter (re-exported)
+from .backends.cupy import cuda_source, elementwise_kernels  # noqa: F401
+from .backends.numpy_c import compiled_chain, operand_check  # noqa: F401
 from .backends.steps import Fusion, RefIndex, Scratch
 from .rules.table import bind
 

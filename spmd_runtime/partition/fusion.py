@@ -36,7 +36,7 @@ from ..program import IOSpec, Instr, SPMDProgram
 
 FUSE_ENV = "SPMD_FUSE"
 # The fused instruction: a fresh result, or written into a dying operand of its shape (``donate``). Its binder
-# (one kernel for the chain) is attached in exec/fused.py.
+# (one kernel for the chain) is exec/fused.py's, in exec's BIND table.
 FUSION = define("fusion", "program", fresh=True, in_place=True)
 # A reduction over the trailing dims of a chain nothing else reads: the chain computed and reduced in one pass,
 # its values never stored (XLA's loop fusion with a reduction at its root). Attributes: the chain's (code,
