@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from spmd_runtime import devices
-from spmd_runtime.exec import backend as bk
+from spmd_runtime.comm.testing import HostDeviceArray
+from spmd_runtime.exec import backend as bk, backends
 
 
 # --------------------------------------------------------------- helpers
@@ -230,6 +231,24 @@ def test_to_host_and_to_device_numpy(no_cupy):
     assert bk.to_device(a, np) is a
     assert not bk.is_device_array(a)
     assert bk.array_module_of(a) is np
+
+
+def test_the_registry_names_each_backend_and_finds_an_array_modules(clean_env):
+    assert bk.BACKENDS == ("numpy", "cupy") and backends.backend("numpy").array_module() is np
+    assert backends.backend_of(np).name == "numpy" and backends.backend_of(_fake_cupy(1)).name == "cupy"
+    with pytest.raises(ValueError, match=r"one of \('numpy', 'cupy'\); got 'tpu'"):
+        backends.backend("tpu")
+
+
+def test_a_device_array_is_one_whose_type_exports_the_cuda_interface():
+    assert devices.is_device_array(HostDeviceArray(np.zeros(3)))
+    assert not devices.is_device_array(np.zeros(3)) and not devices.is_device_array(None)
+
+
+def test_scatter_add_accumulates_repeated_rows_with_ufunc_at():
+    target = np.zeros((3, 2))
+    devices.scatter_add(np, target, np.array([0, 2, 0]), np.ones((3, 2)))
+    np.testing.assert_array_equal(target, [[2, 2], [0, 0], [1, 1]])
 
 
 def test_to_device_cupy_uses_xp_asarray(clean_env):
