@@ -235,6 +235,7 @@ def test_to_host_and_to_device_numpy(no_cupy):
 
 def test_the_registry_names_each_backend_and_finds_an_array_modules(clean_env):
     assert bk.BACKENDS == ("numpy", "cupy") and backends.backend("numpy").array_module() is np
+    assert all(isinstance(b, backends.ArrayBackend) for b in backends.REGISTRY.values())
     assert backends.backend_of(np).name == "numpy" and backends.backend_of(_fake_cupy(1)).name == "cupy"
     with pytest.raises(ValueError, match=r"one of \('numpy', 'cupy'\); got 'tpu'"):
         backends.backend("tpu")

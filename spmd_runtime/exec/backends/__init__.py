@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from ...devices import is_cupy
 from .cupy import CUPY
@@ -26,6 +26,7 @@ from .numpy_c import NUMPY_C
 from .steps import Fusion, Scratch
 
 
+@runtime_checkable
 class ArrayBackend(Protocol):
     """One array library as the runtime uses it. The kernel methods return None where this backend has no
     kernel of that kind for ``xp`` (the caller then runs the steps as plain ``xp`` calls, exec/fused.py)."""

@@ -260,7 +260,7 @@ class Cupy:
         return xp.asarray(x)
 
     def synchronize(self) -> None:
-        sys.modules["cupy"].cuda.get_current_stream().synchronize()
+        import_cupy().cuda.get_current_stream().synchronize()
 
     def fusion_kernel(self, fusion: Fusion, xp, operand_dtypes, scratch, out=None):
         return _cupy_kernel(fusion, xp, operand_dtypes) if elementwise_kernels(xp) else None
