@@ -16,7 +16,8 @@ from mpi4py import MPI
 
 import spmd_runtime as sr
 from spmd_runtime.__main__ import format_comm_summary
-from spmd_runtime.exec.backend import array_module_of, is_device_array, to_host
+from spmd_runtime.exec.backend import array_module_of, to_host
+from spmd_runtime.exec.backends import backend_of
 from spmd_runtime.models import BlockConfig, block_params, megatron_specs, transformer_block
 
 
@@ -55,8 +56,7 @@ def time_steps(program, inputs, comm, steps, backend=None) -> float:
         comm.Barrier()
         t0 = time.perf_counter()
         outs = sr.run(program, *inputs, backend=backend)
-        if is_device_array(outs[0]):  # the timer must wait for the GPU
-            array_module_of(outs[0]).cuda.get_current_stream().synchronize()
+        backend_of(array_module_of(outs[0])).synchronize()  # the timer must wait for the GPU
         times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     return float(np.median(times))
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from .comm import watchdog
 from .comm.agreement import agree, capture
+from .devices import is_device_array
 from .exec.backend import get_array_module, to_host
 from .exec.runner import block_slices, communicator, run_local, shard, unshard
 from .graph import TensorSpec
@@ -81,7 +82,7 @@ class DArray:
 
 
 def _global_value(d: DArray, mc):
-    xp = get_array_module("cupy" if type(d.local).__module__.startswith("cupy") else "numpy")
+    xp = get_array_module("cupy" if is_device_array(d.local) else "numpy")
     x = xp.asarray(d.local)
     padded = d.sharding.local_shape(d.shape, d.mesh)
     widths = [(0, want - have) for have, want in zip(x.shape, padded)]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .devices import is_cupy
+
 try:
     import ml_dtypes
 except ImportError:  # optional: float16 works without it
@@ -77,7 +79,7 @@ def finfo(dt):
 
 def check_backend(xp, dt) -> None:
     """Refuse a dtype the array module ``xp`` cannot hold (CuPy has no bfloat16)."""
-    if is_bfloat16(dt) and getattr(xp, "__name__", "") == "cupy":
+    if is_bfloat16(dt) and is_cupy(xp):
         raise TypeError("the CuPy backend has no bfloat16 dtype (float16 is native); got a bfloat16 value: "
                         "use float16 on GPUs or SPMD_BACKEND=numpy")
 

@@ -6,7 +6,7 @@ pinned host buffers (fast DMA), which are kept and reused across calls because
 pinning memory costs far more than a copy.
 
 Whether an array lives on the device is decided by ``__cuda_array_interface__``
-alone, so tests without a GPU can exercise both paths with a host-backed object
+alone (``spmd_runtime.devices.is_device_array``, re-exported here), so tests without a GPU can exercise both paths with a host-backed object
 exposing that attribute and a fake ``DeviceOps``. CuPy is imported only when a
 device array is actually seen: nothing here needs it to import.
 """
@@ -20,12 +20,10 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..devices import import_cupy, is_device_array
+
 CUDA_AWARE_ENV = "SPMD_CUDA_AWARE"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def is_device_array(x) -> bool:
-    return hasattr(x, "__cuda_array_interface__")
 
 
 def cuda_aware_mpi() -> bool:
@@ -81,9 +79,7 @@ class CupyDeviceOps:
     """The device operations the staging path needs, done with CuPy."""
 
     def __init__(self):
-        import cupy  # only reached once a device array is seen
-
-        self.cupy = cupy
+        self.cupy = import_cupy()  # only reached once a device array is seen
 
     def array_module(self, x):
         return self.cupy.get_array_module(x)

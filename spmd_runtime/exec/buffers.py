@@ -14,6 +14,9 @@ import os
 import numpy as np
 
 from ..opdef import fresh_result, lookup
+from ..ops.core import CONVERT, REDUCE, SELECT
+from ..ops.einsum import EINSUM
+from ..partition.fusion import FUSED_REDUCE, FUSION
 
 
 def buffer_owners(program) -> dict[int, frozenset]:
@@ -65,7 +68,7 @@ def may_reach_outputs(program, slots) -> bool:
 # ------------------------------------------------------------------ planned result buffers
 PLAN_ENV = "SPMD_PLAN_BUFFERS"
 # With the ufunc ops: the ops whose binder or kernel (its ``into=``) writes into a given buffer.
-PLANNED_OPS = ("fusion", "fused_reduce", "einsum", "reduce", "select", "convert")
+PLANNED_OPS = tuple(op.name for op in (FUSION, FUSED_REDUCE, EINSUM, REDUCE, SELECT, CONVERT))
 
 
 def planning_enabled() -> bool:

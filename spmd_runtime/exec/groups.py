@@ -10,21 +10,20 @@ listing), each handing on its result from the group's loop. A member that writes
 (``donate``: AdamW's update of a donated parameter, ``partition(donate=...)``) does so from the group's loop
 too, where nothing else reads that operand after the lead. ``$SPMD_CPU_GROUPS=0`` binds every fusion alone.
 
-Only compiled loops (exec/cpu_kernels.py) and CuPy's generated kernels run groups: on NumPy without a
+Only compiled loops (exec/backends/numpy_c.py) and CuPy's generated kernels run groups: on NumPy without a
 compiler, for a group too small or not compilable, in loop bodies (whose results a scan redirects per
 iteration), and where a member after the lead has a planned buffer (exec/buffers.py: it may hold another
 value until the member's place), each fusion runs alone.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from dataclasses import dataclass
 
-import numpy as np
-
+from ..partition.fusion import FUSION
 from ..program import Instr
-from .fused import Fusion, cuda_source, operand_check, operand_dtypes
+from .backends import backend_of
+from .fused import Fusion, operand_dtypes
 
 GROUPS_ENV = "SPMD_CPU_GROUPS"
 
@@ -92,10 +91,10 @@ def _donations_hold(instrs, at, members, readers) -> bool:
 
 
 def bind_group(interp, group: Group) -> dict:
-    """Slot -> (callable, operand slots) for every member: the lead runs the group's loop (a compiled C loop,
-    or on CuPy one ElementwiseKernel with an output per member) over all the group's operands and keeps the
-    later members' results until each hands its own on."""
-    compute, results = (_compiled(interp, group) if interp.xp is np else _elementwise_kernel(interp, group)), {}
+    """Slot -> (callable, operand slots) for every member: the lead runs the group's loop (the backend's: a
+    compiled C loop, or on CuPy one ElementwiseKernel with an output per member) over all the group's operands
+    and keeps the later members' results until each hands its own on."""
+    compute, results = backend_of(interp.xp).group_kernel(interp, group), {}
 
     def run(*args):
         outs = compute(args)
@@ -105,43 +104,8 @@ def bind_group(interp, group: Group) -> dict:
     return {group.members[0]: (run, group.ins.args), **handed_on}
 
 
-def _compiled(interp, group: Group):
-    """``operands -> member results`` through the group's compiled C loop (exec/cpu_kernels.py)."""
-    kernel = interp.cpu_kernels["group", group.members[0]]
-    kernel.argtypes = [ctypes.c_void_p] * (len(group.ins.args) + len(group.members))
-    kernel.restype = None
-    check = operand_check(group.fusion, group.dtypes)
-    made = [(interp.planned.get(slot), *_result(interp, slot), k) for slot, k in zip(group.members, group.into)]
-
-    def compute(args):
-        arrays = check(args)
-        outs = [arrays[k] if k >= 0 else planned if planned is not None else np.empty(shape, dtype)
-                for planned, shape, dtype, k in made]
-        kernel(*[a.ctypes.data for a in arrays], *[o.ctypes.data for o in outs])
-        return outs
-    return compute
-
-
-def _elementwise_kernel(interp, group: Group):
-    """``operands -> member results`` through ONE generated CuPy ElementwiseKernel writing every member."""
-    cp = interp.xp
-    kernel = cp.ElementwiseKernel(*cuda_source(group.fusion, group.dtypes, group.results), "spmd_group")
-    made = [(*_result(interp, slot), k) for slot, k in zip(group.members, group.into)]
-
-    def compute(args):
-        outs = [args[k] if k >= 0 else cp.empty(shape, dtype) for shape, dtype, k in made]
-        kernel(*group.fusion.views(args), *outs)
-        return outs
-    return compute
-
-
-def _result(interp, slot: int) -> tuple:
-    ins = interp.program.instrs[slot]
-    return tuple(ins.shape), np.dtype(ins.dtype)
-
-
 def _groupable(ins) -> bool:
-    return ins.op == "fusion"
+    return ins.op == FUSION.name
 
 
 def _merged(program, members: list) -> Group:

@@ -12,6 +12,8 @@ import numpy as np
 
 from ..comm import collectives
 from ..opdef import lookup
+from ..ops.core import PARAMETER
+from ..partition.fusion import FUSION
 from ..partition.schedule import pairs
 from ..program import SPMDProgram
 from .buffers import output_buffers, plan_buffers
@@ -38,7 +40,7 @@ class Interpreter:
         candidates = {lead: g for lead, g in (sibling_groups(program) if grouping else {}).items()
                       if not any(m in self.planned for m in g.members[1:])}
         self.cpu_kernels = compiled_fusions(program, candidates) if xp is np else {}  # slot -> compiled C loop
-        self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == "parameter"]
+        self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == PARAMETER.name]
         self.children: list = []  # the interpreters of loop bodies and branches bound inside this one
         self.in_flight: list = []  # issued nonblocking collectives not yet waited for, oldest first
         self.dones = pairs(program)  # start slot -> done slot: a start binds with its done's flags
@@ -46,7 +48,7 @@ class Interpreter:
                    if xp is not np or ("group", lead) in self.cpu_kernels
                    for slot, bound in bind_group(self, group).items()}  # slot -> (callable, operand slots)
         self.bound = [(i.out, *grouped[i.out], i.free) if i.out in grouped else (i.out, self._bind(i), i.args, i.free)
-                      for i in instrs if i.op != "parameter"]
+                      for i in instrs if i.op != PARAMETER.name]
         self.steps = with_progress(self, self.bound)
         self.output_slots = [o.slot for o in program.outputs]
 
@@ -66,7 +68,7 @@ class Interpreter:
         elementwise op whose operand buffer dies here writes into it (``ins.donate``; a collective's binder
         handles its own)."""
         record = lookup(ins.op)
-        if ins.out in self.cpu_kernels and ins.op != "fusion":  # an op compiled alone (fused.COMPILED_ALONE), a
+        if ins.out in self.cpu_kernels and ins.op != FUSION.name:  # an op compiled alone (fused.COMPILED_ALONE), a
             return bind_compiled(self, ins)  # reduction over rows (fused or not)
         if ins.donate >= 0 and record.ufunc:
             return partial(_into_operand, getattr(self.xp, record.ufunc), ins.donate)

@@ -23,6 +23,7 @@ from ..comm.collectives import persistent_enabled
 from ..comm.affinity import bind_to_cores
 from ..comm.agreement import agree, capture
 from ..comm.communicator import MeshCommunicator, world
+from ..devices import is_cupy
 from ..dtypes import check_backend
 from .. import pytree
 from ..profile import instrument, profiling
@@ -125,7 +126,7 @@ class Runtime:
     def array_module(self, backend):
         """NumPy or CuPy; with CuPy each rank binds its GPU (node-local rank) once (collective on first use)."""
         xp = get_array_module(backend)
-        if xp.__name__ == "cupy" and not self._gpu_bound:
+        if is_cupy(xp) and not self._gpu_bound:
             select_device(self.comm)
             self._gpu_bound = True
         return xp

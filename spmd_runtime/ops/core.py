@@ -37,6 +37,8 @@ ELEMENTWISE = {name: define(name, fresh=True, in_place=True, ufunc=ufunc, cheap=
                for name, ufunc in {**UNARY_UFUNCS, **BINARY_UFUNCS}.items()}
 UNARY = tuple(ELEMENTWISE[n] for n in UNARY_UFUNCS)
 BINARY = tuple(ELEMENTWISE[n] for n in BINARY_UFUNCS)
+NEG, EXP, LOG, TANH, SQRT, ABS, NOT = UNARY  # by name, for the layers that key tables by record (code generators)
+ADD, SUB, MUL, DIV, POW, MAXIMUM, MINIMUM, EQ, NE, LT, LE, GT, GE, AND, OR = BINARY
 COMPARISONS = tuple(ELEMENTWISE[n] for n in ("eq", "ne", "lt", "le", "gt", "ge"))
 SELECT = define("select", fresh=True, cheap=True)
 CONVERT = define("convert", fresh=True, cheap=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import opdef
+from .. import devices, opdef
 from ..opdef import define
 from ..trace import Tensor, emit
 from . import core
@@ -166,9 +166,6 @@ def _add_rows(xp, operand, rows, updates, axis, keep=None):
             picked = keep.reshape(-1)
             flat, values = flat[picked], values[picked]
         _add_sorted(target, flat, values)
-    elif hasattr(xp.add, "at"):
-        xp.add.at(target, rows.reshape(-1), values)
-    else:  # CuPy without ufunc.at
-        import cupyx  # here, not at the top: cupy is an optional dependency
-        cupyx.scatter_add(target, rows.reshape(-1), values)
+    else:  # ufunc.at, or CuPy's scatter_add where it has none
+        devices.scatter_add(xp, target, rows.reshape(-1), values)
     return out

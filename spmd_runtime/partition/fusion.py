@@ -30,11 +30,13 @@ from functools import lru_cache
 import numpy as np
 
 from ..opdef import define, lookup
+from ..ops.core import BROADCAST_IN_DIM, CONSTANT, CONVERT, MUL, PARAMETER, REDUCE, SELECT
+from ..ops.einsum import EINSUM
 from ..program import IOSpec, Instr, SPMDProgram
 
 FUSE_ENV = "SPMD_FUSE"
 # The fused instruction: a fresh result, or written into a dying operand of its shape (``donate``). Its binder
-# (one kernel for the chain) is attached in exec/fused.py.
+# (one kernel for the chain) is exec/fused.py's, in exec's BIND table.
 FUSION = define("fusion", "program", fresh=True, in_place=True)
 # A reduction over the trailing dims of a chain nothing else reads: the chain computed and reduced in one pass,
 # its values never stored (XLA's loop fusion with a reduction at its root). Attributes: the chain's (code,
@@ -51,7 +53,7 @@ MAX_DUPLICATES = 16  # cheap producers recomputed per group: bounds the work a l
 @lru_cache(maxsize=None)  # per op name: a record's ufunc is fixed when it is defined
 def fusible(op: str) -> bool:
     """Computed pointwise, same shape in and out: the ufunc ops, select and convert."""
-    return lookup(op).ufunc is not None or op in ("select", "convert")
+    return lookup(op).ufunc is not None or op in (SELECT.name, CONVERT.name)
 
 
 def pointwise(ins: Instr, instrs) -> str | None:
@@ -59,7 +61,7 @@ def pointwise(ins: Instr, instrs) -> str | None:
     and convert; ``mul`` for a broadcast product (``product_operands``)."""
     if fusible(ins.op):
         return ins.op
-    return "mul" if product_operands(ins, instrs) is not None else None
+    return MUL.name if product_operands(ins, instrs) is not None else None
 
 
 def product_operands(ins: Instr, instrs) -> tuple | None:
@@ -67,7 +69,7 @@ def product_operands(ins: Instr, instrs) -> tuple | None:
     gain and bias in models/lm.py, einsums so that their gradients partition as contractions): each operand's
     shape spread over the output's dims (1 where its letters lack one), so that the einsum is a broadcasting
     multiply. None for any other instruction, and for operands of another dtype (no rounding changes)."""
-    letters = _product_letters(ins.attrs["spec"]) if ins.op == "einsum" else None
+    letters = _product_letters(ins.attrs["spec"]) if ins.op == EINSUM.name else None
     if letters is None or ins.dtype not in ("float32", "float64") or any(instrs[a].dtype != ins.dtype
                                                                           for a in ins.args):
         return None
@@ -118,7 +120,7 @@ def fuse_elementwise(program: SPMDProgram):
 def row_reduction(ins: Instr, operand: Instr) -> bool:
     """Whether ``ins`` is a float sum/max/min over the trailing dims (C order: rows) of ``operand``, of its
     dtype: what a ``fused_reduce`` (and a compiled row loop, exec/fused.py) computes."""
-    if ins.op != "reduce" or ins.attrs["kind"] not in REDUCIBLE or ins.dtype not in ("float32", "float64"):
+    if ins.op != REDUCE.name or ins.attrs["kind"] not in REDUCIBLE or ins.dtype not in ("float32", "float64"):
         return False
     axes, rank = sorted(ins.attrs["axes"]), len(operand.shape)
     return bool(axes) and axes == list(range(rank - len(axes), rank)) and operand.dtype == ins.dtype
@@ -130,15 +132,15 @@ def _fuse_reductions(kept: list[Instr], users, outputs, instrs) -> int:
     left unread: dropped by the rebuild). Returns how many."""
     by_slot, count = {i.out: i for i in kept}, 0
     for k, ins in enumerate(kept):
-        src = by_slot.get(ins.args[0]) if ins.op == "reduce" else None
+        src = by_slot.get(ins.args[0]) if ins.op == REDUCE.name else None
         if (src is None or not row_reduction(ins, src) or src.out in outputs or users[src.out] != [ins.out]
                 or 0 in src.shape):
             continue
-        chain = src if src.op == "fusion" else _fusion(src, {src.out}, instrs, single=True) \
+        chain = src if src.op == FUSION.name else _fusion(src, {src.out}, instrs, single=True) \
             if pointwise(src, instrs) else None
         if chain is None:
             continue
-        kept[k] = ins.copy(op="fused_reduce", args=chain.args, attrs={**chain.attrs, "chain_shape": tuple(src.shape),
+        kept[k] = ins.copy(op=FUSED_REDUCE.name, args=chain.args, attrs={**chain.attrs, "chain_shape": tuple(src.shape),
                                                                         "kind": ins.attrs["kind"],
                                                                         "axes": tuple(ins.attrs["axes"])})
         count += 1
@@ -232,7 +234,7 @@ def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Ins
                 consts.append((value, src.dtype))
             return literal[key]
         shape = src.shape if spread is None else spread
-        if spread is None and src.op == "broadcast_in_dim" and list(src.attrs["dims"]) == sorted(src.attrs["dims"]):
+        if spread is None and src.op == BROADCAST_IN_DIM.name and list(src.attrs["dims"]) == sorted(src.attrs["dims"]):
             slot, shape, leaves = src.args[0], _expanded(src, instrs), leaves + 1
         key = (slot, shape)
         if key not in params_index:
@@ -258,15 +260,15 @@ def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Ins
         return None
     attrs = {"code": "; ".join(steps), "consts": tuple(consts), "dtypes": tuple(dtypes),
              "shapes": tuple(tuple(s) for s in shapes)}
-    return root.copy(op="fusion", args=tuple(params), attrs=attrs, free=(), donate=-1)
+    return root.copy(op=FUSION.name, args=tuple(params), attrs=attrs, free=(), donate=-1)
 
 
 def _scalar_constant(src: Instr, instrs):
     """A constant's value (or a broadcast one's) as a typed NumPy scalar, else None."""
-    if src.op == "broadcast_in_dim":
+    if src.op == BROADCAST_IN_DIM.name:
         inner = instrs[src.args[0]]
         return _scalar_constant(inner, instrs) if inner.dtype == src.dtype else None
-    if src.op == "constant" and np.ndim(src.attrs["value"]) == 0:
+    if src.op == CONSTANT.name and np.ndim(src.attrs["value"]) == 0:
         return np.dtype(src.dtype).type(np.asarray(src.attrs["value"]).item()).item()
     return None
 
@@ -282,7 +284,7 @@ def _expanded(bcast: Instr, instrs) -> tuple:
 def _rebuild(program: SPMDProgram, kept: list[Instr]):
     """Drop instructions nothing uses any more and renumber slots densely."""
     by_slot = {i.out: i for i in kept}
-    live, stack = set(), [o.slot for o in program.outputs] + [i.out for i in kept if i.op == "parameter"]
+    live, stack = set(), [o.slot for o in program.outputs] + [i.out for i in kept if i.op == PARAMETER.name]
     while stack:
         s = stack.pop()
         if s not in live:

@@ -13,7 +13,9 @@ import types
 import numpy as np
 import pytest
 
-from spmd_runtime.exec import backend as bk
+from spmd_runtime import devices
+from spmd_runtime.comm.testing import HostDeviceArray
+from spmd_runtime.exec import backend as bk, backends
 
 
 # --------------------------------------------------------------- helpers
@@ -231,6 +233,25 @@ def test_to_host_and_to_device_numpy(no_cupy):
     assert bk.array_module_of(a) is np
 
 
+def test_the_registry_names_each_backend_and_finds_an_array_modules(clean_env):
+    assert bk.BACKENDS == ("numpy", "cupy") and backends.backend("numpy").array_module() is np
+    assert all(isinstance(b, backends.ArrayBackend) for b in backends.REGISTRY.values())
+    assert backends.backend_of(np).name == "numpy" and backends.backend_of(_fake_cupy(1)).name == "cupy"
+    with pytest.raises(ValueError, match=r"one of \('numpy', 'cupy'\); got 'tpu'"):
+        backends.backend("tpu")
+
+
+def test_a_device_array_is_one_whose_type_exports_the_cuda_interface():
+    assert devices.is_device_array(HostDeviceArray(np.zeros(3)))
+    assert not devices.is_device_array(np.zeros(3)) and not devices.is_device_array(None)
+
+
+def test_scatter_add_accumulates_repeated_rows_with_ufunc_at():
+    target = np.zeros((3, 2))
+    devices.scatter_add(np, target, np.array([0, 2, 0]), np.ones((3, 2)))
+    np.testing.assert_array_equal(target, [[2, 2], [0, 0], [1, 1]])
+
+
 def test_to_device_cupy_uses_xp_asarray(clean_env):
     fake = _install_cupy(clean_env, 1)
     tag, arr = bk.to_device([1, 2, 3], fake)
@@ -239,19 +260,23 @@ def test_to_device_cupy_uses_xp_asarray(clean_env):
 
 
 def test_backend_module_does_not_import_cupy_or_mpi():
-    """Importing the backend must stay cheap and optional-dependency free."""
+    """Importing the backend must stay cheap and optional-dependency free: the device floor (where cupy is
+    imported, lazily) imports neither cupy nor MPI, and the backends import no cupy."""
     import subprocess
 
-    # Load the file on its own so that whatever the package __init__ imports
+    # Load the floor file on its own so that whatever the package __init__ imports
     # does not count against it.
     code = (
         "import importlib.util, sys; "
-        f"spec = importlib.util.spec_from_file_location('backend_alone', {bk.__file__!r}); "
+        f"spec = importlib.util.spec_from_file_location('devices_alone', {devices.__file__!r}); "
         "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod); "
         "print(sorted(m for m in ('cupy', 'mpi4py.MPI') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+    code = "import sys, spmd_runtime.exec.backend, spmd_runtime.exec.backends; print('cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # ----------------------------------------------------------- real cupy

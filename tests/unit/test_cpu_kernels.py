@@ -1,4 +1,4 @@
-"""Fusions as compiled C loops (exec/cpu_kernels.py): the loop nest a fusion gets, the compiled results
+"""Fusions as compiled C loops (exec/backends/numpy_c.py): the loop nest a fusion gets, the compiled results
 against the NumPy ufunc chain and the reference evaluator (special values included), the fallbacks."""
 import os
 import shutil
@@ -9,7 +9,7 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
-from spmd_runtime.exec import cpu_kernels
+from spmd_runtime.exec.backends import numpy_c as cpu_kernels
 from spmd_runtime.exec.fused import Fusion, compiled_fusions
 from spmd_runtime.exec.interpreter import Interpreter
 from spmd_runtime.exec.runner import communicator
@@ -200,8 +200,7 @@ def test_a_strided_operand_is_read_correctly(compiled):
 def test_an_operand_of_another_dtype_than_the_program_says_is_refused(compiled):
     fused, _ = both(lambda x: snp.exp(x * 2.0), [sr.TensorSpec((8,), F32)], sr.Mesh((1,), ("x",)), [(None,)])
     (f,) = fusions(fused)
-    from spmd_runtime.exec.fused import _compiled_chain
-    run = _compiled_chain(Fusion(f), compiled_fusions(fused)[f.out], [F32], None)
+    run = cpu_kernels.compiled_chain(Fusion(f), compiled_fusions(fused)[f.out], [F32], None)
     with pytest.raises(ValueError, match=r"must be float32\[8 elements\].*got float64\[8\]"):
         run(np.zeros(8))
     np.testing.assert_array_equal(run(np.zeros(8, F32)), np.ones(8, F32))

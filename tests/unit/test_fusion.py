@@ -7,7 +7,7 @@ import spmd_runtime as sr
 import spmd_runtime.nn as nn
 import spmd_runtime.models.lm as lm
 import spmd_runtime.numpy as snp
-from spmd_runtime.exec import fused as fused_kernels
+from spmd_runtime.exec.backends import numpy_c as fused_kernels
 from spmd_runtime.exec.fused import Fusion, cuda_source
 from spmd_runtime.autodiff import value_and_grad
 from spmd_runtime.opdef import lookup

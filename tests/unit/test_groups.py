@@ -8,7 +8,8 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
-from spmd_runtime.exec import cpu_kernels, groups
+from spmd_runtime.exec import groups
+from spmd_runtime.exec.backends import numpy_c as cpu_kernels
 from spmd_runtime.exec.interpreter import Interpreter
 from spmd_runtime.exec.runner import communicator
 from test_fusion import fusions
