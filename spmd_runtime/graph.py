@@ -12,6 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .opdef import define
+
+# The records of the two leaves tracing itself emits: a graph's inputs and the user's sharding annotations (their
+# kernels and rules are ops/core.py's and the layers'; defined here so the graph and the tracer can name them).
+PARAMETER = define("parameter", read_only=True)  # the caller's array
+MESH_SPLIT = define("mesh_split")
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape and dtype of a traced function's argument."""
@@ -97,7 +104,7 @@ class Graph:
     def name_of(self, node_id: int) -> str | None:
         """The user's name for a value: a parameter's name or ``mesh_split(..., name=...)``."""
         node = self.nodes[node_id]
-        return node.attrs.get("name") if node.op in ("parameter", "mesh_split") else None
+        return node.attrs.get("name") if node.op in (PARAMETER.name, MESH_SPLIT.name) else None
 
     def __str__(self):
         lines = [f"graph({', '.join(f'{n}: {self.nodes[p].spec}' for n, p in zip(self.param_names, self.params))})"]

@@ -1,34 +1,31 @@
-"""The op-definition floor: every op is ONE record, ``OpDef``, registered once.
+"""The op-definition floor: every op is ONE record, ``OpDef``, registered once, and ``RuleTable``, the shape
+of every layer's rules for the ops.
 
-A record holds everything the layers above need to know about one op:
+A record holds what an op is, not what the layers do with it:
 
-- ``propagation``: how shardings flow through it (level, forward, backward), read by
-  ``partition/propagation.py``;
-- ``partition``: ``fn(ctx, node) -> LocalValue``, which proposes strategies and emits the local op,
-  read by ``partition/partitioner.py``;
-- ``kernel``: ``fn(xp, *operands, **attrs)``, the local computation shared by the reference
-  evaluator and the interpreter, or ``bind``: ``fn(interpreter, instr) -> callable`` for ops whose
-  behaviour depends on the rank (collectives, layout ops), read by ``exec/interpreter.py``;
-- ``vjp``: ``fn(node, cotangent, operands, result) -> [cotangent | None | thunk]``, read by
-  ``autodiff.py``;
-- ``fresh`` / ``read_only``: whether its result is a buffer no other value shares, or the caller's or
-  the program's own array (buffer donation in the partitioner, buffer reuse in the interpreter);
-  ``fresh_if``: ``fn(instr, operand instrs) -> bool`` for an op whose results are fresh for some
-  instructions only (a scan's stacked results, not its carries; read through ``fresh_result``);
-  ``in_place``: it may write its result into an operand whose buffer dies there; ``ufunc``: the
-  array-module ufunc of an elementwise op (it takes ``out=``); ``collective``: it moves data between
-  ranks; ``cheap``: pointwise with no transcendental and no division, so cheaper to recompute in each
-  consumer than to store (fusion's duplicated producers, the scan backward's recomputed values).
+- ``name`` (what graphs and programs store: JSON-able), ``kind`` and ``module`` (where it was defined: the
+  one module where its name may be written as a string, ``tests/unit/test_layers.py``);
+- ``kernel``: ``fn(xp, *operands, **attrs)``, the local computation shared by the reference evaluator and the
+  interpreter;
+- buffer flags: ``fresh`` / ``read_only``: whether its result is a buffer no other value shares, or the
+  caller's or the program's own array (buffer donation in the partitioner, buffer reuse in the interpreter);
+  ``fresh_if``: ``fn(instr, operand instrs) -> bool`` for an op whose results are fresh for some instructions
+  only (a scan's stacked results, not its carries; read through ``fresh_result``); ``in_place``: it may write
+  its result into an operand whose buffer dies there; ``ufunc``: the array-module ufunc of an elementwise op
+  (it takes ``out=``); ``collective``: it moves data between ranks; ``cheap``: pointwise with no
+  transcendental and no division, so cheaper to recompute in each consumer than to store (fusion's
+  duplicated producers, the scan backward's recomputed values).
 
-The shape/dtype rule of a graph op is its traced constructor (e.g. ``ops.core.add``), the one
-function that emits it. ``kind`` says which parts an op must have: a ``"graph"`` op (traced) has a
-propagation rule, a partition rule, a kernel and a VJP; a ``"program"`` op (emitted only by the
-partitioner) has a kernel or a binder. ``tests/unit/test_opdef.py`` checks every record.
+The shape/dtype rule of a graph op is its traced constructor (e.g. ``ops.core.add``), the one function that
+emits it. Each layer that transforms programs keeps its rules for the ops in its own ``RuleTable`` keyed by
+the record, in its own ``rules/`` folder (JAX's per-transformation rule tables keyed by primitive):
+``autodiff/rules`` (``VJP``), ``partition/rules`` (``PROPAGATION``, ``PARTITION``), ``exec/rules`` (``BIND``:
+binders of rank-dependent ops). ``kind`` says which an op needs: a ``"graph"`` op (traced) has a propagation
+rule, a partition rule, a VJP and a kernel; a ``"program"`` op (emitted only by the partitioner) has a kernel
+or a binder. ``tests/unit/test_opdef.py`` checks every record against the tables.
 
-Op families (``spmd_runtime/ops/*.py``) each define their records in ONE file: ``define`` the
-record, then attach its parts with the decorators below. This module imports nothing from the
-package: it is the floor every layer stands on. Identity is the record; graphs and programs store
-its ``name`` (JSON-able), and ``lookup`` maps a name back, refusing names never defined.
+This module imports nothing from the package: it is the floor every layer stands on. Identity is the record;
+``lookup`` maps a stored name back, refusing names never defined.
 """
 from __future__ import annotations
 
@@ -60,25 +57,13 @@ class OpDef:
     ufunc: str | None = None
     collective: bool = False
     cheap: bool = False
-    propagation: PropagationRule | None = None
-    partition: Callable | None = None
     kernel: Callable | None = None
-    bind: Callable | None = None
-    vjp: Callable | None = None
 
     def __repr__(self):
         return f"OpDef({self.name!r}, {self.kind})"
 
     def __str__(self):
         return self.name
-
-    def missing_parts(self) -> list[str]:
-        """The parts this op's kind requires that it lacks (empty when complete)."""
-        if self.kind == "program":
-            return [] if self.kernel or self.bind else ["kernel or bind"]
-        need = {"propagation": self.propagation, "partition": self.partition, "vjp": self.vjp,
-                "kernel": self.kernel or self.bind}
-        return [part for part, value in need.items() if value is None]
 
 
 _OPS: dict[str, OpDef] = {}
@@ -91,7 +76,8 @@ def define(name: str, kind: str = "graph", **flags) -> OpDef:
         raise ValueError(f"an op is defined once; got a second definition of {name!r}")
     if kind not in KINDS:
         raise ValueError(f"an op's kind is one of {KINDS}; got {kind!r} for {name!r}")
-    _OPS[name] = OpDef(name, kind, sys._getframe(1).f_globals.get("__name__", ""), **flags)
+    module = flags.pop("module", None) or sys._getframe(1).f_globals.get("__name__", "")  # a table's records: the table
+    _OPS[name] = OpDef(name, kind, module, **flags)
     return _OPS[name]
 
 
@@ -131,17 +117,15 @@ class RuleTable:
         def add(rule):
             for op in ops:
                 record = lookup(op)
-                if record in self._rules or getattr(record, self.part, None) is not None:
+                if record in self._rules:
                     raise ValueError(f"an op has one {self.part} rule; got a second one for {record.name!r}")
                 self._rules[record] = rule
             return rule
         return add if value is None else add(value)
 
     def get(self, op):
-        """The rule of ``op`` (a record or its name), or None (an op still carrying its rule on the record
-        counts until every family has moved its rules to its layer)."""
-        record = lookup(op)
-        return self._rules.get(record, getattr(record, self.part, None))
+        """The rule of ``op`` (a record or its name), or None."""
+        return self._rules.get(lookup(op))
 
     def __contains__(self, op) -> bool:
         return self.get(op) is not None
@@ -150,35 +134,13 @@ class RuleTable:
         return [r for r in _OPS.values() if r in self]
 
 
-def _attach(part: str, ops, value):
-    for op in ops:
-        record = lookup(op)
-        if getattr(record, part) is not None:
-            raise ValueError(f"an op has one {part}; got a second one for {record.name!r}")
-        setattr(record, part, value)
-
-
-def propagation(*ops, level: int):
-    """Decorate ``pair() -> (forward, backward)`` as the propagation rule of ``ops`` at ``level``."""
-    def register(pair):
-        forward, backward = pair()
-        _attach("propagation", ops, PropagationRule(level, forward, backward))
-        return pair
+def kernel(*ops):
+    """Decorate ``fn(xp, *operands, **attrs) -> array`` as the kernel of ``ops`` (records or names)."""
+    def register(fn):
+        for op in ops:
+            record = lookup(op)
+            if record.kernel is not None:
+                raise ValueError(f"an op has one kernel; got a second one for {record.name!r}")
+            record.kernel = fn
+        return fn
     return register
-
-
-def _part(part: str):
-    def decorator(*ops):
-        def register(fn):
-            _attach(part, ops, fn)
-            return fn
-        return register
-    decorator.__name__ = part
-    decorator.__doc__ = f"Decorate a function as the {part} of ``ops`` (records or names)."
-    return decorator
-
-
-partition = _part("partition")  # fn(ctx, node) -> LocalValue
-kernel = _part("kernel")  # fn(xp, *operands, **attrs) -> array
-bind = _part("bind")  # fn(interpreter, instr) -> fn(*operands) -> array
-vjp = _part("vjp")  # fn(node, cotangent, operands, result) -> [cotangent | None | thunk]

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .graph import PARAMETER
 from .mesh import Mesh
 from .cost import DEFAULT_MODEL, CostModel, collective_kind, group_size, wire_bytes
 from .opdef import lookup
+from .ops.control import SCAN
 from .dtypes import LOW_PRECISION, dtype as parse_dtype
 from .program_check import check_program
 from .sharding import Sharding
@@ -140,7 +142,7 @@ class SPMDProgram:
         for ins in self.instrs:
             for body in _bodies(ins):  # a loop's temporaries live while it runs
                 peak = max(peak, cur + body.peak_bytes() - sum(body.input_bytes()) + _stacked_bytes(ins))
-            if ins.op != "parameter":  # inputs are counted above
+            if ins.op != PARAMETER.name:  # inputs are counted above
                 reused = ins.donate >= 0 and ins.args[ins.donate] in live
                 live[ins.out] = live.pop(ins.args[ins.donate]) if reused else ins.nbytes
                 cur += 0 if reused else ins.nbytes
@@ -154,14 +156,14 @@ class SPMDProgram:
         """Positions of the inputs whose buffers the program may overwrite (``partition(donate=...)``)."""
         if "_donated" not in self.__dict__:
             self.__dict__["_donated"] = frozenset(i.attrs["index"] for i in self.instrs
-                                                  if i.op == "parameter" and i.attrs.get("donated"))
+                                                  if i.op == PARAMETER.name and i.attrs.get("donated"))
         return self.__dict__["_donated"]
 
     @property
     def written_inputs(self) -> frozenset:
         """Positions of the donated inputs some instruction writes its result into (``Instr.donate``). Not
         cached: a pass that redoes the donations changes it."""
-        donated = {i.out: i.attrs["index"] for i in self.instrs if i.op == "parameter" and i.attrs.get("donated")}
+        donated = {i.out: i.attrs["index"] for i in self.instrs if i.op == PARAMETER.name and i.attrs.get("donated")}
         return frozenset(donated[i.args[i.donate]] for i in self.instrs if i.donate >= 0 and i.args[i.donate] in donated)
 
     def __str__(self):
@@ -176,7 +178,7 @@ class SPMDProgram:
         """Instructions and the return line; a loop's body follows it, nested (like HLO's while)."""
         lines = []
         for ins in self.instrs:
-            if ins.op == "parameter":
+            if ins.op == PARAMETER.name:
                 continue
             attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in ins.attrs.items() if not _is_program(v))
             args = ", ".join(f"%{a}" + ("!" if k == ins.donate else "") for k, a in enumerate(ins.args))
@@ -291,7 +293,7 @@ def _bodies(ins: Instr) -> list[SPMDProgram]:
 def _stacked_bytes(ins: Instr) -> int:
     """The stacked ys a scan fills while it runs."""
     body = ins.attrs.get("body")
-    if ins.op != "scan" or body is None:
+    if ins.op != SCAN.name or body is None:
         return 0
     return sum(ins.attrs["length"] * n for n in body.output_bytes()[ins.attrs["num_carry"]:])
 

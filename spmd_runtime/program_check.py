@@ -21,20 +21,22 @@ import numpy as np
 from . import opdef
 from .collective_kinds import BY_DONE, BY_START, KINDS
 from .dtypes import LOW_PRECISION, dtype as parse_dtype
+from .graph import PARAMETER
+from .ops.core import CONVERT, REDUCE_KINDS, SELECT, reduction  # noqa: F401  (reduction: re-exported)
+from .ops.spmd import FUSED_REDUCE, FUSION, MASK_PADDING, ROTATED_CONCAT, SHARD_INDEX, SHARD_SLICE
 
-REDUCE_KINDS = frozenset({"sum", "max", "min", "prod", "mean", "any", "all"})
 STRING_ATTRIBUTES = {"output": frozenset({"values", "indices"}),  # top_k: which of its two results
                      **{name: frozenset(allowed) for kind in KINDS.values() for name, allowed in kind.strings}}
 BODY_ATTRIBUTES = ("body", "cond", "branches")  # control instructions (ops/control.py) hold programs
 EINSUM_SPEC = re.compile(r"^[A-Za-z]*(,[A-Za-z]*)*->[A-Za-z]*$")
 DTYPE_KINDS = "biufc"  # bool, ints, floats, complex: never object, string or void
 # ops the interpreter binds itself (exec/interpreter.py): attribute names
-INTERPRETER_OPS = {"parameter": {"index"}, "shard_slice": {"dim", "axes"}, "shard_index": {"axes"},
-                   "rotated_concat": {"dim", "axes"},
-                   "mask_padding": {"dim", "axes", "size", "fill"},
-                   "fusion": {"code", "consts", "dtypes", "shapes"},
-                   "fused_reduce": {"code", "consts", "dtypes", "shapes", "chain_shape", "kind", "axes"}}
-INTERPRETER_OPTIONAL = {"shard_slice": {"shift"}, "parameter": {"donated"}}
+INTERPRETER_OPS = {PARAMETER.name: {"index"}, SHARD_SLICE.name: {"dim", "axes"}, SHARD_INDEX.name: {"axes"},
+                   ROTATED_CONCAT.name: {"dim", "axes"},
+                   MASK_PADDING.name: {"dim", "axes", "size", "fill"},
+                   FUSION.name: {"code", "consts", "dtypes", "shapes"},
+                   FUSED_REDUCE.name: {"code", "consts", "dtypes", "shapes", "chain_shape", "kind", "axes"}}
+INTERPRETER_OPTIONAL = {SHARD_SLICE.name: {"shift"}, PARAMETER.name: {"donated"}}
 FUSION_STEP = re.compile(r"^t(\d+)=(\w+)\(((?:[pct]\d+)(?:,[pct]\d+)*)\)$")  # partition/fusion.py's code
 
 
@@ -53,7 +55,7 @@ def check_program(program) -> None:
             raise ProgramError(f"{where}: {e}") from None
         defined.add(ins.out)
     _check_async_pairs(program)
-    params = {i.out for i in program.instrs if i.op == "parameter"}
+    params = {i.out for i in program.instrs if i.op == PARAMETER.name}
     for io in program.inputs:
         _dtype(io.dtype, f"input {io.name!r} dtype")
         if io.slot not in params:
@@ -138,13 +140,6 @@ def _attribute_names(op: str, n_args: int) -> tuple[frozenset, frozenset]:
             frozenset(p.name for p in attrs if p.default is not p.empty))
 
 
-def reduction(xp, kind: str):
-    """The array module's reduction ``kind``, taken from an allow-list: ``kind`` may come from a program file."""
-    if kind not in REDUCE_KINDS:
-        raise ValueError(f"a reduction kind must be one of {sorted(REDUCE_KINDS)}; got {kind!r}")
-    return getattr(xp, kind)
-
-
 def _check_value(name: str, value, program) -> None:
     what = f"attribute {name!r}"
     if name == "axes":
@@ -206,7 +201,7 @@ def _fusion_code(value, what: str) -> None:
     for k, text in enumerate(value.split("; ")):
         m = FUSION_STEP.match(text)
         op = m and m.group(2)
-        pointwise = bool(m) and op in opdef.OPS and (opdef.OPS[op].ufunc is not None or op in ("select", "convert"))
+        pointwise = bool(m) and op in opdef.OPS and (opdef.OPS[op].ufunc is not None or op in (SELECT.name, CONVERT.name))
         if not pointwise or int(m.group(1)) != k or any(r[0] == "t" and int(r[1:]) >= k for r in m.group(3).split(",")):
             raise ProgramError(f"{what} steps must read 't<k>=op(refs)' with a pointwise op and earlier temps; got "
                                f"{text!r}")

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 
 from . import pytree
-from .graph import Graph, TensorSpec
+from .graph import MESH_SPLIT, PARAMETER, Graph, TensorSpec
 from .mesh import Mesh, get_mesh
 from .sharding import parse_spec_free
 
@@ -98,7 +98,7 @@ def trace(fn, *arg_specs) -> Graph:
     try:
         leaves = []
         for i, (name, spec) in enumerate(zip(names, specs)):
-            leaves.append(emit("parameter", [], {"index": i, "name": name}, spec.shape, spec.dtype))
+            leaves.append(emit(PARAMETER, [], {"index": i, "name": name}, spec.shape, spec.dtype))
             g.params.append(leaves[-1].id)
             g.param_names.append(name)
         result = fn(*in_tree.unflatten(leaves))
@@ -178,4 +178,4 @@ def mesh_split(x: Tensor, *mesh_and_spec, name: str | None = None, grad_spec=Non
         attrs["name"] = str(name)
     if grad_spec is not None:
         attrs["grad_sharding"] = parse_spec_free(grad_spec, mesh, x.ndim, what=f"grad_spec of {what}")[0]
-    return emit("mesh_split", [x], attrs, x.shape, x.dtype)  # ops.core.MESH_SPLIT
+    return emit(MESH_SPLIT, [x], attrs, x.shape, x.dtype)

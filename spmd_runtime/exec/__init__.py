@@ -1,5 +1,4 @@
 """Runtime: each MPI rank interprets the one SPMD program on its own shards."""
-from . import fused  # noqa: F401  (fills BIND with the fusion records' binders)
 from . import rules  # noqa: F401  (fills the binder table)
 from .interpreter import Interpreter
 from ..sharding import block_bounds  # the layout rule lives beside Sharding

@@ -35,33 +35,6 @@ from .backends import backend_of, numpy_c as cpu_kernels
 from .backends.cupy import cuda_source, elementwise_kernels  # noqa: F401
 from .backends.numpy_c import compiled_chain, operand_check  # noqa: F401
 from .backends.steps import Fusion, RefIndex, Scratch
-from .rules.table import bind
-
-
-@bind(FUSION)
-def _bind_fusion(interp, ins):
-    """The fusion record's binder: one kernel for the chain, scratch shared by the interpreter's fusions."""
-    if ins.out in interp.cpu_kernels:
-        return bind_compiled(interp, ins)
-    return bind_fusion(ins, interp.xp, operand_dtypes(interp.program, ins), interp.fusion_scratch,
-                       interp.planned.get(ins.out))
-
-
-@bind(FUSED_REDUCE)
-def _bind_fused_reduce(interp, ins):
-    """The chain's kernel into a buffer and the ``reduce`` op's own kernel over it (its numerics exactly); on
-    CuPy one ReductionKernel. (Where it compiled, the interpreter binds the loop: bind_compiled.)"""
-    chain, xp, planned = chain_of(ins), interp.xp, interp.planned.get(ins.out)
-    reduce_kernel, kind, axes = REDUCE.kernel, ins.attrs["kind"], ins.attrs["axes"]
-    dtypes = operand_dtypes(interp.program, ins)
-    fused = backend_of(xp).reduction_kernel(Fusion(chain), xp, dtypes, kind, axes, planned)
-    if fused is not None:
-        return fused
-    values = None
-    if xp is np:  # the chain's values into scratch kept across runs (they never outlive this instruction)
-        values = interp.fusion_scratch.get(chain.shape, np.dtype(chain.dtype), "reduced chain")
-    run_chain = bind_fusion(chain, xp, dtypes, interp.fusion_scratch, values)
-    return lambda *args: reduce_kernel(xp, run_chain(*args), kind, axes, into=planned)
 
 
 def chain_of(ins, program=None):

@@ -341,7 +341,7 @@ def _matmul(x, w):
 def embed(cfg: LMConfig, table, tokens):
     """Rows of ``table`` (vocab, d) for int ``tokens``: a gather (``take``), or Mesh-TensorFlow's one-hot
     contraction, which partitions over a vocab split like any contraction."""
-    use_take = cfg.embedding == "take" or (cfg.embedding == "auto" and hasattr(snp, "take"))
+    use_take = cfg.embedding in ("take", "auto")
     if use_take:
         return snp.take(table, tokens, axis=0)
     return snp.einsum("bsv,vd->bsd", one_hot(tokens, table.shape[0], table.dtype), table)

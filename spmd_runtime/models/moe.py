@@ -129,15 +129,11 @@ def top2_gating(logits, cfg: MoEConfig, noise=None) -> Gating:
 
 
 def _top_indices(probs, k: int):
-    """Top-1 and (k == 2) top-2 expert per token: ``snp.top_k`` when available, else GShard's reference
-    code: argmax, mask the top-1 out, argmax again."""
-    if k == 2 and hasattr(snp, "top_k"):
+    """Top-1 (``argmax``) or, k == 2, top-2 (``snp.top_k``) expert per token (``moe_ffn`` checks k is 1 or 2)."""
+    if k == 2:
         _, index = snp.top_k(probs, 2)
         return index[..., 0], index[..., 1]
-    index1 = snp.argmax(probs, axis=-1)
-    if k == 1:
-        return index1, None
-    return index1, snp.argmax(probs * (1.0 - one_hot(index1, probs.shape[-1])), axis=-1)
+    return snp.argmax(probs, axis=-1), None
 
 
 def _exclusive_cumsum(mask):

@@ -17,14 +17,22 @@ import numpy as np
 
 from .. import opdef
 from ..dtypes import ACCUMULATE, is_low_precision, result_type
+from ..graph import MESH_SPLIT, PARAMETER
 from ..opdef import define
-from ..program_check import reduction
 from ..trace import Tensor, current_graph, emit
 
+REDUCE_KINDS = frozenset({"sum", "max", "min", "prod", "mean", "any", "all"})
+
+
+def reduction(xp, kind: str):
+    """The array module's reduction ``kind``, taken from an allow-list: ``kind`` may come from a program file."""
+    if kind not in REDUCE_KINDS:
+        raise ValueError(f"a reduction kind must be one of {sorted(REDUCE_KINDS)}; got {kind!r}")
+    return getattr(xp, kind)
+
+
 # ================================================================ records
-PARAMETER = define("parameter", read_only=True)  # the caller's array
 CONSTANT = define("constant", read_only=True)  # the program's array
-MESH_SPLIT = define("mesh_split")
 STOP_GRADIENT = define("stop_gradient")  # the value itself; no cotangent flows back through it
 UNARY_UFUNCS = {"neg": "negative", "exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "abs": "absolute",
                 "not": "logical_not"}

@@ -24,9 +24,9 @@ import numpy as np
 
 from .. import opdef
 from ..opdef import define
-from ..program_check import reduction
 from ..trace import Tensor, emit
 from . import core
+from .core import reduction
 
 __all__ = ["conv", "conv_general_dilated", "reduce_window", "cumsum"]
 

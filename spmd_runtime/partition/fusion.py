@@ -29,20 +29,13 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..opdef import define, lookup
+from ..opdef import lookup
 from ..ops.core import BROADCAST_IN_DIM, CONSTANT, CONVERT, MUL, PARAMETER, REDUCE, SELECT
 from ..ops.einsum import EINSUM
+from ..ops.spmd import FUSED_REDUCE, FUSION  # noqa: F401  (also re-exported: the records of this pass)
 from ..program import IOSpec, Instr, SPMDProgram
 
 FUSE_ENV = "SPMD_FUSE"
-# The fused instruction: a fresh result, or written into a dying operand of its shape (``donate``). Its binder
-# (one kernel for the chain) is exec/fused.py's, in exec's BIND table.
-FUSION = define("fusion", "program", fresh=True, in_place=True)
-# A reduction over the trailing dims of a chain nothing else reads: the chain computed and reduced in one pass,
-# its values never stored (XLA's loop fusion with a reduction at its root). Attributes: the chain's (code,
-# consts, dtypes, shapes), its shape (``chain_shape``) and the reduction's ``kind`` and ``axes``. Binder:
-# exec/fused.py.
-FUSED_REDUCE = define("fused_reduce", "program", fresh=True)
 REDUCIBLE = ("sum", "max", "min")
 # Recomputed in every consumer's fusion rather than stored: cheaper than the memory pass that stores and
 # rereads them (XLA's InstructionFusion duplicates all but its "expensive" ops: exp, log, tanh, divide, ...).

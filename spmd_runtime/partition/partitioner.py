@@ -19,7 +19,8 @@ from ..graph import Graph, Node
 from ..mesh import Mesh
 from ..opdef import OPS, fresh_result, lookup
 from ..comm.simulated import is_lead_rank
-from ..ops.spmd import MASK_PADDING, SHARD_INDEX
+from ..graph import MESH_SPLIT, PARAMETER
+from ..ops.spmd import ALL_TO_ALLV, COLLECTIVE_PERMUTE, MASK_PADDING, SHARD_INDEX, SHARD_SLICE
 from ..program import Instr, IOSpec, ShardingReport, SPMDProgram
 from ..sharding import Sharding, parse_spec_free
 from .fusion import fuse_elementwise, fusion_enabled
@@ -135,8 +136,8 @@ class PartitionContext:
 
 def _moves_nothing(step, mesh: Mesh) -> bool:
     """A collective or slice over mesh axes of size 1 leaves every local buffer as it is."""
-    return (lookup(step.op).collective or step.op == "shard_slice") and \
-        step.op not in ("collective_permute", "all_to_allv") and \
+    return (lookup(step.op).collective or step.op == SHARD_SLICE.name) and \
+        step.op not in (COLLECTIVE_PERMUTE.name, ALL_TO_ALLV.name) and \
         mesh.axis_size(step.attrs["axes"]) == 1
 
 
@@ -266,7 +267,7 @@ def donated_program(program: SPMDProgram, donate) -> SPMDProgram:
                              f"{sorted(names)[:8]}{' ...' if len(names) > 8 else ''}; got {d!r}")
         positions.add(int(k))
     for ins in program.instrs:
-        if ins.op == "parameter" and ins.attrs["index"] in positions:
+        if ins.op == PARAMETER.name and ins.attrs["index"] in positions:
             ins.attrs = {**ins.attrs, "donated": True}
     program.__dict__.pop("_donated", None)  # SPMDProgram.donated's cache, if read before
     assign_buffers(program.instrs, {o.slot for o in program.outputs})
@@ -321,7 +322,7 @@ def user_shardings(graph, mesh, in_specs, free=None) -> dict[int, Sharding]:
             if dims and free is not None:
                 free[vid] = dims
     for node in graph.nodes:
-        if node.op == "mesh_split":
+        if node.op == MESH_SPLIT.name:
             if node.attrs["mesh"] != mesh:
                 raise ValueError(f"mesh_split annotations must use the partition mesh {mesh}; got "
                                  f"{node.attrs['mesh']} at %{node.id}")
@@ -399,12 +400,12 @@ def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]
     if is_lead_rank():  # every rank partitions the same graph: one copy of each note per job
         for n in notes:
             warnings.warn(f"spmd_runtime partitioner: {n}", stacklevel=3)
-    named = [(n, graph.name_of(n.id)) for n in graph.nodes if n.op in ("parameter", "mesh_split")]
+    named = [(n, graph.name_of(n.id)) for n in graph.nodes if n.op in (PARAMETER.name, MESH_SPLIT.name)]
     named = [(n, name) for n, name in named if name]
     report = ShardingReport({n.id: (prop.shardings[n.id], prop.origin[n.id]) for n in graph.nodes},
                             {name: n.id for n, name in named})
     names = {renumber[ctx.value(n.id).slot]: name for n, name in named
-             if n.id in ctx.values and n.op != "parameter" and ctx.value(n.id).slot in renumber}
+             if n.id in ctx.values and n.op != PARAMETER.name and ctx.value(n.id).slot in renumber}
     return SPMDProgram(mesh, instrs, inputs, outputs, notes, report, graph.in_tree, graph.out_tree, names)
 
 
@@ -495,7 +496,7 @@ def made_fresh(roots) -> bool:
 
 def donated_input(ins: Instr) -> bool:
     """Whether ``ins`` is the parameter of an input the program may overwrite (``partition(donate=...)``)."""
-    return ins.op == "parameter" and bool(ins.attrs.get("donated"))
+    return ins.op == PARAMETER.name and bool(ins.attrs.get("donated"))
 
 
 def _donatable(src: Instr, ins: Instr, roots, viewers, last) -> bool:

@@ -10,11 +10,13 @@ partial before partitioning, since propagation completes layouts of final values
 from __future__ import annotations
 
 from ..graph import Graph
+from ..ops.core import ADD, CONVERT, DIV, MUL, NEG, SUB
 from ..sharding import Sharding
 
 # Ops linear in the operands that carry a pending sum: "all" operands are partial sums (a sum of sums), "one"
 # is (a sum times final values), or the "first" is (a sum over a final value).
-SUM_LINEAR = {"add": "all", "sub": "all", "neg": "all", "convert": "all", "mul": "one", "div": "first"}
+SUM_LINEAR = {ADD.name: "all", SUB.name: "all", NEG.name: "all", CONVERT.name: "all", MUL.name: "one",
+              DIV.name: "first"}
 
 
 def sum_carriers(op: str, pending: list) -> list[int] | None:

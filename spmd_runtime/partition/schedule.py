@@ -34,6 +34,7 @@ import numpy as np
 from ..collective_kinds import BY_DONE, FLOAT32, KINDS
 from ..dtypes import is_low_precision
 from ..opdef import lookup
+from ..graph import PARAMETER
 from ..ops.spmd import DONES, STARTS
 from ..program import Instr, SPMDProgram
 
@@ -71,7 +72,7 @@ def schedule_collectives(program: SPMDProgram, budget: int):
         for a in dict.fromkeys(ins.args):
             users[a].append(ins.out)
     collective = {op: lookup(op).collective for op in {i.op for i in instrs}}
-    work = np.array([not collective[i.op] and i.op != "parameter" for i in instrs] + [False])
+    work = np.array([not collective[i.op] and i.op != PARAMETER.name for i in instrs] + [False])
     works_before = np.concatenate(([0], np.cumsum(work)))  # compute instructions before each gap
     load = np.zeros(n + 1, np.int64)  # bytes in flight just before each instruction (gap g: before %g)
     in_flight = 0  # bytes of every split so far: a bound on the load anywhere

@@ -38,6 +38,8 @@ import os
 import numpy as np
 
 from ..cost import BYTES_PER_FLOP, active_model
+from ..ops.core import ADD
+from ..ops.einsum import EINSUM
 from ..ops.spmd import COLLECTIVE_PERMUTE, RESIZE, ROTATED_CONCAT, SHARD_SLICE, block_pairs
 from ..sharding import Sharding, block_size
 from .resharding import plan_cost
@@ -211,11 +213,11 @@ def _pays(ctx, replaced: float, k: int, big: int, block: int, step_flops: float)
 
 def _einsum(ctx, node, p, other, p_pos, label, local=None):
     args = [p, other] if p_pos == 0 else [other, p]
-    return ctx.emit("einsum", args, node.attrs, label, node.shape, node.dtype, local)
+    return ctx.emit(EINSUM, args, node.attrs, label, node.shape, node.dtype, local)
 
 
 def _add(ctx, node, x, y, label, local=None):
-    return ctx.emit("add", [x, y], {}, label, node.shape, node.dtype, local)
+    return ctx.emit(ADD, [x, y], {}, label, node.shape, node.dtype, local)
 
 
 def _local(ctx, s: Sharding, shape, dim: int, axes) -> tuple:

@@ -22,6 +22,11 @@ NOT_AN_OP = {
        for m in ("partition.loops", "exec.loops")},
     ("ops.manual", "all_gather"): "sr.all_gather, the function its errors name (its op is pall_gather)",
     ("ops.manual", "all_to_all"): "sr.all_to_all, the function its errors name (its op is pall_to_all)",
+    ("program_check", "cond"): "a while instruction's attribute holding its condition's program",
+    ("ops.slicing", "constant"): "np.pad's mode, not the constant op",
+    ("ops", "reshape"): "a Tensor method's name", ("ops", "transpose"): "a Tensor method's name",
+    ("models.lm", "take"): "LMConfig.embedding's option that selects the take op",
+    ("data", "and"): "a word of the demo grammar",
 }
 
 

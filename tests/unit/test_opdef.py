@@ -1,4 +1,4 @@
-"""The op-definition floor: every registered op is one complete record, and the layers read only records."""
+"""The op-definition floor: every registered op is one record with a rule in each layer's table its kind needs."""
 import ast
 import pathlib
 
@@ -16,7 +16,7 @@ PACKAGE = pathlib.Path(sr.__file__).parent
 
 def missing_parts(record) -> list[str]:
     """The parts ``record``'s kind requires that neither the record (its kernel) nor the layers' rule tables
-    hold (the tables still read a rule left on the record, until every family has moved its rules)."""
+    hold."""
     runs = record.kernel or BIND.get(record)
     if record.kind == "program":
         return [] if runs else ["kernel or bind"]
@@ -50,6 +50,18 @@ def test_an_op_is_defined_once_and_has_one_of_each_part():
         opdef.define("add")
     with pytest.raises(ValueError, match="one kernel.*'add'"):
         opdef.kernel("add")(lambda xp, a, b: a)
+    for table in (PROPAGATION, PARTITION, VJP):
+        with pytest.raises(ValueError, match=f"one {table.part} rule.*'add'"):
+            table.register("add", value=lambda *args: None)
+    with pytest.raises(ValueError, match="one bind rule.*'all_reduce'"):
+        BIND.register("all_reduce", value=lambda *args: None)
+
+
+def test_records_know_no_rules():
+    """A record holds identity, buffer flags and its kernel; the layers' rules live in their own tables."""
+    fields = set(opdef.OpDef.__dataclass_fields__)
+    assert not fields & {"propagation", "partition", "bind", "vjp"}, fields
+    assert [op for op in OPS.values() if op.kind == "graph" and op not in PARTITION] == []
     with pytest.raises(NotImplementedError, match="definition.*'no_such_op'"):
         opdef.lookup("no_such_op")
 

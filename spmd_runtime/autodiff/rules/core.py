@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...dtypes import is_floating
-from ...ops.core import (BROADCAST_IN_DIM, COMPARISONS, CONSTANT, CONVERT, ELEMENTWISE, MESH_SPLIT, PARAMETER,
+from ...ops.core import (ABS, ADD, AND, BROADCAST_IN_DIM, COMPARISONS, CONSTANT, CONVERT, DIV, EXP, LOG, MAXIMUM,
+                         MESH_SPLIT, MINIMUM, MUL, NEG, NOT, OR, PARAMETER, POW, SQRT, SUB, TANH,
                          REDUCE, RESHAPE, SELECT, STOP_GRADIENT, TRANSPOSE, astype, broadcast_in_dim, log, negative,
                          power, reshape, sum, transpose, where)
 from ...trace import emit
@@ -19,59 +20,59 @@ def _leaf_vjp(node, g, ops, y):
     return []
 
 
-@vjp(*COMPARISONS, ELEMENTWISE["and"], ELEMENTWISE["or"], ELEMENTWISE["not"])
+@vjp(*COMPARISONS, AND, OR, NOT)
 def _no_gradient(node, g, ops, y):
     return [None] * len(ops)
 
 
-@vjp(ELEMENTWISE["neg"])
+@vjp(NEG)
 def _neg_vjp(node, g, ops, y):
     return [negative(g)]
 
 
-@vjp(ELEMENTWISE["exp"])
+@vjp(EXP)
 def _exp_vjp(node, g, ops, y):
     return [g * y]
 
 
-@vjp(ELEMENTWISE["log"])
+@vjp(LOG)
 def _log_vjp(node, g, ops, y):
     return [g / ops[0]]
 
 
-@vjp(ELEMENTWISE["tanh"])
+@vjp(TANH)
 def _tanh_vjp(node, g, ops, y):
     return [g * (1.0 - y * y)]
 
 
-@vjp(ELEMENTWISE["sqrt"])
+@vjp(SQRT)
 def _sqrt_vjp(node, g, ops, y):
     return [g / (2.0 * y)]
 
 
-@vjp(ELEMENTWISE["abs"])
+@vjp(ABS)
 def _abs_vjp(node, g, ops, y):
     return [where(ops[0] >= 0.0, g, -g)]  # JAX: d|x|/dx = 1 at 0
 
 
-@vjp(ELEMENTWISE["add"], ELEMENTWISE["sub"])
+@vjp(ADD, SUB)
 def _add_sub_vjp(node, g, ops, y):
-    return [g, (lambda: -g) if node.op == ELEMENTWISE["sub"].name else g]
+    return [g, (lambda: -g) if node.op == SUB.name else g]
 
 
-@vjp(ELEMENTWISE["mul"])
+@vjp(MUL)
 def _mul_vjp(node, g, ops, y):
     a, b = ops
     return [lambda: g * b, lambda: g * a]
 
 
-@vjp(ELEMENTWISE["div"])
+@vjp(DIV)
 def _div_vjp(node, g, ops, y):
     a, b = ops
     return [lambda: g / b, lambda: -(g * y) / b]
 
 
-@vjp(ELEMENTWISE["pow"])
+@vjp(POW)
 def _pow_vjp(node, g, ops, y):
     """d/da a^b = b a^(b-1) (0 where b == 0, even at a == 0); d/db a^b = log(a) a^b (0 where a == 0), as JAX."""
     a, b = ops
@@ -80,7 +81,7 @@ def _pow_vjp(node, g, ops, y):
     return [da, db]
 
 
-@vjp(ELEMENTWISE["maximum"], ELEMENTWISE["minimum"])
+@vjp(MAXIMUM, MINIMUM)
 def _max_min_vjp(node, g, ops, y):
     """The cotangent goes to the operand that was chosen; ties split it equally (JAX's balanced rule)."""
     a, b = ops

@@ -137,7 +137,7 @@ def _partition_scatter_add(ctx, node):
     if add_after(shardings[0], result):
         scattered = _scatter_local(ctx, node, _zeros(ctx, node, result), indices, updates, result)
         summands = [ctx.reshard(scattered, target), ctx.reshard(operand, target)]
-        return ctx.emit_like(node, core.ELEMENTWISE["add"], summands, {}, target)
+        return ctx.emit_like(node, core.ADD, summands, {}, target)
     base = ctx.reshard(operand, shardings[0])
     if result.partial:
         keep = ctx.shard_index(result.partial)
