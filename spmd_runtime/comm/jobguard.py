@@ -92,12 +92,29 @@ def _install() -> None:
     if comm.Get_size() < 2:
         return
     _state.update(comm=comm, rank=comm.Get_rank(), size=comm.Get_size())
+    _every_rank_arrives(comm)
     _start_deathwatch(comm)
     sys.excepthook = _excepthook
     signal_fd = _install_signal_handlers()
     control = comm.Dup()  # the watchdog's own communicator: its messages and exit barrier match nothing else
     _state["watchdog"] = watchdog.Watchdog(control, abort_job, watchdog.timeout_seconds(), signal_fd).start()
     atexit.register(_at_exit)  # registered after mpi4py's import, so it runs before MPI_Finalize
+
+
+def _every_rank_arrives(comm) -> None:
+    """Wait, within ``SPMD_TIMEOUT``, until every rank is installing too: installing is collective, and a rank
+    that failed or exited before its first use of the runtime (unguarded then) would never join; the others end
+    the job saying so instead of waiting forever."""
+    request, limit, pause = comm.Ibarrier(), watchdog.timeout_seconds(), 1e-4
+    deadline = None if limit is None else time.monotonic() + limit
+    while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            abort_job(f"spmd_runtime: rank {_state['rank']}: not every rank reached the runtime's first use of MPI "
+                      f"within SPMD_TIMEOUT={limit:g} s (the job guard installs there, on every rank together); a "
+                      f"rank that failed or exited before it was not guarded: call sr.distributed.initialize() "
+                      f"first thing in the script to guard it from the start", comm)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
 
 
 def abort_job(message: str, comm=None, code: int = 1) -> None:

@@ -95,6 +95,14 @@ def _cases() -> list[Case]:
                 raise RuntimeError("post-processing failed")
             sr.run(p, X)""", ["[1] spmd_runtime: rank 1 of 2 failed with an uncaught RuntimeError",
                                "post-processing failed"], env={"FAULT_GUARD": "lazy"}),
+        Case("raise before the first run, guard left to the runtime", """
+            p = program()
+            if RANK == 0:
+                fault("raise before any use of the runtime")
+                raise RuntimeError("setup failed")
+            sr.run(p, X)""", ["[1] spmd_runtime: rank 1: not every rank reached the runtime's first use of MPI within "
+                              "SPMD_TIMEOUT=3 s", "sr.distributed.initialize()", "RuntimeError: setup failed"],
+             env={"FAULT_GUARD": "lazy", "SPMD_TIMEOUT": "3"}),
         Case("KeyboardInterrupt inside a run", """
             p = program()
             if RANK == 1:
