@@ -37,7 +37,7 @@ import time
 
 import spmd_runtime as sr
 from spmd_runtime.partition import partition
-from spmd_runtime.train import input_specs, make_layout, step_specs, train_step_fn, _preset
+from spmd_runtime.train import input_specs, make_layout, step_specs, train_step_fn, as_preset
 
 PHASES = ("partition", "fuse", "schedule")
 COLUMNS = ("trace", *PHASES, "total")
@@ -47,7 +47,7 @@ def traced(layers: int, preset_name: str, mesh, clock):
     """(graph, in_specs, out_specs, trace seconds) of the training step with ``layers`` unrolled layers."""
     cfg = sr.LMConfig(layers=layers, d=256, heads=8, ffn=1024, vocab=1024, seq=128, batch=8, scan_layers=False)
     optimizer = sr.AdamW()
-    layout = make_layout(cfg, mesh, _preset(preset_name).on(mesh), optimizer)
+    layout = make_layout(cfg, mesh, as_preset(preset_name).on(mesh), optimizer)
     t0 = clock()
     graph = sr.trace(train_step_fn(cfg, optimizer, layout), *input_specs(cfg, optimizer))
     seconds = clock() - t0

@@ -603,6 +603,8 @@ for _maker in (_direct, _permute_direct, _started):
 # Every kind of the table but the exchange (all_to_allv, below) has its binder here (tests/comm checks it).
 _BINDERS = {ALL_REDUCE: _bind_all_reduce, ALL_GATHER: _bind_all_gather, REDUCE_SCATTER: _bind_reduce_scatter,
             ALL_TO_ALL: _bind_all_to_all, COLLECTIVE_PERMUTE: _bind_collective_permute, BROADCAST: _bind_broadcast}
+for _binder in _BINDERS.values():  # bound collectives call MPI from closures made at bind time
+    watchdog.collective_closures(_binder, lambda frame: "an MPI collective")
 
 
 def _peer(rank):

@@ -402,5 +402,3 @@ def _describe_instruction(frame) -> str:
 
 
 watchdog.context(Interpreter.run, _describe_instruction)
-for _binder in collectives._BINDERS.values():  # bound collectives call MPI from closures made at bind time
-    watchdog.collective_closures(_binder, lambda frame: "an MPI collective")

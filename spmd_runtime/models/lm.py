@@ -32,7 +32,8 @@ from ..ops.control import scan
 from ..ops.core import stop_gradient
 from ..pipeline import pipeline
 from .moe import EXPERT_COLUMN, EXPERT_ROW, ROUTER, MoEConfig, check_moe, moe_ffn, one_hot
-from .roles import COLUMN, NORM, ROW, ParamRole
+from .roles import NORM, ParamRole
+from .transformer import PARAM_ROLES as BLOCK_ROLES
 
 STACKED = "layers_"  # with scan_layers, block parameter k of every layer is "layers_<k>", shape (layers, ...)
 REMAT_POLICIES = {"none": None, "full": "nothing_saveable", "dots": "dots_saveable"}
@@ -46,8 +47,7 @@ EMBEDDING = ParamRole("embedding", tensor=0)  # (vocab, d)
 OUTPUT = ParamRole("output layer", tensor=1)  # (d, vocab)
 POSITIONAL = ParamRole("positional table")  # (seq, d): replicated
 PARAM_ROLES = {"embed": EMBEDDING, "pos": POSITIONAL, "lnf_g": NORM, "lnf_b": NORM, "unembed": OUTPUT,
-               "ln1_g": NORM, "ln1_b": NORM, "wq": COLUMN, "wk": COLUMN, "wv": COLUMN, "wo": ROW,
-               "ln2_g": NORM, "ln2_b": NORM, "w1": COLUMN, "w2": ROW,
+               **BLOCK_ROLES,  # the Megatron block's, as transformer.py declares them
                "wg": ROUTER, "we1": EXPERT_COLUMN, "we2": EXPERT_ROW}  # MoE blocks: moe_ffn's wg, w1, w2
 
 

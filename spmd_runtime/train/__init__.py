@@ -27,11 +27,10 @@ The package:
 Optimizers (``optim``), checkpoints (``checkpoint``) and the pipeline (``pipeline``) are their own modules.
 """
 from .layout import MOE_ROLES, Layout, make_layout, moe_activation_spec, param_spec, state_leaf_name, update_spec
-from .presets import BOTH, PIPELINE_AXES, PRESETS, Preset, _preset, check_experts, check_pipeline, train_mesh
-from .runtime import (TrainStep, _pad_to, _sleep_until_every_rank_arrives, _stored_names, _world, build_train_step,
-                      build_train_step_on_root, check_batch, format_comm, run_on_root)
-from .step import (TOKEN_DTYPE, _output_name, accumulate, fsdp_layers, input_specs, metric_names, pipeline_layers,
-                   step_specs, train_step_fn)
+from .presets import BOTH, PIPELINE_AXES, PRESETS, Preset, as_preset, check_experts, check_pipeline, train_mesh
+from .runtime import TrainStep, build_train_step, build_train_step_on_root, check_batch, format_comm, run_on_root
+from .step import (TOKEN_DTYPE, accumulate, fsdp_layers, input_specs, metric_names, pipeline_layers, step_specs,
+                   train_step_fn)
 
 __all__ = ["Preset", "PRESETS", "TrainStep", "build_train_step", "build_train_step_on_root",
            "run_on_root", "train_mesh", "param_spec", "update_spec", "format_comm"]

@@ -100,7 +100,7 @@ def train_mesh(shape, preset: str = "dp") -> Mesh:
     raise ValueError(f"a training mesh is 1-d or 2-d; got shape {shape}")
 
 
-def _preset(preset) -> Preset:
+def as_preset(preset) -> Preset:
     if isinstance(preset, Preset):
         return preset
     if preset not in PRESETS:

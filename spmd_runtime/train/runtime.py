@@ -13,7 +13,8 @@ import numpy as np
 from .. import pytree
 from ..checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from ..comm import watchdog
-from ..comm.communicator import agree
+from ..comm.agreement import agree, capture
+from ..comm.communicator import world
 from ..exec.backend import to_host
 from ..exec.runner import Runtime, communicator, run_local_checked, shard, unshard
 from ..mesh import Mesh
@@ -24,7 +25,7 @@ from ..program import SPMDProgram
 from ..reference import evaluate
 from ..trace import trace
 from .layout import Layout, make_layout, state_leaf_name
-from .presets import Preset, _preset, check_experts, check_pipeline
+from .presets import Preset, as_preset, check_experts, check_pipeline
 from .step import TOKEN_DTYPE, input_specs, metric_names, step_specs, train_step_fn
 
 
@@ -41,11 +42,11 @@ def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimize
     if microbatches > 1 and cfg.moe_every:
         raise ValueError(f"gradient accumulation supports dense models (it returns no MoE metrics); got "
                          f"microbatches={microbatches} with moe_every={cfg.moe_every}")
-    check_pipeline(cfg, mesh, _preset(preset), microbatches)
+    check_pipeline(cfg, mesh, as_preset(preset), microbatches)
     optimizer = optimizer or AdamW()
     if np.dtype(cfg.dtype) == np.float16 and not isinstance(optimizer, DynamicLossScale):
         optimizer = DynamicLossScale(optimizer)  # float16 gradients underflow without it
-    preset = _preset(preset).on(mesh)
+    preset = as_preset(preset).on(mesh)
     layout = make_layout(cfg, mesh, preset, optimizer)
     graph = trace(train_step_fn(cfg, optimizer, layout, microbatches), *input_specs(cfg, optimizer))
     in_specs, out_specs = step_specs(graph, layout)
@@ -58,9 +59,9 @@ def build_train_step_on_root(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: 
                              comm=None, microbatches: int = 1, donate: bool = False) -> "TrainStep":
     """Collective: rank 0 traces and partitions, every rank receives the same TrainStep (each rank would
     otherwise repeat the same deterministic work, N times over on shared cores)."""
-    comm = comm if comm is not None else _world()
-    check_experts(cfg, mesh, _preset(preset).on(mesh))  # on every rank, before rank 0 goes off alone
-    check_pipeline(cfg, mesh, _preset(preset), microbatches)
+    comm = world(comm)
+    check_experts(cfg, mesh, as_preset(preset).on(mesh))  # on every rank, before rank 0 goes off alone
+    check_pipeline(cfg, mesh, as_preset(preset), microbatches)
     step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer, microbatches, donate),
                        "tracing and partitioning the training step on rank 0")
     return comm.bcast(step, root=0)
@@ -70,12 +71,7 @@ def run_on_root(comm, fn, what: str = "the work done on rank 0"):
     """Collective: rank 0 runs ``fn`` (its result is returned there, None elsewhere) while the other ranks
     wait SLEEPING: an MPI wait spins, and with more ranks than cores the spinning ranks would take the
     cores rank 0 needs. An exception in ``fn`` becomes the same one-line ``AgreedError`` on every rank."""
-    result = error = None
-    if comm.Get_rank() == 0:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - agreed below, so the other ranks do not wait for a result
-            error = f"{type(e).__name__}: {e}"
+    result, error = capture(fn) if comm.Get_rank() == 0 else (None, None)  # agreed below: no rank waits for it
     if hasattr(comm, "Ibarrier"):
         _sleep_until_every_rank_arrives(comm, what)
     agree(comm, error, what)
@@ -89,9 +85,6 @@ def _sleep_until_every_rank_arrives(comm, what: str) -> None:
         time.sleep(0.002)
 
 
-def _world():
-    from mpi4py import MPI  # lazily: importing it initialises MPI
-    return MPI.COMM_WORLD
 
 
 # ---------------------------------------------------------------- running it

@@ -79,22 +79,16 @@ def _cases() -> list[Case]:
             if RANK == 1:
                 break_kernel("reduce", FloatingPointError("kernel exploded on purpose"))
             sr.run(p, X)""", ["[1] spmd_runtime: rank 1 failed, aborting the job", "kernel exploded on purpose"]),
-        Case("exception after a run", """
+        *(Case(f"exception after a run{how}", """
             p = program()
             sr.run(p, X)
             if RANK == 1:
                 fault("raise after the run")
                 raise RuntimeError("post-processing failed")
             sr.run(p, X)""", ["[1] spmd_runtime: rank 1 of 2 failed with an uncaught RuntimeError",
-                               "post-processing failed"]),
-        Case("exception after a run, the guard installed by the first run (no sr.distributed.initialize)", """
-            p = program()
-            sr.run(p, X)
-            if RANK == 1:
-                fault("raise after the run")
-                raise RuntimeError("post-processing failed")
-            sr.run(p, X)""", ["[1] spmd_runtime: rank 1 of 2 failed with an uncaught RuntimeError",
-                               "post-processing failed"], env={"FAULT_GUARD": "lazy"}),
+                               "post-processing failed"], env=env)
+          for how, env in (("", {}), (", the guard installed by the first run (no sr.distributed.initialize)",
+                                      {"FAULT_GUARD": "lazy"}))),
         Case("raise before the first run, guard left to the runtime", """
             p = program()
             if RANK == 0:
