@@ -52,6 +52,7 @@ import os
 import re
 import stat
 import uuid
+import warnings
 import zlib
 from dataclasses import dataclass
 from itertools import product
@@ -211,7 +212,7 @@ def save_checkpoint(directory, tensors: dict, shardings, mesh: Mesh | None = Non
         _agree(comm, committed, "save_checkpoint (commit)")
     finally:
         if staging is not None and staging.tmp.is_dir():  # a failed save leaves nothing behind (rank 0 made it)
-            _discard(staging.tmp, staging.files)
+            _tidy(final, lambda: _discard(staging.tmp, staging.files))
 
 
 def _plan_save(tensors, shardings, mesh: Mesh, rank: int) -> dict:
@@ -425,11 +426,26 @@ def _commit(staging: _Staging, final: Path) -> None:
             os.rename(old, final)
         raise
     _fsync_dir(final.parent)
+    _tidy(final, lambda: _clean_up(staging, old, final))
+
+
+def _clean_up(staging: _Staging, old: Path, final: Path) -> None:
+    """After the commit: the replaced checkpoint, and leftovers of saves killed mid-way, go."""
     _unlink(final / MARKER)
     if staging.old_files is not None:
         _retire(old, staging.old_files, final)
-    for stale, tag, files in _stale_saves(final):  # left by jobs killed mid-save
+    for stale, tag, files in _stale_saves(final):
         _retire(stale, files, final) if tag == "old" else _discard(stale, files)
+
+
+def _tidy(final: Path, clean) -> None:
+    """Run ``clean``; a failure to delete is warned about, not raised: the save's outcome is already decided
+    (the new checkpoint in place, or the old one kept) and what is left is only ever this library's files."""
+    try:
+        clean()
+    except OSError as e:
+        warnings.warn(f"save_checkpoint could not clean up beside {final}: {type(e).__name__}: {e}", RuntimeWarning,
+                      stacklevel=3)
 
 
 # ------------------------------------------------------------------ what a save may delete

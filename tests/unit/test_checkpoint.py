@@ -540,12 +540,17 @@ def test_save_keeps_user_files_inside_and_user_directories_beside_the_checkpoint
     (lookalikes[2] / ".spmd_checkpoint_save.json").write_text(json.dumps(
         {"format": "spmd_runtime.checkpoint", "save": "ef" * 16, "files": ["notes.txt"]}))  # another save's id
     before = {d: sorted(os.listdir(d)) for d in lookalikes}
+    leftover = tmp_path / f"ckpt.tmp-{'12' * 16}"  # a killed save's, marked as such: it goes
+    leftover.mkdir()
+    (leftover / "v.0.npy").write_bytes(b"partial")
+    (leftover / ".spmd_checkpoint_save.json").write_text(json.dumps(
+        {"format": "spmd_runtime.checkpoint", "save": "12" * 16, "files": ["v.0.npy", "checkpoint.json"]}))
     newer = {n: (a + 1 if a.dtype != bool else ~a) for n, a in ORIG.items()}
     save(str(path), originals=newer, step=2)
     assert checkpoint_info(str(path))["step"] == 2
     assert (path / "notes.txt").read_text() == "mine" and (path / "plots" / "loss.png").read_text() == "png"
     assert {d: sorted(os.listdir(d)) for d in lookalikes} == before
-    assert siblings(str(path)) == sorted(d.name for d in lookalikes)  # and the save's own are gone
+    assert siblings(str(path)) == sorted(d.name for d in lookalikes)  # the save's own and the marked one are gone
     mesh = Mesh((2,), ("d",))
     assert_bit_identical(assemble(load(str(path), mesh), mesh, {}, newer), newer)
 
@@ -592,3 +597,15 @@ def _save_error(path, comm, blocks):
         assert e.ranks == [6]
         return str(e)
     return None
+
+
+def test_save_through_a_symlinked_directory_replaces_its_target(tmp_path):
+    (tmp_path / "scratch").mkdir()
+    os.symlink(tmp_path / "scratch" / "ckpt", tmp_path / "ckpt")  # dangling until the first save
+    path = str(tmp_path / "ckpt")
+    save(path, step=1)
+    save(path, step=2)
+    assert os.path.islink(path) and checkpoint_info(path)["step"] == 2
+    assert sorted(os.listdir(tmp_path / "scratch")) == ["ckpt"]
+    mesh = Mesh((2,), ("d",))
+    assert_bit_identical(assemble(load(path, mesh), mesh, {}))
