@@ -5,7 +5,7 @@ tensor plus ``checkpoint.json``::
 
     ckpt/checkpoint.json         format, version, step, mesh, and per tensor:
                                  global shape, dtype, sharding and its blocks
-                                 [{"file", "offset", "shape"}, ...]
+                                 [{"file", "offset", "shape", "crc32"}, ...]
     ckpt/<name>.<i0>.<i1>.npy    block (i0, i1) of tensor <name> (shard number
                                  per dim), raw NumPy, no pickles
 
@@ -15,15 +15,34 @@ blocks are not stored), so a checkpoint does not depend on padding and can be
 restored onto any mesh and sharding: each rank reads (memory-mapped) only the
 stored blocks that overlap its own block. Only the replica whose coordinates on
 the axes not splitting the tensor are all 0 writes a block, so no data moves
-between ranks.
+between ranks; the other replicas' copies must be bit-identical to it (each
+rank's crc32 of its block is agreed on before anything is written: a copy that
+differs fails the save on every rank, naming the tensor and the ranks).
 
-Saving is atomic: blocks go to a sibling ``<dir>.tmp-<uuid>``; once every rank
-has written (agreed collectively, so a failing rank makes every rank raise),
-rank 0 renames the old ``<dir>`` to ``<dir>.old-<uuid>``, the new one into
-place, then deletes the old one. A job killed at any point leaves a loadable
-checkpoint: ``<dir>`` itself, or ``<dir>.old-*`` when it died between the two
-renames, which ``load_checkpoint`` falls back to. One saver per directory at a
-time.
+Nothing read is trusted. Before any block is read the metadata is checked: per
+tensor, the blocks must tile the global shape exactly once (an overlap or a gap
+fails, naming the tensor and the region), and every block must carry its crc32
+unless verification is off (``verify=False`` or ``SPMD_CHECKPOINT_VERIFY=0``);
+each block read is checked against it. ``checkpoint.json`` and the block files
+must be regular files with a single link: a symlink (which may leave the
+directory) or a hard-linked file (whose other name may be anywhere) is refused;
+copy such files in with ``cp`` (no ``-l``/``-s``).
+
+Saving is atomic: rank 0 makes a sibling ``<dir>.tmp-<id>`` holding a marker
+(``.spmd_checkpoint_save.json``: this save's id and the files it will write),
+every rank writes its blocks there, and once every rank has written (agreed
+collectively, so a failing rank makes every rank raise) rank 0 writes the
+metadata, marks the old ``<dir>`` with the files ITS metadata lists, renames it
+to ``<dir>.old-<id>``, renames the new one into place, moves whatever else was
+in the old directory (the user's own files) into the new one and deletes only
+the listed files. A job killed at any point leaves a loadable checkpoint:
+``<dir>`` itself, or ``<dir>.old-*`` when it died between the two renames,
+which ``load_checkpoint`` falls back to. A later save cleans up such leftovers
+the same way, but only siblings named ``<dir>.tmp-<id>`` / ``<dir>.old-<id>``
+whose marker names that id: a directory that merely has such a name is never
+touched, and a save deletes nothing its own manifest does not list. One saver
+per directory at a time; a ``<dir>`` that is a symlink is resolved first (the
+link keeps pointing at the new checkpoint).
 """
 from __future__ import annotations
 
@@ -31,8 +50,9 @@ import json
 import math
 import os
 import re
-import shutil
+import stat
 import uuid
+import warnings
 import zlib
 from dataclasses import dataclass
 from itertools import product
@@ -160,9 +180,13 @@ def save_checkpoint(directory, tensors: dict, shardings, mesh: Mesh | None = Non
     ``sr.trace`` gives that leaf). ``shardings``: name -> (global shape,
     Sharding or mesh_split spec), or an SPMDProgram whose inputs/outputs give
     them by name (``mesh`` then defaults to the program's). Every rank must
-    pass the same names, global shapes, dtypes, shardings and ``step``.
+    pass the same names, global shapes, dtypes, shardings and ``step``, and the
+    ranks holding the same block of a replicated tensor bit-identical copies of
+    it (cost: every rank takes one crc32 of its blocks, the one the writer's
+    metadata needs anyway, and the ranks all-gather one int per tensor).
     Raises CheckpointError on every rank if any rank fails; the previous
-    checkpoint then stays in place.
+    checkpoint then stays in place. Replacing a checkpoint deletes only the
+    files its metadata lists; other files in it move into the new one.
     """
     tensors = pytree.named_leaves(tensors)  # a flat dict of arrays stays as it is
     if mesh is None and isinstance(shardings, SPMDProgram):
@@ -171,27 +195,29 @@ def save_checkpoint(directory, tensors: dict, shardings, mesh: Mesh | None = Non
         raise TypeError(f"save_checkpoint needs a Mesh (or an SPMDProgram as shardings); got mesh={mesh!r}")
     comm = _world(comm, mesh)
     rank = comm.Get_rank()
-    final = Path(os.path.abspath(directory))
+    final = Path(os.path.realpath(directory))  # a symlinked <dir>: the save replaces what it points at
     plan, error = capture(_plan_save, tensors, shardings, mesh, rank)
-    tmp = None
+    staging = None
     if rank == 0 and error is None:
-        tmp, error = capture(_make_tmp, final)
+        staging, error = capture(_stage, final, plan, mesh)
     try:
-        fingerprint = None if plan is None else (plan["fingerprint"], step)
-        gathered = _agree(comm, error, "save_checkpoint", (fingerprint, tmp))
-        _check_same(gathered)
+        mine = None if plan is None else (plan["fingerprint"], step, plan["crcs"])
+        gathered = _agree(comm, error, "save_checkpoint", (mine, None if staging is None else str(staging.tmp)))
+        _check_same([g[0][:2] for g in gathered])
+        crcs = [g[0][2] for g in gathered]
+        _check_replicas(plan, mesh, crcs)
         where = Path(gathered[0][1])
-        crcs, error = capture(_write_blocks, plan, mesh, rank, where)
-        crcs = _agree(comm, error, "save_checkpoint (writing blocks)", crcs)
-        committed = capture(_publish, plan, mesh, where, final, step, crcs)[1] if rank == 0 else None
+        _agree(comm, capture(_write_blocks, plan, mesh, rank, where)[1], "save_checkpoint (writing blocks)")
+        committed = capture(_publish, plan, mesh, staging, final, step, crcs)[1] if rank == 0 else None
         _agree(comm, committed, "save_checkpoint (commit)")
     finally:
-        if tmp is not None and tmp.exists():  # a failed save leaves nothing behind (rank 0 owns the tmp dir)
-            shutil.rmtree(tmp, ignore_errors=True)
+        if staging is not None and staging.tmp.is_dir():  # a failed save leaves nothing behind (rank 0 made it)
+            _tidy(final, lambda: _discard(staging.tmp, staging.files))
 
 
 def _plan_save(tensors, shardings, mesh: Mesh, rank: int) -> dict:
-    """Validate this rank's inputs: name -> (true host block, global shape, Sharding), and a cross-rank fingerprint."""
+    """Validate this rank's inputs: name -> (true host block, global shape, Sharding), a cross-rank
+    fingerprint, and the crc32 of each block (the writer's goes into the metadata, every copy is compared)."""
     entries = _save_entries(shardings, mesh)
     plan = {}
     for name in sorted(tensors):
@@ -203,7 +229,7 @@ def _plan_save(tensors, shardings, mesh: Mesh, rank: int) -> dict:
         sharding = _resolve_sharding(spec, shape, mesh, name)
         plan[name] = (_true_block(tensors[name], shape, sharding, mesh, rank, name), shape, sharding)
     fingerprint = [(n, s, b.dtype.str, sh.to_json()) for n, (b, s, sh) in plan.items()]
-    return {"tensors": plan, "fingerprint": fingerprint}
+    return {"tensors": plan, "fingerprint": fingerprint, "crcs": [_crc(b) for b, _, _ in plan.values()]}
 
 
 def _true_block(x, shape, sharding: Sharding, mesh: Mesh, rank: int, name: str) -> np.ndarray:
@@ -226,54 +252,139 @@ def _true_block(x, shape, sharding: Sharding, mesh: Mesh, rank: int, name: str) 
 
 def _check_same(gathered) -> None:
     # Every rank holds the same gathered list, so every rank raises alike: no extra collective needed.
-    mine = gathered[0][0]
-    odd = [r for r, (fp, _) in enumerate(gathered) if fp != mine]
+    odd = [r for r, fp in enumerate(gathered) if fp != gathered[0]]
     if odd:
         raise CheckpointError(f"save_checkpoint needs the same tensor names, global shapes, dtypes, shardings and "
-                              f"step on every rank; got rank(s) {odd} differing from rank 0")
+                              f"step on every rank; got rank(s) {odd} differing from rank 0", odd)
 
 
-def _make_tmp(final: Path) -> Path:
-    if final.exists() and not (final / METADATA).is_file() and (not final.is_dir() or any(final.iterdir())):
-        # Replacing deletes the old directory: only ever do that to a checkpoint.
+def _check_replicas(plan, mesh: Mesh, crcs: list) -> None:
+    """Every rank's copy of a block must match the copy its writer stores: the others are not written, so a
+    differing copy would be dropped without a word. Runs alike on every rank on every rank's gathered crcs
+    (vectorized per distinct sharding: O(ranks) Python per sharding, not per tensor)."""
+    table, problems, odd = np.array(crcs, dtype=np.int64).reshape(mesh.size, -1), [], set()
+    names = list(plan["tensors"])
+    for sharding, columns in _by_sharding(plan).items():
+        writer = _writer_of(sharding, mesh)
+        differs = table[:, columns] != table[writer][:, columns]  # [rank, tensor]
+        for j in np.flatnonzero(differs.any(axis=0)):
+            i = columns[j]
+            for w in sorted({writer[r] for r in np.flatnonzero(differs[:, j])}):
+                ranks = [r for r in range(mesh.size) if writer[r] == w]
+                differ = [r for r in ranks if differs[r, j]]
+                axes = tuple(a for a in mesh.axis_names if a not in sharding.axes)
+                problems.append(f"{names[i]!r} block {list(sharding.block_index(mesh, w))} (replicated over {axes}) "
+                                f"differs on rank(s) {differ} from rank {w}'s copy (crc32 {table[w, i]:08x}; ranks "
+                                f"holding it: {ranks})")
+                odd.update(differ)
+    if problems:
+        raise CheckpointError("save_checkpoint needs every copy of a replicated tensor to be bit-identical on the "
+                              "ranks holding it (one copy is written, the others would be dropped); got "
+                              + "; ".join(problems), sorted(odd))
+
+
+def _by_sharding(plan) -> dict:
+    """Sharding -> the plan's tensor positions that have it."""
+    groups = {}
+    for i, (_, _, sharding) in enumerate(plan["tensors"].values()):
+        groups.setdefault(sharding, []).append(i)
+    return groups
+
+
+def _writer_of(sharding: Sharding, mesh: Mesh) -> list[int]:
+    """Per rank: the rank that writes the block it holds (its replica with coordinate 0 off the sharding's axes)."""
+    index = [sharding.block_index(mesh, r) for r in range(mesh.size)]
+    writers = {index[r]: r for r in range(mesh.size) if _is_writer(sharding, mesh, r)}
+    return [writers[i] for i in index]
+
+
+def _new_files(plan, mesh: Mesh) -> list[str]:
+    """Every file this save writes (its manifest): the blocks any rank writes, and the metadata."""
+    stems = _file_names(plan["tensors"])
+    blocks = [_block_file(stems[name], index) for name, (_, shape, sharding) in plan["tensors"].items()
+              for index, _ in _all_blocks(shape, sharding, mesh)]
+    return blocks + [METADATA]
+
+
+@dataclass(frozen=True)
+class _Staging:
+    """Rank 0's record of a save in progress: its id, its ``<dir>.tmp-<id>`` and what it writes there, and the
+    files of the checkpoint it replaces (None when there is none)."""
+    save_id: str
+    tmp: Path
+    files: list
+    old_files: list | None
+
+
+def _stage(final: Path, plan, mesh: Mesh) -> _Staging:
+    """Rank 0, before anything is written: check what the save would replace, then make its marked tmp dir."""
+    files = _new_files(plan, mesh)
+    old_files = _replaced_files(final, files)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    save_id = uuid.uuid4().hex
+    tmp = final.with_name(f"{final.name}.tmp-{save_id}")
+    tmp.mkdir()
+    try:
+        _write_marker(tmp, save_id, files)
+    except BaseException:
+        tmp.rmdir()
+        raise
+    return _Staging(save_id, tmp, files, old_files)
+
+
+def _replaced_files(final: Path, new_files: list) -> list | None:
+    """The files of the checkpoint at ``final`` (its metadata's blocks and the metadata), [] for an empty
+    directory, None for none; raises when ``final`` is something else or holds a user file the save would
+    overwrite."""
+    if not final.exists():
+        return None
+    if not final.is_dir() or not ((final / METADATA).is_file() or not any(final.iterdir())):
+        # Replacing moves the old directory aside: only ever do that to a checkpoint.
         raise FileExistsError(f"save_checkpoint replaces only an earlier checkpoint (a directory with {METADATA}) "
                               f"or an empty directory; got {final}, which is neither")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex}")
-    tmp.mkdir()
-    return tmp
+    if not (final / METADATA).is_file():
+        return []
+    old = [METADATA] + [_plain_name(b.get("file"), name, final) for name, t in _read_metadata(final)["tensors"].items()
+                        for b in t["blocks"]]
+    clash = sorted((set(os.listdir(final)) - set(old) - {MARKER}) & set(new_files))
+    if clash:
+        raise FileExistsError(f"save_checkpoint keeps the files in {final} that its metadata does not list, so it "
+                              f"must not write over them; got {clash} there, which the new checkpoint writes "
+                              f"(move them)")
+    return old
 
 
-def _write_blocks(plan, mesh: Mesh, rank: int, where: Path) -> dict:
-    """Write this rank's blocks; returns file -> crc32 of its data."""
-    stems, crcs = _file_names(plan["tensors"]), {}
+def _write_blocks(plan, mesh: Mesh, rank: int, where: Path) -> None:
+    """Write this rank's blocks (those it is the writer of)."""
+    stems = _file_names(plan["tensors"])
     for name, (block, shape, sharding) in plan["tensors"].items():
         if block.size and _is_writer(sharding, mesh, rank):
-            file = _block_file(stems[name], sharding.block_index(mesh, rank))
-            _write_npy(where / file, block)
-            crcs[file] = _crc(block)
-    return crcs
+            _write_npy(where / _block_file(stems[name], sharding.block_index(mesh, rank)), block)
 
 
 def _crc(block: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(block).view(np.uint8).reshape(-1))
 
 
-def _publish(plan, mesh: Mesh, where: Path, final: Path, step, crcs: list) -> None:
-    """Rank 0: write the metadata (with every rank's block checksums), then commit."""
-    _write_json(where / METADATA, _metadata(plan, mesh, _file_names(plan["tensors"]), step,
-                                            {f: c for rank_crcs in crcs for f, c in rank_crcs.items()}))
-    _commit(where, final)
+def _publish(plan, mesh: Mesh, staging: _Staging, final: Path, step, crcs: list) -> None:
+    """Rank 0: write the metadata (with each block's writer's checksum), then commit."""
+    _write_json(staging.tmp / METADATA, _metadata(plan, mesh, _file_names(plan["tensors"]), step, crcs))
+    _commit(staging, final)
 
 
-def _metadata(plan, mesh: Mesh, stems, step, crcs: dict) -> dict:
+def _metadata(plan, mesh: Mesh, stems, step, crcs: list) -> dict:
+    crc_of = {}  # (tensor, block index) -> its writer's crc32
+    for sharding, columns in _by_sharding(plan).items():
+        writer = _writer_of(sharding, mesh)
+        for w in set(writer):
+            for i in columns:
+                crc_of[i, sharding.block_index(mesh, w)] = crcs[w][i]
     tensors = {}
-    for name, (block, shape, sharding) in plan["tensors"].items():
+    for i, (name, (block, shape, sharding)) in enumerate(plan["tensors"].items()):
         blocks = []
         for index, bounds in _all_blocks(shape, sharding, mesh):
-            file = _block_file(stems[name], index)
-            blocks.append({"file": file, "offset": [a for a, _ in bounds], "shape": [b - a for a, b in bounds],
-                           "crc32": crcs[file]})
+            blocks.append({"file": _block_file(stems[name], index), "offset": [a for a, _ in bounds],
+                           "shape": [b - a for a, b in bounds], "crc32": crc_of[i, index]})
         tensors[name] = {"shape": list(shape), "dtype": block.dtype.str, "sharding": sharding.to_json(),
                          "blocks": blocks}
     return {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "mesh": mesh.to_json(), "tensors": tensors}
@@ -301,23 +412,108 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _commit(tmp: Path, final: Path) -> None:
-    """Rank 0: publish ``tmp`` as ``final``; the old checkpoint survives until the new one is in place."""
-    _fsync_dir(tmp)  # the entries every rank created
-    old = final.with_name(f"{final.name}.old-{tmp.name.rsplit('.tmp-', 1)[1]}")
-    had_old = final.exists()
-    if had_old:
+def _commit(staging: _Staging, final: Path) -> None:
+    """Rank 0: publish the tmp dir as ``final``; the old checkpoint survives until the new one is in place."""
+    _fsync_dir(staging.tmp)  # the entries every rank created
+    old = final.with_name(f"{final.name}.old-{staging.save_id}")
+    if staging.old_files is not None:
+        _write_marker(final, staging.save_id, staging.old_files)  # what a later save may delete, if we die
         os.rename(final, old)
     try:
-        os.rename(tmp, final)
+        os.rename(staging.tmp, final)
     except Exception:
-        if had_old:
+        if staging.old_files is not None:
             os.rename(old, final)
         raise
     _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-    for stale in _siblings(final, ".old-") + _siblings(final, ".tmp-"):  # left by jobs killed mid-save
-        shutil.rmtree(stale, ignore_errors=True)
+    _tidy(final, lambda: _clean_up(staging, old, final))
+
+
+def _clean_up(staging: _Staging, old: Path, final: Path) -> None:
+    """After the commit: the replaced checkpoint, and leftovers of saves killed mid-way, go."""
+    _unlink(final / MARKER)
+    if staging.old_files is not None:
+        _retire(old, staging.old_files, final)
+    for stale, tag, files in _stale_saves(final):
+        _retire(stale, files, final) if tag == "old" else _discard(stale, files)
+
+
+def _tidy(final: Path, clean) -> None:
+    """Run ``clean``; a failure to delete is warned about, not raised: the save's outcome is already decided
+    (the new checkpoint in place, or the old one kept) and what is left is only ever this library's files."""
+    try:
+        clean()
+    except OSError as e:
+        warnings.warn(f"save_checkpoint could not clean up beside {final}: {type(e).__name__}: {e}", RuntimeWarning,
+                      stacklevel=3)
+
+
+# ------------------------------------------------------------------ what a save may delete
+
+MARKER = ".spmd_checkpoint_save.json"
+
+
+def _write_marker(directory: Path, save_id: str, files: list) -> None:
+    """Mark ``directory`` as this library's, for save ``save_id``, listing the files a save may delete there."""
+    _write_json(directory / MARKER, {"format": FORMAT, "save": save_id, "files": list(files)})
+
+
+def _stale_saves(final: Path) -> list:
+    """Siblings ``<final>.tmp-<id>`` / ``<final>.old-<id>`` that a save marked with that id: (path, tag, files)."""
+    pattern = re.compile(re.escape(final.name) + r"\.(tmp|old)-([0-9a-f]{32})")
+    found = []
+    for entry in os.scandir(final.parent):
+        match = pattern.fullmatch(entry.name)
+        if match and entry.is_dir(follow_symlinks=False):
+            files = _marked_files(Path(entry.path), match.group(2))
+            if files is not None:
+                found.append((Path(entry.path), match.group(1), files))
+    return found
+
+
+def _marked_files(directory: Path, save_id: str) -> list | None:
+    """The files the marker in ``directory`` lists, if it is a marker of save ``save_id``; else None."""
+    marker = directory / MARKER
+    try:
+        if not stat.S_ISREG(os.lstat(marker).st_mode):
+            return None
+        with open(marker) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if doc.get("format") != FORMAT or doc.get("save") != save_id or not isinstance(files, list):
+        return None
+    return [f for f in files if isinstance(f, str) and Path(f).name == f and f not in ("", ".", "..")]
+
+
+def _retire(old: Path, files: list, final: Path) -> None:
+    """Delete the replaced checkpoint ``old``: everything in it but ``files`` (the user's) first moves into
+    ``final`` (unless ``final`` has that name already: it then stays, and so does ``old``)."""
+    keep = set(files) | {MARKER}
+    for entry in os.listdir(old):
+        if entry not in keep and not os.path.lexists(final / entry):
+            os.rename(old / entry, final / entry)
+    _discard(old, files)
+
+
+def _discard(directory: Path, files: list) -> None:
+    """Delete ``files`` and the marker in ``directory``, then the directory if that emptied it."""
+    for name in list(files) + [MARKER]:
+        _unlink(directory / name)
+    try:
+        os.rmdir(directory)
+    except OSError:  # something not ours is left in it: it stays
+        pass
+
+
+def _unlink(path: Path) -> None:
+    """Remove a file or symlink (never what it points at, never a directory); nothing if there is none."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _siblings(final: Path, tag: str) -> list[Path]:
@@ -354,11 +550,13 @@ def load_checkpoint(directory, mesh: Mesh, shardings=None, comm=None, expect=Non
     replicated. ``expect``: name -> (global shape, dtype) the caller needs (a
     program's inputs/outputs are expected at their shapes too); with ``strict``
     any missing, extra or differently shaped/typed tensor fails the load, naming
-    each; ``strict=False`` loads only the tensors that match. ``verify``
-    (default True, or ``SPMD_CHECKPOINT_VERIFY=0``) checks each block read
-    against its crc32 in the metadata. Block files that are symlinks are
-    refused. Each rank memory-maps only the stored blocks that overlap its
-    own block. ``views``: name -> ``StackOf`` / ``SliceOf``, how to read a tensor the checkpoint stores in
+    each; ``strict=False`` loads only the tensors that match. Before any block
+    is read, each tensor's blocks must tile its shape exactly once (no overlap,
+    no gap) and, with ``verify`` (default True; ``verify=False`` or
+    ``SPMD_CHECKPOINT_VERIFY=0`` turns it off), each must carry a crc32, which
+    every block read is checked against. ``checkpoint.json`` and block files
+    that are symlinks or hard links are refused. Each rank memory-maps only the
+    stored blocks that overlap its own block. ``views``: name -> ``StackOf`` / ``SliceOf``, how to read a tensor the checkpoint stores in
     another layout (used only for names it does not hold, when it holds every source); each rank still
     reads only the overlapping parts of the sources. Raises CheckpointError on every rank if any rank fails.
     """
@@ -389,6 +587,8 @@ def checkpoint_info(directory) -> dict:
 def _load_local(directory, mesh: Mesh, shardings, rank: int, expect, strict: bool, verify: bool, views) -> dict:
     path = _find_checkpoint(directory)
     meta = _read_metadata(path)
+    for name, entry in meta["tensors"].items():
+        _check_blocks(path, name, entry, verify)
     stored = _matching(_with_views(meta["tensors"], views or {}, path), _expected(shardings, expect),
                        set(expect or ()), expect is not None, strict, path)
     specs = _load_specs(shardings, mesh, stored)
@@ -478,8 +678,8 @@ def _read(path: Path, name: str, entry: dict, mine, verify: bool) -> np.ndarray:
         for j in range(a, b):
             out[j - a] = _read(path, view.parts[j], entry["sources"][view.parts[j]], rest, verify)
         return out
+    # np.empty is safe: _check_blocks made sure the stored blocks tile the tensor, so every element is written.
     out = np.empty([b - a for a, b in mine], dtype=np.dtype(entry["dtype"]))
-    filled = 0
     for blk in entry["blocks"]:
         part = [(max(a, o), min(b, o + s)) for (a, b), o, s in zip(mine, blk["offset"], blk["shape"])]
         if any(hi <= lo for lo, hi in part):
@@ -487,20 +687,12 @@ def _read(path: Path, name: str, entry: dict, mine, verify: bool) -> np.ndarray:
         data = _open_block(path, name, blk, out.dtype, verify)
         src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(part, blk["offset"]))
         out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, mine))] = data[src]
-        filled += math.prod(hi - lo for lo, hi in part)
-    if filled != out.size:  # stored blocks are disjoint, so a shortfall means a gap
-        raise ValueError(f"the stored blocks of {name!r} must cover the whole tensor; got {filled} of the "
-                         f"{out.size} elements of block {mine} in {path} (corrupt metadata)")
     return out
 
 
 def _open_block(path: Path, name: str, blk: dict, dtype, verify: bool) -> np.ndarray:
     file = blk["file"]
-    if Path(file).name != file:  # metadata must not point outside the checkpoint
-        raise ValueError(f"a block file of {name!r} must be a plain file name; got {file!r} in {path}")
-    if (path / file).is_symlink():
-        raise ValueError(f"a block file must be a regular file, not a symlink; got {file} of {name!r} -> "
-                         f"{os.readlink(path / file)} in {path}")
+    _check_regular(path / file, "a block file", f"{file} of {name!r}")
     try:
         data = np.load(path / file, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
@@ -509,10 +701,103 @@ def _open_block(path: Path, name: str, blk: dict, dtype, verify: bool) -> np.nda
     if list(data.shape) != list(blk["shape"]) or data.dtype != dtype:
         raise ValueError(f"block file {file} of {name!r} must hold {np.dtype(dtype).name}{list(blk['shape'])}; got "
                          f"{data.dtype.name}{list(data.shape)} in {path} (corrupt or replaced)")
-    if verify and "crc32" in blk and _crc(data) != blk["crc32"]:
+    if verify and _crc(data) != blk["crc32"]:
         raise ValueError(f"block file {file} of {name!r} must match its crc32 {blk['crc32']:08x} in {METADATA}; got "
                          f"{_crc(data):08x} in {path} (corrupt; SPMD_CHECKPOINT_VERIFY=0 skips this check)")
     return data
+
+
+# ------------------------------------------------------------------ what a load trusts
+
+def _check_regular(path: Path, kind: str, what: str) -> None:
+    """A file a checkpoint reads must be its own: a regular file (a symlink may point anywhere) with a single
+    link (a hard link's other name may be anywhere: writing there changes the checkpoint)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{kind} listed in a checkpoint must exist; got no {what} in {path.parent}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{kind} must be a regular file, not a symlink; got {what} -> {os.readlink(path)} in "
+                         f"{path.parent}")
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{kind} must be a regular file; got {what}, which is not, in {path.parent}")
+    if st.st_nlink != 1:
+        raise ValueError(f"{kind} must have a single link, not be a hard link (copy the file in instead); got {what} "
+                         f"with {st.st_nlink} links in {path.parent}")
+
+
+def _plain_name(file, name: str, path: Path) -> str:
+    """A block's file name, which must not point outside the checkpoint."""
+    if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+        raise ValueError(f"a block file of {name!r} must be a plain file name; got {file!r} in {path}")
+    return file
+
+
+def _is_count(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _check_blocks(path: Path, name: str, entry: dict, verify: bool) -> None:
+    """Before any block is read: ``entry``'s blocks are well formed, carry their crc32 (with ``verify``) and tile
+    the tensor exactly once, so every element loaded comes from exactly one block (never np.empty's garbage).
+    Cost per tensor of B blocks: O(B) Python and an O(B^2) vectorized overlap test, once per load."""
+    shape, blocks = entry.get("shape"), entry.get("blocks")
+    if not isinstance(shape, list) or not all(_is_count(n) for n in shape) or not isinstance(blocks, list):
+        raise ValueError(f"tensor {name!r} needs a shape (a list of sizes) and a list of blocks in {METADATA}; got "
+                         f"shape {shape!r} and blocks of type {type(blocks).__name__} in {path}")
+    files, lo, hi = [], [], []
+    for blk in blocks:
+        file = _plain_name(blk.get("file") if isinstance(blk, dict) else None, name, path)
+        offset, size = blk.get("offset"), blk.get("shape")
+        if not all(isinstance(v, list) and len(v) == len(shape) and all(map(_is_count, v)) for v in (offset, size)):
+            raise ValueError(f"block {file} of {name!r} needs an offset and a shape of {len(shape)} sizes each; got "
+                             f"offset {offset!r} and shape {size!r} in {path / METADATA}")
+        crc = blk.get("crc32")
+        if verify and not (_is_count(crc) and crc < 1 << 32):
+            raise ValueError(f"every block needs its crc32 in {METADATA} to be verified (verify=False or "
+                             f"SPMD_CHECKPOINT_VERIFY=0 loads unverified); got "
+                             f"{'none' if 'crc32' not in blk else repr(crc)} for block file {file} of {name!r} in {path}")
+        end = [o + s for o, s in zip(offset, size)]
+        if any(s == 0 or e > n for s, e, n in zip(size, end, shape)):
+            raise ValueError(f"each block of {name!r} must be non-empty and lie inside its shape {shape}; got block "
+                             f"{file} at {_region(offset, end)} in {path / METADATA}")
+        files.append(file), lo.append(offset), hi.append(end)
+    _check_tiling(path, name, shape, files, np.array(lo, np.int64).reshape(len(files), len(shape)),
+                  np.array(hi, np.int64).reshape(len(files), len(shape)))
+
+
+def _check_tiling(path: Path, name: str, shape: list, files: list, lo: np.ndarray, hi: np.ndarray) -> None:
+    """No two blocks (rows of [lo, hi) boxes) overlap and their volumes add up to the tensor's: an exact tiling."""
+    rule = f"the blocks of {name!r} must tile its shape {shape} exactly once"
+    for start in range(0, len(files), 256):  # rows in chunks: memory 256 x B x ndim
+        rows = slice(start, start + 256)
+        overlap = np.all((lo[rows, None] < hi[None]) & (lo[None] < hi[rows, None]), axis=-1)  # [i, j]
+        overlap &= np.arange(start, start + len(overlap))[:, None] < np.arange(len(files))[None]  # pairs j > i
+        if overlap.any():
+            i, j = np.argwhere(overlap)[0]
+            i += start
+            raise ValueError(f"{rule}; got blocks {files[i]} and {files[j]} both covering "
+                             f"{_region(np.maximum(lo[i], lo[j]), np.minimum(hi[i], hi[j]))} in {path / METADATA}")
+    covered, total = int(np.prod(hi - lo, axis=1).sum()), math.prod(shape)
+    if covered != total:
+        raise ValueError(f"{rule}; got {_gap(shape, lo, hi)} covered by no block ({total - covered} of {total} "
+                         f"elements missing) in {path / METADATA}")
+
+
+def _gap(shape: list, lo: np.ndarray, hi: np.ndarray) -> str:
+    """One region no block covers (a cell of the grid the blocks' edges cut), for the error message."""
+    cuts = [np.unique(np.concatenate([[0, n], lo[:, d], hi[:, d]])) for d, n in enumerate(shape)]
+    if math.prod(len(c) - 1 for c in cuts) > 1 << 22:  # a pathological grid: say only how much is missing
+        return "a region"
+    covered = np.zeros([len(c) - 1 for c in cuts], bool)
+    for a, b in zip(lo, hi):
+        covered[tuple(slice(np.searchsorted(c, x), np.searchsorted(c, y)) for c, x, y in zip(cuts, a, b))] = True
+    cell = np.argwhere(~covered)[0]
+    return _region([c[k] for c, k in zip(cuts, cell)], [c[k + 1] for c, k in zip(cuts, cell)])
+
+
+def _region(lo, hi) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in zip(lo, hi)) + "]" if len(lo) else "the scalar"
 
 
 def _find_checkpoint(directory) -> Path:
@@ -530,6 +815,7 @@ def _find_checkpoint(directory) -> Path:
 
 
 def _read_metadata(path: Path) -> dict:
+    _check_regular(path / METADATA, f"a checkpoint's {METADATA}", METADATA)
     with open(path / METADATA) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:

@@ -120,3 +120,27 @@ def test_failure_on_one_rank_raises_everywhere_and_keeps_previous(shared_dir):
     local = load_checkpoint(shared_dir, Mesh((N,), ("d",)), {})
     assert checkpoint_info(shared_dir)["step"] == 1
     assert_identical(rebuild(local, Mesh((N,), ("d",)), {}))
+
+
+def test_replicated_value_differing_on_one_rank_is_refused_everywhere(shared_dir):
+    """The last rank's copy of the replicated ``r`` differs (it would not be written, so it would be dropped):
+    every rank raises one error naming ``r`` and that rank, and the previous checkpoint stays."""
+    save(shared_dir, step=1)
+    rank = WORLD.Get_rank()
+    blocks = {n: a[true_slices(a.shape, SAVE_SPECS[n], SAVE_MESH, rank)].copy() for n, a in ORIG.items()}
+    if rank == N - 1:
+        blocks["r"][-1, -1] += 1
+    entries = {n: (a.shape, SAVE_SPECS[n]) for n, a in ORIG.items()}
+    try:
+        save_checkpoint(shared_dir, blocks, entries, SAVE_MESH, step=2)
+        error = None
+    except CheckpointError as e:
+        error = (str(e), e.ranks)
+    everyone = WORLD.allgather(error)
+    info = checkpoint_info(shared_dir)
+    leftovers = sorted(os.listdir(os.path.dirname(shared_dir)))
+    assert all(e == everyone[0] for e in everyone), everyone  # one error, alike on every rank
+    msg, ranks = everyone[0]
+    assert f"'r' block [0, 0] (replicated over {ALL}) differs on rank(s) [{N - 1}] from rank 0's copy" in msg, msg
+    assert ranks == [N - 1] and "'w'" not in msg and "'v'" not in msg
+    assert info["step"] == 1 and leftovers == ["ckpt"]

@@ -453,3 +453,159 @@ def test_expected_shapes_fail_naming_each_mismatched_tensor_unless_not_strict(tm
     got = run_simulated(2, lambda comm: load_checkpoint(str(path), mesh, comm=comm, expect=expect, strict=False))
     assert sorted(got[0]) == sorted(n for n in ORIG if n not in ("u", "mask", "w"))
     assert np.array_equal(got[1]["v"], ORIG["v"])
+
+
+# ---------------------------------------------------------------- nothing trusted (issue 30)
+
+def edit_metadata(path, edit):
+    meta = checkpoint_info(str(path))
+    edit(meta["tensors"])
+    with open(os.path.join(path, "checkpoint.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def test_block_without_crc_is_refused_unless_verification_is_off(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    save(str(path))
+    edit_metadata(path, lambda t: t["v"]["blocks"][2].pop("crc32"))
+    msg = load_error(str(path), Mesh((2,), ("x",)))
+    assert "every block needs its crc32 in checkpoint.json to be verified" in msg
+    assert "got none for block file v.2.npy of 'v'" in msg
+    mesh = Mesh((2,), ("x",))
+    got = run_simulated(2, lambda comm: load_checkpoint(str(path), mesh, comm=comm, verify=False))
+    assert_bit_identical(assemble(got, mesh, {}))  # asked for explicitly: loads unverified
+    monkeypatch.setenv("SPMD_CHECKPOINT_VERIFY", "0")
+    assert_bit_identical(assemble(load(str(path), mesh), mesh, {}))
+
+
+@pytest.mark.parametrize("edit,match", [
+    # block 3 ([9:10]) replaced by a second copy of block 2 ([6:9]): the element count still adds up to 10
+    (lambda t: t["v"]["blocks"].__setitem__(3, dict(t["v"]["blocks"][2], shape=[1])),
+     r"the blocks of 'v' must tile its shape \[10\] exactly once; got blocks v\.2\.npy and v\.2\.npy both covering "
+     r"\[6:7\]"),
+    (lambda t: t["w"]["blocks"].append(dict(t["w"]["blocks"][0])),
+     r"the blocks of 'w' must tile its shape \[10, 6\] exactly once; got blocks w\.0\.0\.npy and w\.0\.0\.npy both "
+     r"covering \[0:5, 0:2\]"),
+    (lambda t: t["v"]["blocks"].pop(3),
+     r"the blocks of 'v' must tile its shape \[10\] exactly once; got \[9:10\] covered by no block \(1 of 10 "
+     r"elements missing\)"),
+    (lambda t: t["w"]["blocks"].pop(4),
+     r"the blocks of 'w' must tile its shape \[10, 6\] exactly once; got \[5:10, 2:4\] covered by no block \(10 of 60"),
+    (lambda t: t["s"]["blocks"].pop(0), r"the blocks of 's' must tile its shape \[\] exactly once; got the scalar"),
+    (lambda t: t["v"]["blocks"][3].update(offset=[10]),
+     r"each block of 'v' must be non-empty and lie inside its shape \[10\]; got block v\.3\.npy at \[10:11\]"),
+    (lambda t: t["v"]["blocks"][0].update(file="../v.0.npy"), r"must be a plain file name; got '\.\./v\.0\.npy'"),
+])
+def test_metadata_must_tile_each_tensor_exactly_once(tmp_path, edit, match):
+    path = tmp_path / "ckpt"
+    save(str(path))
+    edit_metadata(path, edit)
+    for verify in (True, False):  # a structural check, not part of the crc verification
+        with pytest.raises(CheckpointError, match=match):
+            run_simulated(2, lambda comm: load_checkpoint(str(path), Mesh((2,), ("x",)), comm=comm, verify=verify))
+
+
+def test_symlinked_metadata_is_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    save(str(path))
+    os.rename(path / "checkpoint.json", tmp_path / "elsewhere.json")
+    os.symlink(tmp_path / "elsewhere.json", path / "checkpoint.json")
+    msg = load_error(str(path), Mesh((2,), ("x",)))
+    assert "a checkpoint's checkpoint.json must be a regular file, not a symlink; got checkpoint.json ->" in msg
+    with pytest.raises(ValueError, match="not a symlink"):
+        checkpoint_info(str(path))
+
+
+def test_hard_linked_block_is_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    save(str(path))
+    os.link(path / "r.0.0.npy", tmp_path / "other-name.npy")  # the same file, writable from elsewhere
+    msg = load_error(str(path), Mesh((2,), ("x",)))
+    assert "a block file must have a single link, not be a hard link (copy the file in instead); got r.0.0.npy " \
+           "of 'r' with 2 links" in msg
+    os.remove(tmp_path / "other-name.npy")
+    mesh = Mesh((2,), ("x",))
+    assert_bit_identical(assemble(load(str(path), mesh), mesh, {}))
+
+
+def test_save_keeps_user_files_inside_and_user_directories_beside_the_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    save(str(path), step=1)
+    (path / "notes.txt").write_text("mine")
+    (path / "plots").mkdir()
+    (path / "plots" / "loss.png").write_text("png")
+    lookalikes = [tmp_path / "ckpt.old-backup", tmp_path / f"ckpt.tmp-{'ab' * 16}", tmp_path / f"ckpt.old-{'cd' * 16}"]
+    for d in lookalikes:  # named like a save's temporaries, but not marked by one
+        shutil.copytree(path, d)
+    (lookalikes[2] / ".spmd_checkpoint_save.json").write_text(json.dumps(
+        {"format": "spmd_runtime.checkpoint", "save": "ef" * 16, "files": ["notes.txt"]}))  # another save's id
+    before = {d: sorted(os.listdir(d)) for d in lookalikes}
+    leftover = tmp_path / f"ckpt.tmp-{'12' * 16}"  # a killed save's, marked as such: it goes
+    leftover.mkdir()
+    (leftover / "v.0.npy").write_bytes(b"partial")
+    (leftover / ".spmd_checkpoint_save.json").write_text(json.dumps(
+        {"format": "spmd_runtime.checkpoint", "save": "12" * 16, "files": ["v.0.npy", "checkpoint.json"]}))
+    newer = {n: (a + 1 if a.dtype != bool else ~a) for n, a in ORIG.items()}
+    save(str(path), originals=newer, step=2)
+    assert checkpoint_info(str(path))["step"] == 2
+    assert (path / "notes.txt").read_text() == "mine" and (path / "plots" / "loss.png").read_text() == "png"
+    assert {d: sorted(os.listdir(d)) for d in lookalikes} == before
+    assert siblings(str(path)) == sorted(d.name for d in lookalikes)  # the save's own and the marked one are gone
+    mesh = Mesh((2,), ("d",))
+    assert_bit_identical(assemble(load(str(path), mesh), mesh, {}, newer), newer)
+
+
+def test_save_does_not_write_over_a_user_file_the_old_metadata_does_not_list(tmp_path):
+    path = tmp_path / "ckpt"
+    originals = {"w": ORIG["w"]}
+    save(str(path), originals=originals, specs={"w": SAVE_SPECS["w"]})
+    (path / "v.0.npy").write_text("not a block of this checkpoint")
+    with pytest.raises(CheckpointError, match=r"must not write over them; got \['v\.0\.npy'\] there"):
+        save(str(path))
+    assert (path / "v.0.npy").read_text() == "not a block of this checkpoint" and siblings(str(path)) == []
+
+
+def test_replicated_value_differing_on_one_rank_is_refused_at_save(tmp_path):
+    path = str(tmp_path / "ckpt")
+    save(path, step=1)
+
+    def odd_copies(rank, mesh, specs, originals):
+        blocks = local_blocks(rank, mesh, specs, originals)
+        if rank == 6:  # (x=1, y=2): holds all of r, and v's block 2 (v is split over y, replicated over x)
+            blocks["r"] = blocks["r"].copy()
+            blocks["r"][0, 0] += 1
+            blocks["v"] = -blocks["v"]
+        return blocks
+
+    errors = run_simulated(8, lambda comm: _save_error(path, comm, odd_copies))
+    assert len(set(errors)) == 1, errors  # one error, alike on every rank
+    msg = errors[0]
+    assert msg.startswith("save_checkpoint needs every copy of a replicated tensor to be bit-identical on the ranks "
+                          "holding it (one copy is written, the others would be dropped); got ")
+    assert "'r' block [0, 0] (replicated over ('x', 'y')) differs on rank(s) [6] from rank 0's copy" in msg
+    assert "'v' block [2] (replicated over ('x',)) differs on rank(s) [6] from rank 2's copy" in msg
+    assert "ranks holding it: [2, 6]" in msg and "'w'" not in msg
+    assert checkpoint_info(path)["step"] == 1 and siblings(path) == []
+
+
+def _save_error(path, comm, blocks):
+    entries = {n: (a.shape, SAVE_SPECS[n]) for n, a in ORIG.items()}
+    try:
+        save_checkpoint(path, blocks(comm.Get_rank(), SAVE_MESH, SAVE_SPECS, ORIG), entries, SAVE_MESH, comm=comm,
+                        step=2)
+    except CheckpointError as e:
+        assert e.ranks == [6]
+        return str(e)
+    return None
+
+
+def test_save_through_a_symlinked_directory_replaces_its_target(tmp_path):
+    (tmp_path / "scratch").mkdir()
+    os.symlink(tmp_path / "scratch" / "ckpt", tmp_path / "ckpt")  # dangling until the first save
+    path = str(tmp_path / "ckpt")
+    save(path, step=1)
+    save(path, step=2)
+    assert os.path.islink(path) and checkpoint_info(path)["step"] == 2
+    assert sorted(os.listdir(tmp_path / "scratch")) == ["ckpt"]
+    mesh = Mesh((2,), ("d",))
+    assert_bit_identical(assemble(load(path, mesh), mesh, {}))
