@@ -378,3 +378,107 @@ def test_persistent_bindings_equal_raw_mpi4py_for_the_operand_and_for_other_arra
             assert_same(got, expected)
     for kind, ok in freed:
         assert ok, f"{kind}: release left a persistent request unfreed"
+
+
+# -- every carried dtype (dtypes.COLLECTIVE_DTYPES) through every kind, and the refusals, under real MPI --------
+
+def _values(mesh, shape, dtype, seed=0):
+    """Small values every dtype holds exactly: bools, 0..3, complex with both parts set."""
+    dtype = np.dtype(dtype)
+    out = []
+    for r in range(mesh.size):
+        rng = np.random.default_rng([seed, r])
+        if dtype == np.bool_:
+            out.append(rng.integers(0, 2, shape) > 0)
+        elif dtype.kind == "c":
+            out.append((rng.integers(0, 4, shape) + 1j * rng.integers(-3, 4, shape)).astype(dtype))
+        else:
+            out.append(rng.integers(0, 4, shape).astype(dtype))
+    return out
+
+
+def _dtype_cases(mesh, dtype):
+    axes, n = mesh.axis_names, mesh.size
+    ring = [(r, (r + 1) % n) for r in range(n)]
+    ops = ("sum",) if np.dtype(dtype).kind == "c" else ("sum", "max", "min")
+    out = [("all_reduce", {"axes": axes, "op": op}, lambda xs, r, op=op: ref.reference_all_reduce(mesh, xs, r, axes, op))
+           for op in ops]
+    out += [("reduce_scatter", {"axes": axes, "dim": 0, "op": op},
+             lambda xs, r, op=op: ref.reference_reduce_scatter(mesh, xs, r, axes, 0, op)) for op in ops]
+    return out + [
+        ("all_gather", {"axes": axes, "dim": 0}, lambda xs, r: ref.reference_all_gather(mesh, xs, r, axes, 0)),
+        ("all_to_all", {"axes": axes, "split_dim": 0, "concat_dim": 0},
+         lambda xs, r: ref.reference_all_to_all(mesh, xs, r, axes, 0, 0)),
+        ("collective_permute", {"pairs": ring}, lambda xs, r: ref.reference_permute(xs, r, ring)),
+        ("broadcast", {"axes": axes, "root": n - 1}, lambda xs, r: ref.reference_broadcast(mesh, xs, r, axes, n - 1))]
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking", "persistent", "persistent-nonblocking"])
+def test_every_carried_dtype_through_every_kind_equals_numpy(mode, make_mc):
+    """bool (reduced with MPI LOR / LAND), the integers, the floats (16-bit ones as uint16) and complex (summed
+    with MPI SUM on C_FLOAT_COMPLEX / C_DOUBLE_COMPLEX): the one-shot, nonblocking and persistent bindings
+    (``operand=``, MPI-4 ``*_init``) equal NumPy on the global data; the exchange (all_to_allv) too."""
+    from spmd_runtime.dtypes import COLLECTIVE_DTYPES
+    mesh, rank = MESHES[0], WORLD.Get_rank()
+    mc, n, shape = make_mc(mesh), mesh.size, (2 * mesh.size, 3)
+    nonblocking, persistent = "nonblocking" in mode, mode.startswith("persistent")
+    checks = []
+    for dtype in COLLECTIVE_DTYPES:
+        xs = _values(mesh, shape, dtype)
+        for kind, attrs, reference in _dtype_cases(mesh, dtype):
+            operand = np.empty(shape, dtype) if persistent else None
+            f = collectives.bind(mc, kind, np, shape, dtype, nonblocking=nonblocking, operand=operand, **attrs)
+            x = xs[rank]
+            if persistent:
+                operand[...] = x
+                x = operand
+            got = f(x)
+            checks.append(((kind, dtype, attrs.get("op")), (got.wait() if nonblocking else got).copy(),
+                           reference(xs, rank)))
+            collectives.release(f)
+        if n > 1:  # the exchange: this rank's x lands in out[:, :3], its left neighbour's in out[:, 3:]
+            right, left = (rank + 1) % n, (rank - 1) % n
+            got = collectives.all_to_allv(mc, xs[rank], sends=[(rank, (slice(None),)), (right, (slice(None),))],
+                                          recvs=[(rank, (slice(None), slice(0, 3))), (left, (slice(None), slice(3, 6)))],
+                                          out_shape=(shape[0], 6))
+            checks.append((("all_to_allv", dtype, None), got, np.concatenate([xs[rank], xs[left]], axis=1)))
+    for what, got, expected in checks:
+        assert got.dtype == expected.dtype, what
+        np.testing.assert_array_equal(got, expected, err_msg=str(what))
+
+
+def test_bools_reduce_as_raw_mpi4py_lor_and_land(make_mc):
+    """A bool sum / max is raw MPI LOR, a min raw MPI LAND (MPI defines SUM, MAX, MIN on no logical type)."""
+    mesh, rank = MESHES[0], WORLD.Get_rank()
+    mc, axes = make_mc(mesh), MESHES[0].axis_names
+    x = _values(mesh, (4, 3), "bool", seed=3)[rank]
+    checks = []
+    for op, raw_op in (("sum", MPI.LOR), ("max", MPI.LOR), ("min", MPI.LAND)):
+        raw = np.empty_like(x)
+        mc.sub(axes).Allreduce(x, raw, raw_op)
+        checks.append((all_reduce(mc, x, axes, op), raw))
+    for got, raw in checks:
+        assert_same(got, raw)
+
+
+def test_mpi_refuses_what_the_simulated_world_refuses():
+    """MPICH's "Invalid MPI_Op" for SUM / MAX on C_BOOL and MAX on complex (what comm/simulated.py mirrors);
+    a raw call, every rank alike (the error is raised locally, before any message)."""
+    errors = []
+    for dtype, op in (("bool", MPI.SUM), ("bool", MPI.MAX), ("complex64", MPI.MAX), ("complex128", MPI.MIN)):
+        x = np.zeros(4, dtype)
+        try:
+            WORLD.Allreduce(x, np.empty_like(x), op)
+            errors.append(None)
+        except MPI.Exception as e:
+            errors.append(e.Get_error_class())
+    assert errors == [MPI.ERR_OP] * 4, errors
+
+
+@pytest.mark.parametrize("kind, attrs", [("all_reduce", {"op": "max"}), ("reduce_scatter", {"op": "min", "dim": 0})])
+def test_a_complex_max_is_refused_at_bind_on_every_rank(kind, attrs, make_mc):
+    mesh = MESHES[0]
+    mc = make_mc(mesh)
+    with pytest.raises(TypeError, match=rf"not supported: {kind} of complex64 with op '{attrs['op']}'"):
+        collectives.bind(mc, kind, np, (2 * mesh.size, 2), np.complex64, axes=mesh.axis_names, **attrs)
+    WORLD.Barrier()  # every rank refused alike: none is left in a collective
