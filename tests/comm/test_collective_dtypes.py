@@ -10,45 +10,12 @@ from mpi4py import MPI
 
 from spmd_runtime.comm import MeshCommunicator, collectives, run_simulated
 from spmd_runtime.comm import testing as ref
-from spmd_runtime.comm.simulated import SimulatedComm  # noqa: F401  (the API under test below)
 from spmd_runtime.dtypes import COLLECTIVE_DTYPES, dtype as named_dtype
 from spmd_runtime.mesh import Mesh
+from test_collectives_simulated import RecordingComm
 
 MESHES = [Mesh((1,), ("x",)), Mesh((2,), ("x",)), Mesh((3,), ("x",)), Mesh((2, 2), ("x", "y"))]
 DTYPES = [pytest.param(name, id=name) for name in COLLECTIVE_DTYPES]
-
-
-def local_values(mesh, shape, dtype, seed=0):
-    """Small values every dtype holds exactly (sums of 4 ranks too): bools, 0..3, complex with both parts set."""
-    dtype = named_dtype(dtype)
-    out = []
-    for r in range(mesh.size):
-        rng = np.random.default_rng([seed, r])
-        if dtype == np.bool_:
-            out.append(rng.integers(0, 2, shape) > 0)
-        elif dtype.kind == "c":
-            out.append((rng.integers(0, 4, shape) + 1j * rng.integers(-3, 4, shape)).astype(dtype))
-        else:
-            out.append(rng.integers(0, 4, shape).astype(dtype))
-    return out
-
-
-def cases(mesh, axes, dtype):
-    """(kind, attrs, reference(xs, rank)) for every kind of a bound collective, the ops this dtype reduces with."""
-    ops = ("sum",) if named_dtype(dtype).kind == "c" else ("sum", "max", "min")
-    n = mesh.size
-    ring = [(r, (r + 1) % n) for r in range(n)]
-    out = [("all_reduce", {"axes": axes, "op": op},
-            lambda xs, r, op=op: ref.reference_all_reduce(mesh, xs, r, axes, op)) for op in ops]
-    out += [("reduce_scatter", {"axes": axes, "dim": 0, "op": op},
-             lambda xs, r, op=op: ref.reference_reduce_scatter(mesh, xs, r, axes, 0, op)) for op in ops]
-    out += [("all_gather", {"axes": axes, "dim": 1}, lambda xs, r: ref.reference_all_gather(mesh, xs, r, axes, 1)),
-            ("all_to_all", {"axes": axes, "split_dim": 0, "concat_dim": 1},
-             lambda xs, r: ref.reference_all_to_all(mesh, xs, r, axes, 0, 1)),
-            ("collective_permute", {"pairs": ring}, lambda xs, r: ref.reference_permute(xs, r, ring)),
-            ("broadcast", {"axes": axes, "root": mesh.axis_size(axes) - 1},
-             lambda xs, r: ref.reference_broadcast(mesh, xs, r, axes, mesh.axis_size(axes) - 1))]
-    return out
 
 
 def assert_same(got, expected, what):
@@ -63,8 +30,8 @@ def test_every_kind_carries_every_dtype_like_numpy(mesh, dtype, nonblocking):
     axes = mesh.axis_names
     k = mesh.axis_size(axes)
     shape = (2 * k, 3)
-    xs = local_values(mesh, shape, dtype)
-    table = cases(mesh, axes, dtype)
+    xs = ref.carried_values(mesh.size, shape, dtype)
+    table = ref.kind_cases(mesh, axes, dtype)
 
     def body(comm):
         mc, outs = MeshCommunicator(mesh, comm), []
@@ -79,52 +46,25 @@ def test_every_kind_carries_every_dtype_like_numpy(mesh, dtype, nonblocking):
             assert_same(got, reference(xs, rank), (kind, attrs, rank))
 
 
-def _exchange(rank, n):
-    """An all_to_allv round plan: this rank's x lands in out[:, :3], its left neighbour's in out[:, 3:]."""
-    right, left = (rank + 1) % n, (rank - 1) % n
-    sends = [(rank, (slice(None),)), (right, (slice(None),))]
-    recvs = [(rank, (slice(None), slice(0, 3))), (left, (slice(None), slice(3, 6)))]
-    return sends, recvs
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_the_exchange_carries_every_dtype(n, dtype):
     mesh = Mesh((n,), ("x",))
-    xs = local_values(mesh, (2, 3), dtype)
+    xs = ref.carried_values(n, (2, 3), dtype)
 
     def body(comm):
         mc = MeshCommunicator(mesh, comm)
-        sends, recvs = _exchange(mc.rank, n)
-        return collectives.all_to_allv(mc, xs[mc.rank], sends=sends, recvs=recvs, out_shape=(2, 6))
+        return collectives.all_to_allv(mc, xs[mc.rank], **ref.ring_exchange(mc.rank, n))
 
     for rank, got in enumerate(run_simulated(n, body)):
         assert_same(got, np.concatenate([xs[rank], xs[(rank - 1) % n]], axis=1), rank)
-
-
-class CallLog:
-    """A simulated comm that logs every uppercase MPI call (Split results logged too)."""
-
-    def __init__(self, comm, log):
-        self._comm, self._log = comm, log
-
-    def __getattr__(self, name):
-        attr = getattr(self._comm, name)
-        if not (callable(attr) and name[0].isupper() and not name.startswith("Get_")):
-            return attr
-
-        def call(*args, **kwargs):
-            self._log.append(name)
-            out = attr(*args, **kwargs)
-            return CallLog(out, self._log) if name == "Split" else out
-        return call
 
 
 def _refusals(mesh, kind, attrs, dtype, nonblocking=False):
     """Each rank's (error message or None, MPI calls made) for binding ``kind`` on ``dtype``."""
     def body(comm):
         log = []
-        mc = MeshCommunicator(mesh, CallLog(comm, log))
+        mc = MeshCommunicator(mesh, RecordingComm(comm, log))
         try:
             collectives.bind(mc, kind, np, (4, 2), dtype, nonblocking=nonblocking, **attrs)
         except TypeError as e:
@@ -172,10 +112,9 @@ def test_the_exchange_refuses_an_uncarried_dtype_before_its_rounds():
 
     def body(comm):
         log = []
-        mc = MeshCommunicator(mesh, CallLog(comm, log))
-        sends, recvs = _exchange(mc.rank, 2)
+        mc = MeshCommunicator(mesh, RecordingComm(comm, log))
         with pytest.raises(TypeError, match=r"not supported: all_to_allv of object \(the collectives carry"):
-            collectives.all_to_allv(mc, np.empty((2, 3), object), sends=sends, recvs=recvs, out_shape=(2, 6))
+            collectives.all_to_allv(mc, np.empty((2, 3), object), **ref.ring_exchange(mc.rank, 2))
         return log
     assert run_simulated(2, body) == [[], []]
 

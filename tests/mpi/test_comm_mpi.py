@@ -382,37 +382,6 @@ def test_persistent_bindings_equal_raw_mpi4py_for_the_operand_and_for_other_arra
 
 # -- every carried dtype (dtypes.COLLECTIVE_DTYPES) through every kind, and the refusals, under real MPI --------
 
-def _values(mesh, shape, dtype, seed=0):
-    """Small values every dtype holds exactly: bools, 0..3, complex with both parts set."""
-    dtype = np.dtype(dtype)
-    out = []
-    for r in range(mesh.size):
-        rng = np.random.default_rng([seed, r])
-        if dtype == np.bool_:
-            out.append(rng.integers(0, 2, shape) > 0)
-        elif dtype.kind == "c":
-            out.append((rng.integers(0, 4, shape) + 1j * rng.integers(-3, 4, shape)).astype(dtype))
-        else:
-            out.append(rng.integers(0, 4, shape).astype(dtype))
-    return out
-
-
-def _dtype_cases(mesh, dtype):
-    axes, n = mesh.axis_names, mesh.size
-    ring = [(r, (r + 1) % n) for r in range(n)]
-    ops = ("sum",) if np.dtype(dtype).kind == "c" else ("sum", "max", "min")
-    out = [("all_reduce", {"axes": axes, "op": op}, lambda xs, r, op=op: ref.reference_all_reduce(mesh, xs, r, axes, op))
-           for op in ops]
-    out += [("reduce_scatter", {"axes": axes, "dim": 0, "op": op},
-             lambda xs, r, op=op: ref.reference_reduce_scatter(mesh, xs, r, axes, 0, op)) for op in ops]
-    return out + [
-        ("all_gather", {"axes": axes, "dim": 0}, lambda xs, r: ref.reference_all_gather(mesh, xs, r, axes, 0)),
-        ("all_to_all", {"axes": axes, "split_dim": 0, "concat_dim": 0},
-         lambda xs, r: ref.reference_all_to_all(mesh, xs, r, axes, 0, 0)),
-        ("collective_permute", {"pairs": ring}, lambda xs, r: ref.reference_permute(xs, r, ring)),
-        ("broadcast", {"axes": axes, "root": n - 1}, lambda xs, r: ref.reference_broadcast(mesh, xs, r, axes, n - 1))]
-
-
 @pytest.mark.parametrize("mode", ["blocking", "nonblocking", "persistent", "persistent-nonblocking"])
 def test_every_carried_dtype_through_every_kind_equals_numpy(mode, make_mc):
     """bool (reduced with MPI LOR / LAND), the integers, the floats (16-bit ones as uint16) and complex (summed
@@ -424,8 +393,8 @@ def test_every_carried_dtype_through_every_kind_equals_numpy(mode, make_mc):
     nonblocking, persistent = "nonblocking" in mode, mode.startswith("persistent")
     checks = []
     for dtype in COLLECTIVE_DTYPES:
-        xs = _values(mesh, shape, dtype)
-        for kind, attrs, reference in _dtype_cases(mesh, dtype):
+        xs = ref.carried_values(n, shape, dtype)
+        for kind, attrs, reference in ref.kind_cases(mesh, mesh.axis_names, dtype):
             operand = np.empty(shape, dtype) if persistent else None
             f = collectives.bind(mc, kind, np, shape, dtype, nonblocking=nonblocking, operand=operand, **attrs)
             x = xs[rank]
@@ -436,12 +405,9 @@ def test_every_carried_dtype_through_every_kind_equals_numpy(mode, make_mc):
             checks.append(((kind, dtype, attrs.get("op")), (got.wait() if nonblocking else got).copy(),
                            reference(xs, rank)))
             collectives.release(f)
-        if n > 1:  # the exchange: this rank's x lands in out[:, :3], its left neighbour's in out[:, 3:]
-            right, left = (rank + 1) % n, (rank - 1) % n
-            got = collectives.all_to_allv(mc, xs[rank], sends=[(rank, (slice(None),)), (right, (slice(None),))],
-                                          recvs=[(rank, (slice(None), slice(0, 3))), (left, (slice(None), slice(3, 6)))],
-                                          out_shape=(shape[0], 6))
-            checks.append((("all_to_allv", dtype, None), got, np.concatenate([xs[rank], xs[left]], axis=1)))
+        if n > 1:  # the exchange: this rank's x, then its left neighbour's
+            got = collectives.all_to_allv(mc, xs[rank], **ref.ring_exchange(rank, n, shape[0]))
+            checks.append((("all_to_allv", dtype, None), got, np.concatenate([xs[rank], xs[rank - 1]], axis=1)))
     for what, got, expected in checks:
         assert got.dtype == expected.dtype, what
         np.testing.assert_array_equal(got, expected, err_msg=str(what))
@@ -451,7 +417,7 @@ def test_bools_reduce_as_raw_mpi4py_lor_and_land(make_mc):
     """A bool sum / max is raw MPI LOR, a min raw MPI LAND (MPI defines SUM, MAX, MIN on no logical type)."""
     mesh, rank = MESHES[0], WORLD.Get_rank()
     mc, axes = make_mc(mesh), MESHES[0].axis_names
-    x = _values(mesh, (4, 3), "bool", seed=3)[rank]
+    x = ref.carried_values(mesh.size, (4, 3), "bool", seed=3)[rank]
     checks = []
     for op, raw_op in (("sum", MPI.LOR), ("max", MPI.LOR), ("min", MPI.LAND)):
         raw = np.empty_like(x)
