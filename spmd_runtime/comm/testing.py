@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from spmd_runtime.collective_kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COLLECTIVE_PERMUTE,
+                                           REDUCE_SCATTER)
+
 _NUMPY_REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min}
 
 
@@ -77,16 +80,16 @@ def kind_cases(mesh, axes, dtype) -> list:
     reduces with (complex numbers: sum only), over ``axes`` (a permute: the ring over the world)."""
     ops = ("sum",) if np.dtype(dtype).kind == "c" else ("sum", "max", "min")
     ring, root = [(r, (r + 1) % mesh.size) for r in range(mesh.size)], mesh.axis_size(axes) - 1
-    out = [("all_reduce", {"axes": axes, "op": op}, lambda xs, r, op=op: reference_all_reduce(mesh, xs, r, axes, op))
+    out = [(ALL_REDUCE.name, {"axes": axes, "op": op}, lambda xs, r, op=op: reference_all_reduce(mesh, xs, r, axes, op))
            for op in ops]
-    out += [("reduce_scatter", {"axes": axes, "dim": 0, "op": op},
+    out += [(REDUCE_SCATTER.name, {"axes": axes, "dim": 0, "op": op},
              lambda xs, r, op=op: reference_reduce_scatter(mesh, xs, r, axes, 0, op)) for op in ops]
     return out + [
-        ("all_gather", {"axes": axes, "dim": 1}, lambda xs, r: reference_all_gather(mesh, xs, r, axes, 1)),
-        ("all_to_all", {"axes": axes, "split_dim": 0, "concat_dim": 1},
+        (ALL_GATHER.name, {"axes": axes, "dim": 1}, lambda xs, r: reference_all_gather(mesh, xs, r, axes, 1)),
+        (ALL_TO_ALL.name, {"axes": axes, "split_dim": 0, "concat_dim": 1},
          lambda xs, r: reference_all_to_all(mesh, xs, r, axes, 0, 1)),
-        ("collective_permute", {"pairs": ring}, lambda xs, r: reference_permute(xs, r, ring)),
-        ("broadcast", {"axes": axes, "root": root}, lambda xs, r: reference_broadcast(mesh, xs, r, axes, root))]
+        (COLLECTIVE_PERMUTE.name, {"pairs": ring}, lambda xs, r: reference_permute(xs, r, ring)),
+        (BROADCAST.name, {"axes": axes, "root": root}, lambda xs, r: reference_broadcast(mesh, xs, r, axes, root))]
 
 
 def ring_exchange(rank: int, n: int, rows: int = 2) -> dict:
