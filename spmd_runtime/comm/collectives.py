@@ -46,7 +46,10 @@ calls) keeps the plain calls.
 
 Wire bytes (per rank, ring algorithms, S = local bytes) are in each docstring;
 they are the denominators of the cost model and of the bus-bandwidth figures.
-16-bit floats travel as 16 bits and are reduced in float32 (``low_precision.py``).
+16-bit floats travel as 16 bits and are reduced in float32 (``low_precision.py``). The dtypes carried are
+``dtypes.COLLECTIVE_DTYPES`` (bool, integers, floats, complex); bools reduce with MPI's LOR / LAND as NumPy's
+add, maximum and minimum of bools do (``communicator.mpi_op``). Any other dtype, and a complex max or min, is
+refused at bind with TypeError "not supported: <kind> of <dtype> (...)", before any MPI call, on every rank alike.
 """
 from __future__ import annotations
 
@@ -57,11 +60,11 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from spmd_runtime.collective_kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COLLECTIVE_PERMUTE,
-                                           FLOAT32, KINDS, REDUCE_SCATTER)
+from spmd_runtime.collective_kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALLV, BROADCAST,
+                                           COLLECTIVE_PERMUTE, FLOAT32, KINDS, REDUCE_SCATTER)
 from spmd_runtime.comm import low_precision, watchdog
 from spmd_runtime.comm.communicator import mpi_op
-from spmd_runtime.dtypes import is_low_precision
+from spmd_runtime.dtypes import collective_refusal, is_low_precision
 
 PERSISTENT_ENV = "SPMD_PERSISTENT"
 # MPICH runs a persistent collective with its nonblocking algorithms: a blocking reduce-scatter of 1 MiB took
@@ -144,6 +147,7 @@ def bind(mc, kind, xp, shape, dtype, *, reuse: bool = True, in_place: bool = Fal
     spec = KINDS.get(getattr(kind, "name", kind))
     if spec not in _BINDERS:
         raise ValueError(f"collective kind must be one of {sorted(k.name for k in _BINDERS)}; got {kind!r}")
+    _refuse_dtype(spec.name, dtype, attrs.get("op"))
     what = f"{spec.name} over mesh axes {attrs.get('axes', 'of the permute pairs')}"
     if is_low_precision(dtype):  # 16-bit floats: moved as uint16, reduced in float32 (low_precision.py)
         if nonblocking and spec.sixteen_bit == FLOAT32:  # several collectives: blocking at the start
@@ -195,6 +199,15 @@ class _After:
 
     def result(self):
         return self.post(self.recv)
+
+
+def _refuse_dtype(kind: str, dtype, op=None) -> None:
+    """Raise TypeError "not supported: ..." for a dtype the collective cannot carry or reduce with ``op``
+    (dtypes.collective_refusal): at bind, before any MPI call and whatever the group size, so every rank
+    binding the same program raises alike."""
+    refusal = collective_refusal(kind, dtype, op)
+    if refusal is not None:
+        raise TypeError(refusal)
 
 
 def _bind_fresh(mc, kind, x, **attrs):
@@ -303,7 +316,7 @@ class _Plan:
 
 
 def _bind_all_reduce(plan, in_place, axes, op="sum"):
-    mop, k = mpi_op(op), plan.mc.axis_size(axes)  # a bad op is rejected even where k == 1 needs no MPI call
+    mop, k = mpi_op(op, plan.dtype, ALL_REDUCE.name), plan.mc.axis_size(axes)  # refused even where k == 1
     if k == 1:
         return _same if in_place else _copy
     if in_place and plan.host:  # into the operand: no receive buffer to keep
@@ -342,7 +355,7 @@ def _bind_reduce_scatter(plan, in_place, axes, dim, op="sum"):
     shape, xp, k = plan.shape, plan.xp, plan.mc.axis_size(axes)
     dim = _normalize_dim(dim, len(shape), f"{REDUCE_SCATTER.name} dim")
     _check_divisible(shape, dim, k, REDUCE_SCATTER.name)
-    mop = mpi_op(op)
+    mop = mpi_op(op, plan.dtype, REDUCE_SCATTER.name)
     if k == 1:
         return _copy
     front = _front_shape(shape, dim)
@@ -626,22 +639,26 @@ def all_to_allv(mc, x, *into, sends, recvs, out_shape, fill=0):
     given (the operands of a concatenation land one after another), None slices: nothing that round.
     Round 0 is this rank itself (a local copy). Both sides of a round know the piece, so a rank skips a partner
     that has nothing for it; one Sendrecv per round cannot deadlock.
-    Wire bytes: the sum of the pieces sent to other ranks.
+    Wire bytes: the sum of the pieces sent to other ranks. 16-bit floats travel as uint16 (MPI has no bfloat16
+    datatype); a dtype no collective carries is refused before any round (one lookup per call: the exchange is
+    not bound once, exec/rules/spmd.py resolves only its table).
     """
-    xp = mc.transport.array_module(x)
-    out = into[0].copy() if into else xp.full(tuple(out_shape), fill, x.dtype)
+    _refuse_dtype(ALL_TO_ALLV.name, x.dtype)
+    xp, dtype = mc.transport.array_module(x), x.dtype
+    wire = low_precision.WIRE if is_low_precision(dtype) else dtype
+    out = into[0].copy() if into else xp.full(tuple(out_shape), fill, dtype)
     (_, mine), (_, here) = sends[0], recvs[0]
     if mine is not None:
         out[here] = x[mine]
     for (dest, send_sl), (source, recv_sl) in zip(sends[1:], recvs[1:]):
         if send_sl is None and recv_sl is None:
             continue
-        send = None if send_sl is None else xp.ascontiguousarray(x[send_sl])
-        recv = None if recv_sl is None else xp.empty(out[recv_sl].shape, x.dtype)
+        send = None if send_sl is None else xp.ascontiguousarray(x[send_sl]).view(wire)
+        recv = None if recv_sl is None else xp.empty(out[recv_sl].shape, wire)
         mc.transport.run(lambda s, r: mc.Sendrecv(s, None if s is None else dest, r, None if r is None else source),
                          send, recv)
         if recv is not None:
-            out[recv_sl] = recv
+            out[recv_sl] = recv.view(dtype)
     return out
 
 

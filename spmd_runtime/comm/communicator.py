@@ -20,19 +20,33 @@ which SPMD programs do by construction.
 """
 from __future__ import annotations
 
+import numpy as np
 from mpi4py import MPI
 
 from spmd_runtime.comm import jobguard, watchdog
 from spmd_runtime.comm.agreement import AgreedError, agree  # noqa: F401  (AgreedError: re-exported, its old home)
 from spmd_runtime.comm.gpu import Transport
+from spmd_runtime.dtypes import collective_refusal
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+# MPI defines SUM, MAX and MIN on none of its logical types (MPICH: "Invalid MPI_Op" on C_BOOL); NumPy's add and
+# maximum of bools are a logical or, its minimum a logical and: what LOR and LAND compute
+_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
+_BOOL = np.dtype(np.bool_)
 
 
-def mpi_op(op: str):
+def mpi_op(op: str, dtype=None, kind: str = "a reduction"):
+    """The MPI op that reduces ``dtype`` buffers as NumPy's ``op`` ('sum' | 'max' | 'min') does (None: the op by
+    name alone). A dtype the collective ``kind`` cannot reduce (dtypes.collective_refusal: complex max/min, a
+    dtype no collective carries) raises TypeError "not supported: ...", before any MPI call."""
     if op not in _OPS:
         raise ValueError(f"reduction op must be one of {sorted(_OPS)}; got {op!r}")
-    return _OPS[op]
+    if dtype is None:
+        return _OPS[op]
+    refusal = collective_refusal(kind, dtype, op)
+    if refusal is not None:
+        raise TypeError(refusal)
+    return _BOOL_OPS[op] if np.dtype(dtype) == _BOOL else _OPS[op]
 
 
 def world(comm=None):
@@ -135,7 +149,7 @@ class MeshCommunicator:
     @_waits("Allreduce")
     def Allreduce(self, axes, send, recv, op: str) -> None:
         """``recv`` = elementwise ``op`` ('sum' | 'max' | 'min') of ``send`` over the group along ``axes``."""
-        self.sub(axes).Allreduce(send, recv, mpi_op(op))
+        self.sub(axes).Allreduce(send, recv, mpi_op(op, send.dtype, "Allreduce"))
 
     @_waits("Allgather")
     def Allgather(self, axes, send, recv) -> None:
@@ -145,7 +159,7 @@ class MeshCommunicator:
     @_waits("Reduce_scatter_block")
     def Reduce_scatter_block(self, axes, send, recv, op: str) -> None:
         """``recv`` = block ``index_along(axes)`` of the group's elementwise ``op`` of ``send`` (k equal blocks)."""
-        self.sub(axes).Reduce_scatter_block(send, recv, mpi_op(op))
+        self.sub(axes).Reduce_scatter_block(send, recv, mpi_op(op, send.dtype, "Reduce_scatter_block"))
 
     @_waits("Alltoall")
     def Alltoall(self, axes, send, recv) -> None:

@@ -167,13 +167,18 @@ def _install_signal_handlers() -> int | None:
 
 
 def _start_deathwatch(comm) -> None:
-    """The lowest rank of each host starts the watcher that names a rank killed without a word (deathwatch.py)."""
+    """The lowest rank of each host starts the watcher that names a rank killed without a word (deathwatch.py);
+    then every rank takes hold of its lifeline in the set that watcher made (its id shared in one allgather),
+    so the watcher can tell the rank that ended first from the bystanders the launcher kills after it."""
     host = socket.gethostname()
     here = deathwatch.pid_space()
     local = {r: pid for r, (h, pid) in enumerate(comm.allgather((here, os.getpid()))) if h == here}
-    _state["host_lead_pid"] = local[min(local)]
-    if min(local) == comm.Get_rank():
+    lead, rank, lifelines = min(local), comm.Get_rank(), None
+    _state["host_lead_pid"] = local[lead]
+    if lead == rank:
         _state["watcher"] = deathwatch.start(local, host)
+        lifelines = getattr(_state["watcher"], "lifelines", None)
+    deathwatch.hold(comm.allgather(lifelines)[lead], sorted(local).index(rank))
 
 
 def _at_exit() -> None:

@@ -13,7 +13,10 @@ the deposited buffers while their owners are still blocked. A single barrier
 per step suffices: the next step's action cannot run before every member has
 arrived again, i.e. after each has copied out its previous result.
 
-Reductions combine contributions in rank order, so results are deterministic.
+Reductions combine contributions in rank order, so results are deterministic. Like MPI, a reduction refuses
+an op its datatype does not define (MPICH: "Invalid MPI_Op": SUM, MAX, MIN on bools, MAX, MIN on complex
+numbers, LOR, LAND on floats) and a buffer refuses a dtype MPI has no datatype for (bfloat16, objects), so a
+path that only works in the simulation fails here too.
 The first exception on any thread aborts every barrier and mailbox so no thread
 is left hanging; ``run_simulated`` re-raises it, noting the rank it came from.
 """
@@ -28,8 +31,13 @@ from collections import defaultdict
 import numpy as np
 from mpi4py import MPI
 
-# mpi4py Op objects are unhashable: look them up by equality.
-_REDUCTIONS = ((MPI.SUM, np.add, "sum"), (MPI.MAX, np.maximum, "max"), (MPI.MIN, np.minimum, "min"))
+# mpi4py Op objects are unhashable: look them up by equality. Per op: its ufunc, its name, and the NumPy dtype
+# kinds of the MPI datatypes it is defined on (the MPI standard's table; float16 is MPICH's MPIX_C_FLOAT16).
+_REDUCTIONS = ((MPI.SUM, np.add, "SUM", "iufc"), (MPI.MAX, np.maximum, "MAX", "iuf"),
+               (MPI.MIN, np.minimum, "MIN", "iuf"), (MPI.LOR, np.logical_or, "LOR", "biu"),
+               (MPI.LAND, np.logical_and, "LAND", "biu"))
+# The typecodes mpi4py maps to an MPI datatype (MPI.Datatype.fromcode): a buffer of any other dtype fails.
+_MPI_TYPECODES = frozenset("?bBhHiIlLqQefdgFDG")
 
 
 # World rank of the simulated rank running on the current thread.
@@ -207,7 +215,7 @@ class SimulatedComm:
         recv = _buffer(recvbuf)
         send = recv.copy() if sendbuf is MPI.IN_PLACE else _buffer(sendbuf)
         _check_sizes("Allreduce", send, recv, send.size)
-        ufunc, name = _reduction(op)
+        ufunc, name = _reduction(op, send.dtype, "Allreduce")
         total = self._step(("Allreduce", name), send, lambda ps: [_reduce(ufunc, ps, "Allreduce")] * len(ps))
         recv.reshape(-1)[...] = total.reshape(-1)
 
@@ -220,7 +228,7 @@ class SimulatedComm:
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM) -> None:
         send, recv = _buffer(sendbuf), _buffer(recvbuf)
         _check_sizes("Reduce_scatter_block", send, recv, send.size // self.size, divisor=self.size)
-        ufunc, name = _reduction(op)
+        ufunc, name = _reduction(op, send.dtype, "Reduce_scatter_block")
 
         def combine(payloads):
             return list(_reduce(ufunc, payloads, "Reduce_scatter_block").reshape(len(payloads), -1))
@@ -381,6 +389,9 @@ def _buffer(buf) -> np.ndarray:
     if not isinstance(buf, np.ndarray) and hasattr(buf, "__cuda_array_interface__"):
         buf = _HostView(buf.__cuda_array_interface__)
     array = np.asarray(buf)
+    if array.dtype.char not in _MPI_TYPECODES:
+        raise ValueError(f"MPI buffers must have a dtype MPI has a datatype for ({''.join(sorted(_MPI_TYPECODES))}); "
+                         f"got {array.dtype}")
     if not array.flags.c_contiguous:
         raise BufferError(f"MPI buffers must be C-contiguous; got shape {array.shape} strides {array.strides}")
     return array
@@ -396,11 +407,16 @@ class _HostView:
         }
 
 
-def _reduction(op):
-    for mpi_op, ufunc, name in _REDUCTIONS:
+def _reduction(op, dtype, kind: str):
+    """(ufunc, name) of MPI op ``op`` on ``dtype`` buffers; refused as MPI refuses an op its datatype lacks."""
+    for mpi_op, ufunc, name, kinds in _REDUCTIONS:
         if op == mpi_op:
+            if dtype.kind not in kinds:
+                raise ValueError(f"simulated {kind}: MPI.{name} is not defined on {dtype} buffers (as MPI's "
+                                 f"Invalid MPI_Op); got op MPI.{name} on {dtype}")
             return ufunc, name
-    raise ValueError(f"simulated reductions must be one of MPI.SUM, MPI.MAX, MPI.MIN; got {op!r}")
+    raise ValueError(f"simulated reductions must be one of {', '.join('MPI.' + r[2] for r in _REDUCTIONS)}; "
+                     f"got {op!r}")
 
 
 def _check_sizes(kind: str, send, recv, recv_size: int, divisor: int = 1) -> None:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from spmd_runtime.collective_kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COLLECTIVE_PERMUTE,
+                                           REDUCE_SCATTER)
+
 _NUMPY_REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min}
 
 
@@ -54,6 +57,47 @@ def reference_broadcast(mesh, xs, rank, axes, root=0):
 def reference_permute(xs, rank, pairs):
     sources = [s for s, d in pairs if d == rank]
     return xs[sources[0]].copy() if sources else np.zeros_like(xs[rank])
+
+
+def carried_values(n: int, shape, dtype, seed=0) -> list:
+    """One array per rank of values ``dtype`` holds exactly, and so do sums over 4 ranks of them (any carried
+    dtype, dtypes.COLLECTIVE_DTYPES): bools, integers 0..3, complex numbers with both parts set."""
+    dtype = np.dtype(dtype)
+    out = []
+    for r in range(n):
+        rng = np.random.default_rng([seed, r])
+        if dtype == np.bool_:
+            out.append(rng.integers(0, 2, shape) > 0)
+        elif dtype.kind == "c":
+            out.append((rng.integers(0, 4, shape) + 1j * rng.integers(-3, 4, shape)).astype(dtype))
+        else:
+            out.append(rng.integers(0, 4, shape).astype(dtype))
+    return out
+
+
+def kind_cases(mesh, axes, dtype) -> list:
+    """(kind, attrs, reference(xs, rank)) for every kind a bound collective has, reducing with each op ``dtype``
+    reduces with (complex numbers: sum only), over ``axes`` (a permute: the ring over the world)."""
+    ops = ("sum",) if np.dtype(dtype).kind == "c" else ("sum", "max", "min")
+    ring, root = [(r, (r + 1) % mesh.size) for r in range(mesh.size)], mesh.axis_size(axes) - 1
+    out = [(ALL_REDUCE.name, {"axes": axes, "op": op}, lambda xs, r, op=op: reference_all_reduce(mesh, xs, r, axes, op))
+           for op in ops]
+    out += [(REDUCE_SCATTER.name, {"axes": axes, "dim": 0, "op": op},
+             lambda xs, r, op=op: reference_reduce_scatter(mesh, xs, r, axes, 0, op)) for op in ops]
+    return out + [
+        (ALL_GATHER.name, {"axes": axes, "dim": 1}, lambda xs, r: reference_all_gather(mesh, xs, r, axes, 1)),
+        (ALL_TO_ALL.name, {"axes": axes, "split_dim": 0, "concat_dim": 1},
+         lambda xs, r: reference_all_to_all(mesh, xs, r, axes, 0, 1)),
+        (COLLECTIVE_PERMUTE.name, {"pairs": ring}, lambda xs, r: reference_permute(xs, r, ring)),
+        (BROADCAST.name, {"axes": axes, "root": root}, lambda xs, r: reference_broadcast(mesh, xs, r, axes, root))]
+
+
+def ring_exchange(rank: int, n: int, rows: int = 2) -> dict:
+    """An all_to_allv round plan for (rows, 3) operands: this rank's x lands in out[:, :3], its left neighbour's
+    in out[:, 3:] (``collectives.all_to_allv(mc, x, **ring_exchange(rank, n, rows))``)."""
+    right, left = (rank + 1) % n, (rank - 1) % n
+    return {"sends": [(rank, (slice(None),)), (right, (slice(None),))],
+            "recvs": [(rank, (slice(None), slice(0, 3))), (left, (slice(None), slice(3, 6)))], "out_shape": (rows, 6)}
 
 
 # -- host memory posing as device memory -------------------------------------------------------

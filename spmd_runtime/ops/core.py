@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from .. import opdef
-from ..dtypes import ACCUMULATE, is_low_precision, result_type
+from ..dtypes import ACCUMULATE, is_low_precision, result_type, sum_dtype
 from ..graph import MESH_SPLIT, PARAMETER
 from ..opdef import define
 from ..trace import Tensor, current_graph, emit
@@ -249,7 +249,15 @@ def _reduce(kind, x, axis, keepdims, dtype=None):
     return out
 
 
-def sum(x, axis=None, keepdims=False, dtype=None): return _reduce("sum", x, axis, keepdims, dtype)
+def sum(x, axis=None, keepdims=False, dtype=None):
+    """NumPy's sum: bools and narrow integers are summed in the platform integer (``dtypes.sum_dtype``), so a
+    partitioned sum's partial sums and their all-reduce have the dtype NumPy's sum has."""
+    x = asarray(x)
+    if dtype is None and sum_dtype(x.dtype) != x.dtype:
+        dtype = sum_dtype(x.dtype)
+    return _reduce("sum", x, axis, keepdims, dtype)
+
+
 def max(x, axis=None, keepdims=False): return _reduce("max", x, axis, keepdims)
 def min(x, axis=None, keepdims=False): return _reduce("min", x, axis, keepdims)
 
@@ -370,6 +378,8 @@ def _reduce_kernel(xp, x, kind, axes, into=None):
         return into
     if kind == "sum" and _rows_summed_by_blas(xp, x, axes):
         return _row_sums(x, len(axes), into)
+    if kind == "sum" and sum_dtype(x.dtype) != x.dtype:  # a sum in bool (logical or) or a narrow integer:
+        return xp.sum(x, axis=tuple(axes), dtype=x.dtype, out=into)  # its declared dtype, not NumPy's wider one
     if into is not None:  # a buffer planned for the result (exec/buffers.py)
         return reduction(xp, kind)(x, axis=tuple(axes), out=into)
     return reduction(xp, kind)(x, axis=tuple(axes))  # kind comes from a program: allow-listed

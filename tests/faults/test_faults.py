@@ -50,6 +50,7 @@ class Case:
     argv: list | None = None  # a CLI command instead of a script (per-rank MPMD allowed: a list of argv)
     every_rank: str | None = None  # a line every rank must print
     succeeds: bool = False  # not a fault: the job must exit 0 (and no rank may be aborted)
+    victim: int | None = None  # the one rank ending without a word: the host's watcher must name it and no other
 
 
 def one_rank_computes(rank: int) -> str:
@@ -137,7 +138,24 @@ def _cases() -> list[Case]:
              env={"SPMD_TIMEOUT": str(timeout)}, limit=timeout + 5),
         Case("SIGKILL of a rank", one_rank_computes(1), ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "Killed (signal 9)",
                                                           "[0] spmd_runtime (watcher of the ranks on "],
-             send=(1, signal.SIGKILL)),  # the host's watcher names the rank (and pid), the launcher a pid
+             send=(1, signal.SIGKILL), victim=1),  # the host's watcher names the rank (and pid), the launcher a pid
+        # the victim frees a large heap before its files close (the launcher's cue): it finishes exiting after
+        # the bystanders the launcher killed, and must still be the one named
+        Case("SIGKILL of a rank holding a large heap, 3 ranks", """
+            p = program()
+            heap = np.ones(100_000_000) if RANK == 1 else None  # 800 MB, every page touched
+            ready()
+            if RANK == 1:
+                time.sleep(60)
+            sr.run(p, X)""", ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "Killed (signal 9)",
+                              "spmd_runtime (watcher of the ranks on "], n=3, send=(1, signal.SIGKILL), victim=1),
+        Case("os._exit(3) on a rank without a word", """
+            p = program()
+            if RANK == 1:
+                fault("os._exit(3) before the run")
+                os._exit(3)
+            sr.run(p, X)""", ["spmd_runtime (watcher of the ranks on ",
+                              "exited with status 3 without leaving through Python"], victim=1),
         Case("early exit of a rank (sys.exit(0)), default SPMD_TIMEOUT", """
             p = program()
             if RANK == 1:
@@ -257,7 +275,7 @@ def _cases() -> list[Case]:
                 checkpoint._write_npy = killed
             sr.save_checkpoint(HERE + "/ckpt", {"a": -X[RANK * 4:(RANK + 1) * 4]}, p, step=2)""",
              ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "Killed (signal 9)",
-              "rank 1 (pid ", "it ended before the job's exit barrier"]),
+              "rank 1 (pid ", "it ended before the job's exit barrier"], victim=1),
         Case("checkpoint of another model config", """
             cfg = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=2)
             mesh = sr.train_mesh((SIZE,), "dp")
@@ -419,15 +437,25 @@ def test_fault_ends_the_job_fast_naming_rank_and_reason(case, results):
         assert text in out, f"expected {text!r} in the output:\n{out}"
     if case.send and case.send[1] == signal.SIGKILL:
         rank, pid = case.send[0], open(os.path.join(r["where"], f"pid.{case.send[0]}")).read()
-        assert f"rank {rank} (pid {pid}): killed" in out and "ended before the job's exit barrier" \
-            in out, f"the host's watcher must name the killed rank:\n{out}"
-    elif "SIGKILL" not in case.name:
+        # "killed by signal SIGKILL" when the watcher reads it before the launcher reaps the rank, else "killed (...)"
+        assert f"rank {rank} (pid {pid}): killed" in out and "ended before the job's exit barrier" in out, \
+            f"the host's watcher must name the killed rank:\n{out}"
+    if case.victim is not None:  # the bystanders the launcher killed after it are not named, nor "killed"
+        assert _named_by_the_watcher(out) == [case.victim] and "together with others" not in out, \
+            f"the host's watcher must name rank {case.victim} only:\n{out}"
+    else:
         assert "watcher of the ranks" not in out, f"a rank that says why it ends needs no watcher's report:\n{out}"
     if case.every_rank:
         for rank in range(case.n):  # each rank's own line (hydra may glue another rank's partial line in front)
             assert re.search(rf"\[{rank}\] spmd_runtime: rank {rank}: [^\n]*{re.escape(case.every_rank)}", out), \
                 f"rank {rank} must print {case.every_rank!r}:\n{out}"
         assert "Traceback" not in out, f"an agreed error prints one line per rank, no traceback:\n{out}"
+
+
+def _named_by_the_watcher(out: str) -> list[int]:
+    """The ranks the hosts' watchers name in ``out``, in order."""
+    return [int(rank) for line in out.splitlines() if "watcher of the ranks on" in line
+            for rank in re.findall(r"rank (\d+) \(pid \d+\)", line)]
 
 
 @pytest.mark.parametrize("name", ["save failing on one rank keeps the previous checkpoint",

@@ -378,3 +378,73 @@ def test_persistent_bindings_equal_raw_mpi4py_for_the_operand_and_for_other_arra
             assert_same(got, expected)
     for kind, ok in freed:
         assert ok, f"{kind}: release left a persistent request unfreed"
+
+
+# -- every carried dtype (dtypes.COLLECTIVE_DTYPES) through every kind, and the refusals, under real MPI --------
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking", "persistent", "persistent-nonblocking"])
+def test_every_carried_dtype_through_every_kind_equals_numpy(mode, make_mc):
+    """bool (reduced with MPI LOR / LAND), the integers, the floats (16-bit ones as uint16) and complex (summed
+    with MPI SUM on C_FLOAT_COMPLEX / C_DOUBLE_COMPLEX): the one-shot, nonblocking and persistent bindings
+    (``operand=``, MPI-4 ``*_init``) equal NumPy on the global data; the exchange (all_to_allv) too."""
+    from spmd_runtime.dtypes import COLLECTIVE_DTYPES
+    mesh, rank = MESHES[0], WORLD.Get_rank()
+    mc, n, shape = make_mc(mesh), mesh.size, (2 * mesh.size, 3)
+    nonblocking, persistent = "nonblocking" in mode, mode.startswith("persistent")
+    checks = []
+    for dtype in COLLECTIVE_DTYPES:
+        xs = ref.carried_values(n, shape, dtype)
+        for kind, attrs, reference in ref.kind_cases(mesh, mesh.axis_names, dtype):
+            operand = np.empty(shape, dtype) if persistent else None
+            f = collectives.bind(mc, kind, np, shape, dtype, nonblocking=nonblocking, operand=operand, **attrs)
+            x = xs[rank]
+            if persistent:
+                operand[...] = x
+                x = operand
+            got = f(x)
+            checks.append(((kind, dtype, attrs.get("op")), (got.wait() if nonblocking else got).copy(),
+                           reference(xs, rank)))
+            collectives.release(f)
+        if n > 1:  # the exchange: this rank's x, then its left neighbour's
+            got = collectives.all_to_allv(mc, xs[rank], **ref.ring_exchange(rank, n, shape[0]))
+            checks.append((("all_to_allv", dtype, None), got, np.concatenate([xs[rank], xs[rank - 1]], axis=1)))
+    for what, got, expected in checks:
+        assert got.dtype == expected.dtype, what
+        np.testing.assert_array_equal(got, expected, err_msg=str(what))
+
+
+def test_bools_reduce_as_raw_mpi4py_lor_and_land(make_mc):
+    """A bool sum / max is raw MPI LOR, a min raw MPI LAND (MPI defines SUM, MAX, MIN on no logical type)."""
+    mesh, rank = MESHES[0], WORLD.Get_rank()
+    mc, axes = make_mc(mesh), MESHES[0].axis_names
+    x = ref.carried_values(mesh.size, (4, 3), "bool", seed=3)[rank]
+    checks = []
+    for op, raw_op in (("sum", MPI.LOR), ("max", MPI.LOR), ("min", MPI.LAND)):
+        raw = np.empty_like(x)
+        mc.sub(axes).Allreduce(x, raw, raw_op)
+        checks.append((all_reduce(mc, x, axes, op), raw))
+    for got, raw in checks:
+        assert_same(got, raw)
+
+
+def test_mpi_refuses_what_the_simulated_world_refuses():
+    """MPICH's "Invalid MPI_Op" for SUM / MAX on C_BOOL and MAX on complex (what comm/simulated.py mirrors);
+    a raw call, every rank alike (the error is raised locally, before any message)."""
+    errors = []
+    for dtype, op in (("bool", MPI.SUM), ("bool", MPI.MAX), ("complex64", MPI.MAX), ("complex128", MPI.MIN)):
+        x = np.zeros(4, dtype)
+        try:
+            WORLD.Allreduce(x, np.empty_like(x), op)
+            errors.append(None)
+        except MPI.Exception as e:
+            errors.append(e.Get_error_class())
+    assert errors == [MPI.ERR_OP] * 4, errors
+
+
+@pytest.mark.parametrize("kind, attrs", [("all_reduce", {"op": "max"}), ("reduce_scatter", {"op": "min", "dim": 0})])
+def test_a_complex_max_is_refused_at_bind_on_every_rank(kind, attrs, make_mc):
+    mesh = MESHES[0]
+    mc = make_mc(mesh)
+    with pytest.raises(TypeError, match=rf"not supported: {kind} of complex64 with op '{attrs['op']}'"):
+        collectives.bind(mc, kind, np, (2 * mesh.size, 2), np.complex64, axes=mesh.axis_names, **attrs)
+    WORLD.Barrier()  # every rank refused alike: none is left in a collective
