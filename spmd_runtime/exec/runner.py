@@ -151,14 +151,17 @@ class Runtime:
         """Drop the bound programs, their persistent requests freed (local): the next run binds again, reading
         the binding settings of the environment (``SPMD_PROGRESS``, ``SPMD_PERSISTENT`` ...) anew, and the
         settings the ranks agree on (``AGREED_SETTINGS``) are read anew."""
+        self._drop_interpreters()
+        self._read_settings()
+
+    def _drop_interpreters(self) -> None:
         for interp in self._interpreters.values():
             interp.free()
         self._interpreters.clear()
-        self._read_settings()
 
     def free(self) -> None:
         """Release the bound programs and every mesh communicator's sub-communicators (collective)."""
-        self.unbind()
+        self._drop_interpreters()
         for mesh in list(self._meshes):
             self._meshes.pop(mesh).free()
 
