@@ -96,10 +96,19 @@ def bench_train_step(comm, args) -> dict:
 
     def measure(check):
         return float(np.median([slowest(comm, lambda: one(check)) for _ in range(args.steps)]))
-    batch_bytes = x.astype(np.int64).nbytes * 2
+    batch = [np.asarray(b, np.int64) for b in (x, y)]  # what the step digests (its token dtype)
+    alone = min(_seconds(lambda: agreement.digests(batch)) for _ in range(200))  # too short for the step's noise
+    if comm.Get_rank() == 0:
+        print(f"digests of the batch alone ({sum(b.nbytes for b in batch)} bytes): {alone * 1e6:.1f} us", flush=True)
     return {"config": {k: getattr(cfg, k) for k in ("layers", "d", "heads", "ffn", "vocab", "seq", "batch")},
-            "preset": "dp", "batch_bytes_digested": batch_bytes,
+            "preset": "dp", "batch_bytes_digested": sum(b.nbytes for b in batch), "batch_digest_alone_s": alone,
             **interleaved(comm, "TrainStep.step (reference config, dp)", args.rounds, measure)}
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main():

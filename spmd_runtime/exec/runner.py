@@ -3,9 +3,12 @@
 ``run`` takes and returns global arrays (each rank slices its own shards and the
 outputs are gathered); ``run_local`` takes and returns this rank's shards only,
 for inputs too large for one rank. Both first agree collectively that every
-rank holds the same program and valid inputs, so a bad input raises on every
-rank instead of leaving some blocked in a collective; a failure during the run
-itself aborts the whole job with the failing rank's message.
+rank holds the same program, valid inputs, the same settings
+(``AGREED_SETTINGS``) and backend, and the same values where a caller promises
+them (``Promised``: global inputs, a global batch), so a bad input raises on
+every rank instead of leaving some blocked in a collective or computing a mix;
+a failure during the run itself aborts the whole job with the failing rank's
+message.
 """
 from __future__ import annotations
 
@@ -397,8 +400,8 @@ CHECK_ENV = "SPMD_CHECK_INPUTS"
 
 
 def _flag(name: str, default: str = "1"):
-    """An on/off setting as its module reads it: anything but "0" is on."""
-    return lambda: os.environ.get(name, default).strip() != "0"
+    """An on/off setting as its module reads it (exec/groups.py, partition/fusion.py): anything but "0" is on."""
+    return lambda: os.environ.get(name, default) != "0"
 
 
 def _cost_profile() -> str:
