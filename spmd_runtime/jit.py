@@ -19,7 +19,7 @@ import inspect
 import numpy as np
 
 from . import pytree
-from .comm.agreement import DifferentValuesError, agree, capture, check_same, digests, plain_data_error
+from .comm.agreement import DifferentValuesError, agree, capture, check_same, digests, plain_data_error, ranks_by_value
 from .darray import DArray
 from .exec.runner import SKIP, Runtime, communicator, program_difference, run_local, settings_difference, shard
 from .graph import TensorSpec
@@ -79,7 +79,8 @@ class Jitted:
         check = rt.checks_inputs(self.check_inputs)
         compiled, error = capture(self._digested, mesh, args, check)  # agreed on by every rank before anything runs
         program, leaves, sums = compiled or (None, None, None)
-        _agree_call(rt, mc, program, error, _describe_args(args), sums, self.__name__)
+        described, _ = capture(_describe_args, args)  # one it cannot describe fails to compile: agreed on below
+        _agree_call(rt, mc, program, error, described, sums, self.__name__)
         donated = program.donated  # a NumPy argument's blocks are views of it: donated ones are copied
         blocks = [x.local if isinstance(x, DArray) else shard(x, s.sharding, mesh, mc.rank, own=k in donated)
                   for k, (x, s) in enumerate(zip(leaves, program.inputs))]
@@ -255,10 +256,8 @@ def _agree_call(rt, mc, program, error, described, sums, name):
     ranks = list(range(len(gathered)))
     if len({g[0] for g in gathered}) > 1:
         if len({g[1] for g in gathered}) > 1:
-            groups: dict = {}
-            for r, g in enumerate(gathered):
-                groups.setdefault(g[1], []).append(r)
-            details = "; ".join(f"ranks {ranks}: {desc}" for desc, ranks in groups.items())
+            by_description = ranks_by_value([g[1] for g in gathered])
+            details = "; ".join(f"ranks {group}: {desc}" for desc, group in by_description.items())
             raise DifferentValuesError(f"jit({name}) must be called with the same argument shapes, dtypes, "
                                        f"shardings and structure on every rank; got {details}", ranks)
         why = settings_difference(rt.comm, rt.settings) if len({g[2] for g in gathered}) > 1 else \

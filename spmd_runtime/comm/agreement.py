@@ -137,13 +137,13 @@ def check_same(gathered: list, names, rule: str, skip: str) -> None:
 
 
 def _difference(gathered: list, names: list) -> str | None:
-    kinds = _groups({r: g[0] for r, g in enumerate(gathered)})
+    kinds = ranks_by_value([g[0] for g in gathered])
     if len(kinds) > 1:
         return (f"digests of different kinds ({'; '.join(f'{k}: ranks {r}' for k, r in kinds.items())}): "
                 f"install xxhash on every rank or on none")
     differing = []
     for k, name in enumerate(names, start=1):
-        by_digest = _groups({r: g[k] for r, g in enumerate(gathered) if g[k] is not None})
+        by_digest = ranks_by_value({r: g[k] for r, g in enumerate(gathered) if g[k] is not None})
         if len(by_digest) > 1:
             differing.append(f"{name!r}: ranks {' vs '.join(map(str, by_digest.values()))} (digests "
                              f"{' vs '.join(f'{d:x}' for d in by_digest)})")
@@ -153,10 +153,10 @@ def _difference(gathered: list, names: list) -> str | None:
     return f"different contents for {shown}"
 
 
-def _groups(by_rank: dict) -> dict:
-    """value -> the ranks holding it, in rank order."""
+def ranks_by_value(by_rank) -> dict:
+    """value -> the ranks holding it, in rank order; ``by_rank``: a list (rank k's value at k) or a dict."""
     groups: dict = {}
-    for rank, value in by_rank.items():
+    for rank, value in (by_rank.items() if isinstance(by_rank, dict) else enumerate(by_rank)):
         groups.setdefault(value, []).append(rank)
     return groups
 
@@ -174,4 +174,4 @@ def plain_data_error(x, name: str, what: str) -> str | None:
 
 
 __all__ = ["AgreedError", "DIGEST", "DifferentValuesError", "agree", "capture", "check_same", "digest", "digests",
-           "plain_data_error"]
+           "plain_data_error", "ranks_by_value"]

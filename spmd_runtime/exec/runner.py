@@ -24,7 +24,7 @@ import numpy as np
 from ..comm import collectives, jobguard, watchdog
 from ..comm.collectives import PERSISTENT_ENV, persistent_enabled
 from ..comm.affinity import bind_to_cores
-from ..comm.agreement import AgreedError, agree, capture, check_same, digests, plain_data_error
+from ..comm.agreement import AgreedError, agree, capture, check_same, digests, plain_data_error, ranks_by_value
 from ..comm.communicator import MeshCommunicator, world
 from ..cost import PROFILE_ENV, resolve_model
 from ..devices import is_cupy
@@ -361,10 +361,7 @@ def _explain(rt: Runtime, program, views: list, promised: Promised | None) -> No
 
 def _by_value(values: list) -> str:
     """"ranks [0, 2]: 'a'; ranks [1]: 'b'" for each rank's value."""
-    groups: dict = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(value, []).append(rank)
-    return "; ".join(f"ranks {ranks}: {value!r}" for value, ranks in groups.items())
+    return "; ".join(f"ranks {ranks}: {value!r}" for value, ranks in ranks_by_value(values).items())
 
 
 def settings_difference(comm, settings: dict) -> str:

@@ -306,3 +306,12 @@ def test_object_arrays_are_refused_at_the_door_on_every_rank(where, call, name):
 def test_string_arrays_are_refused_by_jit_naming_the_argument():
     message = _same_error(2, lambda comm: sr.jit(lambda a: a, mesh=MESH2, comm=comm)(np.array(["ab", "cd"])))
     assert "jit(<lambda>) takes arrays of numbers or booleans; got dtype <U2 for args.0" in message
+
+
+def test_a_jit_argument_of_an_unparsable_dtype_on_one_rank_fails_on_every_rank():
+    """Describing the arguments for the agreement once raised on that rank alone: the others waited for it."""
+    class Odd:
+        shape, dtype = (4,), "no-such-dtype"
+    message = _same_error(2, lambda comm: sr.jit(lambda a: a * 2.0, mesh=MESH2, comm=comm)(
+        Odd() if comm.Get_rank() else np.ones(4)))
+    assert "errors on rank(s) [1]: rank 1: TypeError: data type 'no-such-dtype' not understood" in message
