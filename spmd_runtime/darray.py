@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .comm import watchdog
-from .comm.agreement import agree, capture, check_same, digests, plain_data_error
+from .comm.agreement import DifferentValuesError, agree, capture, check_same, digests, plain_data_error
 from .devices import is_device_array
 from .exec.backend import get_array_module, to_host
 from .exec.runner import SKIP, Runtime, block_slices, communicator, run_local, shard, unshard
@@ -130,8 +130,8 @@ def device_put(x, spec=None, mesh: Mesh | None = None, comm=None, check_inputs: 
     views = _agree(mc, error, (meta, sums))  # one exchange checks the shapes, layouts and contents
     metas = [meta for meta, _ in views]
     if len(set(metas)) > 1:
-        raise ValueError(f"device_put takes the same global array and layout on every rank; got (shape, dtype, "
-                         f"layout) {dict(enumerate(metas))}")
+        raise DifferentValuesError(f"device_put takes the same global array and layout on every rank; got (shape, "
+                                   f"dtype, layout) {dict(enumerate(metas))}", list(range(len(metas))))
     check_same([s for _, s in views], ["x"], "device_put needs the same global array on every rank", SKIP)
     return DArray(shard(x, sharding, mesh, mc.rank), x.shape, x.dtype, mesh, sharding, comm)
 
