@@ -315,3 +315,11 @@ def test_a_jit_argument_of_an_unparsable_dtype_on_one_rank_fails_on_every_rank()
     message = _same_error(2, lambda comm: sr.jit(lambda a: a * 2.0, mesh=MESH2, comm=comm)(
         Odd() if comm.Get_rank() else np.ones(4)))
     assert "errors on rank(s) [1]: rank 1: TypeError: data type 'no-such-dtype' not understood" in message
+
+
+def test_ranks_making_digests_of_different_kinds_are_told_to_install_xxhash_alike():
+    gathered = [("xxh3_64", 1), ("crc32", 1)]
+    with pytest.raises(agreement.DifferentValuesError, match=r"digests of different kinds \(xxh3_64: ranks \[0\]; "
+                                                             r"crc32: ranks \[1\]\): install xxhash on every rank"):
+        agreement.check_same(gathered, ["x"], "rule", "")
+    agreement.check_same([("crc32", 5, None), ("crc32", 5, None)], ["x", "y"], "rule", "")  # equal: no error
