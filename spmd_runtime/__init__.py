@@ -32,7 +32,7 @@ from . import distributed
 from .train import PRESETS, Preset, TrainStep, build_train_step, build_train_step_on_root, train_mesh
 
 from .exec import Runtime
-from .comm.agreement import AgreedError
+from .comm.agreement import AgreedError, DifferentValuesError
 
 __version__ = "0.1.0"
 
@@ -46,4 +46,5 @@ __all__ = ["jit", "DArray", "device_put", "from_local", "scatter_from_root", "vi
            "scan", "fori_loop", "while_loop", "cond", "remat", "shard_map", "psum", "pmax", "pmin", "all_gather",
            "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "save_checkpoint", "load_checkpoint",
            "checkpoint_info", "LMConfig", "SGD", "AdamW", "DynamicLossScale", "PRESETS", "Preset", "TrainStep",
-           "build_train_step", "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "__version__"]
+           "build_train_step", "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "DifferentValuesError",
+           "__version__"]

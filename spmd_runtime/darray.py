@@ -9,17 +9,19 @@ value on every rank (a collective unless the array is replicated).
 Constructors: ``device_put`` (every rank has the global array, or a DArray to
 reshard), ``from_local`` (every rank has its own block), ``scatter_from_root``
 (only the root has the data: it sends each rank its block). All of them check
-collectively, so bad input raises on every rank.
+collectively, so bad input raises on every rank; ``device_put`` also compares a
+digest of the global array across ranks (``check_inputs``), so ranks holding
+different arrays fail instead of each keeping its block of another one.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .comm import watchdog
-from .comm.agreement import agree, capture
+from .comm.agreement import DifferentValuesError, agree, capture, check_same, digests, plain_data_error
 from .devices import is_device_array
 from .exec.backend import get_array_module, to_host
-from .exec.runner import block_slices, communicator, run_local, shard, unshard
+from .exec.runner import SKIP, Runtime, block_slices, communicator, run_local, shard, unshard
 from .graph import TensorSpec
 from .partition import partition
 from .trace import trace
@@ -91,10 +93,16 @@ def _global_value(d: DArray, mc):
     return unshard(x, d.sharding, d.shape, mc)
 
 
-def _resolve(mesh, spec, ndim: int, what: str) -> tuple[Mesh, Sharding]:
+def _mesh(mesh, what: str) -> Mesh:
+    """``mesh``, or the context mesh for None (the same on every rank: raised before any exchange)."""
     mesh = mesh if mesh is not None else get_mesh(required_by=what)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"{what} needs a Mesh; got {type(mesh).__name__}")
+    return mesh
+
+
+def _resolve(mesh, spec, ndim: int, what: str) -> tuple[Mesh, Sharding]:
+    mesh = _mesh(mesh, what)
     return mesh, parse_spec(P() if spec is None else spec, mesh, ndim, what)
 
 
@@ -104,22 +112,39 @@ def _agree(mc, error: str | None, payload=None) -> list:
                  rule="every rank must pass valid input")
 
 
-def device_put(x, spec=None, mesh: Mesh | None = None, comm=None) -> DArray:
+def device_put(x, spec=None, mesh: Mesh | None = None, comm=None, check_inputs: bool | None = None) -> DArray:
     """``x`` laid out as ``spec`` (a ``P``; default replicated) on ``mesh`` (default: the context mesh).
 
     ``x`` is the same global array on every rank (each keeps its block: no
-    communication) or a DArray (resharded by one partitioned program)."""
+    communication) or a DArray (resharded by one partitioned program).
+    ``check_inputs`` (default True, or ``$SPMD_CHECK_INPUTS=0``): the ranks agree on a digest of ``x`` in the
+    exchange that checks its shape (one pass over its bytes; ``comm.agreement.digest``)."""
     if isinstance(x, DArray):
         return _reshard(x, spec if spec is not None else P(), mesh or x.mesh, comm or x.comm)
-    x = np.asarray(x) if not hasattr(x, "__array_namespace__") and not hasattr(x, "shape") else x
-    mesh, sharding = _resolve(mesh, spec, x.ndim, "device_put")
+    mesh = _mesh(mesh, "device_put")
     mc = communicator(mesh, comm)
-    _, error = capture(_check_put, x, spec, sharding, mesh, catch=(ValueError, TypeError), describe=str)
-    shapes = _agree(mc, error, (tuple(x.shape), np.dtype(x.dtype).name))
-    if len(set(shapes)) > 1:
-        raise ValueError(f"device_put takes the same global array on every rank; got shapes/dtypes "
-                         f"{dict(enumerate(shapes))}")
+    check = Runtime.of(comm).checks_inputs(check_inputs)
+    laid_out, error = capture(_put, x, spec, mesh, check, describe=str)
+    x, sharding, sums = laid_out or (None, None, None)
+    meta = None if error else (tuple(x.shape), np.dtype(x.dtype).name, str(sharding))
+    views = _agree(mc, error, (meta, sums))  # one exchange checks the shapes, layouts and contents
+    metas = [meta for meta, _ in views]
+    if len(set(metas)) > 1:
+        raise DifferentValuesError(f"device_put takes the same global array and layout on every rank; got (shape, "
+                                   f"dtype, layout) {dict(enumerate(metas))}", list(range(len(metas))))
+    check_same([s for _, s in views], ["x"], "device_put needs the same global array on every rank", SKIP)
     return DArray(shard(x, sharding, mesh, mc.rank), x.shape, x.dtype, mesh, sharding, comm)
+
+
+def _put(x, spec, mesh: Mesh, check: bool):
+    """(``x`` as an array, its Sharding, its digests or None): raises on this rank if it cannot be laid out."""
+    x = np.asarray(x) if not hasattr(x, "__array_namespace__") and not hasattr(x, "shape") else x
+    refused = plain_data_error(x, "x", "device_put")
+    if refused:
+        raise TypeError(refused)
+    mesh, sharding = _resolve(mesh, spec, x.ndim, "device_put")
+    _check_put(x, spec, sharding, mesh)
+    return x, sharding, digests([x]) if check else None
 
 
 def _check_put(x, spec, sharding: Sharding, mesh: Mesh) -> None:
@@ -144,15 +169,43 @@ def from_local(block, spec=None, mesh: Mesh | None = None, shape=None, comm=None
     """A DArray from every rank's own true block (collective: ranks exchange block shapes and check them).
 
     ``shape``: the global shape; by default summed from the blocks along each split dim."""
-    mesh, sharding = _resolve(mesh, spec, np.ndim(block), "from_local")
+    mesh = _mesh(mesh, "from_local")
     mc = communicator(mesh, comm)
-    meta = (tuple(block.shape), np.dtype(block.dtype).name)
-    blocks = _agree(mc, None, meta)
-    error = _check_blocks(blocks, sharding, mesh, shape)
+    meta, error = capture(_block_meta, block, spec, shape, describe=str)
+    blocks = _agree(mc, error, meta)
+    error = _check_alike(blocks)
+    if error is None:
+        sharding, error = capture(parse_spec, P() if spec is None else spec, mesh, len(blocks[0][0]), "from_local",
+                                  describe=str)  # the same on every rank: the blocks' ndim is agreed
+    if error is None:
+        error = _check_blocks(blocks, sharding, mesh, shape)
     if error is None:
         shape = tuple(shape) if shape is not None else _global_shape(blocks, sharding, mesh)
     _agree(mc, error)
     return DArray(block, shape, block.dtype, mesh, sharding, comm)
+
+
+def _block_meta(block, spec, shape) -> tuple:
+    """(shape, dtype name) of this rank's block and the call's (spec, global shape) as written; raises if the
+    block is no array of plain data."""
+    if not (hasattr(block, "shape") and hasattr(block, "dtype")):
+        raise TypeError(f"from_local takes this rank's block as an array; got a {type(block).__name__}")
+    refused = plain_data_error(block, "this rank's block", "from_local")
+    if refused:
+        raise TypeError(refused)
+    return tuple(block.shape), np.dtype(block.dtype).name, (str(spec), None if shape is None else tuple(shape))
+
+
+def _check_alike(blocks) -> str | None:
+    """What the ranks' blocks must share before their shapes are compared: the number of dims, and the call's
+    spec and global shape."""
+    if len({len(b[0]) for b in blocks}) > 1:
+        return (f"from_local blocks share one number of dimensions; got shapes "
+                f"{dict(enumerate(list(b[0]) for b in blocks))} by rank")
+    if len({b[2] for b in blocks}) > 1:
+        return (f"from_local takes the same spec and shape on every rank; got (spec, shape) "
+                f"{dict(enumerate(b[2] for b in blocks))} by rank")
+    return None
 
 
 def _global_shape(blocks, sharding: Sharding, mesh: Mesh) -> tuple[int, ...]:
@@ -174,7 +227,7 @@ def _check_blocks(blocks, sharding, mesh, shape) -> str | None:
         sharding.check(mesh, shape, what=f"from_local array {list(shape)}")
     except ValueError as e:
         return str(e)
-    for r, (got, _) in enumerate(blocks):
+    for r, (got, *_) in enumerate(blocks):
         want = tuple(s.stop - s.start for s in block_slices(shape, sharding, mesh, r))
         if got != want:
             return (f"rank {r}'s block of a {list(shape)} array laid out as {sharding} on {mesh} must have shape "

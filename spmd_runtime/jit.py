@@ -8,7 +8,8 @@ signature and compiled without error, so a rank with different shapes (or a
 failed trace) raises on EVERY rank before any collective of the run.
 
 Arguments may be DArrays (their blocks are used as they are: nothing global is
-built) or global arrays present on every rank (each rank keeps its block).
+built) or global arrays present on every rank (each rank keeps its block; the
+ranks agree on a digest of each in the same exchange, ``check_inputs``).
 Results are DArrays in the function's output structure.
 """
 from __future__ import annotations
@@ -18,9 +19,9 @@ import inspect
 import numpy as np
 
 from . import pytree
-from .comm.agreement import agree, capture
+from .comm.agreement import DifferentValuesError, agree, capture, check_same, digests, plain_data_error, ranks_by_value
 from .darray import DArray
-from .exec.runner import communicator, run_local, shard
+from .exec.runner import SKIP, Runtime, communicator, program_difference, run_local, settings_difference, shard
 from .graph import TensorSpec
 from .mesh import Mesh, get_mesh
 from .partition import partition
@@ -30,7 +31,7 @@ from .trace import mesh_split, trace
 
 
 def jit(fn=None, *, mesh: Mesh | None = None, in_specs=None, out_specs=None, static_argnums=(), profile=None,
-        comm=None, donate_argnums=()):
+        comm=None, donate_argnums=(), check_inputs: bool | None = None):
     """``fn`` compiled for ``mesh`` (default: the context mesh at call time).
 
     ``in_specs`` / ``out_specs``: ``P`` specs as a pytree prefix of the
@@ -42,11 +43,13 @@ def jit(fn=None, *, mesh: Mesh | None = None, in_specs=None, out_specs=None, sta
     ``donate_argnums``: positions of arguments whose buffers the program may overwrite (JAX's): a DArray
     argument's local blocks are then consumed by the call (do not use it afterwards); a NumPy argument's
     blocks are copied first, so the array itself is left as it was.
+    ``check_inputs`` (default True, or ``$SPMD_CHECK_INPUTS=0``): each call's NumPy (global) arguments are
+    compared across ranks by digest, in the exchange the call makes anyway (one pass over their bytes).
     """
     if fn is None:
         return lambda f: jit(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, static_argnums=static_argnums,
-                             profile=profile, comm=comm, donate_argnums=donate_argnums)
-    return Jitted(fn, mesh, in_specs, out_specs, static_argnums, profile, comm, donate_argnums)
+                             profile=profile, comm=comm, donate_argnums=donate_argnums, check_inputs=check_inputs)
+    return Jitted(fn, mesh, in_specs, out_specs, static_argnums, profile, comm, donate_argnums, check_inputs)
 
 
 def _is_spec(x) -> bool:
@@ -54,8 +57,10 @@ def _is_spec(x) -> bool:
 
 
 class Jitted:
-    def __init__(self, fn, mesh, in_specs, out_specs, static_argnums, profile, comm, donate_argnums=()):
+    def __init__(self, fn, mesh, in_specs, out_specs, static_argnums, profile, comm, donate_argnums=(),
+                 check_inputs=None):
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
+        self.check_inputs = check_inputs
         self.static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
         self.donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self.profile, self.comm = profile, comm
@@ -70,11 +75,12 @@ class Jitted:
     # ------------------------------------------------------------ calling
     def __call__(self, *args):
         mesh, comm = self._mesh(args), self._comm(args)
-        mc = communicator(mesh, comm)
-        compiled, error = capture(self._compiled, mesh, args)  # agreed on by every rank before anything runs
-        program, leaves = compiled or (None, None)
-        digest = None if program is None else program.hash
-        _agree_call(mc, digest, error, _describe_args(args), self.__name__)
+        mc, rt = communicator(mesh, comm), Runtime.of(comm)
+        check = rt.checks_inputs(self.check_inputs)
+        compiled, error = capture(self._digested, mesh, args, check)  # agreed on by every rank before anything runs
+        program, leaves, sums = compiled or (None, None, None)
+        described, _ = capture(_describe_args, args)  # one it cannot describe fails to compile: agreed on below
+        _agree_call(rt, mc, program, error, described, sums, self.__name__)
         donated = program.donated  # a NumPy argument's blocks are views of it: donated ones are copied
         blocks = [x.local if isinstance(x, DArray) else shard(x, s.sharding, mesh, mc.rank, own=k in donated)
                   for k, (x, s) in enumerate(zip(leaves, program.inputs))]
@@ -91,15 +97,23 @@ class Jitted:
         program, _ = self._compiled(self._mesh(args), args)
         return program
 
+    def _digested(self, mesh, args, check: bool):
+        """(program, leaves, digests of the NumPy leaves or None): what a call agrees on."""
+        program, leaves = self._compiled(mesh, args)
+        return program, leaves, digests([None if isinstance(x, DArray) else x for x in leaves]) if check else None
+
     def _compiled(self, mesh, args):
         static, dynamic = self._split(args)
         leaves, tree = pytree.flatten(dynamic)
         leaves = [_as_leaf(x) for x in leaves]
-        for path, x in pytree.flatten_with_path(dynamic)[0]:
+        for (path, _), x in zip(pytree.flatten_with_path(dynamic)[0], leaves):
             if isinstance(x, DArray) and x.mesh != mesh:
                 raise ValueError(f"a DArray argument must live on the jit mesh {mesh}; got "
                                  f"{pytree.keystr(path, 'args')} on {x.mesh} (move it with sr.device_put(x, spec, "
                                  f"mesh))")
+            refused = plain_data_error(x, pytree.keystr(path, "args"), f"jit({self.__name__})")
+            if refused:
+                raise TypeError(refused)
         key = (tree, _static_key(static), mesh,
                tuple((tuple(x.shape), np.dtype(x.dtype).name, x.sharding if isinstance(x, DArray) else None)
                      for x in leaves))
@@ -233,14 +247,23 @@ def _describe_args(args) -> str:
                                 else x, args))
 
 
-def _agree_call(mc, digest, error, described, name):
-    """One allgather: every rank compiled without error to the same program, or every rank raises."""
-    gathered = agree(mc.comm, error, f"jit({name})", (digest, described), ValueError,
+def _agree_call(rt, mc, program, error, described, sums, name):
+    """One allgather: every rank compiled without error to the same program (else: what differs, the
+    arguments, the settings or the traced code) from the same NumPy argument values, or every rank raises."""
+    mine = (None if program is None else program.hash, described, rt.settings_key, sums)
+    gathered = agree(mc.comm, error, f"jit({name})", mine, ValueError,
                      rule=f"jit({name}) compiles on every rank before it runs")
-    if len({d for d, _ in gathered}) > 1:
-        groups: dict = {}
-        for r, (d, desc) in enumerate(gathered):
-            groups.setdefault((d, desc), []).append(r)
-        details = "; ".join(f"ranks {ranks}: {desc}" for (_, desc), ranks in groups.items())
-        raise ValueError(f"jit({name}) must be called with the same argument shapes, dtypes, shardings and "
-                         f"structure on every rank; got {details}")
+    ranks = list(range(len(gathered)))
+    if len({g[0] for g in gathered}) > 1:
+        if len({g[1] for g in gathered}) > 1:
+            by_description = ranks_by_value([g[1] for g in gathered])
+            details = "; ".join(f"ranks {group}: {desc}" for desc, group in by_description.items())
+            raise DifferentValuesError(f"jit({name}) must be called with the same argument shapes, dtypes, "
+                                       f"shardings and structure on every rank; got {details}", ranks)
+        why = settings_difference(rt.comm, rt.settings) if len({g[2] for g in gathered}) > 1 else \
+            (f"the same arguments and settings, but the function traced to "
+             f"{program_difference(rt.comm, program)} (its code or the values it closes over depend on the rank)")
+        raise DifferentValuesError(f"jit({name}) must build the same program on every rank; {why}", ranks)
+    check_same([g[3] for g in gathered], [i.name for i in program.inputs],
+               f"jit({name}) needs the same value for each NumPy argument on every rank (a global array: each "
+               f"rank takes its block of it; pass a DArray of per-rank blocks instead)", SKIP)

@@ -3,9 +3,12 @@
 ``run`` takes and returns global arrays (each rank slices its own shards and the
 outputs are gathered); ``run_local`` takes and returns this rank's shards only,
 for inputs too large for one rank. Both first agree collectively that every
-rank holds the same program and valid inputs, so a bad input raises on every
-rank instead of leaving some blocked in a collective; a failure during the run
-itself aborts the whole job with the failing rank's message.
+rank holds the same program, valid inputs, the same settings
+(``AGREED_SETTINGS``) and backend, and the same values where a caller promises
+them (``Promised``: global inputs, a global batch), so a bad input raises on
+every rank instead of leaving some blocked in a collective or computing a mix;
+a failure during the run itself aborts the whole job with the failing rank's
+message.
 """
 from __future__ import annotations
 
@@ -19,17 +22,20 @@ from collections import OrderedDict
 import numpy as np
 
 from ..comm import collectives, jobguard, watchdog
-from ..comm.collectives import persistent_enabled
+from ..comm.collectives import PERSISTENT_ENV, persistent_enabled
 from ..comm.affinity import bind_to_cores
-from ..comm.agreement import agree, capture
+from ..comm.agreement import AgreedError, agree, capture, check_same, digests, plain_data_error, ranks_by_value
 from ..comm.communicator import MeshCommunicator, world
+from ..cost import PROFILE_ENV, resolve_model
 from ..devices import is_cupy
 from ..dtypes import check_backend
 from .. import pytree
+from ..partition import fusion, scan_prefetch, schedule, windowed
 from ..profile import instrument, profiling
 from ..program import SPMDProgram
-from .backend import get_array_module, select_device, to_device
-from .buffers import planning_enabled
+from . import cpu_kernels, groups
+from .backend import backend_name, get_array_module, select_device, to_device
+from .buffers import PLAN_ENV, planning_enabled
 from .heap import keep_freed_memory
 from .interpreter import Interpreter
 
@@ -56,6 +62,7 @@ class Runtime:
         self._meshes: dict = {}
         self._interpreters: OrderedDict = OrderedDict()
         self._gpu_bound = False
+        self._read_settings()
 
     def __repr__(self):
         return f"Runtime(rank {self.rank} of {self.size}, meshes={list(map(str, self._meshes))})"
@@ -97,6 +104,17 @@ class Runtime:
                 cls._others.append(held)
         return held
 
+    def _read_settings(self) -> None:
+        """Read the settings the ranks must share (``AGREED_SETTINGS``) once: when the runtime is made and when it
+        unbinds, not per run; each run's preparation then sends only their crc32 (``settings_key``)."""
+        self.settings = read_settings()
+        self.settings_key = zlib.crc32(repr(sorted(self.settings.items())).encode())
+
+    def checks_inputs(self, check: bool | None = None) -> bool:
+        """``check``, or for None ``$SPMD_CHECK_INPUTS`` as read with the settings: whether the values a call
+        promises are the same on every rank (global arrays, global batches) are compared by digest."""
+        return self.settings[CHECK_ENV] if check is None else bool(check)
+
     def communicator(self, mesh) -> MeshCommunicator:
         """The MeshCommunicator for ``mesh``, created once. Raises on this rank only: see ``mesh_error``."""
         mc = self._meshes.get(mesh)
@@ -123,9 +141,10 @@ class Runtime:
             self._interpreters.move_to_end(key)
         return interp
 
-    def array_module(self, backend):
-        """NumPy or CuPy; with CuPy each rank binds its GPU (node-local rank) once (collective on first use)."""
-        xp = get_array_module(backend)
+    def array_module(self, backend, xp=None):
+        """NumPy or CuPy (``xp``: already resolved from ``backend``); with CuPy each rank binds its GPU
+        (node-local rank) once (collective on first use)."""
+        xp = xp or get_array_module(backend)
         if is_cupy(xp) and not self._gpu_bound:
             select_device(self.comm)
             self._gpu_bound = True
@@ -133,14 +152,19 @@ class Runtime:
 
     def unbind(self) -> None:
         """Drop the bound programs, their persistent requests freed (local): the next run binds again, reading
-        the binding settings of the environment (``SPMD_PROGRESS``, ``SPMD_PERSISTENT`` ...) anew."""
+        the binding settings of the environment (``SPMD_PROGRESS``, ``SPMD_PERSISTENT`` ...) anew, and the
+        settings the ranks agree on (``AGREED_SETTINGS``) are read anew."""
+        self._drop_interpreters()
+        self._read_settings()
+
+    def _drop_interpreters(self) -> None:
         for interp in self._interpreters.values():
             interp.free()
         self._interpreters.clear()
 
     def free(self) -> None:
         """Release the bound programs and every mesh communicator's sub-communicators (collective)."""
-        self.unbind()
+        self._drop_interpreters()
         for mesh in list(self._meshes):
             self._meshes.pop(mesh).free()
 
@@ -155,17 +179,19 @@ def run(program: SPMDProgram, *inputs, comm=None, backend=None, check_inputs=Non
     outputs (NumPy/CuPy arrays; ``program.out_tree.unflatten(outs)`` restores the traced structure).
     ``profile``: a directory for one Chrome trace per rank (``spmd_runtime.profile``).
 
-    ``check_inputs`` (default True, or ``SPMD_CHECK_INPUTS=0``): the ranks also agree on a crc32 of the input
-    values, so ranks passing different global arrays fail instead of computing a mix of them.
+    ``check_inputs`` (default True, or ``SPMD_CHECK_INPUTS=0``): the ranks also agree on a digest of each input
+    (``comm.agreement.digest``), so ranks passing different global arrays fail, naming the input, instead of
+    computing a mix of them.
     """
     inputs = pytree.flatten(inputs)[0]
     rt = Runtime.of(comm)
-    if check_inputs is None:
-        check_inputs = os.environ.get("SPMD_CHECK_INPUTS", "1").strip().lower() not in ("0", "off", "no", "false")
     error = _local_error(lambda: rt.mesh_error(program.mesh) or _check_global(program, inputs))
-    digest = _digest(inputs) if check_inputs and error is None else None
-    mc = _prepare(rt, program, error, digest)
-    xp = rt.array_module(backend)
+    promised = None
+    if rt.checks_inputs(check_inputs) and error is None:
+        sums, error = capture(digests, inputs)
+        promised = Promised("every rank must pass the same global inputs to sr.run",
+                            [i.name for i in program.inputs], sums)
+    mc, xp = _prepare(rt, program, error, backend, promised)
     mesh, donated = program.mesh, program.donated
     with profiling(profile, "run"):  # a donated input's shard is a copy: the caller's global array stays whole
         outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, [
@@ -181,12 +207,13 @@ def run_local(program: SPMDProgram, *local_inputs, comm=None, backend=None, prof
         return run_local_checked(program, pytree.flatten(local_inputs)[0], comm=comm, backend=backend)
 
 
-def run_local_checked(program: SPMDProgram, local_inputs, comm=None, backend=None, error: str | None = None):
-    """``run_local`` for callers with a check of their own: ``error`` (this rank's) is agreed on with the rest."""
+def run_local_checked(program: SPMDProgram, local_inputs, comm=None, backend=None, error: str | None = None,
+                      promised: "Promised | None" = None):
+    """``run_local`` for callers with a check of their own: ``error`` (this rank's) is agreed on with the rest,
+    and so are the digests of the values ``promised`` the same on every rank (a global batch)."""
     rt, mesh = Runtime.of(comm), program.mesh
     error = error or _local_error(lambda: rt.mesh_error(mesh) or _check_local(program, local_inputs, rt.rank))
-    mc = _prepare(rt, program, error, None)
-    xp = rt.array_module(backend)
+    mc, xp = _prepare(rt, program, error, backend, promised)
     outs = _guarded(mc, lambda: _run_checked(rt, program, mc, xp, _owned_donations(program, [
         _pad_to(to_device(x, xp), s.sharding.local_shape(s.shape, mesh), xp)
         for x, s in zip(local_inputs, program.inputs)])))
@@ -291,45 +318,131 @@ def _trim(x, spec, mesh, rank):
     return x[tuple(slice(0, s.stop - s.start) for s in block_slices(spec.shape, spec.sharding, mesh, rank))]
 
 
-def _prepare(rt: Runtime, program, error, digest) -> MeshCommunicator:
-    """Agree that every rank is ready (no local error, same program, same inputs, same binding settings) before
-    any collective. Each rank compares every rank's view with its own, so all see a difference and raise alike."""
-    mine = (program.hash, digest, binding_settings())
+class Promised:
+    """Values a call promises are the same on every rank: the rule broken when they are not (says what the
+    call needs), their names, and this rank's ``digests`` of them."""
+    __slots__ = ("rule", "names", "digests")
+
+    def __init__(self, rule: str, names, digests_: tuple):
+        self.rule, self.names, self.digests = rule, list(names), digests_
+
+
+SKIP = "; check_inputs=False (or SPMD_CHECK_INPUTS=0) skips this check"
+
+
+def _prepare(rt: Runtime, program, error, backend, promised: Promised | None):
+    """(mesh communicator, array module), once every rank is ready: no local error, the same settings
+    (``AGREED_SETTINGS``), backend, program and promised values. One allgather; each rank compares every
+    rank's view, so all see a difference and raise alike, most basic cause first."""
+    xp, failed = capture(get_array_module, backend)
+    error = error or failed
+    mine = (rt.settings_key, None if xp is None else backend_name(xp), program.hash,
+            None if promised is None else promised.digests)
     views = agree(rt.comm, error, "preparing the run", mine)
-    for k, (rule, shown) in enumerate(_PREPARE_RULES):
-        if any(view[k] != mine[k] for view in views):
-            ranks: dict = {}
-            for rank, view in enumerate(views):
-                ranks.setdefault(shown(view[k]), []).append(rank)
-            agree(rt.comm, rule.format(ranks), "preparing the run")
-    return rt.communicator(program.mesh)
+    if any(view != views[0] for view in views):
+        _explain(rt, program, views, promised)
+    return rt.communicator(program.mesh), rt.array_module(backend, xp)
 
 
-def binding_settings() -> tuple[bool, bool]:
-    """(persistent requests, planned buffers): with them a rank's bound collectives are persistent requests or
-    plain calls, and those do not match each other across ranks."""
-    return persistent_enabled(), planning_enabled()
+def _explain(rt: Runtime, program, views: list, promised: Promised | None) -> None:
+    """Raise the error for ranks whose views differ (collective: every rank holds the same ``views``)."""
+    if len({v[0] for v in views}) > 1:
+        raise AgreedError(settings_difference(rt.comm, rt.settings), list(range(len(views))))
+    if len({v[1] for v in views}) > 1:
+        raise AgreedError(f"every rank must compute with the same array backend (backend=, $SPMD_BACKEND); got "
+                          f"{_by_value([v[1] for v in views])}", list(range(len(views))))
+    if len({v[2] for v in views}) > 1:
+        raise AgreedError(f"every rank must run the same program; got {program_difference(rt.comm, program)}",
+                          list(range(len(views))))
+    check_same([v[3] for v in views], promised.names if promised else [], promised.rule if promised else "", SKIP)
+    raise AgreedError(f"every rank must prepare the same run; got views {views} by rank (settings key, backend, "
+                      f"program hash, digests)", list(range(len(views))))  # none of the above: never blocks
 
 
-# (rule, how a view's value is shown) per item of _prepare's view: program hash, input digest, binding settings
-_PREPARE_RULES = (
-    ("every rank must run the same program; got program hashes {} (hash: ranks)", lambda h: h[:12]),
-    ("every rank must pass the same global inputs to sr.run; got input crc32 {} (crc: ranks); pass "
-     "check_inputs=False (or SPMD_CHECK_INPUTS=0) to skip this check",
-     lambda d: "unchecked" if d is None else f"{d:08x}"),
-    ("every rank must bind programs with the same SPMD_PERSISTENT and SPMD_PLAN_BUFFERS (persistent collectives "
-     "match only persistent ones); got {} ((persistent, planned buffers): ranks)", lambda b: b),
-)
+def _by_value(values: list) -> str:
+    """"ranks [0, 2]: 'a'; ranks [1]: 'b'" for each rank's value."""
+    return "; ".join(f"ranks {ranks}: {value!r}" for value, ranks in ranks_by_value(values).items())
 
 
-def _digest(inputs) -> int:
-    """crc32 of every input's dtype, shape and bytes (host arrays; device arrays count by shape only)."""
-    crc = 0
-    for x in inputs:
-        crc = zlib.crc32(f"{x.dtype.str}{x.shape}".encode(), crc)
-        if isinstance(x, np.ndarray):
-            crc = zlib.crc32(np.ascontiguousarray(x).view(np.uint8).reshape(-1) if x.size else b"", crc)
-    return crc
+def settings_difference(comm, settings: dict) -> str:
+    """Collective (where the ranks' settings keys differ): which settings differ, with each rank's value."""
+    every = agree(comm, None, "comparing the ranks' settings", settings)
+    differing = [f"{name} ({why}): {_by_value([s[name] for s in every])}"
+                 for name, (_, why) in AGREED_SETTINGS.items() if len({repr(s[name]) for s in every}) > 1]
+    return ("every rank must run with the same settings (each changes the program, its numerics, or which MPI "
+            "calls its collectives make); got different " + "; ".join(differing))
+
+
+def program_difference(comm, program) -> str:
+    """Collective (where the ranks' program hashes differ): the first line where the ranks' listings of their
+    programs differ, with each rank's version of it (programs of the same settings and arguments differ when
+    the traced function itself depends on the rank)."""
+    listings = agree(comm, None, "comparing the ranks' programs",
+                     None if program is None else str(program).splitlines()[1:])  # the head line holds the hash
+    lines = [listing or [] for listing in listings]
+    at = next((k for k in range(max(map(len, lines))) if len({_line(ls, k) for ls in lines}) > 1), 0)
+    sizes = {len(ls) for ls in lines}
+    sizes = f"{sizes.pop()} lines each" if len(sizes) == 1 else f"lines: {_by_value([len(ls) for ls in lines])}"
+    return (f"programs that first differ at line {at + 1} of their listings ({sizes}): "
+            f"{_by_value([_line(ls, at) for ls in lines])}")
+
+
+def _line(lines: list, k: int) -> str:
+    text = lines[k].strip() if k < len(lines) else "(end of the listing)"
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+# ------------------------------------------------------------------ settings every rank must share
+CHECK_ENV = "SPMD_CHECK_INPUTS"
+
+
+def _flag(name: str, default: str = "1"):
+    """An on/off setting as its module reads it (exec/groups.py, partition/fusion.py): anything but "0" is on."""
+    return lambda: os.environ.get(name, default) != "0"
+
+
+def _cost_profile() -> str:
+    """The cost model partition() uses when given none: its name and a crc32 of its fits (the profile's path may
+    differ between ranks while its contents are the same)."""
+    model = resolve_model(None)
+    return f"{model.name} #{zlib.crc32(repr(model.fits).encode()):08x}"
+
+
+def _checks_inputs() -> bool:
+    return os.environ.get(CHECK_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+# Each setting that changes the program a rank builds, the numerics of its kernels, or which MPI calls its
+# collectives make: a rank differing would compute other bits or block. name -> (read it as its module does,
+# why it matters). Read by ``read_settings`` when a Runtime is made or unbinds; agreed in each run's
+# preparation. Not here: SPMD_FUSE_BLOCK (elementwise blocks: the same bits), SPMD_PROGRESS (how a rank polls),
+# SPMD_BIND, SPMD_HEAP_KEEP, SPMD_TIMEOUT, SPMD_PROFILE, SPMD_DEVICE, SPMD_CUDA_AWARE (where buffers travel, not
+# what), SPMD_BACKEND (agreed per run as the backend each rank resolves).
+AGREED_SETTINGS = {
+    PERSISTENT_ENV: (persistent_enabled, "persistent collectives match only persistent ones"),
+    PLAN_ENV: (planning_enabled, "planned buffers decide which collectives are persistent"),
+    cpu_kernels.KERNELS_ENV: (cpu_kernels.enabled, "C loops add in another order than NumPy"),
+    cpu_kernels.MIN_ENV: (cpu_kernels.min_elements, "which fusions run as C loops"),
+    groups.GROUPS_ENV: (_flag(groups.GROUPS_ENV), "grouped C loops"),
+    fusion.FUSE_ENV: (lambda: fusion.fusion_enabled(None), "the program's fusions"),
+    fusion.DUPLICATE_ENV: (_flag(fusion.DUPLICATE_ENV), "the program's fusions"),
+    schedule.ASYNC_ENV: (lambda: schedule.overlap_enabled(None), "the program's split collectives"),
+    schedule.BUDGET_ENV: (lambda: schedule.overlap_budget(None), "the program's split collectives"),
+    scan_prefetch.PREFETCH_ENV: (scan_prefetch.prefetch_enabled, "the program's loop prefetches"),
+    windowed.WINDOWED_ENV: (lambda: windowed.windowed_threshold(None), "the program's windowed einsums"),
+    PROFILE_ENV: (_cost_profile, "the partitioner's choices"),
+    CHECK_ENV: (_checks_inputs, "a rank checking its inputs makes an exchange the others must match"),
+}
+
+
+def read_settings() -> dict:
+    """Each of ``AGREED_SETTINGS`` as this rank reads it now (an unreadable one as "invalid: <why>": a run
+    then fails where that setting is read, or here, if the ranks differ)."""
+    values = {}
+    for name, (read, _) in AGREED_SETTINGS.items():
+        value, error = capture(read)
+        values[name] = value if error is None else f"invalid: {error}"
+    return values
 
 
 def _local_error(check) -> str | None:
@@ -370,6 +483,9 @@ def _check(program, inputs, shape_of, kind) -> str | None:
         except Exception as e:  # noqa: BLE001 - no .dtype/.shape, or a dtype NumPy cannot parse
             return (f"{kind} input {spec.name!r} must be an array of {spec.dtype}{list(want)}; got a "
                     f"{type(x).__name__} ({type(e).__name__}: {e})")
+        refused = plain_data_error(x, repr(spec.name), f"a {kind} input")
+        if refused:
+            return refused
         if shape != want or dtype != np.dtype(spec.dtype):
             return f"{kind} input {spec.name!r} must be {spec.dtype}{list(want)}; got {dtype.name}{list(shape)}"
     return None

@@ -13,10 +13,10 @@ import numpy as np
 from .. import pytree
 from ..checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from ..comm import watchdog
-from ..comm.agreement import agree, capture
+from ..comm.agreement import agree, capture, digests
 from ..comm.communicator import world
 from ..exec.backend import to_host
-from ..exec.runner import Runtime, communicator, run_local_checked, shard, unshard
+from ..exec.runner import Promised, Runtime, communicator, run_local_checked, shard, unshard
 from ..mesh import Mesh
 from ..models.lm import LMConfig, init_params, layer_views, param_shapes
 from ..optim import AdamW, DynamicLossScale, Optimizer, slot_tree
@@ -154,14 +154,22 @@ class TrainStep:
         batch = {"batch.tokens": tokens, "batch.labels": labels}
         return [np.asarray(batch[io.name], TOKEN_DTYPE) for io in self._batch_ios]
 
-    def step(self, local_state: dict, tokens, labels, comm=None) -> tuple[dict, float]:
+    def step(self, local_state: dict, tokens, labels, comm=None,
+             check_inputs: bool | None = None) -> tuple[dict, float]:
         """One step on this rank's blocks; ``tokens``/``labels`` are the global batch (every rank the same).
-        Returns (new local state, loss)."""
-        rank = Runtime.of(comm).rank
+        Returns (new local state, loss). ``check_inputs`` (default True, or ``$SPMD_CHECK_INPUTS=0``): the
+        ranks agree on a digest of the batch in the run's preparation (no exchange of its own; ~µs for the
+        reference config's batch), so a batch differing on one rank fails instead of mixing into one loss."""
+        rt = Runtime.of(comm)
         error = check_batch(tokens, labels, self.cfg)  # agreed on in the run's preparation: raises on every rank
-        batch = [] if error else [shard(x, io.sharding, self.mesh, rank)
-                                  for x, io in zip(self._batch(tokens, labels), self._batch_ios)]
-        outs = run_local_checked(self.program, [*self._flat(local_state), *batch], comm=comm, error=error)
+        whole = [] if error else self._batch(tokens, labels)
+        batch = [shard(x, io.sharding, self.mesh, rt.rank) for x, io in zip(whole, self._batch_ios)]
+        promised = None
+        if rt.checks_inputs(check_inputs) and not error:
+            promised = Promised("TrainStep.step needs the same global batch on every rank (each takes its block "
+                                "of it)", [io.name for io in self._batch_ios], digests(whole))
+        outs = run_local_checked(self.program, [*self._flat(local_state), *batch], comm=comm, error=error,
+                                 promised=promised)
         self._metrics(outs)
         return self._tree(outs[:len(self.state_names)]), float(outs[-1])
 

@@ -199,8 +199,22 @@ def _cases() -> list[Case]:
             p = program()
             fault("rank 1 passes other values")
             sr.run(p, X + (RANK == 1))""", [],
-             every_rank="AgreedError: preparing the run must succeed on every rank; got errors on rank(s) [0, 1]: "
-                        "every rank must pass the same global inputs to sr.run"),
+             every_rank="DifferentValuesError: every rank must pass the same global inputs to sr.run; got different "
+                        "contents for 'a': ranks [0] vs [1] (digests "),
+        Case("a device_put array differing on one rank, 4 ranks", """
+            fault("rank 2 puts other values")
+            sr.device_put(X + (RANK == 2), sr.P("x"), MESH)""", [], n=4,
+             every_rank="DifferentValuesError: device_put needs the same global array on every rank; got different "
+                        "contents for 'x': ranks [0, 1, 3] vs [2] (digests "),
+        Case("SPMD_CPU_KERNELS=0 on one rank", """
+            if RANK == 1:
+                os.environ["SPMD_CPU_KERNELS"] = "0"  # before the runtime's first use, which reads the settings
+            p = program()
+            fault("rank 1 runs without the C loops")
+            sr.run(p, X)""", [],
+             every_rank="AgreedError: every rank must run with the same settings (each changes the program, its "
+                        "numerics, or which MPI calls its collectives make); got different SPMD_CPU_KERNELS (C loops "
+                        "add in another order than NumPy): ranks [0]: True; ranks [1]: False"),
         Case("mesh size mismatch on one rank", """
             p = program(MESH if RANK == 0 else sr.Mesh((SIZE + 1,), ("x",)))
             fault("rank 1 partitioned for 3 devices")

@@ -55,16 +55,17 @@ def test_ranks_binding_collectives_differently_fail_on_every_rank(monkeypatch):
     the others would never match, so the run stops on every rank before any collective."""
     import threading
     from spmd_runtime.exec import runner
-    mine = threading.local()  # the simulated ranks are threads of one process: one environment
-    monkeypatch.setattr(runner, "binding_settings", lambda: (mine.persistent, True))
+    mine, read = threading.local(), runner.read_settings  # the simulated ranks are threads of one process
+    monkeypatch.setattr(runner, "read_settings", lambda: {**read(), "SPMD_PERSISTENT": mine.persistent})
     program = _program()
 
     def body(comm):
         mine.persistent = comm.Get_rank() == 0
         sr.run(program, np.arange(6.0), comm=comm)
     for m in _errors(body):
-        assert "every rank must bind programs with the same SPMD_PERSISTENT and SPMD_PLAN_BUFFERS" in m
-        assert "got {(True, True): [0], (False, True): [1]}" in m
+        assert "every rank must run with the same settings" in m
+        assert "got different SPMD_PERSISTENT (persistent collectives match only persistent ones): ranks [0]: True; " \
+               "ranks [1]: False" in m
 
 
 def test_rank_local_input_errors_are_agreed_on():
