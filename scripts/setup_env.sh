@@ -4,7 +4,7 @@
 #     source scripts/setup_env.sh
 #
 # It makes sure <repo>/.venv exists and holds spmd_runtime installed editable
-# with the extras in SPMD_EXTRAS (default "mpich,test,bf16"), activates it, and
+# with the extras in SPMD_EXTRAS (default "mpich,test,bf16,digest"), activates it, and
 # exports:
 #   MPIEXEC              launcher to use (default: the venv's mpiexec; an
 #                        MPIEXEC already in the environment wins)
@@ -16,7 +16,7 @@
 #   SPMD_VENV      venv path (default <repo>/.venv)
 #   SPMD_PYTHON    interpreter for creating the venv (default: the newest
 #                  python3.X >= 3.10 on PATH that works)
-#   SPMD_EXTRAS    extras to install (default "mpich,test,bf16"; use "test,bf16" with
+#   SPMD_EXTRAS    extras to install (default "mpich,test,bf16,digest"; use "test,bf16,digest" with
 #                  an mpi4py built against your own MPI, see README.md)
 #   SPMD_REINSTALL=1  force the pip install step
 #
@@ -29,7 +29,7 @@ _spmd_setup_env() {
 
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     venv="${SPMD_VENV:-$root/.venv}"
-    extras="${SPMD_EXTRAS-mpich,test,bf16}"
+    extras="${SPMD_EXTRAS-mpich,test,bf16,digest}"
     stamp="$venv/.spmd_install_stamp"
 
     _spmd_log() { printf '[setup_env] %s\n' "$*" >&2; }
