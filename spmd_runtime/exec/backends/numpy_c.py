@@ -616,10 +616,18 @@ def operand_check(fusion: Fusion, dtypes):
 def compiled_chain(fusion: Fusion, kernel, dtypes, planned, shape=None):
     """The compiled loop over C-contiguous operands (a strided one is copied first) into the donated
     operand, the planned buffer or a fresh one (of ``shape``: a reduction's, else the chain's); an operand of
-    another size or dtype than the program says is refused (the loop's bounds and types are compiled in)."""
+    another size or dtype than the program says is refused (the loop's bounds and types are compiled in), and
+    so is, once here, a result buffer the loop would overrun (``result_fits``)."""
     kernel.argtypes, kernel.restype = [ctypes.c_void_p] * (len(fusion.shapes) + 1), None
     check = operand_check(fusion, dtypes)
     shape, dtype, donate = fusion.shape if shape is None else shape, fusion.dtype, fusion.donate
+    writes = (int(np.prod(shape)), np.dtype(fusion.dtypes[-1]))
+    if donate >= 0:
+        result_fits(writes, (int(np.prod(fusion.shapes[donate])), np.dtype(dtypes[donate])), f"donated operand {donate}")
+    elif planned is not None:
+        result_fits(writes, _buffer_of(planned), "planned buffer")
+    else:
+        result_fits(writes, (int(np.prod(shape)), dtype), "result")
 
     def run(*args):
         arrays = check(args)
@@ -629,6 +637,21 @@ def compiled_chain(fusion: Fusion, kernel, dtypes, planned, shape=None):
     return run
 
 
+def result_fits(writes, buffer, what: str) -> None:
+    """A compiled loop writes ``writes`` = (elements, dtype) through a raw pointer: the buffer it is given, of
+    (elements, dtype) ``buffer``, must be exactly that (checked once, at bind; the program check makes it so for
+    every program file, this is the loop's own guard)."""
+    if writes[0] != buffer[0] or writes[1] != buffer[1]:
+        raise ValueError(f"a compiled loop's {what} must hold what it writes, {writes[1]}[{writes[0]} elements]; "
+                         f"got {buffer[1]}[{buffer[0]} elements]")
+
+
+def _buffer_of(array) -> tuple:
+    if type(array) is not np.ndarray or not array.flags.c_contiguous:
+        raise ValueError(f"a compiled loop writes C-contiguous NumPy buffers; got {type(array).__name__}")
+    return array.size, array.dtype
+
+
 def _group_loop(interp, group):
     """``operands -> member results`` through the group's (exec/groups.Group) compiled C loop (above)."""
     kernel = interp.cpu_kernels["group", group.members[0]]
@@ -636,6 +659,12 @@ def _group_loop(interp, group):
     kernel.restype = None
     check = operand_check(group.fusion, group.dtypes)
     made = [(interp.planned.get(slot), *result_of(interp, slot), k) for slot, k in zip(group.members, group.into)]
+    fusion = group.fusion
+    for slot, (planned, shape, dtype, k), step in zip(group.members, made, group.results):
+        writes = (int(np.prod(fusion.shape)), np.dtype(fusion.dtypes[step]))
+        buffer = ((int(np.prod(fusion.shapes[k])), np.dtype(group.dtypes[k])) if k >= 0 else
+                  _buffer_of(planned) if planned is not None else (int(np.prod(shape)), np.dtype(dtype)))
+        result_fits(writes, buffer, f"result buffer for group member %{slot}")
 
     def compute(args):
         arrays = check(args)
