@@ -397,18 +397,56 @@ def _machine() -> str:
         return platform.machine() + platform.processor()
 
 
+# The cache holds code this process will run, so it is trusted only as far as the folder is: it must be the
+# user's own and writable by no one else (else a private temporary folder is used, said once), and a library is
+# loaded only if its bytes' sha256 is the one recorded beside it (``<key>.sha256``) when this user compiled it
+# from the source and flags its name (``key``) hashes; anything else (a replaced, truncated or half-copied
+# ``.so``) is compiled again, never loaded: dlopen runs a library's constructors before any symbol is looked
+# at. The check costs one read and hash of the library (~1 ms) per program bound, not per step.
+_private_dir: list = []
+
+
 def _cache_dir() -> Path:
     folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "spmd_runtime" / "kernels")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    unsafe = _unsafe(folder)
+    if unsafe is None:
+        return folder
+    if not _private_dir:
+        _private_dir.append(Path(tempfile.mkdtemp(prefix="spmd_kernels_")))  # mode 0700, ours
+    _warn_once(f"spmd_runtime: the kernel cache folder {folder} must be owned by this user and writable by no "
+               f"one else; got {unsafe}: compiled loops are cached in {_private_dir[0]} for this process instead")
+    return _private_dir[0]
+
+
+def _unsafe(folder: Path) -> str | None:
+    """Why ``folder`` may not hold code this process loads (another owner, group or world write), or None."""
+    info = folder.stat()
+    if info.st_uid != os.getuid():
+        return f"owner uid {info.st_uid} (this user is {os.getuid()})"
+    if info.st_mode & 0o022:
+        return f"mode {oct(info.st_mode & 0o777)} (group or world writable)"
+    return None
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trusted(target: Path, sidecar: Path) -> bool:
+    """Whether ``target`` is the library this user compiled: its bytes hash to what ``sidecar`` records."""
+    try:
+        return target.is_file() and sidecar.read_text().strip() == _digest(target)
+    except OSError:
+        return False
 
 
 def _compiled(source: str, compiler: str, key: str) -> Path:
     folder = _cache_dir()
-    target = folder / f"fusions_{key}.so"
+    target, sidecar = folder / f"fusions_{key}.so", folder / f"fusions_{key}.sha256"
     with open(folder / f"fusions_{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the OS if this process dies
-        if not target.exists():
+        if not _trusted(target, sidecar):
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
                 c_file, so_file = Path(tmp) / "fusions.c", Path(tmp) / "fusions.so"
                 c_file.write_text(source)
@@ -418,7 +456,13 @@ def _compiled(source: str, compiler: str, key: str) -> Path:
                 if done.returncode != 0:
                     raise CompileError(f"compiling fused kernels with {compiler!r} must succeed; got exit "
                                        f"{done.returncode}: {done.stderr.strip()[-800:]}")
+                digest = Path(tmp) / "fusions.sha256"
+                digest.write_text(_digest(so_file))
                 os.replace(so_file, target)  # atomic: no other process sees a half-written library
+                os.replace(digest, sidecar)
+        if not _trusted(target, sidecar):  # what was just written: anything else is not loaded
+            raise CompileError(f"a kernel library must match the sha256 recorded when it was compiled; got "
+                               f"another for {target}")
     return target
 
 
