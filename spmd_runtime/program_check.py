@@ -183,7 +183,7 @@ def _check_value(name: str, value, program) -> None:
         if not isinstance(value, tuple) or not all(isinstance(c, tuple) and len(c) == 2 for c in value):
             raise ProgramError(f"{what} must be (number, dtype) pairs; got {value!r}")
         for number, dt in value:
-            if not isinstance(number, (bool, int, float)):
+            if not isinstance(number, (bool, int, float, complex)):
                 raise ProgramError(f"{what} values must be numbers; got {number!r}")
             _dtype(dt, what)
     elif name == "dtypes":
@@ -215,7 +215,7 @@ def _fusion_code(value, what: str) -> None:
 
 def _plain(value, what: str, axis_names) -> None:
     """Numbers, None, mesh axis names, or tuples of them: anything else (another string, an array) needs a rule."""
-    if value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and value in axis_names):
+    if value is None or isinstance(value, (bool, int, float, complex)) or (isinstance(value, str) and value in axis_names):
         return
     if isinstance(value, tuple):
         for v in value:
