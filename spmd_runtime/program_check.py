@@ -26,6 +26,9 @@ from .graph import PARAMETER
 from .ops.core import (BROADCAST_IN_DIM, CONSTANT, CONVERT, REDUCE, REDUCE_KINDS, RESHAPE, SELECT, STOP_GRADIENT,
                        TRANSPOSE, reduction)  # noqa: F401  (reduction: re-exported)
 from .ops.einsum import EINSUM
+from .ops.slicing import CONCATENATE, REVERSE, SLICE
+from .ops.spmd import RESIZE
+from .ops.windows import WINDOW_EDGE
 from .ops.spmd import FUSED_REDUCE, FUSION, MASK_PADDING, ROTATED_CONCAT, SHARD_INDEX, SHARD_SLICE
 
 STRING_ATTRIBUTES = {"output": frozenset({"values", "indices"}),  # top_k: which of its two results
@@ -559,12 +562,65 @@ def _fused_reduce(ins, operands, program):
     return chain[:len(chain) - len(axes)], probe
 
 
+
+def _slice_length(n: int, start, stop, step=1) -> int:
+    """Elements of a dim of ``n`` that Python's slice [start:stop:step] keeps (what the kernels index with)."""
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in (start, stop, step)) or step == 0:
+        raise ProgramError(f"slice bounds must be ints and a step nonzero; got {start}:{stop}:{step}")
+    return len(range(*slice(start, stop, step).indices(n)))
+
+
+def _window_edge(ins, operands, program):
+    _arity(ins, operands, 1)
+    x, dim = operands[0], ins.attrs["dim"]
+    _dims((dim,), len(x.shape), "attribute 'dim'")
+    n = _slice_length(x.shape[dim], ins.attrs["start"], ins.attrs["stop"])
+    return tuple(n if d == dim else e for d, e in enumerate(x.shape)), x.dtype
+
+
+def _resize(ins, operands, program):
+    _arity(ins, operands, 1)
+    x, dim, size = operands[0], ins.attrs["dim"], ins.attrs["size"]
+    _dims((dim,), len(x.shape), "attribute 'dim'")
+    _ints((size,), "attribute 'size'", low=0)
+    return tuple(size if d == dim else e for d, e in enumerate(x.shape)), x.dtype
+
+
+def _slice(ins, operands, program):
+    _arity(ins, operands, 1)
+    x, a = operands[0], ins.attrs
+    if not len(a["start"]) == len(a["limit"]) == len(a["strides"]) == len(x.shape):
+        raise ProgramError(f"attributes 'start', 'limit', 'strides' must give one bound per dim of "
+                           f"{tuple(x.shape)}; got {a['start']}, {a['limit']}, {a['strides']}")
+    return tuple(_slice_length(n, *bounds) for n, bounds in zip(x.shape, zip(a["start"], a["limit"], a["strides"]))), \
+        x.dtype
+
+
+def _reverse(ins, operands, program):
+    _arity(ins, operands, 1)
+    _dims(ins.attrs["axes"], len(operands[0].shape), "attribute 'axes'")
+    return tuple(operands[0].shape), operands[0].dtype
+
+
+def _concatenate(ins, operands, program):
+    if not operands:
+        raise ProgramError("a concatenate takes at least one operand; got none")
+    x, axis = operands[0], ins.attrs["axis"]
+    _dims((axis,), len(x.shape), "attribute 'axis'")
+    if any(len(o.shape) != len(x.shape) or any(a != b for d, (a, b) in enumerate(zip(o.shape, x.shape)) if d != axis)
+           for o in operands):
+        raise ProgramError(f"concatenated operands must agree but along axis {axis}; got {[_ty(o) for o in operands]}")
+    dtype = np.result_type(*[parse_dtype(o.dtype) for o in operands])
+    return tuple(sum(o.shape[axis] for o in operands) if d == axis else n for d, n in enumerate(x.shape)), dtype
+
 UFUNC_OPS = frozenset(name for name, record in opdef.OPS.items() if record.ufunc is not None)
 RESULT_RULES = {PARAMETER.name: _parameter, CONSTANT.name: _constant, SELECT.name: _select, CONVERT.name: _convert,
                 STOP_GRADIENT.name: _same_as_operand, REDUCE.name: _reduce, RESHAPE.name: _reshape,
                 TRANSPOSE.name: _transpose, BROADCAST_IN_DIM.name: _broadcast_in_dim, EINSUM.name: _einsum,
                 SHARD_SLICE.name: _shard_slice, ROTATED_CONCAT.name: _rotated_concat, SHARD_INDEX.name: _shard_index,
-                MASK_PADDING.name: _mask_padding, FUSION.name: _fusion, FUSED_REDUCE.name: _fused_reduce}
+                MASK_PADDING.name: _mask_padding, FUSION.name: _fusion, FUSED_REDUCE.name: _fused_reduce,
+                WINDOW_EDGE.name: _window_edge, RESIZE.name: _resize, SLICE.name: _slice, REVERSE.name: _reverse,
+                CONCATENATE.name: _concatenate}
 
 
 __all__ = ["check_program", "derives", "ProgramError", "REDUCE_KINDS", "reduction"]

@@ -212,6 +212,21 @@ def test_an_operand_of_another_dtype_than_the_program_says_is_refused(compiled):
     np.testing.assert_array_equal(run(np.zeros(8, F32)), np.ones(8, F32))
 
 
+@pytest.mark.parametrize("donate, planned, message", [
+    (1, None, r"donated operand 1 must hold what it writes, float32\[32 elements\]; got float32\[8 elements\]"),
+    (-1, np.empty(8, F32), r"planned buffer must hold what it writes, float32\[32 elements\]; got float32\[8 el"),
+    (-1, np.empty(32, np.float64), r"planned buffer must hold what it writes, float32\[32 elements\]; got float64"),
+])
+def test_a_compiled_loop_refuses_at_bind_a_result_buffer_it_would_overrun(compiled, donate, planned, message):
+    """The loop writes through a raw pointer: a donated operand (here the broadcast one, of 8 elements for 32) or a
+    planned buffer of another size or dtype is refused once, at bind, whatever the program check let through."""
+    fused, _ = both(lambda x, b: snp.tanh(x * b + 1.0), [sr.TensorSpec((4, 8), F32), sr.TensorSpec((8,), F32)],
+                    sr.Mesh((1,), ("x",)), [(None, None), (None,)])
+    (f,) = fusions(fused)
+    kernel = compiled_fusions(fused)[f.out]
+    with pytest.raises(ValueError, match=message):
+        cpu_kernels.compiled_chain(Fusion(f.copy(donate=donate)), kernel, [F32, F32], planned)
+
 def test_training_step_compiled_matches_unfused(compiled, monkeypatch):
     cfg = sr.LMConfig(layers=1, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=4)
     steps = {}

@@ -3,6 +3,7 @@ makes loads back, and each class of tampering (hash recomputed) is refused namin
 import hashlib
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -253,3 +254,21 @@ def test_a_numpy_array_function_on_a_traced_tensor_names_the_snp_function(fn, na
                                         rf"known while tracing; use snp.{name} "):
         sr.trace(arg, sr.TensorSpec((4,), "float32"))
     assert sr.trace(lambda a: a * np.ndim(a) + np.size(a) + np.shape(a)[0], sr.TensorSpec((4,), "float32"))
+
+
+def test_a_collective_checks_per_call_an_operand_whose_shape_the_check_does_not_derive(tmp_path, capsys):
+    """take_block has no shape rule in the check: a file may state another shape for it, and the all_reduce it
+    feeds (sized by that shape) then refuses the operand before MPI sees it."""
+    graph = sr.trace(lambda t, i: snp.take(t, i, axis=0), sr.TensorSpec((8, 4), "float64"),
+                     sr.TensorSpec((3,), "int64"))
+    sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None), None]).save(tmp_path / "p.json")
+    doc = json.loads((tmp_path / "p.json").read_text())
+    _first(doc, "take_block").update(shape=[2, 4])
+    _first(doc, "all_reduce").update(shape=[2, 4])
+    _write_with_hash(tmp_path, doc)
+    program = sr.load_program(tmp_path / "p.json")
+    table, index = np.arange(32.0).reshape(8, 4), np.array([0, 5, 7])
+    with pytest.raises(Exception, match="MPI_Abort"):  # a rank's error during a run ends the job, naming it
+        run_simulated(2, lambda comm: sr.run(program, table, index, comm=comm))
+    assert re.search(r"instruction %\d+ = all_reduce: its operand %\d+ \(take_block\) must be float64\[2, 4\] as "
+                     r"the program says; got float64\[3, 4\]", capsys.readouterr().err)
