@@ -202,25 +202,29 @@ def mutant(bases_docs: list, number: int, seed: int):
 # ------------------------------------------------------------------------------------------- running
 
 
-def classify(doc: dict, folder: str, inputs, want) -> str:
-    """The outcome of one mutant (OUTCOMES, crashes aside: a crash never returns)."""
+def classify(doc: dict, folder: str, inputs, want) -> tuple[str, str]:
+    """(outcome, what was raised) of one mutant (OUTCOMES, crashes aside: a crash never returns)."""
     import spmd_runtime as sr
     path = os.path.join(folder, "mutant.json")
     with open(path, "w") as f:
         json.dump(doc, f)
     try:
         program = sr.load_program(path)
-    except Exception:  # noqa: BLE001  (any refusal: the check's ProgramError, a decoding error)
-        return "refused"
+    except Exception as e:  # noqa: BLE001  (any refusal: the check's ProgramError, a decoding error)
+        return "refused", _said(e)
     try:
         got = run_program(program, inputs)
-    except Exception:  # noqa: BLE001  (a clean failure: a Python exception, whatever its type)
-        return "failed cleanly"
+    except Exception as e:  # noqa: BLE001  (a clean failure: a Python exception, whatever its type)
+        return "failed cleanly", _said(e)
     same = len(got) == len(want) and all(
         np.shape(g) == np.shape(w) and np.asarray(g).dtype == np.asarray(w).dtype
         and np.allclose(np.asarray(g, dtype=complex), np.asarray(w, dtype=complex), equal_nan=True)
         for g, w in zip(got, want))
-    return "ran correctly" if same else "ran, other result"
+    return ("ran correctly" if same else "ran, other result"), ""
+
+
+def _said(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
 
 def worker(start: int, stop: int, seed: int, quick: bool) -> None:
@@ -239,12 +243,14 @@ def worker(start: int, stop: int, seed: int, quick: bool) -> None:
     print("ready", flush=True)
     for number in range(start, stop):
         base, edit, doc = mutant(docs, number, seed)
-        print(number, classify(doc, folder, inputs[base], wants[base]), flush=True)
+        outcome, said = classify(doc, folder, inputs[base], wants[base])
+        print(f"{number}\t{outcome}\t{edit}\t{said}".replace("\n", " "), flush=True)
 
 
 def fuzz(count: int, seed: int = 0, quick: bool = False, hang_s: float = 120.0, workers: int = 1,
-         log=None) -> tuple[Counter, list]:
-    """(outcome counts, crashed mutant numbers) of mutants [0, count), each worker a share of them."""
+         log=None, verbose=()) -> tuple[Counter, list]:
+    """(outcome counts, crashed mutant numbers) of mutants [0, count), each worker a share of them; ``log`` gets a
+    line per crash, and per mutant of an outcome in ``verbose`` (what it raised)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                SPMD_CPU_KERNEL_MIN="0", SPMD_CPU_KERNELS="1", SPMD_TIMEOUT="20", OMP_NUM_THREADS="1")
     shares = np.array_split(np.arange(count), max(1, workers))
@@ -260,9 +266,11 @@ def fuzz(count: int, seed: int = 0, quick: bool = False, hang_s: float = 120.0, 
                     log(f"mutant {w.at}: crashed ({w.reason})")
                 w.restart(w.at + 1)
             elif line != "ready":
-                number, outcome = line.split(" ", 1)
+                number, outcome, edit, said = line.split("\t", 3)
                 counts[outcome] += 1
                 w.at = int(number) + 1
+                if log and outcome in verbose:
+                    log(f"mutant {number} ({edit}): {outcome}: {said}")
             if w.at >= w.stop:
                 w.close()
                 running.remove(w)
@@ -319,6 +327,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="fewer base programs (CI)")
     parser.add_argument("--hang-s", type=float, default=120.0)
+    parser.add_argument("--why", action="append", default=[], choices=OUTCOMES,
+                        help="print each mutant of this outcome with what it raised (repeatable)")
     parser.add_argument("--show", type=int, help="print mutant N's base and edit, then exit")
     parser.add_argument("--worker", type=int, nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -340,7 +350,8 @@ def main(argv=None) -> int:
         print(os.path.join(folder, "mutant.json"))
         return 0
     began = time.time()
-    counts, crashed = fuzz(args.count, args.seed, args.quick, args.hang_s, args.workers, log=print)
+    counts, crashed = fuzz(args.count, args.seed, args.quick, args.hang_s, args.workers, log=print,
+                           verbose=args.why)
     print(f"{args.count} mutants in {time.time() - began:.0f} s: " + ", ".join(f"{o}: {counts[o]}" for o in OUTCOMES))
     if crashed:
         print(f"crashed: {crashed}")

@@ -7,8 +7,12 @@ one the interpreter runs (a kernel, a collective, or a rank-dependent op), its
 attribute names are exactly the kernel's keyword parameters, and every value has
 an allowed type and range; strings are only accepted from allow-lists (mesh axis
 names, reduction kinds, dtypes, einsum specs), so no string from a file ever
-selects a function by name. Slots must be defined before use. For shared
-clusters, ``SPMD_PROGRAM_KEY`` adds a keyed HMAC (see ``program.py``).
+selects a function by name. Slots must be defined before use. Every
+instruction's local shape and dtype must be what its op's rule derives from its
+operands (``RESULT_RULES`` and the kinds table: see "result shapes" below), and
+a donation must be of the result's exact buffer, so a file that loads cannot
+make the runtime write out of bounds, key or no key. For shared clusters,
+``SPMD_PROGRAM_KEY`` adds a keyed HMAC (authenticity; see ``program.py``).
 """
 from __future__ import annotations
 
