@@ -22,10 +22,13 @@ running, which counts as crashed, so a segfault is counted, not fatal. ``python 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -212,10 +215,13 @@ def classify(doc: dict, folder: str, inputs, want) -> tuple[str, str]:
         program = sr.load_program(path)
     except Exception as e:  # noqa: BLE001  (any refusal: the check's ProgramError, a decoding error)
         return "refused", _said(e)
+    printed = io.StringIO()
     try:
-        got = run_program(program, inputs)
+        with contextlib.redirect_stderr(printed):  # a failing rank's traceback, printed as the job ends
+            got = run_program(program, inputs)
     except Exception as e:  # noqa: BLE001  (a clean failure: a Python exception, whatever its type)
-        return "failed cleanly", _said(e)
+        raised = [ln for ln in printed.getvalue().splitlines() if re.match(r"^\w+(Error|Exception): ", ln)]
+        return "failed cleanly", raised[0][:200] if raised else _said(e)
     same = len(got) == len(want) and all(
         np.shape(g) == np.shape(w) and np.asarray(g).dtype == np.asarray(w).dtype
         and np.allclose(np.asarray(g, dtype=complex), np.asarray(w, dtype=complex), equal_nan=True)
@@ -307,11 +313,12 @@ class _Worker:
                 self.proc.wait()
                 self.reason = f"no progress in {hang_s:g} s"
                 return None
-        line = self.proc.stdout.readline().strip()
-        if not line:
+        line = self.proc.stdout.readline()
+        if not line:  # end of file: the worker died
             code = self.proc.wait()
             self.reason = f"exit {code}"
             return None
+        line = line.rstrip("\n")
         self.ready = self.ready or line == "ready"
         return line
 

@@ -58,15 +58,18 @@ def check_program(program) -> None:
     """Raise ProgramError naming the first instruction, attribute or slot that breaks a rule."""
     defined: set[int] = set()
     by_slot: dict = {}
+    freed: set[int] = set()
     for ins in program.instrs:
         where = f"instruction %{ins.out} = {ins.op}"
         try:
             _check_instr(ins, program, defined)
+            _check_live(ins, freed)
             _check_result(ins, program, by_slot)
         except ProgramError as e:
             raise ProgramError(f"{where}: {e}") from None
         defined.add(ins.out)
         by_slot[ins.out] = ins
+        freed.update(ins.free)
     _check_async_pairs(program)
     params = {i.out for i in program.instrs if i.op == PARAMETER.name}
     for io in program.inputs:
@@ -75,8 +78,19 @@ def check_program(program) -> None:
             raise ProgramError(f"input {io.name!r} must name a parameter instruction; got slot %{io.slot}")
     for io in program.outputs:
         _dtype(io.dtype, f"output {io.name!r} dtype")
-        if io.slot not in defined:
-            raise ProgramError(f"output {io.name!r} must name a defined slot; got %{io.slot}")
+        if io.slot not in defined or io.slot in freed:
+            raise ProgramError(f"output {io.name!r} must name a defined slot not freed; got %{io.slot}")
+
+
+def _check_live(ins, freed: set) -> None:
+    """An operand is read, and a slot freed, only while its buffer is held: not after an earlier instruction
+    freed it."""
+    gone = [a for a in ins.args if a in freed]
+    if gone:
+        raise ProgramError(f"operands must not have been freed by an earlier instruction; got slot(s) {gone}")
+    again = [s for s in ins.free if s in freed]
+    if again or len(set(ins.free)) != len(ins.free):
+        raise ProgramError(f"a slot is freed once; got {list(ins.free)} (freed before: {again})")
 
 
 def _check_instr(ins, program, defined: set) -> None:
@@ -465,7 +479,12 @@ def _collective(ins, operands, program):
         if len(operands) > 2:
             raise ProgramError(f"an exchange takes its operand and at most the array it updates; got "
                                f"{len(operands)} operands")
-        return tuple(operands[-1].shape if len(operands) == 2 else ins.shape), operands[0].dtype
+        if len(operands) == 2:  # into a copy of the array it updates
+            return tuple(operands[1].shape), operands[0].dtype
+        _ints(ins.global_shape, "global_shape", low=0)
+        if len(ins.sharding.dims) != len(ins.global_shape):
+            raise ProgramError(f"the sharding must name each of the {len(ins.global_shape)} dims; got {ins.sharding}")
+        return tuple(ins.sharding.local_shape(tuple(ins.global_shape), program.mesh)), operands[0].dtype
     _arity(ins, operands, 1)
     x = operands[0]
     k = _group(kind.name, ins.attrs, program)

@@ -155,6 +155,8 @@ RESULT_RULES = {
     "fusion ref past its operands": (_saved_fusion, "fusion",
                                      _attr(code="t0=mul(p0,p5); t1=add(t0,c0); t2=tanh(t1); t3=mul(t2,c1)"),
                                      "refs must name operands p0..p1 and literals c0..c1; got ['p5']"),
+    "operand freed earlier": (_saved, "reduce", _set(args=[2]),
+                              "operands must not have been freed by an earlier instruction; got slot(s) [2]"),
     "fusion result dtype": (_saved_fusion, "fusion", _set(dtype="float64"), "the dtype must be what the fusion "
                             "rule gives"),
 }
@@ -172,6 +174,20 @@ def test_a_result_of_another_shape_or_dtype_than_its_ops_rule_is_refused(tmp_pat
         sr.load_program(tmp_path / "p.json")
     assert message in str(info.value)
 
+
+def test_an_exchange_receives_its_sharding_of_its_global_shape(tmp_path):
+    """all_to_allv makes a buffer of the shape it is given: that shape must be its sharding's block of its global
+    shape (a receive shape edited alone is refused)."""
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    program = sr.partition(sr.trace(lambda a: a * 1.0, x), sr.Mesh((2, 4), ("x", "y")),
+                           in_specs=[sr.Sharding((("x",), ()), ("y",))], out_specs=[sr.Sharding((("y",), ()))])
+    program.save(tmp_path / "p.json")
+    doc = json.loads((tmp_path / "p.json").read_text())
+    _first(doc, "all_to_allv").update(shape=[16, 32])
+    _write_with_hash(tmp_path, doc)
+    with pytest.raises(ProgramError, match=r"^instruction %\d+ = all_to_allv: the local shape must be what the "
+                                           r"all_to_allv rule gives .*, \(16, 64\); got \(16, 32\)"):
+        sr.load_program(tmp_path / "p.json")
 
 def test_the_fusion_file_unedited_loads_and_runs(tmp_path):
     """The base of the fusion edits is valid as saved (no false alarm)."""
