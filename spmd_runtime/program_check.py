@@ -59,17 +59,21 @@ def check_program(program) -> None:
     defined: set[int] = set()
     by_slot: dict = {}
     freed: set[int] = set()
+    starts: set[int] = set()
     for ins in program.instrs:
         where = f"instruction %{ins.out} = {ins.op}"
         try:
             _check_instr(ins, program, defined)
             _check_live(ins, freed)
+            _check_handles(ins, starts)
             _check_result(ins, program, by_slot)
         except ProgramError as e:
             raise ProgramError(f"{where}: {e}") from None
         defined.add(ins.out)
         by_slot[ins.out] = ins
         freed.update(ins.free)
+        if _async_half(ins.op) == "start":
+            starts.add(ins.out)
     _check_async_pairs(program)
     params = {i.out for i in program.instrs if i.op == PARAMETER.name}
     for io in program.inputs:
@@ -80,6 +84,13 @@ def check_program(program) -> None:
         _dtype(io.dtype, f"output {io.name!r} dtype")
         if io.slot not in defined or io.slot in freed:
             raise ProgramError(f"output {io.name!r} must name a defined slot not freed; got %{io.slot}")
+
+
+def _check_handles(ins, starts: set) -> None:
+    """A collective start's value is an MPI request handle, not an array: only its done (first operand) takes it."""
+    if any(a in starts for a in (ins.args[1:] if _async_half(ins.op) == "done" else ins.args)):
+        raise ProgramError(f"a collective start's value is taken only by its done (first operand); got operands "
+                           f"{list(ins.args)}")
 
 
 def _check_live(ins, freed: set) -> None:

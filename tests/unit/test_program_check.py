@@ -120,6 +120,14 @@ def _saved_fusion(tmp_path):
     return json.loads((tmp_path / "p.json").read_text())
 
 
+def _saved_overlapped(tmp_path):
+    """An all_reduce_start (%3) with independent work (exp of %1) before its done."""
+    graph = sr.trace(lambda a, w: a.sum() + snp.exp(w).sum(), sr.TensorSpec((8,), "float64"),
+                     sr.TensorSpec((4,), "float64"))
+    sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x",), None], fuse=False).save(tmp_path / "p.json")
+    return json.loads((tmp_path / "p.json").read_text())
+
+
 def _set(**changes):
     return lambda ins: ins.update(changes)
 
@@ -157,6 +165,8 @@ RESULT_RULES = {
                                      "refs must name operands p0..p1 and literals c0..c1; got ['p5']"),
     "operand freed earlier": (_saved, "reduce", _set(args=[2]),
                               "operands must not have been freed by an earlier instruction; got slot(s) [2]"),
+    "a start's handle read by another op": (_saved_overlapped, "exp", lambda ins: ins.update(args=[3]),
+                                            "a collective start's value is taken only by its done"),
     "fusion result dtype": (_saved_fusion, "fusion", _set(dtype="float64"), "the dtype must be what the fusion "
                             "rule gives"),
 }
