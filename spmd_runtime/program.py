@@ -331,7 +331,9 @@ def _instr_from(d) -> Instr:
 
 
 def _enc(v):
-    """JSON form of an attribute: arrays as base64 .npy (exact), tuples as lists."""
+    """JSON form of an attribute: arrays as base64 .npy (exact, complex ones too), complex numbers as
+    ``{"complex": [real, imag]}``, NumPy scalars as Python numbers, tuples as lists; anything else JSON has no
+    form for is refused naming it."""
     if isinstance(v, SPMDProgram):  # a loop body, stored once
         return {"program": v.body()}
     if isinstance(v, np.ndarray):
@@ -343,12 +345,25 @@ def _enc(v):
         return {"ndarray": base64.b64encode(buf.getvalue()).decode()}
     if isinstance(v, (tuple, list)):
         return [_enc(x) for x in v]
+    if isinstance(v, np.generic) and not isinstance(v, np.void):
+        v = v.item()
+    if isinstance(v, complex):
+        return {"complex": [v.real, v.imag]}
+    if v is not None and not isinstance(v, (bool, int, float, str)):
+        raise TypeError(f"a program attribute must be a number, string, array, tuple or program to be saved; "
+                        f"not supported: {type(v).__name__} {v!r}")
     return v
 
 
 def _dec(v):
     if isinstance(v, dict) and "program" in v:
         return _program_from(v["program"])
+    if isinstance(v, dict) and "complex" in v:
+        parts = v["complex"]
+        if not (isinstance(parts, list) and len(parts) == 2 and all(isinstance(p, (int, float)) and
+                                                                     not isinstance(p, bool) for p in parts)):
+            raise ValueError(f"a complex attribute is [real, imag]; got {parts!r}")
+        return complex(*parts)
     if isinstance(v, dict) and "ndarray" in v:
         value = np.load(io.BytesIO(base64.b64decode(v["ndarray"])), allow_pickle=False)
         if "dtype" in v:

@@ -60,6 +60,10 @@ def bind_compiled(interp, ins):
     one value per row out) with its operand checks."""
     program, reducing = interp.program, ins.op in (FUSED_REDUCE.name, REDUCE.name)
     fusion = Fusion(chain_of(ins, program) if reducing else as_fusion(ins, program))
+    if reducing and int(np.prod(ins.shape)) * int(np.prod(fusion.shape[len(fusion.shape) - len(ins.attrs["axes"]):])) \
+            != int(np.prod(fusion.shape)):  # the loop writes one value per row of the chain
+        raise ValueError(f"instruction %{ins.out} = {ins.op}: a compiled reduction writes one value per row of its "
+                         f"chain {fusion.shape} over axes {ins.attrs['axes']}; got result shape {tuple(ins.shape)}")
     return compiled_chain(fusion, interp.cpu_kernels[ins.out], operand_dtypes(program, ins),
                           interp.planned.get(ins.out), tuple(ins.shape) if reducing else None)
 

@@ -2,6 +2,8 @@
 against the NumPy ufunc chain and the reference evaluator (special values included), the fallbacks."""
 import os
 import shutil
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -210,6 +212,21 @@ def test_an_operand_of_another_dtype_than_the_program_says_is_refused(compiled):
     np.testing.assert_array_equal(run(np.zeros(8, F32)), np.ones(8, F32))
 
 
+@pytest.mark.parametrize("donate, planned, message", [
+    (1, None, r"donated operand 1 must hold what it writes, float32\[32 elements\]; got float32\[8 elements\]"),
+    (-1, np.empty(8, F32), r"planned buffer must hold what it writes, float32\[32 elements\]; got float32\[8 el"),
+    (-1, np.empty(32, np.float64), r"planned buffer must hold what it writes, float32\[32 elements\]; got float64"),
+])
+def test_a_compiled_loop_refuses_at_bind_a_result_buffer_it_would_overrun(compiled, donate, planned, message):
+    """The loop writes through a raw pointer: a donated operand (here the broadcast one, of 8 elements for 32) or a
+    planned buffer of another size or dtype is refused once, at bind, whatever the program check let through."""
+    fused, _ = both(lambda x, b: snp.tanh(x * b + 1.0), [sr.TensorSpec((4, 8), F32), sr.TensorSpec((8,), F32)],
+                    sr.Mesh((1,), ("x",)), [(None, None), (None,)])
+    (f,) = fusions(fused)
+    kernel = compiled_fusions(fused)[f.out]
+    with pytest.raises(ValueError, match=message):
+        cpu_kernels.compiled_chain(Fusion(f.copy(donate=donate)), kernel, [F32, F32], planned)
+
 def test_training_step_compiled_matches_unfused(compiled, monkeypatch):
     cfg = sr.LMConfig(layers=1, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=4)
     steps = {}
@@ -285,6 +302,50 @@ def test_a_library_is_compiled_once_and_reused_from_the_cache(compiled):
     compiled_fusions(program)
     assert list(compiled.glob("fusions_*.so")) == [library] and library.stat().st_mtime_ns == made
 
+
+
+def _evil_library(folder, marker):
+    """A shared library whose constructor creates ``marker``: what dlopen would run before any check."""
+    source = folder / "evil.c"
+    source.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void planted(void) {{ '
+                      f'FILE* f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    out = folder / "evil.so"
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", str(out), str(source)], check=True)
+    return out
+
+
+def test_a_replaced_cached_library_is_rebuilt_never_loaded(compiled, tmp_path_factory):
+    """A .so swapped into the cache (its sidecar sha256 no longer matches) is compiled again by the next process:
+    its constructor never runs, and the program's loop is the real one."""
+    cpu_kernels.KernelLibrary._loaded.clear()  # compiled here, into this test's cache
+    compiled_fusions(program_of_one_big_fusion(32))
+    (library,) = list(compiled.glob("fusions_*.so"))
+    elsewhere = tmp_path_factory.mktemp("evil")
+    marker = elsewhere / "constructor_ran"
+    os.replace(_evil_library(elsewhere, marker), library)
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = ("import sys; sys.path[:0] = [%r, %r]; import numpy as np; from test_cpu_kernels import "
+              "program_of_one_big_fusion; from simulated import run_everywhere; x = np.linspace(-2, 2, 32)"
+              ".astype('float32'); y = run_everywhere(program_of_one_big_fusion(32), x)[0][0]; "
+              "np.testing.assert_allclose(y, np.tanh(x * 2 + 1), rtol=1e-6)" % (here, os.path.dirname(here)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not marker.exists()
+    assert cpu_kernels._trusted(library, library.with_suffix(".sha256"))  # rebuilt: the recorded bytes again
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_a_cache_folder_others_can_write_is_not_used(compiled, mode, monkeypatch):
+    """A group- or world-writable cache folder: its libraries could be anyone's; a private folder is used instead,
+    said once."""
+    os.chmod(compiled, mode)
+    monkeypatch.setattr(cpu_kernels, "_warned", set())
+    program = program_of_one_big_fusion(32)
+    cpu_kernels.KernelLibrary._loaded.clear()
+    with pytest.warns(RuntimeWarning, match=r"must be owned by this user and writable by no one else; got mode"):
+        kernels = compiled_fusions(program)
+    assert kernels and not list(compiled.glob("fusions_*.so"))
+    os.chmod(compiled, 0o700)
 
 # ------------------------------------------------------------------------- fused reductions
 REDUCTIONS = [  # (name, fn, terms summed per result: (count, their magnitudes)); operands (4, 6, 40), (1, 1, 40)

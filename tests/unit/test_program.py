@@ -82,3 +82,27 @@ def test_other_version_is_rejected(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="version 1; got 'spmd_runtime.program' version 99"):
         sr.load_program(path)
+
+
+def test_complex_inputs_and_constants_save_load_and_run(tmp_path):
+    """Complex arrays (.npy in base64) and complex literals ({"complex": [re, im]}) round-trip exactly and run."""
+    from spmd_runtime.comm import run_simulated
+    x = (np.arange(8) + 1j * np.arange(8)).astype(np.complex128)
+    table = np.array([1j, 2, 3, 4, 5, 6, 7, 8j])
+    graph = sr.trace(lambda a: a * np.complex128(2 + 1j) + snp.asarray(table), x)
+    program = sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x",)])
+    program.save(tmp_path / "p.json")
+    fusion = next(i for i in json.loads((tmp_path / "p.json").read_text())["instrs"] if i["op"] == "fusion")
+    assert fusion["attrs"]["consts"] == [[{"complex": [2.0, 1.0]}, "complex128"]]
+    loaded = sr.load_program(tmp_path / "p.json")
+    assert loaded.hash == program.hash
+    for outs in run_simulated(2, lambda comm: sr.run(loaded, x, comm=comm)):
+        np.testing.assert_array_equal(outs[0], x * (2 + 1j) + table)
+
+
+def test_an_attribute_json_has_no_form_for_is_refused_naming_it(tmp_path):
+    program = mlp_program()
+    program.instrs[-1].attrs["extra"] = object()
+    program.__dict__.pop("_hash", None)
+    with pytest.raises(TypeError, match=r"not supported: object <object object at"):
+        program.save(tmp_path / "p.json")

@@ -3,6 +3,7 @@ makes loads back, and each class of tampering (hash recomputed) is refused namin
 import hashlib
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -110,6 +111,113 @@ def test_tampered_program_with_recomputed_hash_is_refused(tmp_path, name):
     assert message in str(info.value)
 
 
+def _saved_fusion(tmp_path):
+    """A donated x times a broadcast b, fused: ``fusion(%0!, %1)`` with shapes ((4, 4), (1, 4))."""
+    graph = sr.trace(lambda x, b: snp.tanh(x * b + 1.0) * 2.0, sr.TensorSpec((8, 4), "float32"),
+                     sr.TensorSpec((4,), "float32"))
+    program = sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None), None], donate=(0,))
+    program.save(tmp_path / "p.json")
+    return json.loads((tmp_path / "p.json").read_text())
+
+
+def _saved_overlapped(tmp_path):
+    """An all_reduce_start (%3) with independent work (exp of %1) before its done."""
+    graph = sr.trace(lambda a, w: a.sum() + snp.exp(w).sum(), sr.TensorSpec((8,), "float64"),
+                     sr.TensorSpec((4,), "float64"))
+    sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x",), None], fuse=False).save(tmp_path / "p.json")
+    return json.loads((tmp_path / "p.json").read_text())
+
+
+def _set(**changes):
+    return lambda ins: ins.update(changes)
+
+
+def _attr(**changes):
+    return lambda ins: ins["attrs"].update(changes)
+
+
+# Issue 30: edits that passed the check and then failed in NumPy, or wrote past a buffer (the donated broadcast
+# operand: the compiled loop wrote 16 floats into 4). (program, op edited, edit, the rule the message names)
+RESULT_RULES = {
+    "donated broadcast operand": (_saved_fusion, "fusion", _set(donate=1),
+                                  "a donated operand's buffer receives the result, so it must be of the result's "
+                                  "shape and dtype float32[4, 4]"),
+    "donation of another dtype": (_saved, "exp", _set(dtype="float32"), "the dtype must be what the exp rule gives"),
+    "parameter index out of range": (_saved, "parameter", _attr(index=5),
+                                     "attribute 'index' must be an input position in [0, 2); got 5"),
+    "unknown einsum letter": (_saved, "einsum", _attr(spec="XY,YZ->XW"),
+                              "output letters must be distinct operand letters; got 'XW'"),
+    "einsum letters for another rank": (_saved, "einsum", _attr(spec="XYQ,YZ->XZ"),
+                                        "must name each dim of operand 0 (4, 6) once; got 'XYQ'"),
+    "einsum letter of two extents": (_saved, "einsum", _attr(spec="XY,XZ->YZ"),
+                                     "letter 'X' must have one extent; got 4 and 6"),
+    "edited instruction shape": (_saved, "exp", _set(shape=[4, 5]), "the local shape must be what the exp rule "
+                                 "gives for operand shape(s) [(4, 4)], (4, 4); got (4, 5)"),
+    "edited receive shape": (_saved, "all_reduce", _set(shape=[8]), "the local shape must be what the all_reduce "
+                             "rule gives for operand shape(s) [(4,)], (4,); got (8,)"),
+    "reduced axis out of range": (_saved, "reduce", _attr(axes=[2]), "attribute 'axes' must be distinct dims in "
+                                  "[0, 2); got (2,)"),
+    "fusion shapes not the operand's": (_saved_fusion, "fusion",
+                                        lambda ins: ins["attrs"]["shapes"].__setitem__(1, [1, 5]),
+                                        "attribute 'shapes'[1] must view operand 1 (4,)"),
+    "fusion ref past its operands": (_saved_fusion, "fusion",
+                                     _attr(code="t0=mul(p0,p5); t1=add(t0,c0); t2=tanh(t1); t3=mul(t2,c1)"),
+                                     "refs must name operands p0..p1 and literals c0..c1; got ['p5']"),
+    "operand freed earlier": (_saved, "reduce", _set(args=[2]),
+                              "operands must not have been freed by an earlier instruction; got slot(s) [2]"),
+    "a start's handle read by another op": (_saved_overlapped, "exp", lambda ins: ins.update(args=[3]),
+                                            "a collective start's value is taken only by its done"),
+    "fusion result dtype": (_saved_fusion, "fusion", _set(dtype="float64"), "the dtype must be what the fusion "
+                            "rule gives"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESULT_RULES))
+def test_a_result_of_another_shape_or_dtype_than_its_ops_rule_is_refused(tmp_path, name):
+    """Each instruction's shape and dtype are derived from its operands by its op's rule, and a donation must be
+    of the result's buffer: every class of edit is refused, naming the instruction and the rule."""
+    saved, op, edit, message = RESULT_RULES[name]
+    doc = saved(tmp_path)
+    edit(_first(doc, op))
+    _write_with_hash(tmp_path, doc)
+    with pytest.raises(ProgramError, match=rf"^instruction %\d+ = {op}: ") as info:
+        sr.load_program(tmp_path / "p.json")
+    assert message in str(info.value)
+
+
+def test_an_exchange_receives_its_sharding_of_its_global_shape(tmp_path):
+    """all_to_allv makes a buffer of the shape it is given: that shape must be its sharding's block of its global
+    shape (a receive shape edited alone is refused)."""
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    program = sr.partition(sr.trace(lambda a: a * 1.0, x), sr.Mesh((2, 4), ("x", "y")),
+                           in_specs=[sr.Sharding((("x",), ()), ("y",))], out_specs=[sr.Sharding((("y",), ()))])
+    program.save(tmp_path / "p.json")
+    doc = json.loads((tmp_path / "p.json").read_text())
+    _first(doc, "all_to_allv").update(shape=[16, 32])
+    _write_with_hash(tmp_path, doc)
+    with pytest.raises(ProgramError, match=r"^instruction %\d+ = all_to_allv: the local shape must be what the "
+                                           r"all_to_allv rule gives .*, \(16, 64\); got \(16, 32\)"):
+        sr.load_program(tmp_path / "p.json")
+
+def test_the_fusion_file_unedited_loads_and_runs(tmp_path):
+    """The base of the fusion edits is valid as saved (no false alarm)."""
+    _saved_fusion(tmp_path)
+    program = sr.load_program(tmp_path / "p.json")
+    x, b = np.ones((8, 4), np.float32), np.arange(4, dtype=np.float32)
+    for outs in run_simulated(2, lambda comm: sr.run(program, x.copy(), b, comm=comm)):
+        np.testing.assert_allclose(outs[0], np.tanh(x * b + 1) * 2, rtol=1e-6)
+
+
+def test_a_few_hundred_mutated_program_files_never_crash_the_runtime():
+    """scripts/fuzz_program_files.py on the quick bases: every mutant is refused, runs, or fails with a Python
+    exception; none kills its (sub)process."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "scripts"))
+    from fuzz_program_files import fuzz
+    counts, crashed = fuzz(400, seed=1, quick=True, hang_s=60)
+    assert not crashed and counts["crashed"] == 0, (counts, crashed)
+    assert counts["refused"] > 100 and counts["ran correctly"] > 20, counts
+
 def test_a_broadcast_from_a_program_file_is_checked_by_its_kind_and_runs(tmp_path):
     """broadcast, added through the kinds table alone (collective_kinds.py and its binder in comm/collectives.py),
     is checked with its kind's attributes and runs: the all-reduce of the partial sums turned into a broadcast of
@@ -172,3 +280,21 @@ def test_a_numpy_array_function_on_a_traced_tensor_names_the_snp_function(fn, na
                                         rf"known while tracing; use snp.{name} "):
         sr.trace(arg, sr.TensorSpec((4,), "float32"))
     assert sr.trace(lambda a: a * np.ndim(a) + np.size(a) + np.shape(a)[0], sr.TensorSpec((4,), "float32"))
+
+
+def test_a_collective_checks_per_call_an_operand_whose_shape_the_check_does_not_derive(tmp_path, capsys):
+    """take_block has no shape rule in the check: a file may state another shape for it, and the all_reduce it
+    feeds (sized by that shape) then refuses the operand before MPI sees it."""
+    graph = sr.trace(lambda t, i: snp.take(t, i, axis=0), sr.TensorSpec((8, 4), "float64"),
+                     sr.TensorSpec((3,), "int64"))
+    sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[("x", None), None]).save(tmp_path / "p.json")
+    doc = json.loads((tmp_path / "p.json").read_text())
+    _first(doc, "take_block").update(shape=[2, 4])
+    _first(doc, "all_reduce").update(shape=[2, 4])
+    _write_with_hash(tmp_path, doc)
+    program = sr.load_program(tmp_path / "p.json")
+    table, index = np.arange(32.0).reshape(8, 4), np.array([0, 5, 7])
+    with pytest.raises(Exception, match="MPI_Abort"):  # a rank's error during a run ends the job, naming it
+        run_simulated(2, lambda comm: sr.run(program, table, index, comm=comm))
+    assert re.search(r"instruction %\d+ = all_reduce: its operand %\d+ \(take_block\) must be float64\[2, 4\] as "
+                     r"the program says; got float64\[3, 4\]", capsys.readouterr().err)

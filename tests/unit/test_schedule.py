@@ -150,7 +150,7 @@ def test_pairs_survive_save_and_load_and_program_check_rejects_broken_ones(tmp_p
     assert q.hash == p.hash and str(q) == str(p)
     start = next(i for i in q.instrs if i.op == "all_reduce_start")
     done = pairs(q)[start.out]
-    done.args = (start.out, start.out - 2)  # waits for the start but names another operand
+    done.args = (start.out, start.out + 2)  # waits for the start but names another (live) operand
     with pytest.raises(ProgramError, match=r"a done takes \(its own start, the start's operand\)"):
         check_program(q)
     done.args, done.op = (start.out, start.args[0]), "all_gather_done"

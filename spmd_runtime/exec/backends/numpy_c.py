@@ -397,18 +397,56 @@ def _machine() -> str:
         return platform.machine() + platform.processor()
 
 
+# The cache holds code this process will run, so it is trusted only as far as the folder is: it must be the
+# user's own and writable by no one else (else a private temporary folder is used, said once), and a library is
+# loaded only if its bytes' sha256 is the one recorded beside it (``<key>.sha256``) when this user compiled it
+# from the source and flags its name (``key``) hashes; anything else (a replaced, truncated or half-copied
+# ``.so``) is compiled again, never loaded: dlopen runs a library's constructors before any symbol is looked
+# at. The check costs one read and hash of the library (~1 ms) per program bound, not per step.
+_private_dir: list = []
+
+
 def _cache_dir() -> Path:
     folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "spmd_runtime" / "kernels")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    unsafe = _unsafe(folder)
+    if unsafe is None:
+        return folder
+    if not _private_dir:
+        _private_dir.append(Path(tempfile.mkdtemp(prefix="spmd_kernels_")))  # mode 0700, ours
+    _warn_once(f"spmd_runtime: the kernel cache folder {folder} must be owned by this user and writable by no "
+               f"one else; got {unsafe}: compiled loops are cached in {_private_dir[0]} for this process instead")
+    return _private_dir[0]
+
+
+def _unsafe(folder: Path) -> str | None:
+    """Why ``folder`` may not hold code this process loads (another owner, group or world write), or None."""
+    info = folder.stat()
+    if info.st_uid != os.getuid():
+        return f"owner uid {info.st_uid} (this user is {os.getuid()})"
+    if info.st_mode & 0o022:
+        return f"mode {oct(info.st_mode & 0o777)} (group or world writable)"
+    return None
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trusted(target: Path, sidecar: Path) -> bool:
+    """Whether ``target`` is the library this user compiled: its bytes hash to what ``sidecar`` records."""
+    try:
+        return target.is_file() and sidecar.read_text().strip() == _digest(target)
+    except OSError:
+        return False
 
 
 def _compiled(source: str, compiler: str, key: str) -> Path:
     folder = _cache_dir()
-    target = folder / f"fusions_{key}.so"
+    target, sidecar = folder / f"fusions_{key}.so", folder / f"fusions_{key}.sha256"
     with open(folder / f"fusions_{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the OS if this process dies
-        if not target.exists():
+        if not _trusted(target, sidecar):
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
                 c_file, so_file = Path(tmp) / "fusions.c", Path(tmp) / "fusions.so"
                 c_file.write_text(source)
@@ -418,7 +456,13 @@ def _compiled(source: str, compiler: str, key: str) -> Path:
                 if done.returncode != 0:
                     raise CompileError(f"compiling fused kernels with {compiler!r} must succeed; got exit "
                                        f"{done.returncode}: {done.stderr.strip()[-800:]}")
+                digest = Path(tmp) / "fusions.sha256"
+                digest.write_text(_digest(so_file))
                 os.replace(so_file, target)  # atomic: no other process sees a half-written library
+                os.replace(digest, sidecar)
+        if not _trusted(target, sidecar):  # what was just written: anything else is not loaded
+            raise CompileError(f"a kernel library must match the sha256 recorded when it was compiled; got "
+                               f"another for {target}")
     return target
 
 
@@ -616,10 +660,18 @@ def operand_check(fusion: Fusion, dtypes):
 def compiled_chain(fusion: Fusion, kernel, dtypes, planned, shape=None):
     """The compiled loop over C-contiguous operands (a strided one is copied first) into the donated
     operand, the planned buffer or a fresh one (of ``shape``: a reduction's, else the chain's); an operand of
-    another size or dtype than the program says is refused (the loop's bounds and types are compiled in)."""
+    another size or dtype than the program says is refused (the loop's bounds and types are compiled in), and
+    so is, once here, a result buffer the loop would overrun (``result_fits``)."""
     kernel.argtypes, kernel.restype = [ctypes.c_void_p] * (len(fusion.shapes) + 1), None
     check = operand_check(fusion, dtypes)
     shape, dtype, donate = fusion.shape if shape is None else shape, fusion.dtype, fusion.donate
+    writes = (int(np.prod(shape)), np.dtype(fusion.dtypes[-1]))
+    if donate >= 0:
+        result_fits(writes, (int(np.prod(fusion.shapes[donate])), np.dtype(dtypes[donate])), f"donated operand {donate}")
+    elif planned is not None:
+        result_fits(writes, _buffer_of(planned), "planned buffer")
+    else:
+        result_fits(writes, (int(np.prod(shape)), dtype), "result")
 
     def run(*args):
         arrays = check(args)
@@ -629,6 +681,21 @@ def compiled_chain(fusion: Fusion, kernel, dtypes, planned, shape=None):
     return run
 
 
+def result_fits(writes, buffer, what: str) -> None:
+    """A compiled loop writes ``writes`` = (elements, dtype) through a raw pointer: the buffer it is given, of
+    (elements, dtype) ``buffer``, must be exactly that (checked once, at bind; the program check makes it so for
+    every program file, this is the loop's own guard)."""
+    if writes[0] != buffer[0] or writes[1] != buffer[1]:
+        raise ValueError(f"a compiled loop's {what} must hold what it writes, {writes[1]}[{writes[0]} elements]; "
+                         f"got {buffer[1]}[{buffer[0]} elements]")
+
+
+def _buffer_of(array) -> tuple:
+    if type(array) is not np.ndarray or not array.flags.c_contiguous:
+        raise ValueError(f"a compiled loop writes C-contiguous NumPy buffers; got {type(array).__name__}")
+    return array.size, array.dtype
+
+
 def _group_loop(interp, group):
     """``operands -> member results`` through the group's (exec/groups.Group) compiled C loop (above)."""
     kernel = interp.cpu_kernels["group", group.members[0]]
@@ -636,6 +703,12 @@ def _group_loop(interp, group):
     kernel.restype = None
     check = operand_check(group.fusion, group.dtypes)
     made = [(interp.planned.get(slot), *result_of(interp, slot), k) for slot, k in zip(group.members, group.into)]
+    fusion = group.fusion
+    for slot, (planned, shape, dtype, k), step in zip(group.members, made, group.results):
+        writes = (int(np.prod(fusion.shape)), np.dtype(fusion.dtypes[step]))
+        buffer = ((int(np.prod(fusion.shapes[k])), np.dtype(group.dtypes[k])) if k >= 0 else
+                  _buffer_of(planned) if planned is not None else (int(np.prod(shape)), np.dtype(dtype)))
+        result_fits(writes, buffer, f"result buffer for group member %{slot}")
 
     def compute(args):
         arrays = check(args)

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
+
 from ...comm import collectives
 from ...collective_kinds import BY_START
+from ...program_check import derives
 from ...ops.spmd import (ALL_TO_ALLV, COLLECTIVES, DONES, MASK_PADDING, ROTATED_CONCAT, SHARD_INDEX, SHARD_SLICE,
                          STARTS)
 from ...partition.resharding import exchange_table
@@ -21,9 +24,28 @@ def _bind_collective(interp, ins):
     on device arrays, its result is a fresh buffer: the output analysis counted it as the operand's). An operand
     with a planned buffer gets a persistent request on it (comm/collectives.py)."""
     operand = interp.program.instrs[ins.args[0]]
-    return collectives.bind(interp.mc, ins.op, interp.xp, operand.shape, operand.dtype, **ins.attrs,
-                            reuse=ins.out not in interp.keep_fresh and ins.donate != 0, in_place=ins.donate == 0,
-                            operand=interp.planned.get(operand.out))
+    run = collectives.bind(interp.mc, ins.op, interp.xp, operand.shape, operand.dtype, **ins.attrs,
+                           reuse=ins.out not in interp.keep_fresh and ins.donate != 0, in_place=ins.donate == 0,
+                           operand=interp.planned.get(operand.out))
+    return _operand_checked(run, ins, operand)
+
+
+def _operand_checked(run, ins, operand):
+    """``run`` itself where the program check derived the operand's shape and dtype (``program_check.derives``):
+    the operand then is what MPI's buffers were sized for. Otherwise (an op whose shape the file states) each call
+    first compares the operand's shape and dtype with the bound ones (a tuple compare: ~0.2 us), so a file can
+    never hand MPI a buffer of another size than its receive buffers."""
+    if derives(operand.op):
+        return run
+    shape, dtype = tuple(operand.shape), np.dtype(operand.dtype)
+
+    def checked(x):
+        if x.shape != shape or x.dtype != dtype:
+            raise ValueError(f"instruction %{ins.out} = {ins.op}: its operand %{operand.out} ({operand.op}) must be "
+                             f"{dtype}{list(shape)} as the program says; got {x.dtype}{list(x.shape)}")
+        return run(x)
+    checked.persistent_requests = getattr(run, "persistent_requests", ())
+    return checked
 
 
 @bind(ALL_TO_ALLV)
@@ -51,6 +73,7 @@ def _bind_start(interp, ins):
                              **ins.attrs, reuse=done.out not in interp.keep_fresh and done.donate != 1,
                              in_place=done.donate == 1, nonblocking=True,
                              operand=interp.planned.get(operand.out))
+    start = _operand_checked(start, ins, operand)
     in_flight = interp.in_flight
 
     def run(x):
