@@ -164,21 +164,14 @@ def _cases() -> list[Case]:
             sr.run(p, X)""", ["[0] spmd_runtime: rank 0 waits at the ranks' agreement on 'preparing the run'",
                                "which rank(s) [1] will never join: they exited",
                                "[0]   rank 1: exited: its script ended"]),
-        Case("a rank makes one sr.run call fewer, 4 ranks", """
+        *(Case(f"a rank makes one sr.run call fewer{how}, 4 ranks", """
             p = program()
             sr.run(p, X)
             if RANK == 2:
                 fault("rank 2's script returns after one run")
             else:
-                sr.run(p, X)""", ["which rank(s) [2] will never join: they exited"], n=4),
-        Case("a rank makes one sr.run call fewer, the guard installed by the first run, 4 ranks", """
-            p = program()
-            sr.run(p, X)
-            if RANK == 2:
-                fault("rank 2's script returns after one run")
-            else:
-                sr.run(p, X)""", ["which rank(s) [2] will never join: they exited"], n=4,
-             env={"FAULT_GUARD": "lazy"}),
+                sr.run(p, X)""", ["which rank(s) [2] will never join: they exited"], n=4, env=env)
+          for how, env in (("", {}), (", the guard installed by the first run", {"FAULT_GUARD": "lazy"}))),
         Case("early exit while rank 0 builds the training step, 3 ranks", """
             cfg = sr.LMConfig(layers=1, d=8, heads=2, ffn=16, vocab=16, seq=4, batch=3)
             if RANK == 1:
