@@ -29,10 +29,12 @@ import io
 import json
 import os
 import re
+import selectors
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -235,7 +237,6 @@ def _said(error: Exception) -> str:
 
 def worker(start: int, stop: int, seed: int, quick: bool) -> None:
     """Classify mutants [start, stop), printing ``<number> <outcome>`` after each (flushed)."""
-    import warnings
     warnings.simplefilter("ignore")
     bases = base_programs(quick)
     folder = tempfile.mkdtemp(prefix="fuzz_program_files_")
@@ -257,8 +258,13 @@ def fuzz(count: int, seed: int = 0, quick: bool = False, hang_s: float = 120.0, 
          log=None, verbose=()) -> tuple[Counter, list]:
     """(outcome counts, crashed mutant numbers) of mutants [0, count), each worker a share of them; ``log`` gets a
     line per crash, and per mutant of an outcome in ``verbose`` (what it raised)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               SPMD_CPU_KERNEL_MIN="0", SPMD_CPU_KERNELS="1", SPMD_TIMEOUT="20", OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory(prefix="fuzz_program_files_") as scratch:  # the workers' files, all removed
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TMPDIR=scratch,
+                   SPMD_CPU_KERNEL_MIN="0", SPMD_CPU_KERNELS="1", SPMD_TIMEOUT="20", OMP_NUM_THREADS="1")
+        return _fuzz(count, seed, quick, hang_s, workers, log, verbose, env)
+
+
+def _fuzz(count, seed, quick, hang_s, workers, log, verbose, env) -> tuple[Counter, list]:
     shares = np.array_split(np.arange(count), max(1, workers))
     counts, crashed = Counter(), []
     running = [_Worker(int(s[0]), int(s[-1]) + 1, seed, quick, env) for s in shares if len(s)]
@@ -305,7 +311,6 @@ class _Worker:
         """The worker's next line, or None when it died or printed nothing for ``hang_s`` (startup: 10x)."""
         if self.proc is None:
             return "ready"
-        import selectors
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             if not sel.select(hang_s * (1 if self.ready else 10)):
@@ -343,7 +348,6 @@ def main(argv=None) -> int:
         worker(*args.worker, args.seed, args.quick)
         return 0
     if args.show is not None:
-        import warnings
         warnings.simplefilter("ignore")
         bases = base_programs(args.quick)
         folder = tempfile.mkdtemp()
