@@ -412,11 +412,12 @@ def _cache_dir() -> Path:
     unsafe = _unsafe(folder)
     if unsafe is None:
         return folder
-    if not _private_dir:
-        _private_dir.append(Path(tempfile.mkdtemp(prefix="spmd_kernels_")))  # mode 0700, ours
+    if not _private_dir:  # mode 0700, ours; removed when the process ends
+        _private_dir.append(tempfile.TemporaryDirectory(prefix="spmd_kernels_"))
+    private = Path(_private_dir[0].name)
     _warn_once(f"spmd_runtime: the kernel cache folder {folder} must be owned by this user and writable by no "
-               f"one else; got {unsafe}: compiled loops are cached in {_private_dir[0]} for this process instead")
-    return _private_dir[0]
+               f"one else; got {unsafe}: compiled loops are cached in {private} for this process instead")
+    return private
 
 
 def _unsafe(folder: Path) -> str | None:
