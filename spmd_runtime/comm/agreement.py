@@ -13,6 +13,7 @@ what such a value may hold.
 """
 from __future__ import annotations
 
+import time
 import zlib
 
 import numpy as np
@@ -56,6 +57,19 @@ def capture(fn, *args, catch=Exception, describe=_typed) -> tuple:
         return None, describe(e)
 
 
+def sleep_until_every_rank_arrives(comm, limit: float | None = None) -> bool:
+    """Collective: wait SLEEPING (an MPI wait spins, and with more ranks than cores the spinners take the cores
+    the late ranks need) until every rank of ``comm`` calls this too; False if ``limit`` seconds pass first."""
+    request, pause = comm.Ibarrier(), 1e-4
+    deadline = None if limit is None else time.monotonic() + limit
+    while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.002)
+    return True
+
+
 def _subject(frame) -> str:
     """What a blocked agreement is about, for the watchdog: the quoted action, or a caller's rule's subject."""
     what = frame.f_locals.get("what")
@@ -74,10 +88,7 @@ def agree(comm, error: str | None, what: str, payload=None, error_type=AgreedErr
     sentence before "; got errors" and names each failing rank with its message ("rank 1: ...; rank 3: ...").
     """
     gathered = comm.allgather((None if error is None else str(error), payload))
-    by_message: dict[str, list[int]] = {}
-    for rank, (message, _) in enumerate(gathered):
-        if message is not None:
-            by_message.setdefault(message, []).append(rank)
+    by_message = ranks_by_value({rank: message for rank, (message, _) in enumerate(gathered) if message is not None})
     if by_message:
         failed = sorted(r for ranks in by_message.values() for r in ranks)
         message = (f"{rule or what + ' must succeed on every rank'}; got errors on rank(s) {failed}: "
@@ -175,4 +186,4 @@ def plain_data_error(x, name: str, what: str) -> str | None:
 
 
 __all__ = ["AgreedError", "DIGEST", "DifferentValuesError", "agree", "capture", "check_same", "digest", "digests",
-           "plain_data_error", "ranks_by_value"]
+           "plain_data_error", "ranks_by_value", "sleep_until_every_rank_arrives"]

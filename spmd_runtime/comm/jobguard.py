@@ -37,7 +37,7 @@ import time
 import traceback
 
 from spmd_runtime.comm import deathwatch, watchdog
-from spmd_runtime.comm.agreement import AgreedError
+from spmd_runtime.comm.agreement import AgreedError, sleep_until_every_rank_arrives
 
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE",
                    "SLURM_NTASKS", "PALS_SIZE", "I_MPI_SIZE")
@@ -105,16 +105,12 @@ def _every_rank_arrives(comm) -> None:
     """Wait, within ``SPMD_TIMEOUT``, until every rank is installing too: installing is collective, and a rank
     that failed or exited before its first use of the runtime (unguarded then) would never join; the others end
     the job saying so instead of waiting forever."""
-    request, limit, pause = comm.Ibarrier(), watchdog.timeout_seconds(), 1e-4
-    deadline = None if limit is None else time.monotonic() + limit
-    while not request.Test():
-        if deadline is not None and time.monotonic() > deadline:
-            abort_job(f"spmd_runtime: rank {_state['rank']}: not every rank reached the runtime's first use of MPI "
-                      f"within SPMD_TIMEOUT={limit:g} s (the job guard installs there, on every rank together); a "
-                      f"rank that failed or exited before it was not guarded: call sr.distributed.initialize() "
-                      f"first thing in the script to guard it from the start", comm)
-        time.sleep(pause)
-        pause = min(2 * pause, 0.01)
+    limit = watchdog.timeout_seconds()
+    if not sleep_until_every_rank_arrives(comm, limit):
+        abort_job(f"spmd_runtime: rank {_state['rank']}: not every rank reached the runtime's first use of MPI "
+                  f"within SPMD_TIMEOUT={limit:g} s (the job guard installs there, on every rank together); a "
+                  f"rank that failed or exited before it was not guarded: call sr.distributed.initialize() "
+                  f"first thing in the script to guard it from the start", comm)
 
 
 def abort_job(message: str, comm=None, code: int = 1) -> None:

@@ -41,10 +41,15 @@ class Group:
     into: tuple = ()  # per member: the position in ins.args of the dying operand it writes into, or -1
 
 
+def groups_enabled() -> bool:
+    """Whether sibling fusions are bound as one loop (``$SPMD_CPU_GROUPS``: anything but 0; default on)."""
+    return os.environ.get(GROUPS_ENV, "1") != "0"
+
+
 def sibling_groups(program) -> dict[int, Group]:
     """Lead slot -> Group for each fusion with fusion operands of its shape whose outside operands all exist
     before the first of them; a fusion joins one group at most."""
-    if os.environ.get(GROUPS_ENV, "1") == "0":
+    if not groups_enabled():
         return {}
     instrs = program.instrs
     at = {ins.out: k for k, ins in enumerate(instrs)}

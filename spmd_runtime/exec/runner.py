@@ -396,11 +396,6 @@ def _line(lines: list, k: int) -> str:
 CHECK_ENV = "SPMD_CHECK_INPUTS"
 
 
-def _flag(name: str, default: str = "1"):
-    """An on/off setting as its module reads it (exec/groups.py, partition/fusion.py): anything but "0" is on."""
-    return lambda: os.environ.get(name, default) != "0"
-
-
 def _cost_profile() -> str:
     """The cost model partition() uses when given none: its name and a crc32 of its fits (the profile's path may
     differ between ranks while its contents are the same)."""
@@ -423,9 +418,9 @@ AGREED_SETTINGS = {
     PLAN_ENV: (planning_enabled, "planned buffers decide which collectives are persistent"),
     cpu_kernels.KERNELS_ENV: (cpu_kernels.enabled, "C loops add in another order than NumPy"),
     cpu_kernels.MIN_ENV: (cpu_kernels.min_elements, "which fusions run as C loops"),
-    groups.GROUPS_ENV: (_flag(groups.GROUPS_ENV), "grouped C loops"),
+    groups.GROUPS_ENV: (groups.groups_enabled, "grouped C loops"),
     fusion.FUSE_ENV: (lambda: fusion.fusion_enabled(None), "the program's fusions"),
-    fusion.DUPLICATE_ENV: (_flag(fusion.DUPLICATE_ENV), "the program's fusions"),
+    fusion.DUPLICATE_ENV: (fusion.duplicate_enabled, "the program's fusions"),
     schedule.ASYNC_ENV: (lambda: schedule.overlap_enabled(None), "the program's split collectives"),
     schedule.BUDGET_ENV: (lambda: schedule.overlap_budget(None), "the program's split collectives"),
     scan_prefetch.PREFETCH_ENV: (scan_prefetch.prefetch_enabled, "the program's loop prefetches"),

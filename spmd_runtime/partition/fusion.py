@@ -89,12 +89,18 @@ def fusion_enabled(fuse: bool | None) -> bool:
 STEP = re.compile(r"t(\d+)=(\w+)\(([^)]*)\)")
 
 
+def duplicate_enabled() -> bool:
+    """Whether cheap producers of several chains are recomputed in each (``$SPMD_FUSE_DUPLICATE``: anything but 0;
+    default on)."""
+    return os.environ.get(DUPLICATE_ENV, "1") != "0"
+
+
 def fuse_elementwise(program: SPMDProgram):
     """``(instrs, inputs, outputs)`` of ``program`` with elementwise chains fused, slots renumbered; frees and
     donations left for the partitioner to recompute. None when nothing fuses."""
     instrs = program.instrs
     walk = _Walk(instrs, [pointwise(i, instrs) for i in instrs], {o.slot for o in program.outputs},
-                 os.environ.get(DUPLICATE_ENV, "1") != "0")
+                 duplicate_enabled())
     fused: dict[int, Instr] = {}
     for ins in reversed(instrs):
         if walk.ops[ins.out] and ins.out not in walk.taken:

@@ -4,7 +4,6 @@ ranks sleep (``build_train_step_on_root``, ``run_on_root``)."""
 from __future__ import annotations
 
 import math
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -13,7 +12,7 @@ import numpy as np
 from .. import pytree
 from ..checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from ..comm import watchdog
-from ..comm.agreement import agree, capture, digests
+from ..comm.agreement import agree, capture, digests, sleep_until_every_rank_arrives
 from ..comm.communicator import world
 from ..exec.backend import to_host
 from ..exec.runner import Promised, Runtime, communicator, run_local_checked, shard, unshard
@@ -80,9 +79,7 @@ def run_on_root(comm, fn, what: str = "the work done on rank 0"):
 
 @watchdog.collective(lambda frame: f"the ranks' barrier after {frame.f_locals.get('what')}")
 def _sleep_until_every_rank_arrives(comm, what: str) -> None:
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.002)
+    sleep_until_every_rank_arrives(comm)
 
 
 
