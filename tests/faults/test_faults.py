@@ -154,8 +154,10 @@ def _cases() -> list[Case]:
             if RANK == 1:
                 fault("os._exit(3) before the run")
                 os._exit(3)
-            sr.run(p, X)""", ["spmd_runtime (watcher of the ranks on ",
-                              "exited with status 3 without leaving through Python"], victim=1),
+            sr.run(p, X)""", ["spmd_runtime (watcher of the ranks on ", "it ended before the job's exit barrier"],
+             victim=1),
+        # the watcher says "exited with status 3 without leaving through Python" when it reads the status before the
+        # launcher reaps the rank, else "killed (...), crashed, or called os._exit"; either way it names rank 1 alone
         Case("early exit of a rank (sys.exit(0)), default SPMD_TIMEOUT", """
             p = program()
             if RANK == 1:
