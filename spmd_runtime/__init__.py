@@ -26,6 +26,7 @@ from .models.lm import LMConfig
 from .optim import SGD, AdamW, DynamicLossScale
 from .darray import DArray, device_put, from_local, scatter_from_root
 from .jit import jit
+from . import eager  # noqa: F401  (binds the DArray operators: eager ops outside jit)
 from .visualize import visualize_sharding
 from . import profile
 from . import distributed

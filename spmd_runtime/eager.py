@@ -1,0 +1,147 @@
+"""Eager DArrays: operators, methods and ``snp`` functions on DArrays outside ``jit`` (JAX's eager mode,
+DTensor's op dispatch).
+
+``x + y``, ``x.sum(axis=0)``, ``snp.exp(x)`` or ``snp.concatenate([x, y])`` with DArray operands run as
+ONE partitioned program per (function, static arguments, shapes, dtypes, shardings, mesh): the first call
+traces and partitions it, later ones reuse it. Each call is a ``jit`` call, so it makes the same agreement
+as ``jit`` (every rank compiled the same program from the same signature; NumPy operands, which every
+rank must hold whole, agree by digest). The result is a DArray laid out as propagation chose (elementwise
+results keep their operands' layout; a sum over a split dim may be a partial sum, which ``gather()``
+completes).
+
+What is dynamic: DArray and array leaves of the arguments (pytrees: lists, tuples, dicts). Everything else
+(Python numbers, axes, shapes, slices, dtypes) is static: part of the cache key, passed to the function as
+it is, so a Python scalar keeps JAX's weak type (``x * 2.0`` stays float32).
+"""
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+
+import numpy as np
+
+from . import pytree
+from .darray import DArray
+from .jit import jit
+from .trace import Tensor
+
+CACHE_SIZE = 512  # compiled eager functions kept (least recently used dropped): bounded memory
+_compiled: OrderedDict = OrderedDict()
+
+# Dunders of Python's operator protocol (``operator.__add__`` ...; reflected ``__radd__`` ...): a DArray has
+# those the traced Tensor has, each run eagerly; a Tensor's public methods and properties likewise.
+OPERATOR_DUNDERS = frozenset(n for n in dir(operator) if n.startswith("__") and n.endswith("__") and
+                             callable(getattr(operator, n))) | {"__divmod__", "__invert__"}
+# Tensor attributes that are not array operations: a DArray has its own (or none).
+NOT_MIRRORED = frozenset({"node", "shape", "dtype", "ndim", "size"})
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (DArray, np.ndarray, np.generic)) or hasattr(x, "__array_namespace__")
+
+
+def _static_key(x):
+    """A hashable stand-in for a static leaf: its type and repr (slices and lists are unhashable in 3.11;
+    ``1`` and ``1.0`` and ``True`` must not share a program: their weak types differ)."""
+    return type(x).__qualname__, repr(x)
+
+
+def apply(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on the ranks' blocks, as one cached partitioned program; DArray results."""
+    leaves, tree = pytree.flatten((args, kwargs))
+    dynamic = [k for k, x in enumerate(leaves) if _is_array(x)]
+    darrays = [leaves[k] for k in dynamic if isinstance(leaves[k], DArray)]
+    if not darrays:
+        raise TypeError(f"eager {_name(fn)} runs on DArrays; got none among its arguments (call it under sr.jit, "
+                        f"or put an array on the mesh with sr.device_put)")
+    static = tuple((k, _static_key(x)) for k, x in enumerate(leaves) if k not in set(dynamic))
+    mesh, comm = darrays[0].mesh, darrays[0].comm
+    key = (fn, tree, static, tuple(dynamic), mesh, id(comm))
+    jitted = _compiled.get(key)
+    if jitted is None:
+        jitted = _compiled[key] = jit(_traced(fn, leaves, tree, dynamic), mesh=mesh, comm=comm)
+        jitted.__name__ = _name(fn)
+        while len(_compiled) > CACHE_SIZE:
+            _compiled.popitem(last=False)
+    else:
+        _compiled.move_to_end(key)
+    return jitted(*(leaves[k] for k in dynamic))
+
+
+def _traced(fn, leaves, tree, dynamic):
+    """The function of the dynamic leaves alone: static leaves are put back where they were."""
+    static = {k: x for k, x in enumerate(leaves) if k not in set(dynamic)}
+
+    def traced(*arrays):
+        full = dict(static)
+        full.update(zip(dynamic, arrays))
+        args, kwargs = tree.unflatten(full[k] for k in range(len(leaves)))
+        return fn(*args, **kwargs)
+    return traced
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def spmd_function(fn, args, kwargs):
+    """The ``__spmd_function__`` protocol: ``spmd_runtime.numpy`` hands a call with a DArray operand here."""
+    return apply(fn, *args, **kwargs)
+
+
+# One function object per Tensor method, so that its programs share a cache entry across calls.
+def _method(name: str):
+    def call(x, *args, **kwargs):
+        return getattr(x, name)(*args, **kwargs)
+    call.__qualname__ = f"DArray.{name}"
+    return call
+
+
+def _property(name: str):
+    def get(x):
+        return getattr(x, name)
+    get.__qualname__ = f"DArray.{name}"
+    return property(lambda self: apply(get, self))
+
+
+def _dunder(name: str):
+    method = _method(name)
+    return lambda self, *args, **kwargs: apply(method, self, *args, **kwargs)
+
+
+def _scalar(convert):
+    def to_scalar(self):
+        if self.ndim != 0:
+            raise TypeError(f"only a 0-d DArray converts to a Python {convert.__name__}; got shape "
+                            f"{list(self.shape)} (index it, or reduce it, first)")
+        return convert(np.asarray(self)[()])
+    return to_scalar
+
+
+def _mirrored(name: str) -> bool:
+    """Whether DArray runs Tensor's ``name`` eagerly: an operator (or its reflected form) or a public method or
+    property that DArray does not define itself."""
+    if name.startswith("__"):
+        return name in OPERATOR_DUNDERS or "__" + name[3:] in OPERATOR_DUNDERS  # "__radd__" -> "__add__"
+    return not name.startswith("_") and name not in NOT_MIRRORED and name not in vars(DArray)
+
+
+def bind_darray_operators():
+    """DArray's operators, methods and properties: those of the traced Tensor, each run eagerly (``apply``)."""
+    for name, value in list(vars(Tensor).items()):
+        if not _mirrored(name) or name in ("__call__", "__contains__", "__delitem__", "__setitem__", "__not__"):
+            continue
+        setattr(DArray, name, _property(name) if isinstance(value, property) else _dunder(name))
+    DArray.__hash__ = object.__hash__  # __eq__ is elementwise now; identity hashing, as numpy arrays refuse it
+    DArray.__spmd_function__ = staticmethod(spmd_function)
+    for convert in (float, int, bool, complex):
+        setattr(DArray, f"__{convert.__name__}__", _scalar(convert))
+    DArray.__len__ = lambda self: self.shape[0] if self.shape else _unsized(self)
+    DArray.__iter__ = lambda self: (self[i] for i in range(len(self)))
+
+
+def _unsized(x):
+    raise TypeError(f"len() of a 0-d DArray; got shape {list(x.shape)}")
+
+
+bind_darray_operators()
