@@ -23,6 +23,8 @@ import numpy as np
 from . import pytree
 from .darray import DArray
 from .jit import jit
+from .mesh import get_mesh
+from . import numpy as snp
 from .trace import Tensor
 
 CACHE_SIZE = 512  # compiled eager functions kept (least recently used dropped): bounded memory
@@ -51,11 +53,10 @@ def apply(fn, *args, **kwargs):
     leaves, tree = pytree.flatten((args, kwargs))
     dynamic = [k for k, x in enumerate(leaves) if _is_array(x)]
     darrays = [leaves[k] for k in dynamic if isinstance(leaves[k], DArray)]
-    if not darrays:
-        raise TypeError(f"eager {_name(fn)} runs on DArrays; got none among its arguments (call it under sr.jit, "
-                        f"or put an array on the mesh with sr.device_put)")
     static = tuple((k, _static_key(x)) for k, x in enumerate(leaves) if k not in set(dynamic))
-    mesh, comm = darrays[0].mesh, darrays[0].comm
+    mesh = darrays[0].mesh if darrays else get_mesh(required_by=f"{_name(fn)} outside sr.jit, with no DArray "
+                                                    f"operand (it makes a replicated DArray on the context mesh)")
+    comm = darrays[0].comm if darrays else None
     key = (fn, tree, static, tuple(dynamic), mesh, id(comm))
     jitted = _compiled.get(key)
     if jitted is None:
@@ -85,7 +86,9 @@ def _name(fn) -> str:
 
 
 def spmd_function(fn, args, kwargs):
-    """The ``__spmd_function__`` protocol: ``spmd_runtime.numpy`` hands a call with a DArray operand here."""
+    """The ``__spmd_function__`` protocol: ``spmd_runtime.numpy`` hands here a call with a DArray operand, or
+    any call made outside a trace (``snp.zeros(3)`` or ``snp.exp(np_array)``: a replicated DArray on the
+    context mesh, as ``jnp`` outside ``jax.jit`` gives a ``jax.Array``)."""
     return apply(fn, *args, **kwargs)
 
 
@@ -145,3 +148,4 @@ def _unsized(x):
 
 
 bind_darray_operators()
+snp.outside_trace = spmd_function  # snp calls outside a trace run eagerly on the context mesh

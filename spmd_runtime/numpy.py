@@ -8,6 +8,7 @@ NumPy-style by inserting explicit ``broadcast_in_dim`` nodes; Python scalars are
 """
 import functools
 
+from .trace import trace_state
 from .ops.core import (asarray, array, zeros, ones, full, add, subtract, multiply, divide, true_divide,
     power, negative, exp, log, tanh, sqrt, abs, absolute, square, maximum, minimum, where, equal, not_equal,
     less, less_equal, greater, greater_equal, logical_and, logical_or, logical_not, sum, max, min, amax,
@@ -32,12 +33,18 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
            "argmin", "logsumexp", "softmax", "top_k"]
 
 
+outside_trace = None  # a call made outside any trace goes here: spmd_runtime/eager.py sets it (None: no eager mode)
+
+
 def _dispatching(fn):
     """``fn``, handing a call with an operand that speaks the ``__spmd_function__`` protocol (a DArray outside
-    ``jit``: ``spmd_runtime/eager.py``) to that operand's type; traced calls go straight to ``fn``."""
+    ``jit``: ``spmd_runtime/eager.py``) to that operand's type, and a call outside any trace to
+    ``outside_trace``; traced calls go straight to ``fn``."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         handler = _handler(args) or _handler(kwargs.values())
+        if handler is None and getattr(trace_state, "graph", None) is None:
+            handler = outside_trace
         if handler is not None:
             return handler(fn, args, kwargs)
         return fn(*args, **kwargs)

@@ -113,5 +113,16 @@ def test_bad_input_is_an_error_on_every_rank():
     x = sr.device_put(A, sr.P("x"), mesh)
     with pytest.raises(ValueError, match="jit"):  # a shape error while tracing, agreed on by every rank
         x + np.ones((3, 3), "float32")
-    with pytest.raises(TypeError, match="runs on DArrays"):
+    with pytest.raises(ValueError, match="no DArray operand .* needs a mesh"):
         eager.apply(operator.add, 1, 2)
+
+
+def test_snp_outside_a_trace_makes_replicated_darrays_on_the_context_mesh():
+    mesh = sr.Mesh((MPI.COMM_WORLD.size,), ("x",))
+    with pytest.raises(ValueError, match="needs a mesh"):  # no context mesh, no DArray operand
+        snp.zeros((2, 3))
+    with mesh:
+        z, e = snp.ones((2, 3), "float32"), snp.exp(B)
+    assert isinstance(z, sr.DArray) and z.sharding.is_replicated and z.mesh == mesh
+    np.testing.assert_array_equal(np.asarray(z), np.ones((2, 3), "float32"))
+    np.testing.assert_allclose(np.asarray(e), np.exp(B), rtol=1e-6)
