@@ -139,8 +139,19 @@ def bind_darray_operators():
     DArray.__spmd_function__ = staticmethod(spmd_function)
     for convert in (float, int, bool, complex):
         setattr(DArray, f"__{convert.__name__}__", _scalar(convert))
+    DArray.__array_namespace__ = lambda self, api_version=None: snp  # the Array API's way to find functions
+    DArray.device = property(lambda self: self.mesh)  # a DArray lives on its whole mesh
+    DArray.to_device = _to_device
     DArray.__len__ = lambda self: self.shape[0] if self.shape else _unsized(self)
     DArray.__iter__ = lambda self: (self[i] for i in range(len(self)))
+
+
+def _to_device(x, device, /, *, stream=None):
+    """The Array API's ``to_device``: a DArray stays on its own mesh (``sr.device_put`` lays it out anew)."""
+    if device != x.mesh:
+        raise ValueError(f"a DArray lives on its mesh {x.mesh}; got device {device!r} (move it with "
+                         f"sr.device_put(x, spec, mesh), or save and load it onto another mesh)")
+    return x
 
 
 def _unsized(x):

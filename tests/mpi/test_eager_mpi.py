@@ -126,3 +126,11 @@ def test_snp_outside_a_trace_makes_replicated_darrays_on_the_context_mesh():
     assert isinstance(z, sr.DArray) and z.sharding.is_replicated and z.mesh == mesh
     np.testing.assert_array_equal(np.asarray(z), np.ones((2, 3), "float32"))
     np.testing.assert_allclose(np.asarray(e), np.exp(B), rtol=1e-6)
+
+
+def test_array_api_object_protocol():
+    mesh = sr.Mesh((MPI.COMM_WORLD.size,), ("x",))
+    x = sr.device_put(A, sr.P("x"), mesh)
+    assert x.__array_namespace__() is snp and x.device == mesh and x.to_device(mesh) is x
+    with pytest.raises(ValueError, match="lives on its mesh"):
+        x.to_device("cpu")
