@@ -100,6 +100,9 @@ def _method(name: str):
     return call
 
 
+_GETITEM = _method("__getitem__")
+
+
 def _property(name: str):
     def get(x):
         return getattr(x, name)
@@ -110,6 +113,27 @@ def _property(name: str):
 def _dunder(name: str):
     method = _method(name)
     return lambda self, *args, **kwargs: apply(method, self, *args, **kwargs)
+
+
+def _element(x, starts):
+    """``x[i, j, ...]`` with the indices traced: one program for every index of a shape and layout."""
+    n = starts.shape[0]
+    window = snp.dynamic_slice(x, [starts[k] for k in range(n)] + [0] * (x.ndim - n), [1] * n + list(x.shape[n:]))
+    return window.reshape(x.shape[n:])
+
+
+def _getitem(self, key):
+    """Integer indices (element access, the most repeated eager call) go in as data, so reading every element
+    of an array compiles one program; any other key is static (one program per key)."""
+    ints = key if isinstance(key, tuple) else (key,)
+    if ints and len(ints) <= self.ndim and all(isinstance(k, (int, np.integer)) and not isinstance(k, bool)
+                                               for k in ints):
+        for dim, (k, n) in enumerate(zip(ints, self.shape)):
+            if not -n <= k < n:
+                raise IndexError(f"index {k} is out of bounds for axis {dim} with size {n}")
+        starts = np.array([k % n for k, n in zip(ints, self.shape)], np.int32)
+        return apply(_element, self, starts)
+    return apply(_GETITEM, self, key)
 
 
 def _scalar(convert):
@@ -135,6 +159,7 @@ def bind_darray_operators():
         if not _mirrored(name) or name in ("__call__", "__contains__", "__delitem__", "__setitem__", "__not__"):
             continue
         setattr(DArray, name, _property(name) if isinstance(value, property) else _dunder(name))
+    DArray.__getitem__ = _getitem
     DArray.__hash__ = object.__hash__  # __eq__ is elementwise now; identity hashing, as numpy arrays refuse it
     DArray.__spmd_function__ = staticmethod(spmd_function)
     for convert in (float, int, bool, complex):

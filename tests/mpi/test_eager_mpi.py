@@ -134,3 +134,18 @@ def test_array_api_object_protocol():
     assert x.__array_namespace__() is snp and x.device == mesh and x.to_device(mesh) is x
     with pytest.raises(ValueError, match="lives on its mesh"):
         x.to_device("cpu")
+
+
+def test_element_access_compiles_one_program_per_layout():
+    mesh = sr.Mesh((MPI.COMM_WORLD.size,), ("x",))
+    x = sr.device_put(A, sr.P("x"), mesh)
+    def programs():
+        return sum(j.cache_info()["misses"] for j in eager._compiled.values())
+    x[0, 0]
+    before = programs()
+    got = [[float(x[i, j]) for j in range(5)] for i in range(-7, 7)]
+    np.testing.assert_array_equal(np.array(got, "float32"), A[list(range(-7, 7))])
+    np.testing.assert_array_equal(np.asarray(x[-1]), A[-1])
+    assert programs() <= before + 1  # x[i] (one index) may be one more program; the 70 x[i, j] none
+    with pytest.raises(IndexError, match="index 7 is out of bounds for axis 0 with size 7"):
+        x[7, 0]
