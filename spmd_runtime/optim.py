@@ -9,7 +9,10 @@ state trees, ``m_<param>``, which old checkpoints use); ``init_state(params)``
 builds the tree and the traced ``update(params, grads, state)`` returns
 ``(new params, new state)`` of the same structures. Per-parameter state has the
 parameter's shape, so it can be laid out like the parameter or, for
-weight-update sharding, split further.
+weight-update sharding, split further. ``init_state`` of abstract parameters
+(``TensorSpec``s, or any leaf with ``.shape`` and ``.dtype`` that holds no data,
+like jax's ``ShapeDtypeStruct``) is the tree of the slots' TensorSpecs: a plan
+allocates no state.
 
 Hyperparameters are Python floats baked into the graph as constants.
 """
@@ -23,6 +26,7 @@ import numpy as np
 
 from . import numpy as snp
 from . import pytree
+from .graph import TensorSpec
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,12 @@ class Optimizer:
         return self._slots(OrderedDict(param_shapes), np.dtype(dtype).name)
 
     def init_state(self, params: dict) -> dict:
-        """The initial state tree for the dict ``params`` (zeros; counters at 0)."""
+        """The initial state tree for the dict ``params`` (zeros; counters at 0); for abstract ``params``
+        (``is_abstract``) the tree of each slot's TensorSpec, allocating nothing."""
         dtype = next(iter(params.values())).dtype
         layout = self.state_layout({k: v.shape for k, v in params.items()}, dtype)
+        if is_abstract(params):
+            return slot_tree(layout, [TensorSpec(s.shape, s.dtype) for s in layout])
         return slot_tree(layout, [np.zeros(s.shape, s.dtype) for s in layout])
 
     def _slots(self, shapes, dtype) -> list[StateSlot]:
@@ -74,6 +81,15 @@ class Optimizer:
     def loss_scale(self, state: dict):
         """Traced: the factor the loss is multiplied by before differentiation (1: none)."""
         return 1.0
+
+
+def is_abstract(tree) -> bool:
+    """Whether the leaves of ``tree`` are shapes and dtypes without data: TensorSpecs, or objects with ``.shape``
+    and ``.dtype`` that are no arrays (jax's ``ShapeDtypeStruct``); arrays (NumPy's, or any with ``__array__``)
+    are concrete."""
+    leaves = pytree.flatten(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+    return bool(leaves) and all(isinstance(x, TensorSpec) or not (isinstance(x, (np.ndarray, np.generic))
+                                                                  or hasattr(x, "__array__")) for x in leaves)
 
 
 def is_matrix(name: str, p, matrices) -> bool:
@@ -169,6 +185,8 @@ class DynamicLossScale(Optimizer):
         return inner + [StateSlot("loss_scale", (), "float32", None), StateSlot("good_steps", (), "float32", None)]
 
     def init_state(self, params):
+        if is_abstract(params):
+            return super().init_state(params)
         return {"inner": self.inner.init_state(params), "loss_scale": np.asarray(self.initial, np.float32),
                 "good_steps": np.zeros((), np.float32)}
 
@@ -202,4 +220,4 @@ def make_optimizer(name: str, **hyper) -> Optimizer:
     return OPTIMIZERS[name](**hyper)
 
 
-__all__ = ["Optimizer", "SGD", "AdamW", "DynamicLossScale", "StateSlot", "slot_tree", "OPTIMIZERS", "make_optimizer"]
+__all__ = ["Optimizer", "SGD", "AdamW", "DynamicLossScale", "StateSlot", "slot_tree", "is_abstract", "OPTIMIZERS", "make_optimizer"]
