@@ -63,11 +63,14 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--axes", default=None, help="mesh axis names, comma-separated (default: the preset's "
                       "train_mesh names: data,model; pipeline: stage,data,model)")
     for name, default in (("layers", 2), ("d", 256), ("heads", 8), ("ffn", None), ("vocab", 51200),
-                          ("seq", 2048), ("batch", 8), ("microbatches", 1), ("experts", 0), ("moe-every", 0)):
+                          ("seq", 2048), ("batch", 8), ("microbatches", 1), ("experts", 0), ("moe-every", 0),
+                          ("head-dim", None)):
         plan.add_argument(f"--{name}", type=int, default=default)
+    plan.add_argument("--ffn-kind", default="gelu", help="gelu | geglu | swiglu")
+    plan.add_argument("--bias", action="store_true", help="biases on every projection (GPT-2, Megatron)")
     plan.add_argument("--dtype", default="bfloat16", help="compute dtype (master weights and state: float32)")
     plan.add_argument("--remat", default="none", help="none | full | dots")
-    plan.add_argument("--optimizer", default="adamw")
+    plan.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor")
     plan.add_argument("--tied", action="store_true", help="output layer tied to the embedding")
     plan.add_argument("--save", default=None, help="write the partitioned program here (python -m spmd_runtime "
                       "show / run read it)")
@@ -79,7 +82,8 @@ def _plan(args) -> int:
         mesh = train_mesh(shape, args.preset) if args.axes is None else Mesh(shape, tuple(args.axes.split(",")))
         cfg = LMConfig(layers=args.layers, d=args.d, heads=args.heads, ffn=args.ffn or 4 * args.d, vocab=args.vocab,
                        seq=args.seq, batch=args.batch, dtype=args.dtype, remat=args.remat, tied=args.tied,
-                       experts=args.experts, moe_every=args.moe_every)
+                       experts=args.experts, moe_every=args.moe_every, head_dim=args.head_dim, bias=args.bias,
+                       ffn_kind=args.ffn_kind)
         plan = plan_train_step(cfg, mesh, args.preset, make_optimizer(args.optimizer), args.microbatches)
     except ValueError as e:
         print(f"spmd_runtime plan: {e}", file=sys.stderr, flush=True)

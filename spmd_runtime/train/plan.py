@@ -53,7 +53,19 @@ class Plan:
                 f"{_gib(m['activations'])})",
                 f"  whole model: parameters {_gib(m['params_global'])}  optimizer state {_gib(m['opt_state_global'])}",
                 "  wire bytes per rank per step by collective kind and mesh axes:", format_comm(self.comm)]
+        if self.step.preset.stage:
+            stages = mesh.axis_size(self.step.preset.stage[0])
+            rows.insert(2, f"  pipeline: {stages} stages, {self.microbatches} micro-batches, GPipe bubble "
+                           f"(S-1)/(M+S-1) = {self.bubble:.3f}")
         return "\n".join(rows)
+
+    @property
+    def bubble(self) -> float:
+        """The pipeline's idle fraction, (S - 1) / (M + S - 1) for GPipe's M + S - 1 iterations; 0 without stages."""
+        if not self.step.preset.stage:
+            return 0.0
+        stages = self.step.mesh.axis_size(self.step.preset.stage[0])
+        return (stages - 1) / (self.microbatches + stages - 1)
 
 
 def plan_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,

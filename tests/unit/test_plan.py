@@ -112,6 +112,7 @@ def test_plan_cli_prints_a_model_that_could_never_fit(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and peak < 200 * MB
     for line in ("partition seconds", "instructions", "parameters", "optimizer state", "peak",
+                 "pipeline: 4 stages, 4 micro-batches, GPipe bubble (S-1)/(M+S-1) = 0.429",
                  "all_reduce", "model", "collective_permute", "total wire bytes per rank per step"):
         assert line in out
     saved = sr.load_program(tmp_path / "p.json")
