@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import resource
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,7 +90,7 @@ def megatron_formulas(a, h, l, t, p, d, batch, remat) -> dict:
     acts = (2 * sbh * (l / p) * in_flight + layer) if remat == "full" else layer * (l / p) * in_flight
     ring = lambda k: 2 * (k - 1) / k
     return {"P": params, "held": 12 * local, "peak": 16 * local + acts, "M": m,
-            "ar_per_layer": 6 if remat == "full" else 4,
+            "ar_per_layer": 0 if t == 1 else 6 if remat == "full" else 4,
             "model": (6 if remat == "full" else 4) * (l / p) * m * ring(t) * 2 * sbh,
             "data": ring(d) * 2 * local, "stage": 2 * m * 2 * sbh if p > 1 else 0.0}
 
@@ -130,7 +131,7 @@ def plan_row(row, args) -> None:
     iterations = f["M"] + p - 1 if p > 1 else f["M"]  # the pipeline loop runs M + S - 1 times
     ars = activation_all_reduces(plan.step.program, MICRO * SEQ * h * item) / (l / p * iterations)
     print(f"{head}  preset {preset}")
-    print(f"  partition {plan.seconds:.2f} s   instructions {plan.instructions}")
+    print(f"  partition {plan.seconds:.2f} s ({plan.cpu_seconds:.2f} s CPU)   instructions {plan.instructions}")
     row_line = lambda what, ours, formula, unit=GIB, fmt="{:10.2f} GiB": (
         f"  {what:<34}" + fmt.format(ours / unit) + "   formula " + fmt.format(formula / unit)
         + (f"   ratio {ours / formula:6.2f}" if formula else ""))
@@ -143,7 +144,7 @@ def plan_row(row, args) -> None:
     for g in plan.comm:
         print(f"    {g['kind']:<19} {','.join(g['axes']):<18} x{g['count']:<4} {g['wire_bytes'] / GIB:10.2f} GiB")
     print()
-    SUMMARY.append((name, gpus, plan.seconds, plan.instructions, held, f["held"], mem["peak"], f["peak"],
+    SUMMARY.append((name, gpus, plan.cpu_seconds, plan.instructions, held, f["held"], mem["peak"], f["peak"],
                     sum(wire.values()), f["model"] + f["data"] + f["stage"], ars, f["ar_per_layer"]))
 
 
@@ -204,11 +205,13 @@ def main(argv=None) -> int:
             plan_row(row, args)
     if "gshard" in chosen:
         plan_gshard(args)
-    print(f"{'row':>5} {'ranks':>5} {'part s':>7} {'instrs':>6} {'held GiB':>9} {'formula':>8} {'peak GiB':>9} "
+    print(f"{'row':>5} {'ranks':>5} {'cpu s':>7} {'instrs':>6} {'held GiB':>9} {'formula':>8} {'peak GiB':>9} "
           f"{'formula':>8} {'wire GiB':>9} {'formula':>8} {'AR/layer':>8} {'formula':>7}")
     for r in SUMMARY:
         print(f"{r[0]:>5} {r[1]:>5} {r[2]:>7.2f} {r[3]:>6} {r[4] / GIB:>9.1f} {r[5] / GIB:>8.1f} {r[6] / GIB:>9.1f} "
               f"{r[7] / GIB:>8.1f} {r[8] / GIB:>9.1f} {r[9] / GIB:>8.1f} {r[10]:>8.2f} {r[11]:>7}")
+    print(f"max RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB "
+          f"(cpu s: tracing + partitioning, this process's CPU time; wire: all axes per rank per step)")
     return 0
 
 

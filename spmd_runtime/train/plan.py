@@ -33,6 +33,7 @@ class Plan:
     memory: dict  # TrainStep.memory_report(): per-rank bytes
     comm: list  # TrainStep.comm_summary(): per (kind, axes) count, bytes in, wire bytes per rank per step
     microbatches: int = 1
+    cpu_seconds: float = 0.0  # this process's CPU time in them (the wall clock counts a shared machine's waits)
 
     def wire_by_axis(self) -> "OrderedDict[str, float]":
         """Wire bytes per rank per step by mesh axes ("data", "model", "data,model", ...)."""
@@ -47,7 +48,8 @@ class Plan:
         rows = [f"plan: preset {self.step.preset.name} on mesh {dict(zip(mesh.axis_names, mesh.shape))} "
                 f"({mesh.size} ranks), microbatches {self.microbatches}",
                 f"  {_config(cfg)}",
-                f"  partition seconds: {self.seconds:.2f}   instructions: {self.instructions}",
+                f"  partition seconds: {self.seconds:.2f} ({self.cpu_seconds:.2f} CPU)   instructions: "
+                f"{self.instructions}",
                 f"  per rank: parameters {_gib(m['params'])}  optimizer state {_gib(m['opt_state'])}  "
                 f"batch {_gib(m['batch'])}  peak {_gib(m['peak'])}  (activations and temporaries at the peak "
                 f"{_gib(m['activations'])})",
@@ -72,11 +74,11 @@ def plan_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer
                     microbatches: int = 1) -> Plan:
     """``build_train_step`` from abstract inputs (it allocates no parameter or state slot), timed, with its
     per-rank figures."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     step = build_train_step(cfg, mesh, preset, optimizer, microbatches)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     return Plan(step, seconds, instruction_count(step.program), step.memory_report(), step.comm_summary(),
-                microbatches)
+                microbatches, cpu)
 
 
 def _config(cfg: LMConfig) -> str:
