@@ -3,7 +3,9 @@
 Token + learned positional embedding, ``layers`` pre-LayerNorm blocks (causal
 multi-head self-attention, GELU MLP, residuals), a final LayerNorm and an output
 layer (tied to the embedding or its own matrix), then softmax cross-entropy
-averaged over every token. Every op is an ordinary traced primitive, so the
+averaged over every token. The family of the published configs: optional biases
+on every projection, a per-head dim independent of d / heads, gated FFNs (GEGLU,
+SwiGLU), GShard MoE blocks. Every op is an ordinary traced primitive, so the
 loss, its gradient (``sr.value_and_grad``) and a whole training step partition
 like any other graph; how is decided only by annotations (``spmd_runtime.train``).
 
