@@ -172,7 +172,7 @@ def plan_gshard(args) -> None:
     try:
         cfg = sr.LMConfig(dtype=args.dtype, **fields)
         plan = plan_train_step(cfg, sr.Mesh((g["ranks"], 1), ("data", "model")), "moe",
-                               sr.Adafactor(factor="last"))  # the expert dim keeps its own moments, split
+                               sr.Adafactor())  # factored over the last two dims: each expert's moments its own
     except Exception as e:  # say why, as for the Table 1 rows
         print(f"{head}\n  not planned: {type(e).__name__}: {str(e)[:400]}\n")
         return

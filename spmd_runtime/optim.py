@@ -215,8 +215,9 @@ class DynamicLossScale(Optimizer):
 @dataclass(frozen=True)
 class Adafactor(Optimizer):
     """Adafactor (Shazeer & Stern 2018) with the defaults of T5 / Mesh TensorFlow / GShard: second moments of a
-    matrix factored into row and column means over its two largest dims (both >= ``min_dim_size_to_factor``;
-    others keep a full second moment), decay 1 - t^-``decay_rate``, updates clipped to RMS
+    matrix factored into row and column means (both dims >= ``min_dim_size_to_factor``; others keep a full
+    second moment; ``factor``: over the last two dims, so the leading dim of stacked layers or experts keeps
+    its own moments, as Praxis does for repeated layers, or over the two largest, Mesh TF's rule), decay 1 - t^-``decay_rate``, updates clipped to RMS
     ``clipping_threshold``, a relative step size min(1e-2, 1/sqrt(t)) (``lr`` None) times the parameter's RMS
     (at least ``eps2``, ``multiply_by_parameter_scale``), no first moment (``beta1`` 0). With ``lr`` set it is
     the step size before the parameter scale. ``weight_decay``: decoupled, lr * wd * p on matrices.
@@ -233,8 +234,7 @@ class Adafactor(Optimizer):
     multiply_by_parameter_scale: bool = True
     min_dim_size_to_factor: int = 128
     weight_decay: float = 0.0
-    factor: str = "largest"  # which two dims: "largest" (Mesh TF's rule) or "last" (a stacked layer or expert dim
-    # in front then keeps its own moments, laid out like the weights: GShard's experts)
+    factor: str = "last"  # which two dims: "last" or "largest" (the same for a matrix)
 
     def __post_init__(self):
         if self.factor not in ("largest", "last"):

@@ -15,7 +15,7 @@ from simulated import train_simulated
 
 
 def numpy_adafactor(params, grads_seq, lr=None, beta1=0.0, decay_rate=0.8, eps1=1e-30, eps2=1e-3, clip=1.0,
-                    scale=True, min_dim=128, weight_decay=0.0, factor="largest"):
+                    scale=True, min_dim=128, weight_decay=0.0, factor="last"):
     """Mesh TF's AdafactorOptimizer, one parameter dict over a sequence of gradient dicts."""
     rms = lambda x: np.sqrt(np.mean(x * x))
     params = {k: v.copy() for k, v in params.items()}
@@ -63,8 +63,9 @@ def run_steps(opt, params, grads_seq):
 
 
 @pytest.mark.parametrize("hyper", [{}, {"lr": 0.05, "beta1": 0.9}, {"clipping_threshold": None, "weight_decay": 0.1},
-                                   {"multiply_by_parameter_scale": False, "min_dim_size_to_factor": 16}],
-                         ids=["t5_defaults", "lr_beta1", "no_clip_decay", "unscaled_factor_small"])
+                                   {"multiply_by_parameter_scale": False, "min_dim_size_to_factor": 16},
+                                   {"factor": "largest"}],
+                         ids=["t5_defaults", "lr_beta1", "no_clip_decay", "unscaled_factor_small", "largest_dims"])
 def test_adafactor_matches_numpy_for_three_steps(hyper):
     rng = np.random.default_rng(0)
     params = {k: rng.standard_normal(s) * 0.1 for k, s in SHAPES.items()}
@@ -72,7 +73,7 @@ def test_adafactor_matches_numpy_for_three_steps(hyper):
     opt = Adafactor(**hyper)
     got, state = run_steps(opt, params, grads_seq)
     names = {"lr": "lr", "beta1": "beta1", "clipping_threshold": "clip", "weight_decay": "weight_decay",
-             "multiply_by_parameter_scale": "scale", "min_dim_size_to_factor": "min_dim"}
+             "multiply_by_parameter_scale": "scale", "min_dim_size_to_factor": "min_dim", "factor": "factor"}
     want, want_state = numpy_adafactor(params, grads_seq, **{names[k]: v for k, v in hyper.items()})
     for name in SHAPES:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-14, err_msg=name)
@@ -83,13 +84,13 @@ def test_adafactor_matches_numpy_for_three_steps(hyper):
 
 
 def test_factored_slots_keep_all_dims_but_one():
-    slots = {s.name: s for s in Adafactor().state_layout(SHAPES, "float32")}
+    slots = {s.name: s for s in Adafactor(factor="largest").state_layout(SHAPES, "float32")}
     assert (slots["vr_matrix"].shape, slots["vr_matrix"].dims) == ((160,), (0,))
     assert (slots["vc_matrix"].shape, slots["vc_matrix"].dims) == ((136,), (1,))
     assert (slots["vr_stacked"].shape, slots["vc_stacked"].shape) == ((3, 130), (3, 140))
     assert (slots["vr_apart"].shape, slots["vc_apart"].shape) == ((140, 2), (2, 130))  # dims 0 and 2 factored
     assert slots["v_small"].shape == (20, 30) and slots["v_vector"].shape == (150,)  # below 128: full moments
-    state = Adafactor().init_state({k: sr.TensorSpec(s) for k, s in SHAPES.items()})
+    state = Adafactor(factor="largest").init_state({k: sr.TensorSpec(s) for k, s in SHAPES.items()})
     assert state["vr"]["matrix"] == sr.TensorSpec((160,)) and "matrix" not in state["v"]
     # 2 * (rows + columns) floats instead of Adam's 2 * rows * columns
     assert sum(np.prod(s.shape) for s in slots.values() if s.param == "matrix") == 160 + 136
@@ -123,9 +124,9 @@ def test_the_partitioned_step_with_adafactor_matches_the_reference(preset, shape
 
 def test_factor_last_keeps_leading_dims_and_refuses_unknown_rules():
     expert = {"we1": (64, 16, 256)}  # (experts, d, hidden): "largest" would factor the expert dim away
-    largest = {s.name: s.dims for s in Adafactor(min_dim_size_to_factor=16).state_layout(expert, "float32")}
-    last = {s.name: s.dims for s in Adafactor(min_dim_size_to_factor=16, factor="last").state_layout(expert,
-                                                                                                       "float32")}
+    dims = lambda rule: {s.name: s.dims for s in Adafactor(min_dim_size_to_factor=16, factor=rule).state_layout(
+        expert, "float32")}
+    largest, last = dims("largest"), dims("last")
     assert largest == {"step": None, "vr_we1": (0, 1), "vc_we1": (1, 2)}
     assert last == {"step": None, "vr_we1": (0, 1), "vc_we1": (0, 2)}
     rng = np.random.default_rng(1)
