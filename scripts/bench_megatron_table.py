@@ -150,15 +150,18 @@ def plan_row(row, args) -> None:
 
 def gshard_formulas(g) -> dict:
     """Per-rank hand figures of the MoE row: parameters (one expert per rank), Adafactor's held bytes (fp32
-    weights; the factored moments, ~(rows + columns) per matrix, not counted), and the all-to-all traffic: 2 forward + 2 backward per
-    MoE layer of the local dispatched (E, G/N, C, M) tensor, each (N - 1)/N of it on the wire."""
+    weights; the factored moments, ~(rows + columns) per matrix, not counted), the all-to-all traffic: 2 forward
+    + 2 backward per MoE layer of the local dispatched (E, G/N, C, M) tensor, each (N - 1)/N of it on the wire,
+    and one all-reduce of the replicated (non-expert) weights' 16-bit gradients, 2 (N - 1)/N x 2 bytes each."""
     d, ffn, e, n, inner = g["d"], g["ffn"], g["experts"], g["ranks"], g["heads"] * g["head_dim"]
     moe_layers = g["layers"] // g["moe_every"]
     dense = (g["vocab"] + g["seq"]) * d + g["layers"] * (4 * d * inner + 4 * d) + 2 * d + d * g["vocab"]
-    local = dense + (g["layers"] - moe_layers) * 2 * d * ffn + moe_layers * (2 * d * ffn * e // n + d * e)
+    replicated = dense + (g["layers"] - moe_layers) * 2 * d * ffn + moe_layers * d * e
+    local = replicated + moe_layers * 2 * d * ffn * e // n
     capacity = math.ceil(2.0 * 2 * g["seq"] / e)
     dispatched = e * (g["batch"] // n) * capacity * d * 2
-    return {"held": 4 * local, "all_to_all": 4 * moe_layers * (n - 1) / n * dispatched}
+    return {"held": 4 * local, "all_to_all": 4 * moe_layers * (n - 1) / n * dispatched,
+            "all_reduce": 2 * (n - 1) / n * 2 * replicated}
 
 
 def plan_gshard(args) -> None:
@@ -178,13 +181,16 @@ def plan_gshard(args) -> None:
         return
     f, mem = gshard_formulas(g), plan.memory
     ours = sum(c["wire_bytes"] for c in plan.comm if c["kind"].startswith("all_to_all"))
+    reduced = sum(c["wire_bytes"] for c in plan.comm if c["kind"] == "all_reduce")
     print(head)
     print(plan.format())
     held = mem["params"] + mem["opt_state"]
     print(f"  params + optimizer state / rank {held / GIB:10.2f} GiB   formula {f['held'] / GIB:10.2f} GiB   "
           f"ratio {held / f['held']:6.2f}")
     print(f"  all-to-all wire bytes / step    {ours / GIB:10.2f} GiB   formula {f['all_to_all'] / GIB:10.2f} GiB   "
-          f"ratio {ours / f['all_to_all']:6.2f}\n")
+          f"ratio {ours / f['all_to_all']:6.2f}")
+    print(f"  all-reduce wire bytes / step    {reduced / GIB:10.2f} GiB   formula {f['all_reduce'] / GIB:10.2f} GiB   "
+          f"ratio {reduced / f['all_reduce']:6.2f}\n")
 
 
 SUMMARY: list = []
