@@ -23,7 +23,7 @@ from .ops.manual import (all_gather, all_to_all, axis_index, pbroadcast, pmax, p
 from .pipeline import pipeline
 from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .models.lm import LMConfig
-from .optim import SGD, AdamW, DynamicLossScale
+from .optim import SGD, Adafactor, AdamW, DynamicLossScale
 from .darray import DArray, device_put, from_local, scatter_from_root
 from .jit import jit
 from .autoshard import autoshard
@@ -31,7 +31,8 @@ from . import eager  # noqa: F401  (binds the DArray operators: eager ops outsid
 from .visualize import visualize_sharding
 from . import profile
 from . import distributed
-from .train import PRESETS, Preset, TrainStep, build_train_step, build_train_step_on_root, train_mesh
+from .train import (PRESETS, Plan, Preset, TrainStep, build_train_step, build_train_step_on_root, plan_train_step,
+                    train_mesh)
 
 from .exec import Runtime
 from .comm.agreement import AgreedError, DifferentValuesError
@@ -47,6 +48,6 @@ __all__ = ["jit", "autoshard", "DArray", "device_put", "from_local", "scatter_fr
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "stop_gradient",
            "scan", "fori_loop", "while_loop", "cond", "remat", "shard_map", "psum", "pmax", "pmin", "all_gather",
            "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "save_checkpoint", "load_checkpoint",
-           "checkpoint_info", "LMConfig", "SGD", "AdamW", "DynamicLossScale", "PRESETS", "Preset", "TrainStep",
+           "checkpoint_info", "LMConfig", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "PRESETS", "Preset", "TrainStep", "Plan", "plan_train_step",
            "build_train_step", "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "DifferentValuesError",
            "__version__"]

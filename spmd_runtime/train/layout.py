@@ -100,11 +100,20 @@ def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer)
     slots = optimizer.state_layout(shapes, cfg.master_dtype)
     specs = {f"params.{n}": update[n] if preset.shard_params else use[n] for n in shapes}
     for slot in slots:
-        specs[state_leaf_name(slot)] = update[slot.param] if slot.param else (None,) * len(slot.shape)
+        specs[state_leaf_name(slot)] = slot_spec(slot, update)
     specs["batch.tokens"] = specs["batch.labels"] = (preset.batch or None, preset.seq or None)
     for name, spec in specs.items():
         parse_spec(spec, mesh, len(spec), name)  # fail early, naming the value
     return Layout(mesh, preset, specs, update, use, slots, roles)
+
+
+def slot_spec(slot, update: dict) -> tuple:
+    """An optimizer state slot's spec: its parameter's update spec on the dims it keeps (a factored moment
+    drops one); a global scalar's is replicated."""
+    if not slot.param:
+        return (None,) * len(slot.shape)
+    spec = update[slot.param]
+    return tuple(spec) if slot.dims is None else tuple(spec[d] for d in slot.dims)
 
 
 def state_leaf_name(slot) -> str:

@@ -14,6 +14,7 @@ import numpy as np
 from .. import numpy as snp
 from .. import pytree
 from ..autodiff import value_and_grad
+from ..graph import TensorSpec
 from ..models.lm import LMConfig, lm_loss_and_metrics, param_shapes, pipelined_layers, scan_layers
 from ..ops.control import scan
 from ..optim import DynamicLossScale, Optimizer
@@ -102,9 +103,10 @@ def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):
 
 
 def input_specs(cfg: LMConfig, optimizer: Optimizer) -> tuple:
-    """Example arrays (shape, dtype) of the step's inputs: (params, opt_state, batch) trees."""
-    params = {k: np.zeros(v, cfg.master_dtype) for k, v in param_shapes(cfg).items()}
-    batch = np.zeros((cfg.batch, cfg.seq), TOKEN_DTYPE)
+    """The step's inputs as (params, opt_state, batch) trees of TensorSpecs: shapes and dtypes only, so a plan
+    of any size allocates no parameter or state slot."""
+    params = {k: TensorSpec(v, cfg.master_dtype) for k, v in param_shapes(cfg).items()}
+    batch = TensorSpec((cfg.batch, cfg.seq), TOKEN_DTYPE)
     return params, optimizer.init_state(params), {"tokens": batch, "labels": batch}
 
 
