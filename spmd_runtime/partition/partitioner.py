@@ -24,7 +24,7 @@ from ..ops.spmd import ALL_TO_ALLV, COLLECTIVE_PERMUTE, MASK_PADDING, SHARD_INDE
 from ..program import Instr, IOSpec, ShardingReport, SPMDProgram
 from ..sharding import Sharding, parse_spec_free
 from .fusion import fuse_elementwise, fusion_enabled
-from .pending_sums import keep_sums_pending
+from .pending_sums import deferrable, holds_pending_sum, keep_sums_pending, pending_layout
 from .propagation import propagate, refine_free
 from .windowed import OFF, windowed_threshold, windowing
 from .schedule import overlap_budget as _budget, overlap_enabled, schedule_collectives
@@ -230,16 +230,39 @@ def _partition(graph, mesh, in_specs, out_specs, buffers: bool = True) -> SPMDPr
     keep_sums_pending(graph, prop.shardings, fixed)
     ctx = PartitionContext(graph, mesh, prop.shardings)
     live = live_nodes(graph)
+    waits = deferrable(graph, live)
     for node in graph.nodes:
         if node.id in live:
             ctx.node, before = node, len(ctx.notes)
-            ctx.values[node.id] = ctx.reshard(_partition_node(ctx, node), prop.shardings[node.id])
+            ctx.values[node.id] = _partition_and_complete(ctx, node, node.id in waits)
             if len(ctx.notes) > before:
                 _name_notes(ctx, node, before)
                 ctx.note_nodes += [node.id] * (len(ctx.notes) - before)
     ctx.node = None
     outputs = [ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
     return _finish(ctx, graph, prop, outputs, buffers)
+
+
+def _partition_and_complete(ctx: PartitionContext, node: Node, may_wait: bool) -> LocalValue:
+    """``node`` partitioned and laid out as its propagated sharding, except for the pending sums it may keep
+    (``pending_sums``): an op linear in operands that hold pending sums over the same axes adds them pending,
+    and a value whose one user can take its sum over leaves it pending (that user completes it, or passes it
+    on). A result whose propagated sharding is partial itself is left to the rules (``keep_sums_pending``)."""
+    target = ctx.shardings[node.id]
+    wants_final = isinstance(target, Sharding) and not target.partial
+    pending = pending_layout(node.op, [ctx.value(i).sharding for i in node.inputs]) if wants_final else None
+    if pending is None:
+        value = _partition_node(ctx, node)
+        target = ctx.shardings[node.id]  # a control node's rule sets its results' shardings
+    else:
+        ctx.shardings[node.id] = pending  # what the rule reads as its target
+        try:
+            value = _partition_node(ctx, node)
+        finally:
+            ctx.shardings[node.id] = target
+    if may_wait and wants_final and holds_pending_sum(value.sharding):
+        return value
+    return ctx.reshard(value, target)
 
 
 def fused_program(program: SPMDProgram) -> SPMDProgram:
