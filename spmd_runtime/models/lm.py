@@ -230,7 +230,9 @@ def lm_loss(cfg: LMConfig, params, tokens, labels, annotate=no_annotation):
     ``tokens``/``labels`` of shape (batch, seq).
 
     ``annotate(x, role)`` may pin the sharding of intermediate values (it returns x, possibly passed
-    through ``mesh_split``); roles: 'residual' (batch, seq, d) between sublayers, 'logits' (batch, seq, vocab),
+    through ``mesh_split``); roles: 'residual' (batch, seq, d) between sublayers, 'normed' (batch, seq, d) each
+    sublayer's LayerNorm output (the input of its first matmul), 'hidden' (batch, seq, d or ffn) the input of its
+    last matmul (heads concatenated, or the MLP's hidden activation), 'logits' (batch, seq, vocab),
     and in MoE blocks the roles of ``models.moe`` ('groups', 'expert_in', 'expert_hidden').
     With MoE blocks the loss includes ``aux_coef`` times the summed load-balancing losses.
     """
@@ -280,7 +282,7 @@ def _forward(cfg: LMConfig, params, tokens, annotate, run_layers=None):
             gatings.append(gating)
             x = annotate(x + y, "residual")
         else:
-            x = annotate(_dense_ffn(x, layer), "residual")
+            x = annotate(_dense_ffn(x, layer, annotate), "residual")
     h = layer_norm(x, p["lnf_g"], p["lnf_b"])
     logits = snp.einsum("bsd,vd->bsv", h, p["embed"]) if cfg.tied else h @ p["unembed"]
     return logits, gatings
@@ -314,17 +316,19 @@ def pipelined_layers(mesh, microbatches: int, stage_axis: str = "stage", param_s
 def dense_block(cfg: LMConfig, x, layer, annotate):
     """One pre-LayerNorm block on the residual ``x``: (batch, seq, d), or (stages, batch, seq, d) with
     parameters carrying a leading stage dim too (every pipeline stage at once)."""
-    return annotate(_dense_ffn(_attend(cfg, x, layer, annotate), layer), "residual")
+    return annotate(_dense_ffn(_attend(cfg, x, layer, annotate), layer, annotate), "residual")
 
 
 def _attend(cfg: LMConfig, x, layer, annotate):
     """A block's first half: x plus the attention of its first LayerNorm."""
-    return annotate(x + attention(cfg, layer, layer_norm(x, layer["ln1_g"], layer["ln1_b"])), "residual")
+    normed = annotate(layer_norm(x, layer["ln1_g"], layer["ln1_b"]), "normed")
+    return annotate(x + attention(cfg, layer, normed, annotate), "residual")
 
 
-def _dense_ffn(x, layer):
+def _dense_ffn(x, layer, annotate=no_annotation):
     """``x`` plus the GELU MLP of its second LayerNorm (a dense block's second half)."""
-    return x + _matmul(gelu(_matmul(layer_norm(x, layer["ln2_g"], layer["ln2_b"]), layer["w1"])), layer["w2"])
+    normed = annotate(layer_norm(x, layer["ln2_g"], layer["ln2_b"]), "normed")
+    return x + _matmul(annotate(gelu(_matmul(normed, layer["w1"])), "hidden"), layer["w2"])
 
 
 def _staged(x) -> str:
@@ -367,7 +371,7 @@ def layer_norm(x, gain, bias, eps=1e-5):
             + snp.einsum(f"{z}bs,{z}d->{z}bsd", snp.ones(x.shape[:-1], x.dtype), bias))
 
 
-def attention(cfg: LMConfig, w: dict, a):
+def attention(cfg: LMConfig, w: dict, a, annotate=no_annotation):
     """Causal multi-head self-attention of the normalised residual ``a`` (batch, seq, d) (or with a leading
     stage dim, every stage with its own weights)."""
     z = _staged(a)
@@ -378,7 +382,8 @@ def attention(cfg: LMConfig, w: dict, a):
     causal = snp.asarray(np.tril(np.ones((s, s), dtype=bool)))  # query q sees keys k <= q
     masked = max(MASKED_SCORE, -float(dtypes.finfo(scores.dtype).max) / 2)
     probs = safe_softmax(snp.where(causal, scores, masked))
-    return _matmul(snp.einsum(f"{z}bhqk,{z}bkhd->{z}bqhd", probs, v).reshape(*lead, s, d), w["wo"])
+    heads = annotate(snp.einsum(f"{z}bhqk,{z}bkhd->{z}bqhd", probs, v).reshape(*lead, s, d), "hidden")
+    return _matmul(heads, w["wo"])
 
 
 def safe_softmax(x):
