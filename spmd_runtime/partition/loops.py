@@ -13,6 +13,10 @@ read by its ``loop_out`` nodes. Partitioning reshards the operands to the agreed
 partitions each body as its own SPMD program (``partition`` with the parameter shardings as in_specs
 and the carry shardings as out_specs, so a disagreeing back edge is resharded inside the body).
 
+Pending sums (partition/pending_sums.py): a carry that starts at zero and to which the body adds a pending sum
+(gradient accumulation) is carried as pending summands, started from zeros of that layout, and its loop result
+completed once by whoever reads it; stacked results the enclosing body lets wait come out pending too.
+
 The scanned dim of ``xs`` is never split: propagation does not propose it, and an operand that has it
 split (a user annotation) is all-gathered over it first, with a note. Scanning a split dim (each
 rank its slice, the carry handed between ranks) is not implemented.
