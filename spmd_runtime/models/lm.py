@@ -267,7 +267,9 @@ def lm_loss(cfg: LMConfig, params, tokens, labels, annotate=no_annotation):
     ``tokens``/``labels`` of shape (batch, seq).
 
     ``annotate(x, role)`` may pin the sharding of intermediate values (it returns x, possibly passed
-    through ``mesh_split``); roles: 'residual' (batch, seq, d) between sublayers, 'logits' (batch, seq, vocab),
+    through ``mesh_split``); roles: 'residual' (batch, seq, d) between sublayers, 'normed' (batch, seq, d) each
+    sublayer's LayerNorm output (the input of its first matmul), 'hidden' (batch, seq, d or ffn) the input of its
+    last matmul (heads concatenated, or the MLP's hidden activation), 'logits' (batch, seq, vocab),
     and in MoE blocks the roles of ``models.moe`` ('groups', 'expert_in', 'expert_hidden').
     With MoE blocks the loss includes ``aux_coef`` times the summed load-balancing losses.
     """
@@ -317,7 +319,7 @@ def _forward(cfg: LMConfig, params, tokens, annotate, run_layers=None):
             gatings.append(gating)
             x = annotate(x + y, "residual")
         else:
-            x = annotate(_dense_ffn(cfg, x, layer), "residual")
+            x = annotate(_dense_ffn(cfg, x, layer, annotate), "residual")
     h = layer_norm(x, p["lnf_g"], p["lnf_b"])
     logits = snp.einsum("bsd,vd->bsv", h, p["embed"]) if cfg.tied else h @ p["unembed"]
     return logits, gatings
@@ -351,24 +353,25 @@ def pipelined_layers(mesh, microbatches: int, stage_axis: str = "stage", param_s
 def dense_block(cfg: LMConfig, x, layer, annotate):
     """One pre-LayerNorm block on the residual ``x``: (batch, seq, d), or (stages, batch, seq, d) with
     parameters carrying a leading stage dim too (every pipeline stage at once)."""
-    return annotate(_dense_ffn(cfg, _attend(cfg, x, layer, annotate), layer), "residual")
+    return annotate(_dense_ffn(cfg, _attend(cfg, x, layer, annotate), layer, annotate), "residual")
 
 
 def _attend(cfg: LMConfig, x, layer, annotate):
     """A block's first half: x plus the attention of its first LayerNorm."""
-    return annotate(x + attention(cfg, layer, layer_norm(x, layer["ln1_g"], layer["ln1_b"])), "residual")
+    normed = annotate(layer_norm(x, layer["ln1_g"], layer["ln1_b"]), "normed")
+    return annotate(x + attention(cfg, layer, normed, annotate), "residual")
 
 
-def _dense_ffn(cfg: LMConfig, x, layer):
+def _dense_ffn(cfg: LMConfig, x, layer, annotate=no_annotation):
     """``x`` plus the FFN of its second LayerNorm (a dense block's second half): the GELU MLP, or a gated one,
     act(a w1) * (a w3) (``ffn_kind``: GELU for "geglu", SiLU for "swiglu")."""
-    a = layer_norm(x, layer["ln2_g"], layer["ln2_b"])
+    a = annotate(layer_norm(x, layer["ln2_g"], layer["ln2_b"]), "normed")
     hidden = _linear(a, layer, "w1")
     if cfg.ffn_kind == "gelu":
         hidden = gelu(hidden)
     else:
         hidden = (gelu(hidden) if cfg.ffn_kind == "geglu" else silu(hidden)) * _linear(a, layer, "w3")
-    return x + _linear(hidden, layer, "w2")
+    return x + _linear(annotate(hidden, "hidden"), layer, "w2")
 
 
 def silu(x):
@@ -428,7 +431,7 @@ def _broadcast_row(x, row):
     return snp.einsum(f"{z}bs,{z}d->{z}bsd", snp.ones(x.shape[:-1], x.dtype), row)
 
 
-def attention(cfg: LMConfig, w: dict, a):
+def attention(cfg: LMConfig, w: dict, a, annotate=no_annotation):
     """Causal multi-head self-attention of the normalised residual ``a`` (batch, seq, d) (or with a leading
     stage dim, every stage with its own weights)."""
     z = _staged(a)
@@ -439,7 +442,8 @@ def attention(cfg: LMConfig, w: dict, a):
     causal = snp.asarray(np.tril(np.ones((s, s), dtype=bool)))  # query q sees keys k <= q
     masked = max(MASKED_SCORE, -float(dtypes.finfo(scores.dtype).max) / 2)
     probs = safe_softmax(snp.where(causal, scores, masked))
-    return _linear(snp.einsum(f"{z}bhqk,{z}bkhd->{z}bqhd", probs, v).reshape(*lead, s, h * hd), w, "wo")
+    heads = annotate(snp.einsum(f"{z}bhqk,{z}bkhd->{z}bqhd", probs, v).reshape(*lead, s, h * hd), "hidden")
+    return _linear(heads, w, "wo")
 
 
 def safe_softmax(x):
