@@ -72,7 +72,7 @@ def _gpipe(stage_fn, leaves, treedef, specs, microbatches, mesh, axis, stage_dim
         state = split(stage_fn(params, state))
         return state, state
     _, ys = scan(step, split(snp.zeros(shape, microbatches.dtype)), xs, policy=policy)
-    return ys[s - 1:, s - 1]
+    return _last_stage(ys[s - 1:])
 
 
 def _circular(stage_fn, leaves, treedef, specs, microbatches, mesh, axis, stage_dim, split, policy):
@@ -106,7 +106,16 @@ def _circular(stage_fn, leaves, treedef, specs, microbatches, mesh, axis, stage_
         return state, state
     inputs = (xs, snp.asarray(sched["stage_of"]), snp.asarray(sched["fresh"]))
     _, ys = scan(step, split(snp.zeros(shape, microbatches.dtype)), inputs, policy=policy)
-    return snp.concatenate([ys[t:t + s, s - 1] for t in sched["exits"]], 0)
+    return _last_stage(snp.concatenate([ys[t:t + s] for t in sched["exits"]], 0))
+
+
+def _last_stage(ys):
+    """``ys[:, -1]`` of stacked states [T, S, ...] split over S, as a masked sum over the stage dim: the forward is
+    the same all-reduce as indexing, but its VJP is a broadcast times the mask, which stays split over the stage
+    axis (an index's VJP pads the cotangent into a replicated [T, S, ...] buffer: S times each rank's share)."""
+    s = ys.shape[1]
+    last = snp.broadcast_in_dim(snp.arange(s) == s - 1, ys.shape, (1,))
+    return snp.sum(snp.where(last, ys, snp.zeros((), ys.dtype)), axis=1)
 
 
 def circular_schedule(m: int, s: int, r: int) -> dict:
