@@ -137,6 +137,57 @@ def circular_schedule(m: int, s: int, r: int) -> dict:
     return {"stage_of": stage_of, "fresh": fresh, "exits": exits}
 
 
+def one_f_one_b_schedule(m: int, s: int) -> dict:
+    """PipeDream-flush (1F1B) for M micro-batches on S stages, in slots of one forward or one backward per stage:
+    stage j runs min(S - 1 - j, M) warm-up forwards, then alternates one forward and one backward, then drains
+    its backwards; each op takes the earliest slot after its input arrived (a forward after the previous stage's
+    forward of that micro-batch, a backward after the next stage's backward, the last stage's backward after its
+    own forward). ``fwd[t, j]`` / ``bwd[t, j]``: the micro-batch stage j runs forward / backward at slot t (-1:
+    none); ``slots``: the most micro-batches any stage holds between their forward and backward (at most S: the
+    1F1B bound; GPipe holds all M); ``length``: 2 (M + S - 1) slots. Built once at trace time (O(M S))."""
+    order = []
+    for j in range(s):
+        warm = min(s - 1 - j, m)
+        ops = [(0, k) for k in range(warm)]
+        for i in range(m - warm):
+            ops += [(0, warm + i), (1, i)]
+        order.append(ops + [(1, k) for k in range(m - warm, m)])
+    done, nxt, rows = {}, [0] * s, []
+    while any(nxt[j] < len(order[j]) for j in range(s)):
+        t, row = len(rows), [None] * s
+        for j in range(s):
+            if nxt[j] < len(order[j]):
+                kind, k = order[j][nxt[j]]
+                need = ((0, k, j - 1) if j else None) if kind == 0 else (1, k, j + 1) if j < s - 1 else (0, k, j)
+                if need is None or done.get(need, t) < t:
+                    row[j] = (kind, k)
+        for j, op in enumerate(row):
+            if op is not None:
+                done[op + (j,)] = t
+                nxt[j] += 1
+        rows.append(row)
+    fwd, bwd = np.full((len(rows), s), -1), np.full((len(rows), s), -1)
+    for (kind, k, j), t in done.items():
+        (bwd if kind else fwd)[t, j] = k
+    ran = lambda table: np.cumsum(table >= 0, axis=0)
+    held = ran(fwd) - (ran(bwd) - (bwd >= 0))  # saved stage inputs, the one a backward reads included
+    arrived = np.concatenate([np.zeros((1, s), int), ran(fwd)[:-1]], 0)[:, :-1]  # stage j - 1's outputs so far
+    waiting = arrived - (ran(fwd)[:, 1:] - (fwd[:, 1:] >= 0))  # received by stage j, not yet run forward
+    live = int(max(held.max(), waiting.max(initial=0)))
+    return {"fwd": fwd, "bwd": bwd, "slots": live, "length": len(rows)}
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, rounds: int = 1) -> float:
+    """The idle fraction of each device's time in a pipeline step (forward and backward alike): GPipe and 1F1B
+    (S - 1) / (M + S - 1); circular (R stages per device, visited round-robin) (S - 1) / (M R + S - 1)."""
+    s, m = stages, microbatches
+    if schedule in ("gpipe", "1f1b"):
+        return (s - 1) / (m + s - 1)
+    if schedule == "circular":
+        return (s - 1) / (m * rounds + s - 1)
+    raise ValueError(f"schedule must be one of 'gpipe', '1f1b', 'circular'; got {schedule!r}")
+
+
 def is_spec(x) -> bool:
     return isinstance(x, tuple) or x is None
 
@@ -155,4 +206,4 @@ def check_stages(mesh, stage_axis: str, stages: list, shapes=None) -> None:
                          f"{stages[0]} stages on {mesh.axis_size(stage_axis)} devices")
 
 
-__all__ = ["pipeline", "check_stages", "circular_schedule"]
+__all__ = ["pipeline", "check_stages", "circular_schedule", "one_f_one_b_schedule", "bubble_fraction"]

@@ -1,0 +1,141 @@
+"""The 1F1B pipeline schedule (PipeDream-flush) in ``sr.pipeline_loss``: its static table is a valid 1F1B order
+(every micro-batch once forward and once backward on every stage, after its inputs arrived, at most S held per
+stage, the bubble fraction (S - 1) / (M + S - 1)); its loss and every gradient equal GPipe's and the reference
+evaluator's on 4 and 8 simulated ranks; its loop holds at most S micro-batches per stage where GPipe's stacks
+M + S - 1."""
+import numpy as np
+import pytest
+
+import spmd_runtime as sr
+import spmd_runtime.numpy as snp
+from simulated import run_everywhere
+from spmd_runtime.pipeline import bubble_fraction, one_f_one_b_schedule
+
+B, D, H = 2, 5, 3
+
+
+def stages(w, x):  # every stage at once: x [S, B, D], w [S, D, D]
+    return snp.tanh(snp.einsum("sbd,sde->sbe", x, w))
+
+
+def head_loss(v, y, t):  # the head on one micro-batch's output [B, D], against targets [B, H]
+    return snp.sum((y @ v - t) ** 2)
+
+
+def loss_program(mesh, schedule, s, m):
+    def f(w, v, xs, ts):
+        loss = lambda w, v, xs: sr.pipeline_loss(stages, w, xs, head_loss, v, ts, mesh=mesh, schedule=schedule)
+        value, grads = sr.value_and_grad(loss, (0, 1, 2))(w, v, xs)
+        return (value,) + grads
+    rng = np.random.default_rng(0)
+    args = [0.5 * rng.standard_normal((s, D, D)), rng.standard_normal((D, H)), rng.standard_normal((m, B, D)),
+            rng.standard_normal((m, B, H))]
+    graph = sr.trace(f, *args)
+    return graph, sr.partition(graph, mesh), args
+
+
+def numpy_loss_and_grads(w, v, xs, ts):
+    """By hand: the stages in sequence, then the head, and the backward pass written out."""
+    loss, gw, gv, gx = 0.0, np.zeros_like(w), np.zeros_like(v), np.zeros_like(xs)
+    for m, (x, t) in enumerate(zip(xs, ts)):
+        acts = [x]
+        for s in range(len(w)):
+            acts.append(np.tanh(acts[-1] @ w[s]))
+        r = acts[-1] @ v - t
+        loss += np.sum(r * r)
+        gv += acts[-1].T @ (2 * r)
+        g = (2 * r) @ v.T
+        for s in reversed(range(len(w))):
+            g = g * (1 - acts[s + 1] ** 2)
+            gw[s] += acts[s].T @ g
+            g = g @ w[s].T
+        gx[m] = g
+    return [loss, gw, gv, gx]
+
+
+@pytest.mark.parametrize("m,s", [(1, 1), (1, 3), (3, 4), (4, 4), (8, 4), (6, 2), (16, 8)])
+def test_schedule_is_a_valid_one_f_one_b_order_holding_at_most_s(m, s):
+    sched = one_f_one_b_schedule(m, s)
+    fwd, bwd = sched["fwd"], sched["bwd"]
+    assert sched["length"] == fwd.shape[0] == 2 * (m + s - 1)
+    assert not np.any((fwd >= 0) & (bwd >= 0))  # one op per stage per slot
+    when = lambda table, k, j: int(np.flatnonzero(table[:, j] == k)[0])
+    for j in range(s):
+        assert sorted(fwd[fwd[:, j] >= 0, j]) == list(range(m)) == sorted(bwd[bwd[:, j] >= 0, j])
+        for k in range(m):
+            if j:
+                assert when(fwd, k, j) > when(fwd, k, j - 1)
+            assert when(bwd, k, j) > (when(bwd, k, j + 1) if j < s - 1 else when(fwd, k, j))
+        held = [sum(when(fwd, k, j) <= t <= when(bwd, k, j) for k in range(m)) for t in range(sched["length"])]
+        assert max(held) <= min(s - j, m)  # PipeDream-flush: stage j holds at most S - j
+    assert sched["slots"] <= min(s, m)
+    busy = np.sum(fwd >= 0) + np.sum(bwd >= 0)
+    assert 1 - busy / (s * sched["length"]) == pytest.approx((s - 1) / (m + s - 1))
+    assert bubble_fraction("1f1b", s, m) == pytest.approx((s - 1) / (m + s - 1))
+
+
+def test_bubble_fractions():
+    assert bubble_fraction("gpipe", 4, 12) == pytest.approx(3 / 15)
+    assert bubble_fraction("circular", 4, 8, rounds=2) == pytest.approx(3 / 19)
+    with pytest.raises(ValueError, match="schedule must be one of 'gpipe', '1f1b', 'circular'; got 'pipedream'"):
+        bubble_fraction("pipedream", 4, 8)
+
+
+@pytest.mark.parametrize("shape,axes,s,m", [((4,), ("stage",), 4, 6), ((4, 2), ("stage", "data"), 4, 3),
+                                            ((8,), ("stage",), 8, 8), ((2,), ("stage",), 4, 3)], ids=str)
+def test_one_f_one_b_loss_and_gradients_equal_gpipe_and_the_reference(shape, axes, s, m):
+    """(2,) runs 4 stages on 2 devices (2 vectorised stages each)."""
+    mesh = sr.Mesh(shape, axes)
+    graph, prog, args = loss_program(mesh, "1f1b", s, m)
+    want = numpy_loss_and_grads(*args)
+    ref = sr.evaluate(graph, *args)
+    gpipe_graph, _, _ = loss_program(mesh, "gpipe", s, m)
+    for got, g, w in zip(ref, sr.evaluate(gpipe_graph, *args), want):
+        np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+    for outs in run_everywhere(prog, *args):
+        for got, w in zip(outs, want):
+            np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+
+
+def micro_batch_buffers(prog, mb_shape) -> list:
+    """(role, micro-batch states per rank) of every loop buffer of ``prog`` made of [..., B, D] states."""
+    out = []
+    for ins in prog.instrs:
+        if ins.op != "scan":
+            continue
+        body, nc, length = ins.attrs["body"], ins.attrs["num_carry"], ins.attrs["length"]
+        for k, o in enumerate(body.outputs):
+            local = tuple(o.sharding.local_shape(o.shape, prog.mesh))
+            if len(local) > len(mb_shape) and local[-len(mb_shape):] == mb_shape:
+                out.append(("carry" if k < nc else "ys",
+                            int(np.prod(local[:-len(mb_shape)])) * (1 if k < nc else length)))
+    return out
+
+
+def test_one_f_one_b_holds_at_most_s_micro_batches_per_stage_where_gpipe_holds_m_plus_s_minus_1():
+    """S = 4 stages, M = 12 micro-batches on 4 ranks: the 1F1B loop stacks nothing; its saved stage inputs and
+    waiting activations ([S, S, B, D] carries) hold S micro-batches per rank, and its one larger carry is the
+    collector of the M input cotangents (as large as the input micro-batches themselves). GPipe's forward loop
+    stacks M + S - 1 states per rank for its backward."""
+    s, m = 4, 12
+    mesh = sr.Mesh((s,), ("stage",))
+    _, one_f, _ = loss_program(mesh, "1f1b", s, m)
+    _, gpipe, _ = loss_program(mesh, "gpipe", s, m)
+    held = sorted(micro_batch_buffers(one_f, (B, D)), key=lambda r: r[1])
+    assert {role for role, _ in held} == {"carry"}
+    assert [n for _, n in held] == [1, 1, s, s, m + 1]  # in flight, saved, waiting, input cotangents (+1 spare)
+    assert max(n for role, n in micro_batch_buffers(gpipe, (B, D)) if role == "ys") >= m + s - 1
+    # the 1F1B loop moves one activation forward and one cotangent back per slot, each one stage's state
+    loop = next(i for i in one_f.instrs if i.op == "scan")
+    assert loop.attrs["length"] == 2 * (m + s - 1)
+    permutes = [c for c in one_f.comm_summary() if c["kind"] == "collective_permute"]
+    assert [(c["trips"], c["bytes_in"]) for c in permutes] == [(2 * (m + s - 1), B * D * 8)] * 2
+
+
+def test_pipeline_loss_rejects_an_unknown_schedule():
+    mesh = sr.Mesh((2,), ("stage",))
+    with pytest.raises(ValueError, match="schedule must be one of \\('gpipe', '1f1b'\\); got 'interleaved'"):
+        sr.trace(lambda w, x: sr.pipeline_loss(stages, w, x, lambda h, y, t: snp.sum(y), mesh=mesh,
+                                               schedule="interleaved"),
+                 sr.TensorSpec((2, D, D)), sr.TensorSpec((3, B, D)))
