@@ -11,46 +11,7 @@ import spmd_runtime.numpy as snp
 from simulated import run_everywhere
 from spmd_runtime.pipeline import bubble_fraction, one_f_one_b_schedule
 
-B, D, H = 2, 5, 3
-
-
-def stages(w, x):  # every stage at once: x [S, B, D], w [S, D, D]
-    return snp.tanh(snp.einsum("sbd,sde->sbe", x, w))
-
-
-def head_loss(v, y, t):  # the head on one micro-batch's output [B, D], against targets [B, H]
-    return snp.sum((y @ v - t) ** 2)
-
-
-def loss_program(mesh, schedule, s, m):
-    def f(w, v, xs, ts):
-        loss = lambda w, v, xs: sr.pipeline_loss(stages, w, xs, head_loss, v, ts, mesh=mesh, schedule=schedule)
-        value, grads = sr.value_and_grad(loss, (0, 1, 2))(w, v, xs)
-        return (value,) + grads
-    rng = np.random.default_rng(0)
-    args = [0.5 * rng.standard_normal((s, D, D)), rng.standard_normal((D, H)), rng.standard_normal((m, B, D)),
-            rng.standard_normal((m, B, H))]
-    graph = sr.trace(f, *args)
-    return graph, sr.partition(graph, mesh), args
-
-
-def numpy_loss_and_grads(w, v, xs, ts):
-    """By hand: the stages in sequence, then the head, and the backward pass written out."""
-    loss, gw, gv, gx = 0.0, np.zeros_like(w), np.zeros_like(v), np.zeros_like(xs)
-    for m, (x, t) in enumerate(zip(xs, ts)):
-        acts = [x]
-        for s in range(len(w)):
-            acts.append(np.tanh(acts[-1] @ w[s]))
-        r = acts[-1] @ v - t
-        loss += np.sum(r * r)
-        gv += acts[-1].T @ (2 * r)
-        g = (2 * r) @ v.T
-        for s in reversed(range(len(w))):
-            g = g * (1 - acts[s + 1] ** 2)
-            gw[s] += acts[s].T @ g
-            g = g @ w[s].T
-        gx[m] = g
-    return [loss, gw, gv, gx]
+from pipeline_cases import B, D, loss_program, numpy_loss_and_grads, stages
 
 
 @pytest.mark.parametrize("m,s", [(1, 1), (1, 3), (3, 4), (4, 4), (8, 4), (6, 2), (16, 8)])
