@@ -40,8 +40,7 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh, stage_axis="stage", 
     leaves, treedef = pytree_flatten(stage_params)
     check_stages(mesh, stage_axis, [p.shape[stage_dim] if p.ndim > stage_dim else None for p in leaves],
                  [tuple(p.shape) for p in leaves])
-    specs = [None] * len(leaves) if param_specs is None else \
-        pytree.flatten_like(param_specs, pytree.flatten(stage_params)[1], "pipeline param_specs", is_spec)
+    specs = flat_param_specs(stage_params, param_specs, len(leaves))
     microbatches = snp.asarray(microbatches)
     state_spec = tuple(state_spec) if state_spec is not None else (None,) * (microbatches.ndim - 1)
     split = lambda x: mesh_split(x, mesh, (stage_axis,) + state_spec)
@@ -49,30 +48,37 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh, stage_axis="stage", 
     return run(stage_fn, leaves, treedef, specs, microbatches, mesh, stage_axis, stage_dim, split, policy)
 
 
-def _split_param(p, spec, mesh, axis, at: int, extra=()):
+def flat_param_specs(stage_params, param_specs, n: int) -> list:
+    """``param_specs`` (a pytree like ``stage_params``, spec tuples as leaves; None: replicated) flat, one per leaf."""
+    if param_specs is None:
+        return [None] * n
+    return pytree.flatten_like(param_specs, pytree.flatten(stage_params)[1], "pipeline param_specs", is_spec)
+
+
+def split_param(p, spec, mesh, axis, at: int, extra=()):
     """``p`` pinned: the stage axis on dim ``at``, ``extra`` entries before it, ``spec`` on the other dims."""
     rest = list(spec) if spec is not None else [None] * (p.ndim - 1 - len(extra))
     return mesh_split(p, mesh, tuple(rest[:at]) + tuple(extra) + (axis,) + tuple(rest[at:]))
 
 
-def _shift(state, rows: int):
+def shift_stages(state, rows: int):
     """``state`` moved ``rows`` along the stage dim (zeros come in): one collective_permute when it is split."""
     return snp.lax_pad(state, np.zeros((), state.dtype), [(rows, -rows, 0)] + [(0, 0, 0)] * (state.ndim - 1))
 
 
 def _gpipe(stage_fn, leaves, treedef, specs, microbatches, mesh, axis, stage_dim, split, policy):
     s = leaves[0].shape[stage_dim]
-    params = pytree_unflatten(treedef, [_split_param(p, sp, mesh, axis, stage_dim) for p, sp in zip(leaves, specs)])
+    params = pytree_unflatten(treedef, [split_param(p, sp, mesh, axis, stage_dim) for p, sp in zip(leaves, specs)])
     shape = (s,) + microbatches.shape[1:]
     xs = snp.concatenate([microbatches, snp.zeros((s - 1,) + shape[1:], microbatches.dtype)], 0)
     first = snp.broadcast_in_dim(snp.arange(s) == 0, shape, (0,))
 
     def step(state, x):
-        state = split(snp.where(first, snp.broadcast_in_dim(x, shape, tuple(range(1, len(shape)))), _shift(state, 1)))
+        state = split(snp.where(first, snp.broadcast_in_dim(x, shape, tuple(range(1, len(shape)))), shift_stages(state, 1)))
         state = split(stage_fn(params, state))
         return state, state
     _, ys = scan(step, split(snp.zeros(shape, microbatches.dtype)), xs, policy=policy)
-    return _last_stage(ys[s - 1:])
+    return last_stage(ys[s - 1:])
 
 
 def _circular(stage_fn, leaves, treedef, specs, microbatches, mesh, axis, stage_dim, split, policy):
@@ -82,7 +88,7 @@ def _circular(stage_fn, leaves, treedef, specs, microbatches, mesh, axis, stage_
         raise ValueError(f"a circular pipeline feeds micro-batches in groups of the {axis!r} axis size; got {m} "
                          f"micro-batches for {s} devices (use a multiple of {s})")
     # stage r * S + j on device j: [V] -> [R, S], the S dim split
-    stacked = [_split_param(snp.reshape(p, p.shape[:stage_dim] + (r, s) + p.shape[stage_dim + 1:]), sp, mesh, axis,
+    stacked = [split_param(snp.reshape(p, p.shape[:stage_dim] + (r, s) + p.shape[stage_dim + 1:]), sp, mesh, axis,
                             stage_dim, extra=(None,)) for p, sp in zip(leaves, specs)]
     sched = circular_schedule(m, s, r)
     shape = (s,) + microbatches.shape[1:]
@@ -99,17 +105,17 @@ def _circular(stage_fn, leaves, treedef, specs, microbatches, mesh, axis, stage_
         x, sel, fresh = inputs
         # device 0 takes a new micro-batch, or what device S - 1 produced (the wrap-around); the others shift
         fresh = snp.broadcast_in_dim(fresh, shape, ())
-        wrapped = snp.where(fresh, snp.broadcast_in_dim(x, shape, tuple(range(1, len(shape)))), _shift(state, 1 - s))
-        state = split(snp.where(first, wrapped, _shift(state, 1)))
+        wrapped = snp.where(fresh, snp.broadcast_in_dim(x, shape, tuple(range(1, len(shape)))), shift_stages(state, 1 - s))
+        state = split(snp.where(first, wrapped, shift_stages(state, 1)))
         params = pytree_unflatten(treedef, [pick(p, sel) for p in stacked])
         state = split(stage_fn(params, state))
         return state, state
     inputs = (xs, snp.asarray(sched["stage_of"]), snp.asarray(sched["fresh"]))
     _, ys = scan(step, split(snp.zeros(shape, microbatches.dtype)), inputs, policy=policy)
-    return _last_stage(snp.concatenate([ys[t:t + s] for t in sched["exits"]], 0))
+    return last_stage(snp.concatenate([ys[t:t + s] for t in sched["exits"]], 0))
 
 
-def _last_stage(ys):
+def last_stage(ys):
     """``ys[:, -1]`` of stacked states [T, S, ...] split over S, as a masked sum over the stage dim: the forward is
     the same all-reduce as indexing, but its VJP is a broadcast times the mask, which stays split over the stage
     axis (an index's VJP pads the cotangent into a replicated [T, S, ...] buffer: S times each rank's share)."""

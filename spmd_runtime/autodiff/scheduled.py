@@ -31,7 +31,8 @@ from .. import numpy as snp
 from ..bodies import capture, pytree_flatten, pytree_unflatten
 from ..ops.control import scan
 from ..ops.core import stop_gradient
-from ..pipeline import _last_stage, _shift, _split_param, check_stages, one_f_one_b_schedule, pipeline
+from ..pipeline import (check_stages, flat_param_specs, last_stage, one_f_one_b_schedule, pipeline, shift_stages,
+                        split_param)
 from ..trace import current_graph, mesh_split
 from .engine import backward_from, value_and_grad
 
@@ -39,19 +40,21 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 def pipeline_loss(stage_fn, stage_params, microbatches, loss_fn, head_params=None, targets=None, *, mesh,
-                  stage_axis="stage", schedule="1f1b", stage_dim=0, state_spec=None, policy=None):
+                  stage_axis="stage", schedule="1f1b", stage_dim=0, param_specs=None, state_spec=None, policy=None):
     """``sum_m loss_fn(head_params, y_m, targets[m])`` where ``y`` = the S pipelined stages of ``stage_fn`` (as in
     ``sr.pipeline``: ``stage_fn(stage_params, x)`` runs every stage at once on x [S, ...]) applied to
     ``microbatches`` [M, ...]. ``schedule``: "1f1b" (at most S micro-batches held per stage) or "gpipe"
     (``sr.pipeline``, then the head on each output). Differentiable in ``stage_params``, ``head_params`` and
-    ``microbatches``; ``targets`` [M, ...] (or None: ``loss_fn`` gets None) is not differentiated."""
+    ``microbatches``; ``targets`` [M, ...] (or None: ``loss_fn`` gets None) is not differentiated.
+    ``param_specs`` / ``state_spec``: the other dims' specs of the stage parameters and of one micro-batch, as in
+    ``sr.pipeline``; ``policy``: GPipe's loop remat policy (1F1B saves only each stage's input and recomputes)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline_loss schedule must be one of {SCHEDULES}; got {schedule!r}")
     microbatches = snp.asarray(microbatches)
     state_spec = tuple(state_spec) if state_spec is not None else (None,) * (microbatches.ndim - 1)
     if schedule == "gpipe":
         ys = pipeline(stage_fn, stage_params, microbatches, mesh=mesh, stage_axis=stage_axis, stage_dim=stage_dim,
-                      state_spec=state_spec, policy=policy)
+                      param_specs=param_specs, state_spec=state_spec, policy=policy)
         return _summed_loss(loss_fn, head_params, ys, targets)
     leaves, treedef = pytree_flatten(stage_params)
     check_stages(mesh, stage_axis, [p.shape[stage_dim] if p.ndim > stage_dim else None for p in leaves],
@@ -59,7 +62,8 @@ def pipeline_loss(stage_fn, stage_params, microbatches, loss_fn, head_params=Non
     head, head_def = pytree_flatten(head_params)
     loss, grads, head_grads, x_grad = _one_f_one_b(
         stage_fn, [stop_gradient(p) for p in leaves], treedef, stop_gradient(microbatches), loss_fn,
-        [stop_gradient(h) for h in head], head_def, targets, mesh, stage_axis, stage_dim, state_spec)
+        [stop_gradient(h) for h in head], head_def, targets, mesh, stage_axis, stage_dim,
+        flat_param_specs(stage_params, param_specs, len(leaves)), state_spec)
     out = stop_gradient(loss)
     for p, g in zip(leaves + head + [microbatches], grads + head_grads + [x_grad]):
         out = out + snp.sum((p - stop_gradient(p)) * stop_gradient(g))  # value 0, derivative g
@@ -75,7 +79,7 @@ def _summed_loss(loss_fn, head_params, ys, targets):
 
 
 def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_def, targets, mesh, axis,
-                 stage_dim, state_spec):
+                 stage_dim, specs, state_spec):
     s, m = leaves[0].shape[stage_dim], microbatches.shape[0]
     sched = one_f_one_b_schedule(m, s)
     k_slots, dtype = sched["slots"], microbatches.dtype
@@ -83,7 +87,8 @@ def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_de
     shape = (s,) + microbatches.shape[1:]
     split = lambda x: mesh_split(x, mesh, (axis,) + state_spec)
     slotted = lambda x: mesh_split(x, mesh, (None, axis) + state_spec)
-    params = [_split_param(p, None, mesh, axis, stage_dim) for p in leaves]
+    pin = lambda ps: [split_param(p, sp, mesh, axis, stage_dim) for p, sp in zip(ps, specs)]
+    params = pin(leaves)
     first = snp.broadcast_in_dim(snp.arange(s) == 0, shape, (0,))
     last = snp.broadcast_in_dim(snp.arange(s) == s - 1, shape, (0,))
     zero = snp.zeros((), dtype)
@@ -98,7 +103,7 @@ def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_de
     def step(carry, row):
         act, cot, dy, inbox, saved, grads, loss, head_grads, dx = carry
         ps = [capture(p) for p in params]
-        inbox = put(inbox, row["recv"], _shift(act, 1))  # what stage j - 1 ran forward last slot
+        inbox = put(inbox, row["recv"], shift_stages(act, 1))  # what stage j - 1 ran forward last slot
         x0 = snp.reshape(snp.dynamic_slice(microbatches, [row["first_mb"]] + [0] * (len(shape) - 1),
                                            (1,) + shape[1:]), shape[1:])
         x_fwd = split(snp.where(first, snp.broadcast_in_dim(x0, shape, tuple(range(1, len(shape)))),
@@ -106,17 +111,17 @@ def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_de
         saved = put(saved, row["fwd"], x_fwd)
         backward = snp.broadcast_in_dim(row["is_bwd"], shape, (0,))
         x = split(snp.where(backward, pick(saved, row["bwd"]), x_fwd))
-        ct = split(snp.where(last, snp.broadcast_in_dim(dy, shape, tuple(range(1, len(shape)))), _shift(cot, -1)))
+        ct = split(snp.where(last, snp.broadcast_in_dim(dy, shape, tuple(range(1, len(shape)))), shift_stages(cot, -1)))
         start = len(current_graph().nodes)
         y = split(stage_fn(pytree_unflatten(treedef, ps), x))
         *dps, dx_t = backward_from({y.id: ct}, ps + [x], start)
-        grads = [g + snp.where(snp.broadcast_in_dim(row["is_bwd"], d.shape, (stage_dim,)), d, snp.zeros((), d.dtype))
-                 for g, d in zip(grads, dps)]
+        grads = pin([g + snp.where(snp.broadcast_in_dim(row["is_bwd"], d.shape, (stage_dim,)), d,
+                                   snp.zeros((), d.dtype)) for g, d in zip(grads, dps)])
         target = None if targets is None else snp.reshape(
             snp.dynamic_slice(targets, [row["last_mb"]] + [0] * (targets.ndim - 1), (1,) + targets.shape[1:]),
             targets.shape[1:])
         hs = [capture(h) for h in head]
-        out = snp.reshape(_last_stage(snp.reshape(y, (1,) + shape)), shape[1:])  # the last stage's output
+        out = snp.reshape(last_stage(snp.reshape(y, (1,) + shape)), shape[1:])  # the last stage's output
         l, (dhs, dy) = value_and_grad(lambda h, out: loss_fn(pytree_unflatten(head_def, h), out, target),
                                       argnums=(0, 1))(hs, out)
         on = row["last_on"]
@@ -129,7 +134,7 @@ def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_de
 
     init = (split(snp.zeros(shape, dtype)), split(snp.zeros(shape, dtype)), snp.zeros(shape[1:], dtype),
             slotted(snp.zeros((k_slots,) + shape, dtype)), slotted(snp.zeros((k_slots,) + shape, dtype)),
-            [snp.zeros(p.shape, p.dtype) for p in params], snp.zeros((), np.result_type(dtype, np.float32)),
+            pin([snp.zeros(p.shape, p.dtype) for p in params]), snp.zeros((), np.result_type(dtype, np.float32)),
             [snp.zeros(h.shape, h.dtype) for h in head],
             mesh_split(snp.zeros((s, m + 1) + shape[1:], dtype), mesh, (axis, None) + state_spec))
     out = scan(step, init, {k: snp.asarray(v) for k, v in tables.items()})[0]
