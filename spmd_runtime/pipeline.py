@@ -48,6 +48,18 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh, stage_axis="stage", 
     return run(stage_fn, leaves, treedef, specs, microbatches, mesh, stage_axis, stage_dim, split, policy)
 
 
+def micro_batches(x, m: int):
+    """[b, ...] -> [M, b / M, ...]: rows m, m + M, ... of ``x`` form micro-batch m, so a split of the batch dim
+    stays local (each shard's rows spread over every micro-batch)."""
+    return snp.transpose(snp.reshape(x, (x.shape[0] // m, m) + x.shape[1:]), (1, 0) + tuple(range(2, x.ndim + 1)))
+
+
+def stages_of_layers(w, s: int):
+    """[L, ...] -> [L / S, S, ...]: stage j's L / S consecutive layers at [:, j] (layer l on stage l // (L / S)),
+    so the layer dim split over the stage axis is each rank holding its stage."""
+    return snp.transpose(snp.reshape(w, (s, w.shape[0] // s) + w.shape[1:]), (1, 0) + tuple(range(2, w.ndim + 1)))
+
+
 def flat_param_specs(stage_params, param_specs, n: int) -> list:
     """``param_specs`` (a pytree like ``stage_params``, spec tuples as leaves; None: replicated) flat, one per leaf."""
     if param_specs is None:
@@ -212,4 +224,4 @@ def check_stages(mesh, stage_axis: str, stages: list, shapes=None) -> None:
                          f"{stages[0]} stages on {mesh.axis_size(stage_axis)} devices")
 
 
-__all__ = ["pipeline", "check_stages", "circular_schedule", "one_f_one_b_schedule", "bubble_fraction"]
+__all__ = ["pipeline", "check_stages", "micro_batches", "stages_of_layers", "circular_schedule", "one_f_one_b_schedule", "bubble_fraction"]

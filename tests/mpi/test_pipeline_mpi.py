@@ -41,3 +41,30 @@ def test_gpipe_output_cotangent_is_one_stage_per_rank():
     t = 3 + N - 1
     pads = [i for i in program.instrs if tuple(i.global_shape) == (t, N, B, D) and i.op == "pad"]
     assert pads and all(tuple(i.shape) == (t, 1, B, D) for i in pads)
+
+
+PIPE_CFG = sr.LMConfig(layers=4, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, dtype="float64")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(N != 8, reason="the pipeline meshes (stage=2, data=2, model=2) and (stage=4, data=2) need 8 ranks")
+@pytest.mark.parametrize("shape,microbatches", [((2, 2, 2), 2), ((4, 2), 4)], ids=["2x2x2", "4x2"])
+def test_pipeline_1f1b_preset_trains_like_the_gpipe_preset(shape, microbatches):
+    """Three steps of the 1F1B preset give the GPipe preset's losses and every parameter and optimizer slot."""
+    world, opt = MPI.COMM_WORLD, sr.AdamW(lr=1e-2, weight_decay=0.1)
+    rng = np.random.default_rng(3)
+    batch = tuple(rng.integers(0, PIPE_CFG.vocab, (PIPE_CFG.batch, PIPE_CFG.seq)).astype("int32") for _ in range(2))
+    results = []
+    for preset in ("pipeline", "pipeline_1f1b"):
+        ts = sr.build_train_step_on_root(PIPE_CFG, sr.train_mesh(shape, preset), preset, opt, world, microbatches)
+        local, losses = ts.shard_state(ts.init(seed=1), world.Get_rank()), []
+        for _ in range(3):
+            local, loss = ts.step(local, *batch, comm=world)
+            losses.append(loss)
+        results.append((ts.named(ts.gather(local, world)), losses))
+    (gpipe, gpipe_losses), (one_f, one_f_losses) = results
+    np.testing.assert_allclose(one_f_losses, gpipe_losses, rtol=1e-12)
+    assert gpipe_losses[2] < gpipe_losses[0]
+    assert len(gpipe) > 20
+    for name, want in gpipe.items():
+        np.testing.assert_allclose(one_f[name], want, rtol=1e-9, atol=1e-12, err_msg=name)

@@ -8,10 +8,12 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
-from simulated import run_everywhere
+from simulated import run_everywhere, train_simulated
+from spmd_runtime.optim import AdamW
 from spmd_runtime.pipeline import bubble_fraction, one_f_one_b_schedule
 
 from pipeline_cases import B, D, loss_program, numpy_loss_and_grads, stages
+from test_pipeline import LM, lm_batches
 
 
 @pytest.mark.parametrize("m,s", [(1, 1), (1, 3), (3, 4), (4, 4), (8, 4), (6, 2), (16, 8)])
@@ -100,3 +102,23 @@ def test_pipeline_loss_rejects_an_unknown_schedule():
         sr.trace(lambda w, x: sr.pipeline_loss(stages, w, x, lambda h, y, t: snp.sum(y), mesh=mesh,
                                                schedule="interleaved"),
                  sr.TensorSpec((2, D, D)), sr.TensorSpec((3, B, D)))
+
+
+@pytest.mark.parametrize("shape,microbatches", [((2, 2, 2), 2), ((4, 2), 4)], ids=["2x2x2", "4x2"])
+def test_pipeline_1f1b_preset_trains_like_the_gpipe_preset(shape, microbatches):
+    """The LM on 8 simulated ranks: three steps of ``pipeline_1f1b`` give the ``pipeline`` (GPipe) preset's losses,
+    parameters and optimizer state; its loop runs 2 (M + S - 1) slots with one activation and one cotangent shift
+    each."""
+    steps = {p: sr.build_train_step(LM, sr.train_mesh(shape, p), p, AdamW(lr=1e-2), microbatches=microbatches)
+             for p in ("pipeline", "pipeline_1f1b")}
+    state, data = steps["pipeline"].init(0), lm_batches(1) * 3
+    (gpipe, gpipe_losses), (one_f, one_f_losses) = [train_simulated(ts, state, data) for ts in steps.values()]
+    np.testing.assert_allclose(one_f_losses, gpipe_losses, rtol=1e-12)
+    assert gpipe_losses[2] < gpipe_losses[0]
+    gpipe, one_f = steps["pipeline"].named(gpipe), steps["pipeline_1f1b"].named(one_f)
+    assert len(gpipe) > 20
+    for name, want in gpipe.items():
+        np.testing.assert_allclose(one_f[name], want, rtol=1e-9, atol=1e-12, err_msg=name)
+    s = shape[0]
+    permutes = [c for c in steps["pipeline_1f1b"].program.comm_summary() if c["kind"] == "collective_permute"]
+    assert [c["trips"] for c in permutes] == [2 * (microbatches + s - 1)] * 2
