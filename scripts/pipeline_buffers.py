@@ -1,6 +1,6 @@
 """The loop buffers of the pipeline preset's partitioned training step, with their shardings and per-rank bytes.
 
-    python scripts/pipeline_buffers.py --stages 32 --microbatches 32 --d 256 --seq 2048
+    python scripts/pipeline_buffers.py --stages 32 --microbatches 32 --d 256 --seq 2048 [--preset pipeline_1f1b]
 
 Partitions (never runs) one step of the ``pipeline`` preset on a ("stage",) mesh and lists, per scan (the
 forward pipeline loop, the backward loop autodiff builds, the per-stage layer scans inside them): its carries,
@@ -16,6 +16,7 @@ import numpy as np
 
 import spmd_runtime as sr
 from spmd_runtime.optim import AdamW
+from spmd_runtime.pipeline import bubble_fraction
 
 
 def _local_bytes(shape, dtype, sharding, mesh) -> int:
@@ -54,11 +55,10 @@ def largest_buffers(program, n: int = 8) -> list:
 
 
 def pipeline_step(stages: int, microbatches: int, d: int = 64, seq: int = 16, micro_batch: int = 1,
-                  layers: int | None = None, dtype: str = "float32"):
+                  layers: int | None = None, dtype: str = "float32", preset: str = "pipeline"):
     cfg = sr.LMConfig(layers=layers or stages, d=d, heads=max(1, d // 64), ffn=4 * d, vocab=64, seq=seq,
                       batch=micro_batch * microbatches, dtype=dtype)
-    return sr.build_train_step(cfg, sr.train_mesh((stages,), "pipeline"), "pipeline", AdamW(),
-                               microbatches=microbatches)
+    return sr.build_train_step(cfg, sr.train_mesh((stages,), preset), preset, AdamW(), microbatches=microbatches)
 
 
 def main(argv=None) -> None:
@@ -68,10 +68,12 @@ def main(argv=None) -> None:
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--preset", default="pipeline", choices=("pipeline", "pipeline_1f1b"))
     args = ap.parse_args(argv)
-    ts = pipeline_step(args.stages, args.microbatches, args.d, args.seq, args.micro_batch)
+    ts = pipeline_step(args.stages, args.microbatches, args.d, args.seq, args.micro_batch, preset=args.preset)
     gib = lambda b: f"{b / 2**20:10.2f} MiB"
-    print(f"pipeline preset, S={args.stages} M={args.microbatches} d={args.d} seq={args.seq} "
+    schedule = "1f1b" if args.preset == "pipeline_1f1b" else "gpipe"
+    print(f"{args.preset} preset, S={args.stages} M={args.microbatches} d={args.d} seq={args.seq} "
           f"micro-batch={args.micro_batch}: loop buffers per rank")
     for b in loop_buffers(ts.program):
         print(f"  {gib(b['bytes'])}  {b['role']:5s} {str(b['shape']):28s} {str(b['sharding']):22s} {b['where']}")
@@ -79,6 +81,7 @@ def main(argv=None) -> None:
     for nbytes, op, shape, sharding in largest_buffers(ts.program):
         print(f"  {gib(nbytes)}  {op:18s} {str(shape):28s} {sharding}")
     print(f"peak bytes per rank: {gib(ts.program.peak_bytes())}")
+    print(f"bubble fraction ({schedule}): {bubble_fraction(schedule, args.stages, args.microbatches):.3f}")
 
 
 if __name__ == "__main__":
