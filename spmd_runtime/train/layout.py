@@ -64,7 +64,11 @@ class Layout:
             return self.annotate(x, moe_activation_spec(p, role, x.ndim))
         model = p.model if role == "logits" else None
         stage = (p.stage or None,) if x.ndim == 4 else ()  # inside the pipeline: (stages, batch, seq, d)
-        return self.annotate(x, stage + (p.batch or None, p.seq or None, model or None))
+        # outside it (embedding, head, loss) the stage axis splits the batch too, where it divides the rows: no
+        # stage repeats that work
+        batch = p.batch + p.stage if x.ndim == 3 and p.stage and \
+            x.shape[0] % self.mesh.axis_size(p.batch + p.stage) == 0 else p.batch
+        return self.annotate(x, stage + (batch or None, p.seq or None, model or None))
 
     def annotate_state(self, state: dict) -> dict:
         """The new optimizer state tree, each slot pinned to its input's spec (so the step iterates)."""
