@@ -87,8 +87,19 @@ def pipeline_layers(cfg: LMConfig, layout: Layout, microbatches: int):
     """The pipeline preset's ``run_layers``: stages over the stage axes, each micro-batch's residual split like
     the batch, each stage's weights split like megatron's."""
     p = layout.preset
-    return pipelined_layers(layout.mesh, microbatches, p.stage[0], layout.layer_specs(layout.use),
-                            (p.batch or None, p.seq or None, None))
+    run = pipelined_layers(layout.mesh, microbatches, p.stage[0], layout.layer_specs(layout.use),
+                           (p.batch or None, p.seq or None, None))
+    return lambda cfg, block, x, stacked: run(cfg, block, _entering_pipeline(layout, x, microbatches), stacked)
+
+
+def _entering_pipeline(layout: Layout, x, microbatches: int):
+    """The whole batch's residual before it is cut into micro-batches: its rows stay split over the stage axis
+    (as ``Layout.activation`` split them) only where each micro-batch's rows divide among the (batch, stage)
+    shards; otherwise gathered over the stages here, so no micro-batch dim comes out split."""
+    p = layout.preset
+    rows = x.shape[0] // microbatches
+    batch = p.batch + p.stage if rows % layout.mesh.axis_size(p.batch + p.stage) == 0 else p.batch
+    return layout.annotate(x, (batch or None, p.seq or None, None))
 
 
 def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
@@ -108,6 +119,7 @@ def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
 
     def loss(params, tokens, labels):
         x = annotate(embed(cfg, params["embed"], tokens) + positional(params["pos"], tokens.shape[0]), "residual")
+        x = _entering_pipeline(layout, x, microbatches)
         stacked = {n[len(STACKED):]: w for n, w in params.items() if n.startswith(STACKED)}
         stage_specs = {k: (None,) + tuple(specs.get(k) or (None,) * (w.ndim - 1)) for k, w in stacked.items()}
         block = lambda x, layer: dense_block(cfg, x, layer, annotate)
