@@ -7,7 +7,11 @@ micro-batch t), which the partitioner turns into one collective_permute to the n
 every stage at once, vectorised over the stage dim: with the stage dim split, each rank computes its
 own stage. Micro-batch m enters stage 0 at iteration m and leaves the last stage at iteration
 m + S - 1 (GPipe's schedule; bubble fraction (S - 1) / (M + S - 1)). The backward pass is the same loop
-reversed (reverse-mode through the scan), optionally rematerialising the stage bodies.
+reversed (reverse-mode through the scan), optionally rematerialising the stage bodies. The last stage's outputs
+leave the loop by a masked sum over the stage dim (``last_stage``), whose cotangent stays split over the stages.
+
+Also here, for ``autodiff/scheduled.py``'s ``pipeline_loss``: the 1F1B table (``one_f_one_b_schedule``), and
+``bubble_fraction`` of each schedule.
 """
 from __future__ import annotations
 

@@ -17,14 +17,19 @@ def head_loss(v, y, t):  # the head on one micro-batch's output [B, D], against 
     return snp.sum((y @ v - t) ** 2)
 
 
-def loss_program(mesh, schedule, s, m):
+def loss_program(mesh, schedule, s, m, rows=B):
+    """``rows`` per micro-batch, split over mesh axis "data" where the mesh has one (uneven when it does not
+    divide them)."""
+    state_spec = ("data", None) if "data" in mesh.axis_names else None
+
     def f(w, v, xs, ts):
-        loss = lambda w, v, xs: sr.pipeline_loss(stages, w, xs, head_loss, v, ts, mesh=mesh, schedule=schedule)
+        loss = lambda w, v, xs: sr.pipeline_loss(stages, w, xs, head_loss, v, ts, mesh=mesh, schedule=schedule,
+                                                 state_spec=state_spec)
         value, grads = sr.value_and_grad(loss, (0, 1, 2))(w, v, xs)
         return (value,) + grads
     rng = np.random.default_rng(0)
-    args = [0.5 * rng.standard_normal((s, D, D)), rng.standard_normal((D, H)), rng.standard_normal((m, B, D)),
-            rng.standard_normal((m, B, H))]
+    args = [0.5 * rng.standard_normal((s, D, D)), rng.standard_normal((D, H)), rng.standard_normal((m, rows, D)),
+            rng.standard_normal((m, rows, H))]
     graph = sr.trace(f, *args)
     return graph, sr.partition(graph, mesh), args
 

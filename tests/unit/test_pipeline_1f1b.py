@@ -44,15 +44,18 @@ def test_bubble_fractions():
         bubble_fraction("pipedream", 4, 8)
 
 
-@pytest.mark.parametrize("shape,axes,s,m", [((4,), ("stage",), 4, 6), ((4, 2), ("stage", "data"), 4, 3),
-                                            ((8,), ("stage",), 8, 8), ((2,), ("stage",), 4, 3)], ids=str)
-def test_one_f_one_b_loss_and_gradients_equal_gpipe_and_the_reference(shape, axes, s, m):
-    """(2,) runs 4 stages on 2 devices (2 vectorised stages each)."""
+@pytest.mark.parametrize("shape,axes,s,m,rows", [
+    ((4,), ("stage",), 4, 6, B), ((4, 2), ("stage", "data"), 4, 3, B), ((8,), ("stage",), 8, 8, B),
+    ((2,), ("stage",), 4, 3, B), ((3,), ("stage",), 3, 4, B), ((3, 2), ("stage", "data"), 3, 2, 3),
+    ((2, 4), ("stage", "data"), 2, 3, 3), ((1,), ("stage",), 2, 2, B)], ids=str)
+def test_one_f_one_b_loss_and_gradients_equal_gpipe_and_the_reference(shape, axes, s, m, rows):
+    """1 to 8 ranks; (2,) runs 4 stages on 2 devices (2 vectorised stages each); 3 rows over data=2 or 4 are
+    uneven."""
     mesh = sr.Mesh(shape, axes)
-    graph, prog, args = loss_program(mesh, "1f1b", s, m)
+    graph, prog, args = loss_program(mesh, "1f1b", s, m, rows)
     want = numpy_loss_and_grads(*args)
     ref = sr.evaluate(graph, *args)
-    gpipe_graph, _, _ = loss_program(mesh, "gpipe", s, m)
+    gpipe_graph, _, _ = loss_program(mesh, "gpipe", s, m, rows)
     for got, g, w in zip(ref, sr.evaluate(gpipe_graph, *args), want):
         np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
