@@ -15,6 +15,8 @@ Also here, for ``autodiff/scheduled.py``'s ``pipeline_loss``: the 1F1B table (``
 """
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from . import numpy as snp
@@ -159,55 +161,136 @@ def circular_schedule(m: int, s: int, r: int) -> dict:
     return {"stage_of": stage_of, "fresh": fresh, "exits": exits}
 
 
-def one_f_one_b_schedule(m: int, s: int) -> dict:
-    """PipeDream-flush (1F1B) for M micro-batches on S stages, in slots of one forward or one backward per stage:
-    stage j runs min(S - 1 - j, M) warm-up forwards, then alternates one forward and one backward, then drains
-    its backwards; each op takes the earliest slot after its input arrived (a forward after the previous stage's
-    forward of that micro-batch, a backward after the next stage's backward, the last stage's backward after its
-    own forward). ``fwd[t, j]`` / ``bwd[t, j]``: the micro-batch stage j runs forward / backward at slot t (-1:
-    none); ``slots``: the most micro-batches any stage holds between their forward and backward (at most S: the
-    1F1B bound; GPipe holds all M); ``length``: 2 (M + S - 1) slots. Built once at trace time (O(M S))."""
-    order = []
-    for j in range(s):
-        warm = min(s - 1 - j, m)
-        ops = [(0, k) for k in range(warm)]
-        for i in range(m - warm):
-            ops += [(0, warm + i), (1, i)]
-        order.append(ops + [(1, k) for k in range(m - warm, m)])
+def one_f_one_b_schedule(m: int, s: int, v: int = 1) -> dict:
+    """PipeDream-flush (1F1B) for M micro-batches on S devices, in slots of one forward or one backward per device;
+    with ``v`` > 1 the interleaved schedule (Megatron-LM 2021): device j holds the v stages j, j + S, ... (chunks
+    0..v-1) and runs one chunk's op per slot. Each device runs its warm-up forwards (S - 1 - j without chunks;
+    2 (S - 1 - j) + (v - 1) S with them), then alternates one forward and one backward, then drains its
+    backwards; forwards take micro-batches in groups of S chunk by chunk, backwards the chunks in reverse. Each
+    op takes the earliest slot after its input arrived (a forward after the previous stage's forward of that
+    micro-batch, a backward after the next stage's backward, the last stage's backward after its own forward).
+
+    Returns per slot t and device j: ``kind`` (0 idle, 1 forward, 2 backward), ``mb``, ``chunk``; the buffer slot
+    each value occupies (``save``: the stage input a forward saves and its backward reads; ``inbox``: a received
+    activation until its forward; ``cotangent``: a received cotangent, or the head's, until its backward), with
+    ``recv`` / ``recv_ct`` the slot an arriving value is written to (-1: none) and ``head`` the cotangent slot the
+    last stage's head writes; ``sizes`` the slots each buffer needs (at most S micro-batches per device for
+    1F1B); ``length`` (2 (M + S - 1) slots for 1F1B). Built once at trace time (O(M v S) work)."""
+    if v > 1 and m % s:
+        raise ValueError(f"the interleaved schedule takes micro-batches in groups of the device count; got {m} "
+                         f"micro-batches for {s} devices (use a multiple of {s})")
+    order = [_device_order(m, s, v, j) for j in range(s)]
     done, nxt, rows = {}, [0] * s, []
+    last = (v - 1, s - 1)
     while any(nxt[j] < len(order[j]) for j in range(s)):
         t, row = len(rows), [None] * s
         for j in range(s):
             if nxt[j] < len(order[j]):
-                kind, k = order[j][nxt[j]]
-                need = ((0, k, j - 1) if j else None) if kind == 0 else (1, k, j + 1) if j < s - 1 else (0, k, j)
+                kind, k, c = order[j][nxt[j]]
+                need = _needs(kind, k, c, j, s, v)
                 if need is None or done.get(need, t) < t:
-                    row[j] = (kind, k)
+                    row[j] = (kind, k, c)
         for j, op in enumerate(row):
             if op is not None:
-                done[op + (j,)] = t
+                done[op[0], op[1], op[2], j] = t
                 nxt[j] += 1
         rows.append(row)
-    fwd, bwd = np.full((len(rows), s), -1), np.full((len(rows), s), -1)
-    for (kind, k, j), t in done.items():
-        (bwd if kind else fwd)[t, j] = k
-    ran = lambda table: np.cumsum(table >= 0, axis=0)
-    held = ran(fwd) - (ran(bwd) - (bwd >= 0))  # saved stage inputs, the one a backward reads included
-    arrived = np.concatenate([np.zeros((1, s), int), ran(fwd)[:-1]], 0)[:, :-1]  # stage j - 1's outputs so far
-    waiting = arrived - (ran(fwd)[:, 1:] - (fwd[:, 1:] >= 0))  # received by stage j, not yet run forward
-    live = int(max(held.max(), waiting.max(initial=0)))
-    return {"fwd": fwd, "bwd": bwd, "slots": live, "length": len(rows)}
+    t_all = len(rows)
+    out = {name: np.full((t_all, s), -1) for name in ("mb", "chunk", "save", "inbox", "cotangent", "recv", "recv_ct",
+                                                      "head")}
+    out["kind"] = np.zeros((t_all, s), int)
+    buffers = {name: _Slots(s) for name in ("save", "inbox", "cotangent")}
+    for t, row in enumerate(rows):
+        for j in range(s):  # what arrives this slot: last slot's outputs, shifted one device on / back
+            src = rows[t - 1][(j - 1) % s] if t else None
+            if src is not None and src[0] == 1 and (src[2], (j - 1) % s) != last and (j or src[2] + 1 < v):
+                out["recv"][t, j] = buffers["inbox"].take((src[1], src[2] + (j == 0)), j, t)
+            src = rows[t - 1][(j + 1) % s] if t else None
+            if src is not None and src[0] == 2 and (j < s - 1 or src[2] > 0) and (src[2], (j + 1) % s) != (0, 0):
+                out["recv_ct"][t, j] = buffers["cotangent"].take((src[1], src[2] - (j == s - 1)), j, t)
+        for j, op in enumerate(row):
+            if op is None:
+                continue
+            kind, k, c = op
+            out["kind"][t, j], out["mb"][t, j], out["chunk"][t, j] = kind, k, c
+            if kind == 1:
+                if (j, c) != (0, 0):
+                    out["inbox"][t, j] = buffers["inbox"].give((k, c), j, t)
+                out["save"][t, j] = buffers["save"].take((k, c), j, t)
+                if (c, j) == last:
+                    out["head"][t, j] = buffers["cotangent"].take((k, c), j, t)
+            else:
+                out["save"][t, j] = buffers["save"].give((k, c), j, t)
+                out["cotangent"][t, j] = buffers["cotangent"].give((k, c), j, t)
+    out["sizes"] = {name: b.size for name, b in buffers.items()}
+    out["length"] = t_all
+    return out
+
+
+def _device_order(m: int, s: int, v: int, j: int) -> list:
+    """Device j's ops in 1F1B order: (kind 1 forward / 2 backward, micro-batch, chunk)."""
+    def op(kind, n):  # the n-th forward or backward: groups of S micro-batches, chunk by chunk
+        group, within = divmod(n, s * v)
+        chunk = within // s if kind == 1 else v - 1 - within // s
+        return (kind, group * s + within % s, chunk) if v > 1 else (kind, n, 0)
+    total = m * v
+    warm = min(total, s - 1 - j if v == 1 else 2 * (s - 1 - j) + (v - 1) * s)
+    ops = [op(1, n) for n in range(warm)]
+    for i in range(total - warm):
+        ops += [op(1, warm + i), op(2, i)]
+    return ops + [op(2, n) for n in range(total - warm, total)]
+
+
+def _needs(kind: int, k: int, c: int, j: int, s: int, v: int):
+    """The op whose output the op (kind, micro-batch k, chunk c) on device j takes (None: the input itself)."""
+    if kind == 1:
+        return (1, k, c, j - 1) if j else (1, k, c - 1, s - 1) if c else None
+    if j < s - 1:
+        return (2, k, c, j + 1)
+    return (2, k, c + 1, 0) if c < v - 1 else (1, k, c, j)
+
+
+class _Slots:
+    """Buffer slots per device, handed out at a value's first slot and free again the slot after its last (the
+    lowest free one first)."""
+
+    def __init__(self, s: int):
+        self.held, self.size = [{} for _ in range(s)], 0
+        self.free, self.count = [[] for _ in range(s)], [0] * s
+        self.released = [[] for _ in range(s)]  # (slot, when): free from the slot after ``when``
+
+    def take(self, key, j: int, t: int) -> int:
+        keep = []
+        for q, when in self.released[j]:
+            if when < t:
+                heapq.heappush(self.free[j], q)
+            else:
+                keep.append((q, when))
+        self.released[j] = keep
+        if self.free[j]:
+            slot = heapq.heappop(self.free[j])
+        else:
+            slot, self.count[j] = self.count[j], self.count[j] + 1
+        self.held[j][key] = slot
+        self.size = max(self.size, slot + 1)
+        return slot
+
+    def give(self, key, j: int, t: int) -> int:
+        slot = self.held[j].pop(key)
+        self.released[j].append((slot, t))
+        return slot
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, rounds: int = 1) -> float:
     """The idle fraction of each device's time in a pipeline step (forward and backward alike): GPipe and 1F1B
-    (S - 1) / (M + S - 1); circular (R stages per device, visited round-robin) (S - 1) / (M R + S - 1)."""
+    (S - 1) / (M + S - 1); circular and interleaved 1F1B (``rounds`` = R stages per device, visited round-robin)
+    (S - 1) / (M R + S - 1)."""
     s, m = stages, microbatches
     if schedule in ("gpipe", "1f1b"):
         return (s - 1) / (m + s - 1)
-    if schedule == "circular":
+    if schedule in ("circular", "interleaved"):
         return (s - 1) / (m * rounds + s - 1)
-    raise ValueError(f"schedule must be one of 'gpipe', '1f1b', 'circular'; got {schedule!r}")
+    raise ValueError(f"schedule must be one of 'gpipe', '1f1b', 'circular', 'interleaved'; got {schedule!r}")
 
 
 def is_spec(x) -> bool:

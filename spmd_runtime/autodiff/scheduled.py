@@ -36,7 +36,7 @@ from ..pipeline import (check_stages, flat_param_specs, last_stage, one_f_one_b_
 from ..trace import current_graph, mesh_split
 from .engine import backward_from, value_and_grad
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def pipeline_loss(stage_fn, stage_params, microbatches, loss_fn, head_params=None, targets=None, *, mesh,
@@ -60,10 +60,11 @@ def pipeline_loss(stage_fn, stage_params, microbatches, loss_fn, head_params=Non
     check_stages(mesh, stage_axis, [p.shape[stage_dim] if p.ndim > stage_dim else None for p in leaves],
                  [tuple(p.shape) for p in leaves])
     head, head_def = pytree_flatten(head_params)
+    chunks = leaves[0].shape[stage_dim] // mesh.axis_size(stage_axis) if schedule == "interleaved" else 1
     loss, grads, head_grads, x_grad = _one_f_one_b(
         stage_fn, [stop_gradient(p) for p in leaves], treedef, stop_gradient(microbatches), loss_fn,
         [stop_gradient(h) for h in head], head_def, targets, mesh, stage_axis, stage_dim,
-        flat_param_specs(stage_params, param_specs, len(leaves)), state_spec)
+        flat_param_specs(stage_params, param_specs, len(leaves)), state_spec, chunks)
     out = stop_gradient(loss)
     for p, g in zip(leaves + head + [microbatches], grads + head_grads + [x_grad]):
         out = out + snp.sum((p - stop_gradient(p)) * stop_gradient(g))  # value 0, derivative g
@@ -79,90 +80,120 @@ def _summed_loss(loss_fn, head_params, ys, targets):
 
 
 def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_def, targets, mesh, axis,
-                 stage_dim, specs, state_spec):
-    s, m = leaves[0].shape[stage_dim], microbatches.shape[0]
-    sched = one_f_one_b_schedule(m, s)
-    k_slots, dtype = sched["slots"], microbatches.dtype
-    tables = _slot_tables(sched, m, s)
-    shape = (s,) + microbatches.shape[1:]
+                 stage_dim, specs, state_spec, chunks):
+    """The 1F1B loop; ``chunks`` > 1: interleaved, device j holding stages j, j + S, ... (as ``circular``)."""
+    v, m = chunks, microbatches.shape[0]
+    s = leaves[0].shape[stage_dim] // v  # schedule columns: devices (interleaved) or the vectorised stages
+    sched = one_f_one_b_schedule(m, s, v)
+    tables = _slot_tables(sched, m, s, v)
+    dtype, shape = microbatches.dtype, (s,) + microbatches.shape[1:]
     split = lambda x: mesh_split(x, mesh, (axis,) + state_spec)
     slotted = lambda x: mesh_split(x, mesh, (None, axis) + state_spec)
-    pin = lambda ps: [split_param(p, sp, mesh, axis, stage_dim) for p, sp in zip(ps, specs)]
-    params = pin(leaves)
-    first = snp.broadcast_in_dim(snp.arange(s) == 0, shape, (0,))
-    last = snp.broadcast_in_dim(snp.arange(s) == s - 1, shape, (0,))
+    extra = (None,) if v > 1 else ()
+    pin = lambda ps: [split_param(p, sp, mesh, axis, stage_dim, extra) for p, sp in zip(ps, specs)]
+    # interleaved: stage c * S + j at [c, j] of a [v, S] pair of dims, the S dim split (device j's chunks)
+    params = pin([snp.reshape(p, p.shape[:stage_dim] + (v, s) + p.shape[stage_dim + 1:]) if v > 1 else p
+                  for p in leaves])
+    rows = lambda flags, like, at=0: snp.broadcast_in_dim(flags, like.shape, tuple(range(at, at + flags.ndim)))
+    first, last = rows(snp.arange(s) == 0, split(snp.zeros(shape, dtype))), None
+    last = rows(snp.arange(s) == s - 1, first)
     zero = snp.zeros((), dtype)
 
-    def pick(buf, onehot):  # [K, S, ...] -> [S, ...]: each stage's slot of the one-hot [K, S]
-        return snp.sum(snp.where(snp.broadcast_in_dim(onehot, buf.shape, (0, 1)), buf, zero), axis=0)
+    def pick(buf, onehot):  # [K, S, ...] -> [S, ...]: each device's slot of the one-hot [K, S]
+        return snp.sum(snp.where(rows(onehot, buf), buf, zero), axis=0)
 
     def put(buf, onehot, x):
-        return slotted(snp.where(snp.broadcast_in_dim(onehot, buf.shape, (0, 1)),
-                                 snp.broadcast_in_dim(x, buf.shape, tuple(range(1, buf.ndim))), buf))
+        return slotted(snp.where(rows(onehot, buf), snp.broadcast_in_dim(x, buf.shape, tuple(range(1, buf.ndim))),
+                                 buf))
+
+    def around(x, rows_on: int):  # one device on (1) or back (-1); interleaved, the ends wrap to the next chunk
+        moved = shift_stages(x, rows_on)
+        return snp.where(first if rows_on > 0 else last, shift_stages(x, rows_on - s * rows_on), moved) \
+            if v > 1 else moved
+
+    def chunk_of(p, onehot):  # [.., v, S, ..] -> [.., S, ..]: each device's chunk of this slot
+        return snp.sum(snp.where(rows(onehot, p, stage_dim), p, snp.zeros((), p.dtype)), axis=stage_dim)
 
     def step(carry, row):
-        act, cot, dy, inbox, saved, grads, loss, head_grads, dx = carry
+        act, cot, inbox, saved, cts, grads, loss, head_grads, dx = carry
         ps = [capture(p) for p in params]
-        inbox = put(inbox, row["recv"], shift_stages(act, 1))  # what stage j - 1 ran forward last slot
-        x0 = snp.reshape(snp.dynamic_slice(microbatches, [row["first_mb"]] + [0] * (len(shape) - 1),
+        inbox = put(inbox, row["recv"], around(act, 1))  # what ran forward on the device before, last slot
+        cts = put(cts, row["recv_ct"], around(cot, -1))  # what ran backward on the device after
+        x0 = snp.reshape(snp.dynamic_slice(microbatches, [row["fresh_mb"]] + [0] * (len(shape) - 1),
                                            (1,) + shape[1:]), shape[1:])
-        x_fwd = split(snp.where(first, snp.broadcast_in_dim(x0, shape, tuple(range(1, len(shape)))),
-                                pick(inbox, row["fwd"])))
-        saved = put(saved, row["fwd"], x_fwd)
-        backward = snp.broadcast_in_dim(row["is_bwd"], shape, (0,))
-        x = split(snp.where(backward, pick(saved, row["bwd"]), x_fwd))
-        ct = split(snp.where(last, snp.broadcast_in_dim(dy, shape, tuple(range(1, len(shape)))), shift_stages(cot, -1)))
+        x_fwd = split(snp.where(rows(row["fresh"], first), snp.broadcast_in_dim(x0, shape, tuple(range(1, len(shape)))),
+                                pick(inbox, row["inbox"])))
+        saved = put(saved, row["save_f"], x_fwd)
+        x = split(snp.where(rows(row["is_bwd"], first), pick(saved, row["save_b"]), x_fwd))
+        ct = split(pick(cts, row["ct_b"]))
+        chosen = [chunk_of(p, row["chunk"]) for p in ps] if v > 1 else ps
         start = len(current_graph().nodes)
-        y = split(stage_fn(pytree_unflatten(treedef, ps), x))
-        *dps, dx_t = backward_from({y.id: ct}, ps + [x], start)
-        grads = pin([g + snp.where(snp.broadcast_in_dim(row["is_bwd"], d.shape, (stage_dim,)), d,
-                                   snp.zeros((), d.dtype)) for g, d in zip(grads, dps)])
+        y = split(stage_fn(pytree_unflatten(treedef, chosen), x))
+        *dps, dx_t = backward_from({y.id: ct}, chosen + [x], start)
+        mask = row["bwd_chunk"] if v > 1 else row["is_bwd"]  # where this slot's backward adds to the gradients
+        grads = pin([g + snp.where(rows(mask, g, stage_dim), snp.broadcast_in_dim(
+            d, g.shape, tuple(k for k in range(g.ndim) if k != stage_dim)) if v > 1 else d,
+            snp.zeros((), d.dtype)) for g, d in zip(grads, dps)])
         target = None if targets is None else snp.reshape(
-            snp.dynamic_slice(targets, [row["last_mb"]] + [0] * (targets.ndim - 1), (1,) + targets.shape[1:]),
+            snp.dynamic_slice(targets, [row["head_mb"]] + [0] * (targets.ndim - 1), (1,) + targets.shape[1:]),
             targets.shape[1:])
         hs = [capture(h) for h in head]
-        out = snp.reshape(last_stage(snp.reshape(y, (1,) + shape)), shape[1:])  # the last stage's output
+        out = snp.reshape(last_stage(snp.reshape(y, (1,) + shape)), shape[1:])  # the last device's output
         l, (dhs, dy) = value_and_grad(lambda h, out: loss_fn(pytree_unflatten(head_def, h), out, target),
                                       argnums=(0, 1))(hs, out)
-        on = row["last_on"]
+        cts = put(cts, row["head"], snp.broadcast_in_dim(dy, shape, tuple(range(1, len(shape)))))
+        on = row["head_on"]
         loss = loss + snp.where(on, snp.astype(l, loss.dtype), snp.zeros((), loss.dtype))
         head_grads = [a + snp.where(on, d, snp.zeros((), d.dtype)) for a, d in zip(head_grads, dhs)]
         dx = mesh_split(snp.dynamic_update_slice(dx, snp.reshape(dx_t, (s, 1) + shape[1:]),
-                                                 [0, row["first_bwd"]] + [0] * (len(shape) - 1)),
+                                                 [0, row["dx_mb"]] + [0] * (len(shape) - 1)),
                         mesh, (axis, None) + state_spec)
-        return (split(y), split(dx_t), dy, inbox, saved, grads, loss, head_grads, dx), None
+        return (split(y), split(dx_t), inbox, saved, cts, grads, loss, head_grads, dx), None
 
-    init = (split(snp.zeros(shape, dtype)), split(snp.zeros(shape, dtype)), snp.zeros(shape[1:], dtype),
-            slotted(snp.zeros((k_slots,) + shape, dtype)), slotted(snp.zeros((k_slots,) + shape, dtype)),
-            pin([snp.zeros(p.shape, p.dtype) for p in params]), snp.zeros((), np.result_type(dtype, np.float32)),
-            [snp.zeros(h.shape, h.dtype) for h in head],
+    buffer = lambda name: slotted(snp.zeros((max(sched["sizes"][name], 1),) + shape, dtype))
+    init = (split(snp.zeros(shape, dtype)), split(snp.zeros(shape, dtype)), buffer("inbox"), buffer("save"),
+            buffer("cotangent"), pin([snp.zeros(p.shape, p.dtype) for p in params]),
+            snp.zeros((), np.result_type(dtype, np.float32)), [snp.zeros(h.shape, h.dtype) for h in head],
             mesh_split(snp.zeros((s, m + 1) + shape[1:], dtype), mesh, (axis, None) + state_spec))
-    out = scan(step, init, {k: snp.asarray(v) for k, v in tables.items()})[0]
-    _, _, _, _, _, grads, loss, head_grads, dx = out
-    x_grad = snp.sum(snp.where(snp.broadcast_in_dim(snp.arange(s) == 0, dx.shape, (0,)), dx, zero), axis=0)[:m]
+    out = scan(step, init, {k: snp.asarray(t) for k, t in tables.items()})[0]
+    grads, loss, head_grads, dx = out[5], out[6], out[7], out[8]
+    if v > 1:
+        grads = [snp.reshape(g, leaf.shape) for g, leaf in zip(grads, leaves)]
+    x_grad = snp.sum(snp.where(rows(snp.arange(s) == 0, dx), dx, zero), axis=0)[:m]
     return loss, grads, head_grads, x_grad
 
 
-def _slot_tables(sched: dict, m: int, s: int) -> dict:
-    """The loop's per-slot inputs from the schedule: one-hot [K, S] masks of the buffer slot (micro-batch mod K)
-    each stage receives an activation into (``recv``), runs forward from (``fwd``, also where it saves its input)
-    and backward from (``bwd``); ``is_bwd`` [S]; the micro-batch stage 0 takes (``first_mb``) and stage 0's
-    backward writes its input cotangent to (``first_bwd``, M: none); the micro-batch the last stage ran forward
-    (``last_mb``) and whether it did (``last_on``)."""
-    fwd, bwd, k = sched["fwd"], sched["bwd"], sched["slots"]
-    t_all = fwd.shape[0]
+def _slot_tables(sched: dict, m: int, s: int, v: int) -> dict:
+    """The loop's per-slot inputs from the schedule: one-hot [K, S] masks of the buffer slot each device writes an
+    arriving activation to (``recv``) and an arriving cotangent to (``recv_ct``), runs a forward from
+    (``inbox``), saves a forward's input to (``save_f``), runs a backward from (``save_b``, ``ct_b``), and the
+    head writes its cotangent to (``head``); ``fresh`` [S] (device 0 takes micro-batch ``fresh_mb``), ``is_bwd``
+    [S]; ``chunk`` / ``bwd_chunk`` one-hot [v, S] (each device's chunk this slot / where a backward adds to the
+    gradients); the head's micro-batch (``head_mb``) and whether it runs (``head_on``); the micro-batch whose
+    input cotangent device 0 makes (``dx_mb``; M: none)."""
+    kind, mb, chunk = sched["kind"], sched["mb"], sched["chunk"]
+    t_all = kind.shape[0]
 
-    def onehot(table):
-        out = np.zeros((t_all, k, s), bool)
-        t, j = np.nonzero(table >= 0)
-        out[t, table[t, j] % k, j] = True
+    def onehot(table, when, size):
+        out = np.zeros((t_all, max(size, 1), s), bool)
+        t, j = np.nonzero(when & (table >= 0))
+        out[t, table[t, j], j] = True
         return out
-    recv = np.full_like(fwd, -1)
-    recv[1:, 1:] = fwd[:-1, :-1]
-    return {"recv": onehot(recv), "fwd": onehot(fwd), "bwd": onehot(bwd), "is_bwd": bwd >= 0,
-            "first_mb": np.maximum(fwd[:, 0], 0).astype(np.int32),
-            "first_bwd": np.where(bwd[:, 0] >= 0, bwd[:, 0], m).astype(np.int32),
-            "last_mb": np.maximum(fwd[:, -1], 0).astype(np.int32), "last_on": fwd[:, -1] >= 0}
+    sizes, fwd, bwd, always = sched["sizes"], kind == 1, kind == 2, np.ones_like(kind, bool)
+    fresh = fwd[:, 0] & (chunk[:, 0] == 0)
+    head_on = fwd[:, -1] & (chunk[:, -1] == v - 1)
+    input_ct = bwd[:, 0] & (chunk[:, 0] == 0)
+    return {"recv": onehot(sched["recv"], always, sizes["inbox"]),
+            "recv_ct": onehot(sched["recv_ct"], always, sizes["cotangent"]),
+            "inbox": onehot(sched["inbox"], fwd, sizes["inbox"]), "save_f": onehot(sched["save"], fwd, sizes["save"]),
+            "save_b": onehot(sched["save"], bwd, sizes["save"]), "ct_b": onehot(sched["cotangent"], bwd,
+                                                                                sizes["cotangent"]),
+            "head": onehot(sched["head"], always, sizes["cotangent"]),
+            "fresh": np.eye(s, dtype=bool)[0][None, :] & fresh[:, None], "is_bwd": bwd,
+            "chunk": onehot(chunk, kind > 0, v), "bwd_chunk": onehot(chunk, bwd, v),
+            "fresh_mb": np.where(fresh, mb[:, 0], 0).astype(np.int32),
+            "head_mb": np.where(head_on, mb[:, -1], 0).astype(np.int32), "head_on": head_on,
+            "dx_mb": np.where(input_ct, mb[:, 0], m).astype(np.int32)}
 
 
 __all__ = ["pipeline_loss", "SCHEDULES"]

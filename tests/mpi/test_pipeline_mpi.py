@@ -1,5 +1,5 @@
-"""Pipelines under real MPI: ``sr.pipeline_loss`` with the 1F1B schedule gives GPipe's loss and every gradient
-(stages, head, micro-batches), both equal to the hand-written NumPy backward, on a ("stage",) mesh of the world
+"""Pipelines under real MPI: ``sr.pipeline_loss`` with the 1F1B and interleaved schedules gives GPipe's loss and
+every gradient (stages, head, micro-batches), all equal to the hand-written NumPy backward, on a ("stage",) mesh of the world
 size and, at 8 ranks, a (stage=4, data=2) mesh; GPipe's backward holds its output cotangent split over the
 stages (one stage's share per rank)."""
 import numpy as np
@@ -28,6 +28,13 @@ def test_one_f_one_b_equals_gpipe_and_numpy(shape, axes, s, m):
     assert len(want) == 4
     for one_f, gpipe, w in zip(results["1f1b"], results["gpipe"], want):
         np.testing.assert_allclose(one_f, w, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(gpipe, w, rtol=1e-10, atol=1e-12)
+    # interleaved: 2 S stages, device j holding j and j + S (GPipe runs the same 2 S stages blocked two a device)
+    for schedule in ("interleaved", "gpipe"):
+        _, program, args2 = loss_program(mesh, schedule, 2 * shape[0], 2 * shape[0])
+        results[schedule] = [to_host(g) for g in sr.run(program, *args2)]
+    for inter, gpipe, w in zip(results["interleaved"], results["gpipe"], numpy_loss_and_grads(*args2)):
+        np.testing.assert_allclose(inter, w, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(gpipe, w, rtol=1e-10, atol=1e-12)
     gathered = MPI.COMM_WORLD.allgather(float(results["1f1b"][0]))
     assert np.allclose(gathered, gathered[0], rtol=0, atol=0)  # every rank returns the same loss
