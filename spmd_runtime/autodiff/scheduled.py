@@ -1,4 +1,5 @@
-"""Pipelines whose backward pass is scheduled with their forward pass: ``pipeline_loss`` with the 1F1B schedule.
+"""Pipelines whose backward pass is scheduled with their forward pass: ``pipeline_loss`` with the 1F1B schedule
+and its interleaved (virtual-stage) form.
 
 GPipe (``sr.pipeline``) runs every micro-batch forward, then autodiff reverses the loop: each stage keeps the
 residuals of all M micro-batches until the backward loop reaches them. 1F1B (PipeDream-flush) starts the
@@ -12,9 +13,13 @@ The same single-program style as ``sr.pipeline``: ONE ``sr.scan`` over the 2 (M 
 of the loop): the body runs ``stage_fn`` once on each stage's chosen input (the received activation for a
 forward, the saved stage input for a backward, which recomputes it) and its VJP with each stage's received
 cotangent; masks keep what each stage's own op produced. Forward activations shift one stage on, cotangents one
-stage back (one collective_permute each per slot); a stage's saved inputs and waiting activations live in
-[slots, S, ...] carries (slots <= S). The last stage's output goes through ``loss_fn`` in the slot it is made
-(its cotangent feeds that stage's backward of it in the next slot). The vectorised form pays for the backward
+stage back (one collective_permute each per slot); a stage's saved inputs, waiting activations and waiting
+cotangents live in [slots, S, ...] carries, in the buffer slots the schedule assigns (saved inputs: at most S).
+The last stage's output goes through ``loss_fn`` in the slot it is made (its cotangent waits for that stage's
+backward of it). ``schedule="interleaved"``: V = v S stages, device j holding stages j, j + S, ... (chunks, laid
+out as ``sr.pipeline(circular=True)`` lays them); each slot a device runs one op of one chunk (its parameters
+picked by a one-hot over the chunks) and the shifts wrap from the last device to the first (the next chunk) and
+back: bubble (S - 1) / (v M + S - 1) instead of (S - 1) / (M + S - 1). The vectorised form pays for the backward
 on stages running a forward (each slot costs one forward plus one VJP on every stage); a rank-local branch
 would not.
 
@@ -43,7 +48,8 @@ def pipeline_loss(stage_fn, stage_params, microbatches, loss_fn, head_params=Non
                   stage_axis="stage", schedule="1f1b", stage_dim=0, param_specs=None, state_spec=None, policy=None):
     """``sum_m loss_fn(head_params, y_m, targets[m])`` where ``y`` = the S pipelined stages of ``stage_fn`` (as in
     ``sr.pipeline``: ``stage_fn(stage_params, x)`` runs every stage at once on x [S, ...]) applied to
-    ``microbatches`` [M, ...]. ``schedule``: "1f1b" (at most S micro-batches held per stage) or "gpipe"
+    ``microbatches`` [M, ...]. ``schedule``: "1f1b" (at most S micro-batches held per stage), "interleaved"
+    (V stages on the S devices of ``stage_axis``, device j holding j, j + S, ...; M a multiple of S) or "gpipe"
     (``sr.pipeline``, then the head on each output). Differentiable in ``stage_params``, ``head_params`` and
     ``microbatches``; ``targets`` [M, ...] (or None: ``loss_fn`` gets None) is not differentiated.
     ``param_specs`` / ``state_spec``: the other dims' specs of the stage parameters and of one micro-batch, as in
