@@ -55,9 +55,9 @@ def largest_buffers(program, n: int = 8) -> list:
 
 
 def pipeline_step(stages: int, microbatches: int, d: int = 64, seq: int = 16, micro_batch: int = 1,
-                  layers: int | None = None, dtype: str = "float32", preset: str = "pipeline"):
+                  layers: int | None = None, dtype: str = "float32", preset: str = "pipeline", remat: str = "none"):
     cfg = sr.LMConfig(layers=layers or stages, d=d, heads=max(1, d // 64), ffn=4 * d, vocab=64, seq=seq,
-                      batch=micro_batch * microbatches, dtype=dtype)
+                      batch=micro_batch * microbatches, dtype=dtype, remat=remat)
     return sr.build_train_step(cfg, sr.train_mesh((stages,), preset), preset, AdamW(), microbatches=microbatches)
 
 
@@ -68,13 +68,15 @@ def main(argv=None) -> None:
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--remat", default="none", choices=("none", "full", "dots"))
     ap.add_argument("--preset", default="pipeline", choices=("pipeline", "pipeline_1f1b"))
     args = ap.parse_args(argv)
-    ts = pipeline_step(args.stages, args.microbatches, args.d, args.seq, args.micro_batch, preset=args.preset)
+    ts = pipeline_step(args.stages, args.microbatches, args.d, args.seq, args.micro_batch, preset=args.preset,
+                       remat=args.remat)
     gib = lambda b: f"{b / 2**20:10.2f} MiB"
     schedule = "1f1b" if args.preset == "pipeline_1f1b" else "gpipe"
     print(f"{args.preset} preset, S={args.stages} M={args.microbatches} d={args.d} seq={args.seq} "
-          f"micro-batch={args.micro_batch}: loop buffers per rank")
+          f"micro-batch={args.micro_batch} remat={args.remat}: loop buffers per rank")
     for b in loop_buffers(ts.program):
         print(f"  {gib(b['bytes'])}  {b['role']:5s} {str(b['shape']):28s} {str(b['sharding']):22s} {b['where']}")
     print("largest buffers per rank:")
