@@ -42,6 +42,9 @@ from ..trace import current_graph, mesh_split
 from .engine import backward_from, value_and_grad
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# the per-slot tables that name a buffer slot, and the buffer each names one of
+ONE_HOT = {"recv": "inbox", "inbox": "inbox", "recv_ct": "cotangent", "ct_b": "cotangent", "head": "cotangent",
+           "save_f": "save", "save_b": "save"}
 
 
 def pipeline_loss(stage_fn, stage_params, microbatches, loss_fn, head_params=None, targets=None, *, mesh,
@@ -120,8 +123,15 @@ def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_de
     def chunk_of(p, onehot):  # [.., v, S, ..] -> [.., S, ..]: each device's chunk of this slot
         return snp.sum(snp.where(rows(onehot, p, stage_dim), p, snp.zeros((), p.dtype)), axis=stage_dim)
 
+    sizes = {**{k: sched["sizes"][name] for k, name in ONE_HOT.items()}, "chunk": v, "bwd_chunk": v}
+
+    def one_hot(index, size):  # [S] slot indices (-1: none) -> [K, S] masks
+        size = max(size, 1)
+        return snp.broadcast_in_dim(snp.arange(size), (size, s), (0,)) == snp.broadcast_in_dim(index, (size, s), (1,))
+
     def step(carry, row):
         act, cot, inbox, saved, cts, grads, loss, head_grads, dx = carry
+        row = {k: one_hot(x, sizes[k]) if k in sizes else x for k, x in row.items()}
         ps = [capture(p) for p in params]
         inbox = put(inbox, row["recv"], around(act, 1))  # what ran forward on the device before, last slot
         cts = put(cts, row["recv_ct"], around(cot, -1))  # what ran backward on the device after
@@ -170,21 +180,18 @@ def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_de
 
 
 def _slot_tables(sched: dict, m: int, s: int, v: int) -> dict:
-    """The loop's per-slot inputs from the schedule: one-hot [K, S] masks of the buffer slot each device writes an
+    """The loop's per-slot inputs from the schedule, O(S) each (``ONE_HOT``: [S] slot indices the body makes
+    one-hot [K, S] masks of): the buffer slot each device writes an
     arriving activation to (``recv``) and an arriving cotangent to (``recv_ct``), runs a forward from
     (``inbox``), saves a forward's input to (``save_f``), runs a backward from (``save_b``, ``ct_b``), and the
     head writes its cotangent to (``head``); ``fresh`` [S] (device 0 takes micro-batch ``fresh_mb``), ``is_bwd``
-    [S]; ``chunk`` / ``bwd_chunk`` one-hot [v, S] (each device's chunk this slot / where a backward adds to the
+    [S]; ``chunk`` / ``bwd_chunk`` [v, S] (each device's chunk this slot / where a backward adds to the
     gradients); the head's micro-batch (``head_mb``) and whether it runs (``head_on``); the micro-batch whose
     input cotangent device 0 makes (``dx_mb``; M: none)."""
     kind, mb, chunk = sched["kind"], sched["mb"], sched["chunk"]
-    t_all = kind.shape[0]
 
-    def onehot(table, when, size):
-        out = np.zeros((t_all, max(size, 1), s), bool)
-        t, j = np.nonzero(when & (table >= 0))
-        out[t, table[t, j], j] = True
-        return out
+    def onehot(table, when, size):  # [T, S] slot indices (-1: none), made one-hot [K, S] in the loop body
+        return np.where(when & (table >= 0), table, -1).astype(np.int32)
     sizes, fwd, bwd, always = sched["sizes"], kind == 1, kind == 2, np.ones_like(kind, bool)
     fresh = fwd[:, 0] & (chunk[:, 0] == 0)
     head_on = fwd[:, -1] & (chunk[:, -1] == v - 1)
