@@ -104,8 +104,8 @@ def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_de
     params = pin([snp.reshape(p, p.shape[:stage_dim] + (v, s) + p.shape[stage_dim + 1:]) if v > 1 else p
                   for p in leaves])
     rows = lambda flags, like, at=0: snp.broadcast_in_dim(flags, like.shape, tuple(range(at, at + flags.ndim)))
-    first, last = rows(snp.arange(s) == 0, split(snp.zeros(shape, dtype))), None
-    last = rows(snp.arange(s) == s - 1, first)
+    like = split(snp.zeros(shape, dtype))
+    first, last = rows(snp.arange(s) == 0, like), rows(snp.arange(s) == s - 1, like)
     zero = snp.zeros((), dtype)
 
     def pick(buf, onehot):  # [K, S, ...] -> [S, ...]: each device's slot of the one-hot [K, S]
