@@ -16,6 +16,7 @@ from .partition import partition, plan_reshard
 from .program import SPMDProgram, load_program
 from .exec import run, run_local
 from .autodiff import grad, value_and_grad
+from .autodiff.scheduled import pipeline_loss
 from .ops.control import cond, fori_loop, remat, scan, while_loop
 from .ops.core import stop_gradient
 from .ops.manual import (all_gather, all_to_all, axis_index, pbroadcast, pmax, pmin, ppermute, psum, psum_scatter,
@@ -47,7 +48,7 @@ __all__ = ["jit", "autoshard", "DArray", "device_put", "from_local", "scatter_fr
            "distributed", "pytree", "P", "UNCONSTRAINED", "get_mesh", "set_mesh", "Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "stop_gradient",
            "scan", "fori_loop", "while_loop", "cond", "remat", "shard_map", "psum", "pmax", "pmin", "all_gather",
-           "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "save_checkpoint", "load_checkpoint",
+           "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "pipeline_loss", "save_checkpoint", "load_checkpoint",
            "checkpoint_info", "LMConfig", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "PRESETS", "Preset", "TrainStep", "Plan", "plan_train_step",
            "build_train_step", "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "DifferentValuesError",
            "__version__"]

@@ -32,7 +32,7 @@ from ..dtypes import FLOATING
 from ..nn import gelu
 from ..ops.control import scan
 from ..ops.core import stop_gradient
-from ..pipeline import pipeline
+from ..pipeline import micro_batches, pipeline, stages_of_layers
 from .moe import EXPERT_COLUMN, EXPERT_ROW, ROUTER, MoEConfig, check_moe, moe_ffn, one_hot
 from .roles import COLUMN, COLUMN_BIAS, NORM, ROW_BIAS, ParamRole
 from .transformer import PARAM_ROLES as BLOCK_ROLES
@@ -338,11 +338,9 @@ def pipelined_layers(mesh, microbatches: int, stage_axis: str = "stage", param_s
     layers. ``param_specs``: block parameter kind -> spec of its dims after the layer dim; ``state_spec``: the
     spec of one micro-batch's residual (batch / M, seq, d)."""
     def run(cfg: LMConfig, block, x, stacked):
-        s, m, (b, *rest) = mesh.axis_size(stage_axis), microbatches, x.shape
-        xs = snp.transpose(snp.reshape(x, (b // m, m, *rest)), (1, 0, 2, 3))  # [M, b/M, seq, d]
-        # [L, ...] -> [L/S, S, ...]: stage j's layers at [:, j], scanned by every stage at once
-        params = {k: snp.transpose(snp.reshape(v, (s, cfg.layers // s) + v.shape[1:]), (1, 0, *range(2, v.ndim + 1)))
-                  for k, v in stacked.items()}
+        s = mesh.axis_size(stage_axis)
+        xs = micro_batches(x, microbatches)  # [M, b/M, seq, d]
+        params = {k: stages_of_layers(v, s) for k, v in stacked.items()}  # stage j's layers at [:, j]
         specs = {k: (None,) + tuple((param_specs or {}).get(k) or (None,) * (v.ndim - 1)) for k, v in stacked.items()}
         ys = pipeline(lambda p, h: scan_layers(cfg, block, h, p), params, xs, mesh=mesh, stage_axis=stage_axis,
                       stage_dim=1, param_specs=specs, state_spec=state_spec)

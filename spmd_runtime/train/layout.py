@@ -69,7 +69,11 @@ class Layout:
         # axes that split the sequence elsewhere; one value, split on different dims in different regions
         seq = tuple(a for a in p.seq if a not in model)
         stage = (p.stage or None,) if x.ndim == 4 else ()  # inside the pipeline: (stages, batch, seq, d)
-        return self.annotate(x, stage + (p.batch or None, seq or None, model or None))
+        # outside it (embedding, head, loss) the stage axis splits the batch too, where it divides the rows: no
+        # stage repeats that work
+        batch = p.batch + p.stage if x.ndim == 3 and p.stage and \
+            x.shape[0] % self.mesh.axis_size(p.batch + p.stage) == 0 else p.batch
+        return self.annotate(x, stage + (batch or None, seq or None, model or None))
 
     def _tensor_parallel_region(self, x, role):
         """Sequence parallelism (the sequence split over axes that split the weights too: megatron_sp): inside a

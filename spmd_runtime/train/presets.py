@@ -30,6 +30,8 @@ single-role presets use every axis of a 2-d mesh):
   consecutive layers, each rank holding its stage's parameters and optimizer state), run as ONE loop of
   M + S - 1 iterations over ``microbatches`` = M micro-batches (GPipe), the stage shift one
   collective_permute per iteration; batch on "data", megatron dims on "model" where the mesh has them.
+- ``pipeline_1f1b``: the same layout on the 1F1B schedule (``sr.pipeline_loss``): one loop of 2 (M + S - 1)
+  slots of one forward or one backward per stage, the head and loss inside it; at most S micro-batches held.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class Preset:
     experts: tuple[str, ...] = ()
     shard_params: bool = False  # FSDP: weights held in their update layout, all-gathered before use
     stage: tuple[str, ...] = ()  # pipeline: the stacked layer dim split into stages over these axes
+    schedule: str = "gpipe"  # pipeline: "gpipe" (autodiff reverses the forward loop) or "1f1b" (pipeline_loss)
 
     def on(self, mesh: Mesh) -> "Preset":
         """This preset with the axes ``mesh`` lacks dropped."""
@@ -89,6 +92,9 @@ PRESETS = {
     "pipeline": Preset("pipeline", batch=("data",), model=("model",), stage=("stage",),
                        doc="GPipe: layer stages on stage (one collective_permute per iteration), batch on data, "
                            "megatron dims on model"),
+    "pipeline_1f1b": Preset("pipeline_1f1b", batch=("data",), model=("model",), stage=("stage",), schedule="1f1b",
+                            doc="1F1B (PipeDream-flush): the pipeline preset with each micro-batch's backward started "
+                                "as soon as its forward (and loss) is done: at most S micro-batches held per stage"),
 }
 PIPELINE_AXES = ("stage", "data", "model")
 
@@ -98,7 +104,7 @@ def train_mesh(shape, preset: str = "dp") -> Mesh:
     ``megatron`` and ``megatron_sp`` (pure tensor parallelism) and ("data",) otherwise. ``pipeline`` meshes are ("stage",),
     ("stage", "data") or ("stage", "data", "model")."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if preset == "pipeline" and 1 <= len(shape) <= 3:
+    if preset in PRESETS and PRESETS[preset].stage and 1 <= len(shape) <= 3:
         return Mesh(shape, PIPELINE_AXES[:len(shape)])
     if len(shape) == 2:
         return Mesh(shape, BOTH)
