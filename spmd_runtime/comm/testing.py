@@ -16,7 +16,7 @@ import numpy as np
 from spmd_runtime.collective_kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COLLECTIVE_PERMUTE,
                                            REDUCE_SCATTER)
 
-_NUMPY_REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min}
+_NUMPY_REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
 
 
 # -- reference semantics ------------------------------------------------------------------------
