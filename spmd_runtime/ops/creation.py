@@ -149,7 +149,7 @@ def linspace(start, stop, num=50, endpoint=True, retstep=False, dtype=None, axis
 
 def logspace(start, stop, num=50, endpoint=True, base=10.0, dtype=None, axis=0) -> Tensor:
     """``base ** linspace(start, stop, num)``."""
-    exponents = linspace(start, stop, num, endpoint, dtype=None, axis=axis)
+    exponents = linspace(start, stop, num, endpoint, dtype=dtype, axis=axis)
     out = core.power(np.asarray(base, exponents.dtype), exponents)
     return out if dtype is None else core.astype(out, dtype)
 
