@@ -78,7 +78,7 @@ def take_along_axis(arr, indices, axis, mode=None, fill_value=None) -> Tensor:
     x = core.broadcast_to(x, others[:axis] + (x.shape[axis],) + others[axis + 1:])
     idx = core.broadcast_to(idx, others[:axis] + (idx.shape[axis],) + others[axis + 1:])
     fill = _fill_value(x.dtype) if fill_value is None else fill_value
-    attrs = {"axis": axis, "mode": mode, "fill": np.asarray(fill, x.dtype).item()}
+    attrs = {"axis": axis, "clip": mode == "clip", "fill": np.asarray(fill, x.dtype).item()}
     return emit(TAKE_ALONG_AXIS, [x, idx], attrs, idx.shape, x.dtype)
 
 
@@ -136,10 +136,10 @@ def _sort_kernel(xp, x, axis, descending, output):
 
 
 @opdef.kernel(TAKE_ALONG_AXIS)
-def _take_along_axis_kernel(xp, x, indices, axis, mode, fill):
+def _take_along_axis_kernel(xp, x, indices, axis, clip, fill):
     n = x.shape[axis]
     wrapped = xp.where(indices < 0, indices + n, indices)
     out = xp.take_along_axis(x, xp.clip(wrapped, 0, max(n - 1, 0)), axis=axis)
-    if mode == "clip":
+    if clip:
         return out
     return xp.where((wrapped >= 0) & (wrapped < n), out, xp.asarray(fill, dtype=x.dtype))

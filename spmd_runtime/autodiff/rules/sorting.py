@@ -32,7 +32,7 @@ def _take_along_axis_vjp(node, g, ops, y):
 
     def scatter():
         wrapped = core.where(core.less(idx, 0), idx + n, idx)
-        if node.attrs["mode"] == "clip":
+        if node.attrs["clip"]:
             wrapped = core.minimum(core.maximum(wrapped, 0), n - 1)
         moved = core.moveaxis(wrapped, axis, -1)  # (..., m)
         grid = moved.shape + (n,)
