@@ -28,7 +28,7 @@ from .ops.manipulation import (array_split, atleast_1d, atleast_2d, atleast_3d, 
     column_stack, diff, dstack, hstack, permute_dims, ravel, repeat, split, tile, unstack, vstack)
 from .ops.reductions import (all, any, average, count_nonzero, cumprod, cumulative_prod, cumulative_sum, nanmax,
     nanmean, nanmin, nanprod, nansum, prod, ptp, std)
-from .ops.sorting import argsort, searchsorted, sort, take_along_axis
+from .ops.sorting import argsort, argwhere, flatnonzero, nonzero, searchsorted, sort, take_along_axis, unique
 from numpy import (bool_, complex64, complex128, dtype, e, finfo, float16, float32, float64, iinfo, inf, int8,
     int16, int32, int64, nan, newaxis, pi, uint8, uint16, uint32, uint64)
 
@@ -50,6 +50,7 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
     "broadcast_arrays", "broadcast_shapes", "column_stack", "diff", "dstack", "hstack", "permute_dims",
     "ravel", "repeat", "split", "tile", "unstack", "vstack", "all", "any", "average", "count_nonzero",
     "cumprod", "cumulative_prod", "cumulative_sum", "nanmax", "nanmean", "nanmin", "nanprod", "nansum",
-    "prod", "ptp", "std", "argsort", "searchsorted", "sort", "take_along_axis", "bool_", "complex64",
+    "prod", "ptp", "std", "argsort", "searchsorted", "sort", "take_along_axis", "nonzero", "flatnonzero",
+    "argwhere", "unique", "bool_", "complex64",
     "complex128", "dtype", "e", "finfo", "float16", "float32", "float64", "iinfo", "inf", "int8", "int16",
     "int32", "int64", "nan", "newaxis", "pi", "uint8", "uint16", "uint32", "uint64", "bool"]

@@ -111,6 +111,32 @@ def _round(m, x):
     return (x + 100.5).astype("int64").astype(x.dtype) - 100.0
 
 
+def _padded(values, size, fill):
+    """NumPy's data-dependent result cut or padded to a static ``size`` (jax.numpy's size=)."""
+    values = np.asarray(values)[:size]
+    return np.concatenate([values, np.full(size - values.shape[0], fill, values.dtype)])
+
+
+def _nonzero(m, x, size):
+    if m is np:
+        return [_padded(c, size, -1) for c in np.nonzero(x)]
+    return m.nonzero(x, size=size, fill_value=-1)
+
+
+def _unique(m, x, size):
+    if m is np:
+        values, counts = np.unique(x, return_counts=True)
+        return _padded(values, size, values[0]), _padded(counts, size, 0)
+    return m.unique(x, return_counts=True, size=size)
+
+
+SELECTIONS = [
+    Case("nonzero_size", lambda m, x: sum(_f(c) * (i + 1.0) for i, c in enumerate(_nonzero(m, m.maximum(x, 0), 40)))
+         + _f(_nonzero(m, m.maximum(x, 0), 12)[1])[0], ((10, 7),), ((A_,), (AB,)), dtype="int64"),
+    Case("unique_size", lambda m, x: m.concatenate([_f(v) for v in _unique(m, x, 14)])
+         + m.concatenate([_f(v) for v in _unique(m, x, 5)]).sum(), ((10, 7),), ((A_,), (BA,)), dtype="int64"),
+]
+
 REDUCTIONS = [
     Case("prod_axes", lambda m, x: m.prod(x, axis=0) + m.prod(x, axis=1).sum() + m.prod(x[:3]), ((10, 7),),
          ((A_,), (B_,), (AB,), (BA,)), positive=True),
@@ -158,4 +184,4 @@ LINALG = [
          ((24, 24), (24,)), ((AB, ("A",)), (BA, None))),
 ]
 
-CASES = CREATION + MANIPULATION + SORTING + REDUCTIONS + LINALG
+CASES = CREATION + MANIPULATION + SORTING + SELECTIONS + REDUCTIONS + LINALG

@@ -23,8 +23,9 @@ from ..opdef import define
 from ..trace import Tensor, emit
 from . import core
 from .core import normalize_axis
+from .slicing import broadcasted_iota, concatenate, slice_in_dim, stack
 
-__all__ = ["sort", "argsort", "take_along_axis", "searchsorted"]
+__all__ = ["sort", "argsort", "take_along_axis", "searchsorted", "nonzero", "flatnonzero", "argwhere", "unique"]
 
 SORT = define("sort")
 TAKE_ALONG_AXIS = define("take_along_axis")
@@ -103,6 +104,84 @@ def searchsorted(a, v, side="left", sorter=None) -> Tensor:
         table_number = core.equal(table, table)
         before = core.logical_or(before, nan_probe if side == "right" else core.logical_and(nan_probe, table_number))
     return core.sum(before, axis=-1, dtype=INDEX_DTYPE)
+
+
+# ---------------------------------------------------------------- static-size selections (jax.numpy's size=)
+def _static_size(size, what: str) -> int:
+    if size is None or isinstance(size, Tensor) or not isinstance(size, (int, np.integer)) or size < 0:
+        raise ValueError(f"{what} has a data-dependent length: a traced program needs a static size= (JAX's), the "
+                         f"result padded with fill_value; got size={size!r}")
+    return int(size)
+
+
+def _first_true(flags: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    """(positions of the first ``size`` true entries of the 1-d ``flags`` in order, whether each is real): a
+    stable argsort of ``not flags`` lists the true positions first."""
+    order = argsort(core.logical_not(flags), stable=True)
+    n = flags.shape[0]
+    if size > n:  # more slots than entries: the extra ones are padding
+        order = concatenate([order, core.zeros((size - n,), INDEX_DTYPE)])
+    picked = slice_in_dim(order, 0, size)
+    count = core.sum(flags, dtype=INDEX_DTYPE)
+    return picked, core.less(broadcasted_iota(INDEX_DTYPE, (size,), 0), count)
+
+
+def nonzero(a, *, size=None, fill_value=None) -> tuple[Tensor, ...]:
+    """The coordinates of the nonzero entries in C order, one int64 array per dim, ``size`` long (static, as
+    jax.numpy's ``size=``): padded with ``fill_value`` (0 by default; one per dim or one for all)."""
+    x = core.asarray(a)
+    size = _static_size(size, "nonzero")
+    if x.ndim == 0:
+        raise ValueError("nonzero of a 0-d array is deprecated in NumPy and refused here: use atleast_1d first")
+    flat = core.reshape(core.not_equal(x, np.zeros((), x.dtype)), -1)
+    picked, real = _first_true(flat, size)
+    fills = core.as_tuple(0 if fill_value is None else fill_value)
+    if len(fills) not in (1, x.ndim):
+        raise ValueError(f"nonzero's fill_value must be one value or one per dim ({x.ndim}); got {fill_value!r}")
+    out = []
+    for d in range(x.ndim):
+        coords = core.reshape(broadcasted_iota(INDEX_DTYPE, x.shape, d), -1)
+        fill = np.asarray(fills[d % len(fills)], INDEX_DTYPE)
+        out.append(core.where(real, take_along_axis(coords, picked, 0, mode="clip"), fill))
+    return tuple(out)
+
+
+def flatnonzero(a, *, size=None, fill_value=None) -> Tensor:
+    return nonzero(core.reshape(core.asarray(a), -1), size=size, fill_value=fill_value)[0]
+
+
+def argwhere(a, *, size=None, fill_value=None) -> Tensor:
+    """``(size, ndim)`` coordinates of the nonzero entries (``nonzero`` stacked as columns)."""
+    x = core.asarray(a)
+    x = core.reshape(x, (1,)) if x.ndim == 0 else x
+    return stack(nonzero(x, size=size, fill_value=fill_value), axis=1)
+
+
+def unique(ar, return_counts=False, axis=None, *, equal_nan=True, size=None, fill_value=None):
+    """The sorted distinct values of the flattened ``ar``, ``size`` long (static, as jax.numpy's ``size=``),
+    padded with ``fill_value`` (the smallest value by default, as JAX); NaNs collapse to one when
+    ``equal_nan``. ``return_counts``: also each value's count (0 for the padding)."""
+    if axis is not None:
+        raise ValueError(f"unique works on the flattened array here; got axis={axis!r}")
+    size = _static_size(size, "unique")
+    s = sort(core.reshape(core.asarray(ar), -1))
+    n = s.shape[0]
+    if n == 0:
+        raise ValueError("unique of an empty array has no fill value to pad with")
+    hi, lo = slice_in_dim(s, 1, n), slice_in_dim(s, 0, n - 1)
+    differs = core.not_equal(hi, lo)
+    if equal_nan and s.dtype.kind in "fc":
+        differs = core.logical_and(differs, core.logical_not(core.logical_and(core.not_equal(hi, hi),
+                                                                              core.not_equal(lo, lo))))
+    first = concatenate([core.ones((1,), "bool"), differs])  # where each run of equal values starts
+    picked, real = _first_true(first, size + 1)  # one more start: where the last counted run ends
+    fill = slice_in_dim(s, 0, 1) if fill_value is None else core.asarray(np.asarray(fill_value, s.dtype))
+    head = lambda t: slice_in_dim(t, 0, size)  # noqa: E731
+    values = core.where(head(real), take_along_axis(s, head(picked), 0, mode="clip"), core.reshape(fill, ()))
+    if not return_counts:
+        return values
+    starts = core.where(real, picked, n)  # padding starts at n: a count is the next start minus its own
+    return values, core.subtract(slice_in_dim(starts, 1, size + 1), head(starts))
 
 
 def _fill_value(dtype):

@@ -131,6 +131,21 @@ def test_searchsorted_puts_nan_probes_after_the_numbers():
         np.testing.assert_array_equal(got, np.searchsorted(a, v, side=side))
 
 
+def test_static_size_selections_pad_and_collapse_nans():
+    x = np.array([[0.0, 1.0, 0.0, 2.0], [3.0, 0.0, 0.0, np.nan]])
+    rows, cols = evaluate(lambda a: snp.nonzero(a, size=6, fill_value=-1), x)
+    np.testing.assert_array_equal(rows, [0, 0, 1, 1, -1, -1])
+    np.testing.assert_array_equal(cols, [1, 3, 0, 3, -1, -1])
+    y = np.array([3.0, 1.0, 1.0, np.nan, 2.0, np.nan, 3.0, 3.0])
+    values, counts = evaluate(lambda a: snp.unique(a, return_counts=True, size=6), y)
+    np.testing.assert_array_equal(values, [1.0, 2.0, 3.0, np.nan, 1.0, 1.0])  # padded with the smallest
+    np.testing.assert_array_equal(counts, [2, 1, 3, 2, 0, 0])
+    (cut,) = evaluate(lambda a: snp.unique(a, size=2, fill_value=9.0), y)
+    np.testing.assert_array_equal(cut, [1.0, 2.0])
+    with pytest.raises(ValueError, match="needs a static size="):
+        sr.trace(lambda a: snp.nonzero(a), x)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # 0 / 0 for the mean, as NumPy warns
 def test_nan_extremes_of_an_all_nan_slice_are_nan():
     x = np.array([[np.nan, 1.0], [np.nan, -2.0]])
