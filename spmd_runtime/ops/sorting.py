@@ -195,21 +195,26 @@ def _fill_value(dtype):
 
 
 # ================================================================ kernels
+def _stable(xp) -> dict:
+    """NumPy's keyword for a stable sort; CuPy's sorts are always stable and refuse any ``kind``."""
+    return {"kind": "stable"} if xp is np else {}
+
+
 def stable_order(xp, x, axis: int, descending: bool):
     """Positions sorting ``x`` along ``axis``, equal entries in their original order. Descending: a stable
     ascending sort of the reversed axis lists equal values from the highest position down; read backwards,
     it gives descending values with equal ones from the lowest position up."""
     if not descending:
-        return xp.argsort(x, axis=axis, kind="stable")
+        return xp.argsort(x, axis=axis, **_stable(xp))
     n = x.shape[axis]
     flipped = xp.flip(x, axis)
-    return n - 1 - xp.flip(xp.argsort(flipped, axis=axis, kind="stable"), axis)
+    return n - 1 - xp.flip(xp.argsort(flipped, axis=axis, **_stable(xp)), axis)
 
 
 @opdef.kernel(SORT)
 def _sort_kernel(xp, x, axis, descending, output):
     if output == "values" and not descending:
-        return xp.sort(x, axis=axis, kind="stable")
+        return xp.sort(x, axis=axis, **_stable(xp))
     order = stable_order(xp, x, axis, descending)
     return xp.take_along_axis(x, order, axis=axis) if output == "values" else order.astype(INDEX_DTYPE, copy=False)
 
