@@ -252,3 +252,14 @@ def test_gradients_partitioned(mesh, spec):
     graph = sr.trace(grad(loss), x)
     program = sr.partition(graph, mesh, in_specs=[spec])
     assert_all_ranks(program, [x], sr.evaluate(graph, x), tol=1e-10)
+
+
+def test_tensor_methods_of_the_coverage():
+    x = np.random.default_rng(10).standard_normal((4, 5))
+    got = evaluate(lambda a: (a.prod(axis=0), a.flatten(), a.ravel(), a.sort(axis=0), (a > 0).any(), (a > -9).all(1),
+                              a.std(ddof=1), a.trace(), a.diagonal(1), a.cumprod(1), a.cumsum(0), a.argsort(),
+                              a.repeat(2, axis=0)), x)
+    want = (np.prod(x, 0), x.flatten(), x.ravel(), np.sort(x, 0), (x > 0).any(), (x > -9).all(1), x.std(ddof=1),
+            x.trace(), x.diagonal(1), x.cumprod(1), x.cumsum(0), x.argsort(kind="stable"), x.repeat(2, axis=0))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-12)
