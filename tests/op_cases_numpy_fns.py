@@ -90,7 +90,8 @@ SORTING = [
          ((A_,), (B_,), (AB,), (BA,))),
     Case("sort_flat", lambda m, x: m.sort(x, axis=None), ((10, 7),), ((A_,), (AB,))),
     Case("sort_descending", lambda m, x: _desc_sort(m, x, 1) - _desc_sort(m, x, 0), ((24, 24),), ((A_,), (AB,))),
-    Case("argsort_ties", lambda m, x: _f(m.argsort(_ties(x), axis=1, stable=True)) + _f(_desc_argsort(m, _ties(x), 0)) * 100.0,
+    Case("argsort_ties", lambda m, x: _f(m.argsort(_ties(x), axis=1, stable=True))
+         + _f(_desc_argsort(m, _ties(x), 0)) * 100.0,
          ((10, 7),), ((A_,), (B_,), (AB,))),
     Case("argsort_3d", lambda m, x: _f(m.argsort(x, axis=1, stable=True)), ((3, 10, 7),), ((B3,), (C3,))),
     Case("sort_int", lambda m, x: m.sort(x, axis=1) - _desc_sort(m, x, 0), ((10, 7),), ((A_,), (AB,)),
@@ -98,7 +99,8 @@ SORTING = [
     Case("take_along_axis", lambda m, x, y: m.take_along_axis(x, m.argsort(y, axis=1, stable=True)[:, :4] - 7, axis=1)
          + m.take_along_axis(x, m.argsort(y, axis=0, stable=True), axis=0)[:, :4], ((10, 7), (10, 7)),
          ((A_, None), (AB, BA), (B_, A_))),
-    Case("take_along_axis_broadcast", lambda m, x, y: m.take_along_axis(x, m.argsort(y, axis=1, stable=True)[:1], axis=1),
+    Case("take_along_axis_broadcast",
+         lambda m, x, y: m.take_along_axis(x, m.argsort(y, axis=1, stable=True)[:1], axis=1),
          ((10, 7), (10, 7)), ((A_, B_), (AB, None))),
     Case("searchsorted", lambda m, x: _f(m.searchsorted(np.linspace(-1.5, 1.5, 9), x))
          + _f(m.searchsorted(np.array([-1.0, 0.0, 0.0, 1.0]), m.round(x) if m is np else _round(m, x), side="right")),

@@ -87,7 +87,8 @@ def repeat(a, repeats, axis=None, *, total_repeat_length=None) -> Tensor:
     if any(c < 0 for c in counts) or len(counts) not in (1, x.shape[axis]):
         raise ValueError(f"repeat needs non-negative counts, one or one per entry along axis {axis} "
                          f"({x.shape[axis]}); got {counts}")
-    if total_repeat_length is not None and total_repeat_length != sum(counts) * (x.shape[axis] if len(counts) == 1 else 1):
+    length = counts[0] * x.shape[axis] if len(counts) == 1 else sum(counts)
+    if total_repeat_length is not None and total_repeat_length != length:
         raise ValueError(f"repeat's total_repeat_length must equal the repeated length; got {total_repeat_length}")
     if len(counts) == 1:
         r, n = counts[0], x.shape[axis]

@@ -53,14 +53,16 @@ def average(a, axis=None, weights=None, returned=False, keepdims=False):
     a = core.asarray(a)
     if weights is None:
         avg = core.mean(a, axis, keepdims)
-        count = math.prod(a.shape) if axis is None else math.prod(a.shape[normalize_axis(i, a.ndim)] for i in as_tuple(axis))
+        axes = range(a.ndim) if axis is None else [normalize_axis(i, a.ndim) for i in as_tuple(axis)]
+        count = math.prod(a.shape[i] for i in axes)
         return (avg, core.full(avg.shape, count, avg.dtype)) if returned else avg
     w = core.asarray(weights)
     if w.shape != a.shape:
-        if axis is None or len(as_tuple(axis)) != 1 or w.ndim != 1 or w.shape[0] != a.shape[normalize_axis(axis, a.ndim)]:
+        along = axis is not None and len(as_tuple(axis)) == 1 and w.ndim == 1
+        if not along or w.shape[0] != a.shape[normalize_axis(as_tuple(axis)[0], a.ndim)]:
             raise ValueError(f"average needs weights of a's shape {a.shape}, or 1-d weights along one axis of "
                              f"its length; got weights {w.shape}, axis {axis!r}")
-        w = core.broadcast_in_dim(w, a.shape, (normalize_axis(axis, a.ndim),))
+        w = core.broadcast_in_dim(w, a.shape, (normalize_axis(as_tuple(axis)[0], a.ndim),))
     dtype = np.result_type(a.dtype, w.dtype, np.float32 if a.dtype.itemsize < 8 else np.float64)
     a, w = core.astype(a, dtype), core.astype(w, dtype)
     total = core.sum(w, axis, keepdims)
