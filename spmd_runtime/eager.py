@@ -24,7 +24,7 @@ from . import pytree
 from .darray import DArray
 from .jit import jit
 from .mesh import get_mesh
-from . import numpy as snp
+from . import dispatch, numpy as snp
 from .trace import Tensor
 
 CACHE_SIZE = 512  # compiled eager functions kept (least recently used dropped): bounded memory
@@ -184,4 +184,4 @@ def _unsized(x):
 
 
 bind_darray_operators()
-snp.outside_trace = spmd_function  # snp calls outside a trace run eagerly on the context mesh
+dispatch.outside_trace = spmd_function  # snp calls outside a trace run eagerly on the context mesh

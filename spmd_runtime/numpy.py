@@ -6,10 +6,8 @@ live in ``partition/rules/`` and ``autodiff/rules/``, one module per family). Bi
 NumPy-style by inserting explicit ``broadcast_in_dim`` nodes; Python scalars are weakly typed
 (NEP 50): ``x * 2.0`` keeps x's dtype.
 """
-import functools
-
-from .trace import trace_state
-from .ops.core import (asarray, array, zeros, ones, full, add, subtract, multiply, divide, true_divide,
+from . import dispatch
+from .ops.core import (array, zeros, ones, full, add, subtract, multiply, divide, true_divide,
     power, negative, exp, log, tanh, sqrt, abs, absolute, square, maximum, minimum, where, equal, not_equal,
     less, less_equal, greater, greater_equal, logical_and, logical_or, logical_not, sum, max, min, amax,
     amin, mean, var, reshape, transpose, swapaxes, moveaxis, expand_dims, squeeze, broadcast_to, astype,
@@ -22,6 +20,22 @@ from .ops.slicing import (arange, broadcasted_iota, concatenate, dynamic_slice, 
 from .ops.top_k import top_k
 from .ops.windows import conv, conv_general_dilated, cumsum, reduce_window
 
+# ---- non-elementwise coverage (issue 28): creation, manipulation, sorting, reductions, linalg, constants
+from . import numpy_linalg as linalg
+from .ops.creation import (asarray, empty, empty_like, eye, full_like, identity, linspace, logspace, meshgrid,
+    ones_like, tri, tril, triu, zeros_like)
+from .ops.linalg import (diagonal, inner, matrix_transpose, outer, tensordot, trace, vdot, vecdot)
+from .ops.manipulation import (array_split, atleast_1d, atleast_2d, atleast_3d, broadcast_arrays, broadcast_shapes,
+    column_stack, diff, dstack, hstack, permute_dims, ravel, repeat, split, tile, unstack, vstack)
+from .ops.reductions import (all, any, average, count_nonzero, cumprod, cumulative_prod, cumulative_sum, nanmax,
+    nanmean, nanmin, nanprod, nansum, prod, ptp, std)
+from .ops.sorting import argsort, argwhere, flatnonzero, nonzero, searchsorted, sort, take_along_axis, unique
+from numpy import (bool_, complex64, complex128, dtype, e, finfo, float16, float32, float64, iinfo, inf, int8,
+    int16, int32, int64, nan, newaxis, pi, uint8, uint16, uint32, uint64)
+
+bool = bool_  # noqa: A001  (the Array API's name of the boolean dtype)
+
+
 __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "multiply", "divide", "true_divide",
            "power", "negative", "exp", "log", "tanh", "sqrt", "abs", "absolute", "square", "maximum",
            "minimum", "where", "equal", "not_equal", "less", "less_equal", "greater", "greater_equal",
@@ -30,36 +44,18 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
            "dot", "einsum", "astype", "static_slice", "slice_in_dim", "pad", "lax_pad", "concatenate", "stack",
            "reverse", "roll", "flip", "arange", "iota", "broadcasted_iota", "dynamic_slice", "dynamic_update_slice",
            "take", "scatter_add", "conv", "conv_general_dilated", "reduce_window", "cumsum", "argmax",
-           "argmin", "logsumexp", "softmax", "top_k"]
+           "argmin", "logsumexp", "softmax", "top_k"] + \
+    ["linalg", "empty", "empty_like", "eye", "full_like", "identity", "linspace", "logspace", "meshgrid",
+    "ones_like", "tri", "tril", "triu", "zeros_like", "diagonal", "inner", "matrix_transpose", "outer",
+    "tensordot", "trace", "vdot", "vecdot", "array_split", "atleast_1d", "atleast_2d", "atleast_3d",
+    "broadcast_arrays", "broadcast_shapes", "column_stack", "diff", "dstack", "hstack", "permute_dims",
+    "ravel", "repeat", "split", "tile", "unstack", "vstack", "all", "any", "average", "count_nonzero",
+    "cumprod", "cumulative_prod", "cumulative_sum", "nanmax", "nanmean", "nanmin", "nanprod", "nansum",
+    "prod", "ptp", "std", "argsort", "searchsorted", "sort", "take_along_axis", "nonzero", "flatnonzero",
+    "argwhere", "unique", "bool_", "complex64",
+    "complex128", "dtype", "e", "finfo", "float16", "float32", "float64", "iinfo", "inf", "int8", "int16",
+    "int32", "int64", "nan", "newaxis", "pi", "uint8", "uint16", "uint32", "uint64", "bool"]
 
 
-outside_trace = None  # a call made outside any trace goes here: spmd_runtime/eager.py sets it (None: no eager mode)
-
-
-def _dispatching(fn):
-    """``fn``, handing a call with an operand that speaks the ``__spmd_function__`` protocol (a DArray outside
-    ``jit``: ``spmd_runtime/eager.py``) to that operand's type, and a call outside any trace to
-    ``outside_trace``; traced calls go straight to ``fn``."""
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        handler = _handler(args) or _handler(kwargs.values())
-        if handler is None and getattr(trace_state, "graph", None) is None:
-            handler = outside_trace
-        if handler is not None:
-            return handler(fn, args, kwargs)
-        return fn(*args, **kwargs)
-    return call
-
-
-def _handler(values):
-    """The protocol's handler of the first operand that has one (one level into lists and tuples: concatenate's
-    and stack's operands)."""
-    for x in values:
-        for y in (x if isinstance(x, (list, tuple)) else (x,)):
-            handler = getattr(type(y), "__spmd_function__", None)
-            if handler is not None:
-                return handler
-    return None
-
-
-globals().update({_name: _dispatching(globals()[_name]) for _name in __all__})
+# snp calls on DArrays, or outside any trace, run eagerly (spmd_runtime/dispatch.py, eager.py)
+dispatch.wrap_functions(globals(), __all__, keep=("broadcast_shapes",))
