@@ -10,7 +10,7 @@ reshape, transpose, reductions), ``einsum``, ``slicing``, ``gather``, ``windows`
 package defines every op and binds the ``Tensor`` operators to the functions here.
 """
 from ..trace import Tensor
-from . import core, einsum, gather, indexing, slicing, spmd, top_k, windows  # noqa: F401  (each defines its records)
+from . import core, einsum, gather, indexing, random, slicing, special, spmd, top_k, windows  # noqa: F401  (each defines its records)
 from . import control  # noqa: F401,E402  (scan / while / cond: ops with a body; last, it uses the others)
 from . import manual  # noqa: F401,E402  (shard_map regions and their explicit collectives: they use control)
 
