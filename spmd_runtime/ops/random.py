@@ -40,15 +40,20 @@ KEY_SHAPE, KEY_DTYPE = (2,), np.dtype("uint32")
 
 
 # ================================================================ traced API
-def key_tensor(key) -> Tensor:
-    """``key`` as a traced uint32 (2,) tensor (an array becomes a constant); refuses anything else."""
+def check_key(key):
+    """``key`` (a traced tensor, or an array as NumPy), checked to be a uint32 array of shape (2,)."""
     if not isinstance(key, Tensor):
         key = np.asarray(key)
     shape, dtype = tuple(key.shape), np.dtype(key.dtype)
     if shape != KEY_SHAPE or dtype != KEY_DTYPE:
         raise ValueError(f"a random key is a uint32 array of shape (2,) (sr.random.key(seed), or one row of "
                          f"sr.random.split); got shape {shape}, dtype {dtype}")
-    return core.asarray(key)
+    return key
+
+
+def key_tensor(key) -> Tensor:
+    """``key`` as a traced uint32 (2,) tensor (an array becomes a constant); refuses anything else."""
+    return core.asarray(check_key(key))
 
 
 def random_bits(key, shape, width: int = 32) -> Tensor:
