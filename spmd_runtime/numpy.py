@@ -16,6 +16,7 @@ from .ops.gather import scatter_add, take
 from .ops.indexing import argmax, argmin, logsumexp, softmax
 from .ops.slicing import (arange, broadcasted_iota, concatenate, dynamic_slice, dynamic_update_slice, flip,
     iota, lax_pad, pad, reverse, roll, slice_in_dim, stack, static_slice)
+from .ops.special import erf, erfc, erfinv
 from .ops.top_k import top_k
 from .ops.windows import conv, conv_general_dilated, cumsum, reduce_window
 
@@ -27,4 +28,5 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
            "dot", "einsum", "astype", "static_slice", "slice_in_dim", "pad", "lax_pad", "concatenate", "stack",
            "reverse", "roll", "flip", "arange", "iota", "broadcasted_iota", "dynamic_slice", "dynamic_update_slice",
            "take", "scatter_add", "conv", "conv_general_dilated", "reduce_window", "cumsum", "argmax",
-           "argmin", "logsumexp", "softmax", "top_k"]
+           "argmin", "logsumexp", "softmax", "top_k",
+           "erf", "erfc", "erfinv"]
