@@ -21,7 +21,7 @@ from . import numpy as snp
 from . import random
 from .dtypes import finfo
 from .ops.core import stop_gradient
-from .ops.special import erf
+from .ops.special import erfc
 from .trace import Tensor
 
 __all__ = ["relu", "relu6", "sigmoid", "silu", "swish", "gelu", "softplus", "log_sigmoid", "elu", "leaky_relu",
@@ -42,8 +42,10 @@ def relu6(x):
 
 
 def sigmoid(x):
-    """1 / (1 + exp(-x)) as (1 + tanh(x / 2)) / 2: no overflow for any x. (A ``snp.sigmoid`` op may replace it.)"""
-    return 0.5 * (snp.tanh(x * 0.5) + 1.0)
+    """1 / (1 + exp(-x)) from e = exp(-|x|): 1 / (1 + e) for x >= 0, e / (1 + e) below, so nothing overflows and
+    the small values keep their relative accuracy. (A ``snp.sigmoid`` op may replace it.)"""
+    e = snp.exp(-snp.abs(x))
+    return snp.where(x >= 0, 1.0, e) / (1.0 + e)
 
 
 def silu(x):
@@ -57,10 +59,11 @@ swish = silu
 def gelu(x, approximate: bool = True):
     """GELU. ``approximate=True`` (jax.nn.gelu's default, GPT-2's): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)));
     ``approximate=False``: the exact 0.5 x (1 + erf(x / sqrt 2)), which PyTorch's ``nn.GELU()`` computes by
-    default (the two differ by up to ~1.5e-4 at |x| ~ 2)."""
+    default (the two differ by up to ~1.5e-4 at |x| ~ 2), evaluated as 0.5 x erfc(-x / sqrt 2) so the negative
+    tail keeps its relative accuracy (as JAX)."""
     if approximate:
         return 0.5 * x * (1.0 + snp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
-    return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
+    return 0.5 * x * erfc(x * (-1.0 / math.sqrt(2.0)))
 
 
 def softplus(x):
@@ -99,11 +102,13 @@ def _log1p(t):
 
 
 def _expm1(x):
-    """exp(x) - 1, accurate near 0 without an expm1 op: (u - 1) * x / log(u) with u = exp(x) (Kahan's trick;
-    x itself where u rounds to 1). (``snp.expm1`` may replace it.)"""
+    """exp(x) - 1, accurate near 0 without an expm1 op: for |x| < 1, (u - 1) * x / log(u) with u = exp(x)
+    (Kahan's trick; x itself where u rounds to 1); u - 1 beyond, where nothing cancels (and u may underflow).
+    (``snp.expm1`` may replace it.)"""
     u = snp.exp(x)
-    same = u == 1.0
-    return snp.where(same, x, (u - 1.0) * x / snp.where(same, 1.0, snp.log(u)))
+    plain, same = snp.abs(x) >= 1.0, u == 1.0
+    log_u = snp.log(snp.where(plain | same, 2.0, u))
+    return snp.where(plain, u - 1.0, snp.where(same, x, (u - 1.0) * x / log_u))
 
 
 # ================================================================ softmax and friends
