@@ -164,10 +164,10 @@ def standardize(x, axis=-1, mean=None, variance=None, epsilon=1e-5):
     """(x - mean) / sqrt(variance + epsilon) along ``axis`` (mean and variance computed when not given)."""
     if mean is None:
         mean = snp.mean(x, axis=axis, keepdims=True)
+    centred = x - mean
     if variance is None:
-        centred = x - mean
         variance = snp.mean(centred * centred, axis=axis, keepdims=True)
-    return (x - mean) / snp.sqrt(variance + epsilon)
+    return centred / snp.sqrt(variance + epsilon)
 
 
 # ================================================================ attention
