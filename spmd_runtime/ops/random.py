@@ -109,23 +109,40 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA  # Threefish's key-schedule parity constant
 
 
+CHUNK = 1 << 18  # entries NumPy hashes at a time: few ufunc calls per entry, the words (3 MiB) near cache
+
+
 def threefry_words(xp, key, x0, x1):
     """Threefry-2x32 (20 rounds) of the counter words ``x0``, ``x1`` (uint32 arrays, broadcast) under ``key``
-    (uint32 (2,)): the two output words. Vectorized: 20 rounds of adds, rotations and xors on whole arrays
-    (flattened, so 0-d counts stay arrays: NumPy scalars would warn on the wrapping adds)."""
+    (uint32 (2,)): the two output words. Vectorized: whole-array adds, shifts and xors, in place, over chunks
+    that stay in cache on NumPy (CuPy: one chunk, so one pass of kernels); flattened, so 0-d counts stay
+    arrays (NumPy scalars would warn on the wrapping adds)."""
     k0, k1 = int(key[0]), int(key[1])
     ks = (k0, k1, k0 ^ k1 ^ _PARITY)
     shape = np.broadcast_shapes(x0.shape, x1.shape)
-    y0 = xp.broadcast_to(x0, shape).astype(np.uint32).reshape(-1) + np.uint32(ks[0])
-    y1 = xp.broadcast_to(x1, shape).astype(np.uint32).reshape(-1) + np.uint32(ks[1])
+    y0 = xp.broadcast_to(x0, shape).astype(np.uint32).reshape(-1)
+    y1 = xp.broadcast_to(x1, shape).astype(np.uint32).reshape(-1)
+    chunk = CHUNK if xp is np else max(y0.size, 1)
+    spare = xp.empty(min(chunk, y0.size), np.uint32)
+    for start in range(0, y0.size, chunk):
+        a, b = y0[start:start + chunk], y1[start:start + chunk]
+        _rounds(xp, ks, a, b, spare[:a.size])
+    return y0.reshape(shape), y1.reshape(shape)
+
+
+def _rounds(xp, ks, y0, y1, spare):
+    """The 20 rounds on one chunk, in place (``spare``: a temporary of the chunk's size)."""
+    y0 += np.uint32(ks[0])
+    y1 += np.uint32(ks[1])
     for group in range(5):
         for r in _ROTATIONS[group % 2]:
             y0 += y1
-            y1 = (y1 << np.uint32(r)) | (y1 >> np.uint32(32 - r))
+            xp.left_shift(y1, np.uint32(r), out=spare)
+            xp.right_shift(y1, np.uint32(32 - r), out=y1)
+            y1 |= spare
             y1 ^= y0
         y0 += np.uint32(ks[(group + 1) % 3])
         y1 += np.uint32((ks[(group + 2) % 3] + group + 1) % 2 ** 32)
-    return y0.reshape(shape), y1.reshape(shape)
 
 
 @opdef.kernel(THREEFRY)

@@ -45,6 +45,13 @@ def test_vectorized_threefry_equals_the_reference():
     assert [(int(a), int(b)) for a, b in zip(y0, y1)] == [threefry_ref(key, c) for c in zip(x0, x1)]
 
 
+def test_chunked_hash_equals_the_reference_across_chunk_boundaries(monkeypatch):
+    import spmd_runtime.ops.random as family
+    monkeypatch.setattr(family, "CHUNK", 7)
+    (got,) = _eval(lambda k: srandom.bits(k, (5, 11)), KEY)
+    np.testing.assert_array_equal(got, bits_ref(KEY, (5, 11)))
+
+
 # ---------------------------------------------------------------- keys
 def test_keys_are_jax_partitionable_values():
     np.testing.assert_array_equal(srandom.key(0), [0, 0])

@@ -62,6 +62,15 @@ def test_erfinv_inverts_erf_in_the_center_and_the_tails():
     np.testing.assert_array_equal(ERF_INV.kernel(np, -y), -x)  # odd
 
 
+def test_float32_erfinv_takes_one_step_and_rounds_like_the_float64_path():
+    rng = np.random.default_rng(2)
+    y = np.concatenate([rng.uniform(-1, 1, 10 ** 6), 1 - 10.0 ** -rng.uniform(0, 7.2, 10 ** 5)]).astype(np.float32)
+    y = y[np.abs(y) < 1]
+    got = ERF_INV.kernel(np, y)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, ERF_INV.kernel(np, y.astype(np.float64)).astype(np.float32))
+
+
 def test_traced_dtypes_follow_jax():
     """Floats keep their dtype; integers are computed in float (jax.scipy.special.erf)."""
     graph = sr.trace(lambda a, b: (snp.erf(a), snp.erfc(b), snp.erfinv(a)),
