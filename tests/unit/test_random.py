@@ -282,3 +282,16 @@ def test_jit_takes_a_key_and_a_step():
     step = sr.jit(lambda a, k, i: snn.dropout(srandom.fold_in(k, i), a, 0.5), mesh=sr.Mesh((1,), ("x",)))
     np.testing.assert_array_equal(np.asarray(step(x, key, np.int32(4))),
                                   dropout_ref(srandom.fold_in(key, 4), x, 0.5).astype(np.float32))
+
+
+def test_a_saved_program_draws_the_same_numbers(tmp_path):
+    x, key = np.ones((8, 6), np.float32), srandom.key(3)
+    graph = sr.trace(lambda a, k: (snn.dropout(k, a, 0.3), srandom.randint(k, (8, 6), 0, 5),
+                                   srandom.normal(srandom.split(k)[1], (8, 6)), snp.erf(a)), x, key)
+    program = sr.partition(graph, sr.Mesh((4,), ("x",)), in_specs=[("x", None), None])
+    program.save(tmp_path / "random.json")
+    loaded = sr.load_program(tmp_path / "random.json")
+    want = sr.evaluate(graph, x, key)
+    for outs in run_everywhere(loaded, x, key):
+        for got, expected in zip(outs, want):
+            np.testing.assert_array_equal(got, expected)
