@@ -176,12 +176,18 @@ def _on_cupy(xp) -> bool:
     return xp.__name__ == "cupy"
 
 
+CHUNK = 1 << 14  # entries per NumPy pass: the float64 temporaries stay in cache and come from the heap, not mmap
+
+
 def _special_kernel(numpy_fn, cupy_name):
     def kernel(xp, x):
         if _on_cupy(xp):
             import cupyx.scipy.special  # function-local: cupy is optional (only the CuPy backend has it)
             return getattr(cupyx.scipy.special, cupy_name)(x).astype(x.dtype, copy=False)
-        return numpy_fn(xp, x).astype(x.dtype)
+        flat, out = x.reshape(-1), xp.empty(x.size, x.dtype)
+        for start in range(0, flat.size, CHUNK):  # whole-array passes per chunk (~2x faster than one pass)
+            out[start:start + CHUNK] = numpy_fn(xp, flat[start:start + CHUNK])
+        return out.reshape(x.shape)
     return kernel
 
 
