@@ -11,7 +11,8 @@ from . import pytree
 from .trace import Tensor, mesh_split, trace
 from . import ops  # every op's record; binds the Tensor operators
 from . import numpy
-from . import lax, nn, random  # jax.lax / jax.nn / jax.random faces (sr.random.key, sr.nn.gelu, sr.lax.scan)
+from . import lax, nn, random  # jax.lax / jax.nn / jax.random faces: sr.random.key, sr.nn.gelu (not in __all__: a
+# star import must not shadow the standard library's random)
 from .reference import evaluate
 from .partition import partition, plan_reshard
 from .program import SPMDProgram, load_program
@@ -42,7 +43,7 @@ __version__ = "0.1.0"
 # early or a collective nobody joins (SPMD_TIMEOUT) then ends the whole job with the rank named (comm/jobguard.py).
 
 __all__ = ["jit", "DArray", "device_put", "from_local", "scatter_from_root", "visualize_sharding", "profile",
-           "distributed", "pytree", "numpy", "lax", "nn", "random", "P", "UNCONSTRAINED", "get_mesh", "set_mesh", "Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
+           "distributed", "pytree", "P", "UNCONSTRAINED", "get_mesh", "set_mesh", "Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "stop_gradient",
            "scan", "fori_loop", "while_loop", "cond", "remat", "shard_map", "psum", "pmax", "pmin", "all_gather",
            "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "save_checkpoint", "load_checkpoint",
