@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from .calibrate import calibrate, write_profile
+from .calibrate import calibrate, hardware_profile, write_profile
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.agreement import AgreedError, agree, capture
 from .comm.communicator import world
@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     cal.add_argument("--out", default="cost_profile.json", help="profile file rank 0 writes")
     cal.add_argument("--sizes", default="1024,16384,131072,1048576", help="bytes per rank, comma-separated")
     cal.add_argument("--repeats", type=int, default=5)
+    cal.add_argument("--hardware", default=None, help="also write a hardware profile of this machine (GEMM FLOP/s, "
+                     "memory bandwidth, links inside and between nodes) for program.estimate")
     args = parser.parse_args(argv)
     if args.cmd == "profile":
         print(summarize(args.directory, args.top))
@@ -64,6 +66,13 @@ def _calibrate(args) -> int:
         for f in doc["fits"]:
             print(f"{f['op']:<19} k={f['k']:<3} alpha={f['alpha'] * 1e6:9.2f} us  beta={f['beta'] * 1e9:8.3f} ns/B")
         print(f"wrote {args.out} (use partition(..., cost_profile=...) or SPMD_COST_PROFILE={args.out})")
+    if args.hardware:
+        hardware = hardware_profile(doc, comm, args.repeats)
+        if comm.Get_rank() == 0:
+            hardware.save(args.hardware)
+            print(f"wrote {args.hardware}: {hardware}, FLOP/s {dict(hardware.flops)}, memory "
+                  f"{hardware.memory_bandwidth / 1e9:.1f} GB/s, per instruction {hardware.overhead_s * 1e6:.1f} us, "
+                  f"inside a node {hardware.intra}, between nodes {hardware.inter} (use program.estimate(path))")
     return 0
 
 

@@ -6,6 +6,9 @@ live in ``partition/rules/`` and ``autodiff/rules/``, one module per family). Bi
 NumPy-style by inserting explicit ``broadcast_in_dim`` nodes; Python scalars are weakly typed
 (NEP 50): ``x * 2.0`` keeps x's dtype.
 """
+import functools
+
+from .trace import trace_state
 from .ops.core import (asarray, array, zeros, ones, full, add, subtract, multiply, divide, true_divide,
     power, negative, exp, log, tanh, sqrt, abs, absolute, square, maximum, minimum, where, equal, not_equal,
     less, less_equal, greater, greater_equal, logical_and, logical_or, logical_not, sum, max, min, amax,
@@ -30,3 +33,35 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
            "take", "scatter_add", "conv", "conv_general_dilated", "reduce_window", "cumsum", "argmax",
            "argmin", "logsumexp", "softmax", "top_k",
            "erf", "erfc", "erfinv"]
+
+
+outside_trace = None  # a call made outside any trace goes here: spmd_runtime/eager.py sets it (None: no eager mode)
+
+
+def _dispatching(fn):
+    """``fn``, handing a call with an operand that speaks the ``__spmd_function__`` protocol (a DArray outside
+    ``jit``: ``spmd_runtime/eager.py``) to that operand's type, and a call outside any trace to
+    ``outside_trace``; traced calls go straight to ``fn``."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        handler = _handler(args) or _handler(kwargs.values())
+        if handler is None and getattr(trace_state, "graph", None) is None:
+            handler = outside_trace
+        if handler is not None:
+            return handler(fn, args, kwargs)
+        return fn(*args, **kwargs)
+    return call
+
+
+def _handler(values):
+    """The protocol's handler of the first operand that has one (one level into lists and tuples: concatenate's
+    and stack's operands)."""
+    for x in values:
+        for y in (x if isinstance(x, (list, tuple)) else (x,)):
+            handler = getattr(type(y), "__spmd_function__", None)
+            if handler is not None:
+                return handler
+    return None
+
+
+globals().update({_name: _dispatching(globals()[_name]) for _name in __all__})
