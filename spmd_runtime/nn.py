@@ -9,7 +9,9 @@ form, is jax.nn.gelu's default and GPT-2's; ``approximate=False`` is the exact x
 ``layer_norm``, ``rms_norm``, ``cross_entropy`` (integer labels, PyTorch's reductions and ``ignore_index``),
 ``dropout`` (on ``spmd_runtime.random``: the same mask on any mesh), ``embedding``.
 
-Every reduction runs over static axes; masks are ``where`` selects, so gradients never meet a NaN.
+Every reduction runs over static axes; masks are ``where`` selects, so gradients never meet a NaN. Called
+outside a trace (on DArrays, or NumPy arrays under a context mesh) each function runs eagerly as one cached
+program, as ``snp``'s functions do (``spmd_runtime/eager.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import numpy as np
 from . import numpy as snp
 from . import random
 from .dtypes import finfo
+from .numpy import _dispatching
 from .ops.core import stop_gradient
 from .ops.special import erfc
 from .trace import Tensor
@@ -274,3 +277,8 @@ def dropout(key, x, rate: float, deterministic: bool = False):
 def embedding(table, ids):
     """Rows of ``table`` (V, D) for integer ``ids`` of any shape: (..., D) (ids outside [0, V) are clamped)."""
     return snp.take(table, ids, axis=0)
+
+
+# Eager outside a trace, one program per call (``snp``'s dispatch; ``tanh`` and ``logsumexp`` are snp's own).
+globals().update({_name: _dispatching(globals()[_name]) for _name in __all__
+                 if globals()[_name] not in (tanh, logsumexp)})

@@ -13,8 +13,9 @@ may differ from JAX's in the last float32 bit (its erf_inv is a float32 polynomi
 rounded once, ``ops/special.py``).
 
 Keys work on NumPy arrays outside a trace (``key``, ``split``, ``fold_in`` compute at once) and on traced
-uint32 tensors inside one (a key passed to a ``jit`` function, replicated); samplers run inside a trace
-(``sr.jit``, ``sr.trace``). Keys are raw uint32 arrays (``jax.random.PRNGKey``'s form); ``key`` returns the
+uint32 tensors inside one (a key passed to a ``jit`` function, replicated). Samplers run inside a trace
+(``sr.jit``, ``sr.trace``), and outside one eagerly, as ``snp``'s functions do (``spmd_runtime/eager.py``: one
+cached program per call signature, a replicated DArray on the context mesh). Keys are raw uint32 arrays (``jax.random.PRNGKey``'s form); ``key`` returns the
 same (no typed key arrays), ``key_data`` / ``wrap_key_data`` are the identity.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .ops.slicing import arange, concatenate
 from .ops.special import erf, erfinv
 from .ops.top_k import top_k
 from .ops.gather import take
+from .numpy import _dispatching
 from .trace import Tensor
 
 __all__ = ["key", "PRNGKey", "key_data", "wrap_key_data", "split", "fold_in", "bits", "uniform", "normal",
@@ -230,3 +232,8 @@ def _float_dtype(dtype, what: str) -> np.dtype:
 
 def _is_static(v) -> bool:
     return not isinstance(v, Tensor) and np.ndim(v) == 0
+
+
+SAMPLERS = ("bits", "uniform", "normal", "truncated_normal", "bernoulli", "gumbel", "categorical", "randint",
+            "permutation")
+globals().update({_name: _dispatching(globals()[_name]) for _name in SAMPLERS})  # eager outside a trace, as snp

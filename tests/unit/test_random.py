@@ -295,3 +295,15 @@ def test_a_saved_program_draws_the_same_numbers(tmp_path):
     for outs in run_everywhere(loaded, x, key):
         for got, expected in zip(outs, want):
             np.testing.assert_array_equal(got, expected)
+
+
+def test_samplers_and_nn_run_eagerly_outside_a_trace():
+    """Outside a trace, as snp's functions: one cached program per call, a replicated DArray on the context mesh."""
+    x = np.linspace(-2.0, 2.0, 6)
+    with sr.Mesh((1,), ("x",)):
+        u, d = srandom.uniform(KEY, (6,)), snn.dropout(KEY, x, 0.3)
+        perm = srandom.permutation(KEY, 5)
+    assert isinstance(u, sr.DArray)
+    np.testing.assert_array_equal(np.asarray(u), uniform_ref(KEY, (6,)))
+    np.testing.assert_array_equal(np.asarray(d), dropout_ref(KEY, x, 0.3))
+    np.testing.assert_array_equal(np.sort(np.asarray(perm)), np.arange(5))
