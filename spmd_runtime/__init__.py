@@ -11,6 +11,8 @@ from . import pytree
 from .trace import Tensor, mesh_split, trace
 from . import ops  # every op's record; binds the Tensor operators
 from . import numpy
+from . import lax, nn, random  # jax.lax / jax.nn / jax.random faces: sr.random.key, sr.nn.gelu (not in __all__: a
+# star import must not shadow the standard library's random)
 from .reference import evaluate
 from .partition import partition, plan_reshard
 from .program import SPMDProgram, load_program

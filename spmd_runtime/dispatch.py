@@ -23,6 +23,7 @@ def dispatching(fn):
         if handler is not None:
             return handler(fn, args, kwargs)
         return fn(*args, **kwargs)
+    call.dispatching = True
     return call
 
 
@@ -39,7 +40,9 @@ def _handler(values):
 
 def wrap_functions(namespace: dict, names, keep=()) -> None:
     """Replace each function of ``names`` in ``namespace`` by its dispatching wrapper; classes, modules,
-    constants and the functions in ``keep`` (those of Python values, not arrays) stay as they are."""
+    constants, the functions in ``keep`` (those of Python values, not arrays) and those already wrapped (another
+    namespace's, re-exported) stay as they are."""
     for name in names:
-        if inspect.isfunction(namespace[name]) and name not in keep:
+        fn = namespace[name]
+        if inspect.isfunction(fn) and name not in keep and not getattr(fn, "dispatching", False):
             namespace[name] = dispatching(namespace[name])

@@ -17,6 +17,7 @@ from .ops.gather import scatter_add, take
 from .ops.indexing import argmax, argmin, logsumexp, softmax
 from .ops.slicing import (arange, broadcasted_iota, concatenate, dynamic_slice, dynamic_update_slice, flip,
     iota, lax_pad, pad, reverse, roll, slice_in_dim, stack, static_slice)
+from .ops.special import erf, erfc, erfinv
 from .ops.top_k import top_k
 from .ops.windows import conv, conv_general_dilated, cumsum, reduce_window
 
@@ -54,7 +55,8 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
     "prod", "ptp", "std", "argsort", "searchsorted", "sort", "take_along_axis", "nonzero", "flatnonzero",
     "argwhere", "unique", "bool_", "complex64",
     "complex128", "dtype", "e", "finfo", "float16", "float32", "float64", "iinfo", "inf", "int8", "int16",
-    "int32", "int64", "nan", "newaxis", "pi", "uint8", "uint16", "uint32", "uint64", "bool"]
+    "int32", "int64", "nan", "newaxis", "pi", "uint8", "uint16", "uint32", "uint64", "bool",
+    "erf", "erfc", "erfinv"]
 
 
 # snp calls on DArrays, or outside any trace, run eagerly (spmd_runtime/dispatch.py, eager.py)

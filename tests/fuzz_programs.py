@@ -4,7 +4,8 @@
 program, and a failing seed is a complete reproduction (see test_fuzz_regressions.py).
 Programs chain random ops of the op set (elementwise, broadcasting, reductions,
 transpose, reshape, einsum with fresh operands, where, casts, take, cumsum, arg-reductions,
-logsumexp, pooling, 1-d conv, slicing, flip, pad, concatenate, dynamic_slice, roll, slices of split dims, and
+logsumexp, pooling, 1-d conv, slicing, flip, pad, concatenate, dynamic_slice, roll, slices of split dims, erf /
+erfc / random noise / dropout, and
 on split dims: roll, wide windows, unaligned reshapes, the kernel-gradient conv, interior pad, dynamic updates)
 with random mesh_split
 annotations; meshes have 1 to 8 devices, 1-d and 2-d, sometimes reordered; sizes are
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 import spmd_runtime as sr
+import spmd_runtime.nn as snn
 import spmd_runtime.numpy as snp
+import spmd_runtime.random as srandom
 from spmd_runtime.exec.backend import to_host
 
 MESH_SHAPES = [(1,), (2,), (3,), (4,), (6,), (8,), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (1, 4)]
@@ -79,6 +82,7 @@ class _Builder:
                self.einsum, self.annotate, self.where, self.cast, self.take, self.cumsum, self.arg_reduce,
                self.logsumexp, self.pooling, self.conv1d, self.slice_, self.flip, self.pad, self.concat,
                self.dynamic_slice, self.top_k, self.roll, self.split_slice, self.split_family, self.numpy_family]
+        ops.append(self.special_random)
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
             self.pool.append(out)
@@ -172,6 +176,17 @@ class _Builder:
         k = int(self.rng.integers(1, t.shape[-1] + 1))
         values, indices = snp.top_k(t, k)
         return snp.tanh(values) + snp.astype(indices, "float64") * 0.01
+
+    def special_random(self, t):
+        """erf / erfc of a pool tensor, or it times uniform noise, or dropped out (ops/special.py, ops/random.py:
+        random bits follow the tensor's layout, and must be the global array's on every mesh)."""
+        kind = int(self.rng.integers(3))
+        if kind == 0:
+            return snp.erf(t) + snp.erfc(t * 0.5)
+        key = srandom.key(int(self.rng.integers(2 ** 31)))
+        if kind == 1:
+            return t * srandom.uniform(key, t.shape, t.dtype, -1.0, 1.0)
+        return snn.dropout(key, t, 0.3)
 
     def logsumexp(self, t):
         return snp.tanh(snp.logsumexp(t, axis=int(self.rng.integers(t.ndim)))) if t.ndim else None

@@ -6,11 +6,11 @@ rules, the partition rules and the VJPs. ``docs/ADDING_AN_OP.md`` walks through 
 
 Families, lowest first (each may use the ones above it): ``core`` (leaves, elementwise, broadcast,
 reshape, transpose, reductions), ``einsum``, ``slicing``, ``gather``, ``windows``, ``indexing``,
-``top_k``, ``sorting``, ``control`` (scan, while, cond), ``manual`` (shard_map and its collectives), and ``spmd`` (collectives and layout ops, emitted only by the partitioner). Importing this
+``top_k``, ``sorting``, ``special`` (erf, erfc, erf_inv), ``random`` (Threefry random bits), ``control`` (scan, while, cond), ``manual`` (shard_map and its collectives), and ``spmd`` (collectives and layout ops, emitted only by the partitioner). Importing this
 package defines every op and binds the ``Tensor`` operators to the functions here.
 """
 from ..trace import Tensor
-from . import core, einsum, gather, indexing, slicing, sorting, spmd, top_k, windows  # noqa: F401  (each defines its records)
+from . import core, einsum, gather, indexing, random, slicing, sorting, special, spmd, top_k, windows  # noqa: F401  (each defines its records)
 from . import linalg, manipulation, reductions  # noqa: F401,E402  (compositions of the families above: no records)
 from . import control  # noqa: F401,E402  (scan / while / cond: ops with a body; last, it uses the others)
 from . import manual  # noqa: F401,E402  (shard_map regions and their explicit collectives: they use control)

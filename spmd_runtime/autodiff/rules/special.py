@@ -1,0 +1,24 @@
+"""The VJP rules of the ``ops/special.py`` family, written with traced ops and registered in ``table.py``."""
+from __future__ import annotations
+
+import math
+
+from ...ops.core import exp
+from ...ops.special import ERF, ERF_INV, ERFC, TWO_OVER_SQRT_PI
+from .table import vjp
+
+
+@vjp(ERF)
+def _erf_vjp(node, g, ops, y):
+    return [g * (TWO_OVER_SQRT_PI * exp(-(ops[0] * ops[0])))]
+
+
+@vjp(ERFC)
+def _erfc_vjp(node, g, ops, y):
+    return [g * (-TWO_OVER_SQRT_PI * exp(-(ops[0] * ops[0])))]
+
+
+@vjp(ERF_INV)
+def _erf_inv_vjp(node, g, ops, y):
+    """d erfinv(u)/du = sqrt(pi)/2 exp(erfinv(u)^2), from the result (as JAX)."""
+    return [g * (0.5 * math.sqrt(math.pi) * exp(y * y))]
