@@ -61,6 +61,9 @@ TABLE1 = [
     ("530B", 128, 20480, 105, 8, 35, 2520, 2520),
     ("1T", 160, 25600, 128, 8, 64, 3072, 3072),
 ]
+# Table 1's achieved teraFLOP/s per GPU (A100, eq. 3's FLOPs over the measured step), by row
+PUBLISHED_TFLOPS = {"1.7B": 137, "3.6B": 138, "7.5B": 142, "18B": 135, "39B": 138, "76B": 140, "145B": 148,
+                    "310B": 155, "530B": 163, "1T": 163}
 VOCAB, SEQ, MICRO = 51200, 2048, 1
 GIB = 2.0 ** 30
 # Lepikhin et al. 2020, "GShard", MoE(2048E, 36L): 36 layers (every other one MoE, top-2, capacity factor 2),
@@ -76,6 +79,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-ranks", type=int, default=1024, help="skip rows on more ranks than this")
     ap.add_argument("--remat", default="full", choices=["full", "none"], help="full: the paper's full recompute")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--predict", default=None, metavar="HARDWARE",
+                    help="also predict each row's step on this hardware profile (e.g. dgx-a100-80gb: program.estimate)"
+                         " and print its TFLOP/s per GPU by the paper's eq. 3 next to the published figure")
     return ap.parse_args(argv)
 
 
@@ -93,6 +99,22 @@ def megatron_formulas(a, h, l, t, p, d, batch, remat) -> dict:
             "ar_per_layer": 0 if t == 1 else 6 if remat == "full" else 4,
             "model": (6 if remat == "full" else 4) * (l / p) * m * ring(t) * 2 * sbh,
             "data": ring(d) * 2 * local, "stage": 2 * m * 2 * sbh if p > 1 else 0.0}
+
+
+def eq3_flops(batch, l, h) -> float:
+    """Megatron's eq. 3: model FLOPs per step with full recompute, 96 B s l h^2 (1 + s/(6h) + V/(16 l h))."""
+    return 96 * batch * SEQ * l * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * l * h))
+
+
+def predict_row(name, program, hardware, flops, gpus) -> None:
+    """The predicted step on ``hardware`` and its TFLOP/s per GPU (eq. 3) beside Table 1's."""
+    e = program.estimate(hardware)
+    tflops = flops / (e.step_s * gpus) / 1e12
+    published = PUBLISHED_TFLOPS.get(name)
+    versus = f"   published {published} TFLOP/s   ratio {tflops / published:5.2f}" if published else ""
+    print(f"  predicted on {e.hardware.name}: step {e.step_s:.2f} s (compute {e.compute_s:.2f} s, exposed "
+          f"communication {e.exposed_comm_s:.2f} s); {tflops:.0f} TFLOP/s per GPU{versus}; {e.verdict}")
+    PREDICTED.append((name, gpus, e.step_s, tflops, published, e.fits))
 
 
 def bucket(axes: tuple) -> str:
@@ -143,6 +165,8 @@ def plan_row(row, args) -> None:
                                                           == axis), f[axis]))
     for g in plan.comm:
         print(f"    {g['kind']:<19} {','.join(g['axes']):<18} x{g['count']:<4} {g['wire_bytes'] / GIB:10.2f} GiB")
+    if args.predict:
+        predict_row(name, plan.step.program, args.predict, eq3_flops(batch, l, h), gpus)
     print()
     SUMMARY.append((name, gpus, plan.cpu_seconds, plan.instructions, held, f["held"], mem["peak"], f["peak"],
                     sum(wire.values()), f["model"] + f["data"] + f["stage"], ars, f["ar_per_layer"]))
@@ -194,6 +218,7 @@ def plan_gshard(args) -> None:
 
 
 SUMMARY: list = []
+PREDICTED: list = []
 
 
 def main(argv=None) -> int:
@@ -216,6 +241,12 @@ def main(argv=None) -> int:
     for r in SUMMARY:
         print(f"{r[0]:>5} {r[1]:>5} {r[2]:>7.2f} {r[3]:>6} {r[4] / GIB:>9.1f} {r[5] / GIB:>8.1f} {r[6] / GIB:>9.1f} "
               f"{r[7] / GIB:>8.1f} {r[8] / GIB:>9.1f} {r[9] / GIB:>8.1f} {r[10]:>8.2f} {r[11]:>7}")
+    if PREDICTED:
+        print(f"\n{'row':>5} {'ranks':>5} {'step s':>8} {'TFLOP/s':>8} {'published':>9} {'ratio':>6}  memory")
+        for name, gpus, step, tflops, published, fits in PREDICTED:
+            ratio = f"{tflops / published:6.2f}" if published else ""
+            print(f"{name:>5} {gpus:>5} {step:8.2f} {tflops:8.0f} {published or '':>9} {ratio:>6}  "
+                  f"{'fits' if fits else 'does not fit'}")
     print(f"max RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB "
           f"(cpu s: tracing + partitioning, this process's CPU time; wire: all axes per rank per step)")
     return 0
