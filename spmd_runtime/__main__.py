@@ -1,5 +1,5 @@
 """Command line: ``python -m spmd_runtime {run,show} PROGRAM ...``, ``calibrate`` (under mpiexec), ``profile DIR``,
-``plan --preset P --mesh A,B,... --layers L --d D ...`` (the plan of a training step from shapes alone)."""
+``plan`` (a training step from shapes alone) and ``autoshard`` (layouts ranked by their predicted step)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from .autoshard import autoshard
 from .calibrate import calibrate, hardware_profile, write_profile
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.agreement import AgreedError, agree, capture
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     if args.cmd == "profile":
         print(summarize(args.directory, args.top))
         return 0
-    return {"run": _run, "show": _show, "calibrate": _calibrate, "plan": _plan}[args.cmd](args)
+    return {"run": _run, "show": _show, "calibrate": _calibrate, "plan": _plan, "autoshard": _autoshard}[args.cmd](args)
 
 
 def _plan_parser(sub) -> None:
@@ -64,36 +65,69 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--mesh", required=True, help="mesh shape, comma-separated (e.g. 64,8,6)")
     plan.add_argument("--axes", default=None, help="mesh axis names, comma-separated (default: the preset's "
                       "train_mesh names: data,model; pipeline: stage,data,model)")
-    for name, default in (("layers", 2), ("d", 256), ("heads", 8), ("ffn", None), ("vocab", 51200),
-                          ("seq", 2048), ("batch", 8), ("microbatches", 1), ("experts", 0), ("moe-every", 0),
-                          ("head-dim", None)):
-        plan.add_argument(f"--{name}", type=int, default=default)
-    plan.add_argument("--ffn-kind", default="gelu", help="gelu | geglu | swiglu")
-    plan.add_argument("--bias", action="store_true", help="biases on every projection (GPT-2, Megatron)")
-    plan.add_argument("--dtype", default="bfloat16", help="compute dtype (master weights and state: float32)")
-    plan.add_argument("--remat", default="none", help="none | full | dots")
-    plan.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor")
-    plan.add_argument("--tied", action="store_true", help="output layer tied to the embedding")
+    plan.add_argument("--microbatches", type=int, default=1)
     plan.add_argument("--save", default=None, help="write the partitioned program here (python -m spmd_runtime "
                       "show / run read it)")
+    plan.add_argument("--predict", default=None, metavar="HARDWARE", help="also predict the step on a hardware "
+                      "profile (a file, or dgx-a100-80gb / dgx-h100 / tpu-v3)")
+    _model_arguments(plan)
+    auto = sub.add_parser("autoshard", help="every preset on every mesh shape of --devices, predicted on a hardware "
+                                            "profile, pruned by memory and ranked (nothing runs)")
+    auto.add_argument("--devices", type=int, required=True)
+    auto.add_argument("--hardware", required=True, help="a profile file, or dgx-a100-80gb / dgx-h100 / tpu-v3")
+    auto.add_argument("--presets", default=None, help="comma-separated (default: every preset that fits the model)")
+    auto.add_argument("--microbatches", default="1", help="micro-batch counts to try, comma-separated")
+    auto.add_argument("--remats", default="none", help="remat policies to try, comma-separated")
+    _model_arguments(auto)
+
+
+def _model_arguments(parser) -> None:
+    """The model config's options, shared by ``plan`` and ``autoshard``."""
+    for name, default in (("layers", 2), ("d", 256), ("heads", 8), ("ffn", None), ("vocab", 51200),
+                          ("seq", 2048), ("batch", 8), ("experts", 0), ("moe-every", 0), ("head-dim", None)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--ffn-kind", default="gelu", help="gelu | geglu | swiglu")
+    parser.add_argument("--bias", action="store_true", help="biases on every projection (GPT-2, Megatron)")
+    parser.add_argument("--dtype", default="bfloat16", help="compute dtype (master weights and state: float32)")
+    parser.add_argument("--remat", default="none", help="none | full | dots")
+    parser.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor")
+    parser.add_argument("--tied", action="store_true", help="output layer tied to the embedding")
+
+
+def _config(args) -> LMConfig:
+    return LMConfig(layers=args.layers, d=args.d, heads=args.heads, ffn=args.ffn or 4 * args.d, vocab=args.vocab,
+                    seq=args.seq, batch=args.batch, dtype=args.dtype, remat=args.remat, tied=args.tied,
+                    experts=args.experts, moe_every=args.moe_every, head_dim=args.head_dim, bias=args.bias,
+                    ffn_kind=args.ffn_kind)
 
 
 def _plan(args) -> int:
     try:
         shape = tuple(int(s) for s in args.mesh.split(","))
         mesh = train_mesh(shape, args.preset) if args.axes is None else Mesh(shape, tuple(args.axes.split(",")))
-        cfg = LMConfig(layers=args.layers, d=args.d, heads=args.heads, ffn=args.ffn or 4 * args.d, vocab=args.vocab,
-                       seq=args.seq, batch=args.batch, dtype=args.dtype, remat=args.remat, tied=args.tied,
-                       experts=args.experts, moe_every=args.moe_every, head_dim=args.head_dim, bias=args.bias,
-                       ffn_kind=args.ffn_kind)
-        plan = plan_train_step(cfg, mesh, args.preset, make_optimizer(args.optimizer), args.microbatches)
+        plan = plan_train_step(_config(args), mesh, args.preset, make_optimizer(args.optimizer), args.microbatches)
+        estimate = plan.step.program.estimate(args.predict) if args.predict else None
     except ValueError as e:
         print(f"spmd_runtime plan: {e}", file=sys.stderr, flush=True)
         return 2
     print(plan.format())
+    if estimate is not None:
+        print(estimate)
     if args.save:
         plan.step.program.save(args.save)
         print(f"wrote the program to {args.save}")
+    return 0
+
+
+def _autoshard(args) -> int:
+    try:
+        autoshard(_config(args), args.devices, args.hardware, optimizer=make_optimizer(args.optimizer),
+                  presets=args.presets.split(",") if args.presets else None,
+                  microbatches=tuple(int(m) for m in args.microbatches.split(",")),
+                  remats=tuple(args.remats.split(",")))
+    except ValueError as e:
+        print(f"spmd_runtime autoshard: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -48,3 +48,14 @@ def test_device_count_must_match_the_profile():
         autoshard(CFG, 4, A100.with_nodes(2), verbose=False)
     with pytest.raises(ValueError, match="presets must be among"):
         autoshard(CFG, 2, A100, presets=["zero3"], verbose=False)
+
+
+def test_the_cli_verbs(capsys):
+    from spmd_runtime.__main__ import main
+    small = ["--layers", "2", "--d", "32", "--heads", "4", "--ffn", "64", "--vocab", "64", "--seq", "16", "--batch", "4"]
+    assert main(["autoshard", "--devices", "2", "--hardware", "dgx-h100", "--presets", "dp,megatron", *small]) == 0
+    assert "autoshard on dgx-h100: 3 candidates" in capsys.readouterr().out
+    assert main(["plan", "--preset", "megatron", "--mesh", "1,2", "--predict", "tpu-v3", *small]) == 0
+    assert "predicted on tpu-v3 (rank 0)" in capsys.readouterr().out
+    assert main(["autoshard", "--devices", "2", "--hardware", "dgx-a300", *small]) == 2
+    assert "got 'dgx-a300'" in capsys.readouterr().err
