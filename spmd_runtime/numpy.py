@@ -17,7 +17,7 @@ from .ops.core import (sin, cos, tan, arcsin, arccos, arctan, arctan2, sinh, cos
     rsqrt, cbrt, floor, ceil, round, around, trunc, fix, rint, sign, signbit, copysign, hypot, clip, isfinite,
     isnan, isinf, nan_to_num, floor_divide, remainder, mod, fmod, divmod, bitwise_and, bitwise_or, bitwise_xor,
     bitwise_invert, bitwise_not, invert, bitwise_left_shift, bitwise_right_shift, left_shift, right_shift,
-    positive, float_power, pow, logical_xor, heaviside, deg2rad, rad2deg, radians, degrees, fmax, fmin, nextafter)
+    positive, float_power, pow, logical_xor, heaviside, deg2rad, rad2deg, radians, degrees, fmax, fmin)
 from .ops.einsum import dot, einsum, matmul
 from .ops.gather import scatter_add, take
 from .ops.indexing import argmax, argmin, logsumexp, softmax
@@ -42,4 +42,4 @@ __all__ = __all__ + ["sin", "cos", "tan", "arcsin", "arccos", "arctan", "arctan2
             "nan_to_num", "floor_divide", "remainder", "mod", "fmod", "divmod", "bitwise_and", "bitwise_or",
             "bitwise_xor", "bitwise_invert", "bitwise_not", "invert", "bitwise_left_shift", "bitwise_right_shift",
             "left_shift", "right_shift", "positive", "float_power", "pow", "logical_xor", "heaviside", "deg2rad",
-            "rad2deg", "radians", "degrees", "fmax", "fmin", "nextafter"]
+            "rad2deg", "radians", "degrees", "fmax", "fmin"]

@@ -46,7 +46,7 @@ MATH_UNARY = ("sin", "cos", "tan", "arcsin", "arccos", "arctan", "sinh", "cosh",
               "log1p", "expm1", "log2", "log10", "exp2", "cbrt", "reciprocal", "floor", "ceil", "trunc", "rint",
               "sign", "signbit", "isfinite", "isnan", "isinf", "invert")
 MATH_BINARY = ("arctan2", "logaddexp", "copysign", "hypot", "floor_divide", "remainder", "fmod", "bitwise_and",
-               "bitwise_or", "bitwise_xor", "left_shift", "right_shift", "fmax", "fmin", "nextafter", "heaviside")
+               "bitwise_or", "bitwise_xor", "left_shift", "right_shift", "fmax", "fmin", "heaviside")
 UNARY_UFUNCS.update({name: name for name in MATH_UNARY})
 BINARY_UFUNCS.update({name: name for name in MATH_BINARY})
 EXPENSIVE = ("exp", "log", "tanh", "sqrt", "div", "pow", "sin", "cos", "tan", "arcsin", "arccos", "arctan", "sinh",
@@ -61,11 +61,11 @@ ADD, SUB, MUL, DIV, POW, MAXIMUM, MINIMUM, EQ, NE, LT, LE, GT, GE, AND, OR = BIN
 (SIN, COS, TAN, ARCSIN, ARCCOS, ARCTAN, SINH, COSH, ARCSINH, ARCCOSH, ARCTANH, LOG1P, EXPM1, LOG2, LOG10, EXP2, CBRT,
  RECIPROCAL, FLOOR, CEIL, TRUNC, RINT, SIGN, SIGNBIT, ISFINITE, ISNAN, ISINF, INVERT) = UNARY[7:]
 (ARCTAN2, LOGADDEXP, COPYSIGN, HYPOT, FLOOR_DIVIDE, REMAINDER, FMOD, BITWISE_AND, BITWISE_OR, BITWISE_XOR, LEFT_SHIFT,
- RIGHT_SHIFT, FMAX, FMIN, NEXTAFTER, HEAVISIDE) = BINARY[15:]
+ RIGHT_SHIFT, FMAX, FMIN, HEAVISIDE) = BINARY[15:]
 COMPARISONS = tuple(ELEMENTWISE[n] for n in ("eq", "ne", "lt", "le", "gt", "ge"))
 # Zero almost everywhere or not differentiable: no cotangent flows back (JAX's gradient of floor, sign, ... is 0).
 PIECEWISE_CONSTANT = (FLOOR, CEIL, TRUNC, RINT, SIGN, SIGNBIT, ISFINITE, ISNAN, ISINF, INVERT, FLOOR_DIVIDE,
-                      BITWISE_AND, BITWISE_OR, BITWISE_XOR, LEFT_SHIFT, RIGHT_SHIFT, NEXTAFTER, HEAVISIDE)
+                      BITWISE_AND, BITWISE_OR, BITWISE_XOR, LEFT_SHIFT, RIGHT_SHIFT, HEAVISIDE)
 # Elementwise ops without a ufunc of their own (a kernel of a few ufuncs): never fused, never in place.
 RSQRT = define("rsqrt", fresh=True)
 LOGISTIC = define("logistic", fresh=True)  # jax.lax.logistic: the sigmoid
@@ -199,8 +199,8 @@ def _inexact_binary(name):
     return fn
 
 
-arctan2, logaddexp, copysign, hypot, nextafter, heaviside = (
-    _inexact_binary(n) for n in ("arctan2", "logaddexp", "copysign", "hypot", "nextafter", "heaviside"))
+arctan2, logaddexp, copysign, hypot, heaviside = (
+    _inexact_binary(n) for n in ("arctan2", "logaddexp", "copysign", "hypot", "heaviside"))
 
 
 def rsqrt(x):

@@ -679,8 +679,8 @@ def host_kernels(fake_cupy, monkeypatch, tmp_path):
     import shutil
     if shutil.which("g++") is None:
         pytest.skip("the fake ElementwiseKernel compiles the generated CUDA body with the host g++; none here")
-    monkeypatch.setattr(fake_cupy, "ElementwiseKernel", lambda *a: HostElementwiseKernel(fake_cupy, *a, tmp_path),
-                        raising=False)
+    monkeypatch.setattr(fake_cupy, "ElementwiseKernel",
+                        lambda *a, **k: HostElementwiseKernel(fake_cupy, *a, tmp_path, **k), raising=False)
     monkeypatch.setattr(fake_cupy, "ReductionKernel",
                         lambda *a, **k: HostReductionKernel(fake_cupy, *a, tmp_path=tmp_path, **k), raising=False)
 
