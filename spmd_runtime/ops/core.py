@@ -135,6 +135,8 @@ def _binary(op, a, b, out_dtype=None):
 def _float(x):
     """``x`` as a floating (or complex) tensor: integers and bools in the default float dtype (JAX's inexact
     promotion: float32, float64 with x64), floats as they are."""
+    if type(x) in (bool, int, float):
+        return float(x)  # stays weak: ``bf16 / 3`` is bfloat16
     x = asarray(x)
     return astype(x, result_type(x, 1.0))
 
@@ -192,7 +194,7 @@ def _inexact_unary(name):
 
 def _inexact_binary(name):
     def fn(a, b):
-        (a, b), dtype, _ = _operands(a, b)
+        (a, b), _, _ = _operands(a, b)
         return _binary(ELEMENTWISE[name], _float(a), _float(b))
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = f"NumPy's ``{name}``, elementwise; integers and bools are computed in the default float dtype."
@@ -205,13 +207,13 @@ arctan2, logaddexp, copysign, hypot, heaviside = (
 
 def rsqrt(x):
     """``1 / sqrt(x)`` (jax.lax.rsqrt), one op."""
-    x = _float(x)
+    x = asarray(_float(x))
     return emit(RSQRT, [x], {}, x.shape, x.dtype)
 
 
 def sigmoid(x):
     """The logistic function ``1 / (1 + exp(-x))`` (jax.nn.sigmoid, jax.lax.logistic), without overflow."""
-    x = _float(x)
+    x = asarray(_float(x))
     return emit(LOGISTIC, [x], {}, x.shape, x.dtype)
 
 
@@ -298,8 +300,12 @@ def fmin(a, b):
 
 
 def _bitwise(name, what):
+    logical = {"bitwise_and": AND, "bitwise_or": OR, "bitwise_xor": NE}[name]
+
     def fn(a, b):
-        (a, b), _, _ = _operands(a, b)
+        (a, b), dtype, _ = _operands(a, b)
+        if dtype == np.bool_:  # the same values as the logical ops, which the compiled loops know
+            return _binary(logical, a, b)
         return _binary(ELEMENTWISE[name], _integral(a, what), _integral(b, what))
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = f"NumPy's ``{name}`` of integers or bools (logical on bools)."
@@ -328,7 +334,8 @@ right_shift = bitwise_right_shift = _shift("right_shift", "right_shift (>>)")
 
 def invert(x):
     """NumPy's ``~``: bitwise not of integers, logical not of bools."""
-    return _unary(ELEMENTWISE["invert"], _integral(x, "invert (~)"))
+    x = _integral(x, "invert (~)")
+    return _unary(NOT if x.dtype == np.bool_ else ELEMENTWISE["invert"], x)
 
 
 bitwise_invert = bitwise_not = invert
