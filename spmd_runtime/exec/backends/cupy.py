@@ -112,9 +112,11 @@ def _c_numpy_loop(op: str, a: list[str], dtype: str) -> str | None:
     }
     if op in simple:
         return simple[op]
-    if op in (FMAX.name, FMIN.name):  # the other side where one is nan (NumPy's fmax / fmin)
-        y, cmp = a[1], ">=" if op == FMAX.name else "<="
-        return f"(({x} {cmp} {y} || {y} != {y}) ? {x} : {y})"
+    if op in (FMAX.name, FMIN.name):  # NumPy's: C's fmax / fmin on floats (the other side where one is nan)
+        y, name = a[1], "fmax" if op == FMAX.name else "fmin"
+        if floating:
+            return f"(({t}){name}({x}, {y}))"
+        return f"({x} {'>=' if op == FMAX.name else '<='} {y} ? {x} : {y})"
     if op == HEAVISIDE.name:
         y = a[1]
         return f"({x} < ({t})0 ? ({t})0 : ({x} > ({t})0 ? ({t})1 : ({x} == ({t})0 ? {y} : {x})))"
