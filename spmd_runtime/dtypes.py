@@ -132,8 +132,9 @@ config = Config()
 # A weak result (all operands Python scalars, or e.g. uint64 with int8) becomes the default dtype: without x64
 # int32 / float32 / complex64, with x64 int64 / float64 / complex128. Without x64 (the default) nothing is
 # widened to 64 bits that was not 64 bits already: a join of 64-bit width no strong operand has (uint32 with
-# int32 -> int64) is its 32-bit twin (int32, as JAX without x64), and NumPy scalars and arrays that are not
-# traced tensors (``np.float64(2)``, ``np.arange(4.0)``) count as their 32-bit twins (JAX canonicalizes them).
+# int32 -> int64) is its 32-bit twin (int32, as JAX without x64), and NumPy scalars and arrays that are operands
+# of an op (``x * np.float64(2)``, ``x + np.arange(4.0)``) count as their 32-bit twins (JAX canonicalizes them;
+# a NumPy array converted on purpose, ``snp.asarray(a)``, keeps its dtype: a float64 program's constants stay exact).
 # Traced tensors (arguments and values) of a 64-bit dtype keep it: float64 comes only from where it was asked
 # for. Results are strong: a traced tensor carries no weak flag (JAX's weakly typed arrays), so
 # ``snp.where(c, 1.0, 2.0)`` is float32 and then promotes like any float32.

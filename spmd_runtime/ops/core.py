@@ -81,10 +81,14 @@ REDUCE = define("reduce", fresh=True)
 # ================================================================ traced API
 # ---------------------------------------------------------------- constants
 def asarray(x, dtype=None) -> Tensor:
-    """A traced tensor for ``x``: tensors pass through, arrays and scalars become constants."""
+    """A traced tensor for ``x``: tensors pass through, arrays and scalars become constants. A NumPy array keeps
+    its dtype; a Python scalar or list takes JAX's default (``snp.asarray(1.0)`` is float32 without x64). As an
+    operand of an op (``x * np.float64(2)``) a NumPy value promotes as its 32-bit twin instead (``dtypes.py``)."""
     if isinstance(x, Tensor):
         return x if dtype is None else astype(x, dtype)
-    value = np.asarray(x, dtype=dtype if dtype is not None else result_type(x))  # JAX's dtype of a value (dtypes.py)
+    if dtype is None:  # a NumPy array or scalar keeps its dtype (converting it asks for it); Python values and
+        dtype = x.dtype if isinstance(x, (np.ndarray, np.generic)) else result_type(x)  # lists: JAX's default
+    value = np.asarray(x, dtype=dtype)
     return emit(CONSTANT, [], {"value": value}, value.shape, value.dtype)
 
 

@@ -99,7 +99,8 @@ def test_numpy_scalars_and_arrays_are_strong_and_32_bit_without_x64(x64):
              (lambda v, k: k + np.int64(1), "int64" if x64 else "int32"),
              (lambda v, k: k * np.float32(2), "float32"),
              (lambda v, k: v + np.float16(1), "float32"),
-             (lambda v, k: snp.asarray(np.arange(3.0)) + k, "float64" if x64 else "float32")]
+             (lambda v, k: snp.asarray(np.arange(3.0)) + k, "float64"),  # converted on purpose: kept
+             (lambda v, k: snp.asarray([1.0, 2.0, 3.0]) + k, "float64" if x64 else "float32")]
     for fn, want in cases:
         graph = sr.trace(fn, x, i)
         assert graph.nodes[graph.outputs[0]].dtype == want
