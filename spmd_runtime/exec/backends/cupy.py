@@ -52,7 +52,7 @@ template <typename T> __device__ T spmd_rem_i(T a, T b) {
   const T r = a % b;
   return (r != 0 && ((r < 0) != (b < 0))) ? (T)(r + b) : r;
 }
-template <typename T> __device__ T spmd_fmod_i(T a, T b) { return b == 0 ? (T)0 : (T)(a % b); }
+template <typename T> __device__ T spmd_fmod_int_i(T a, T b) { return b == 0 ? (T)0 : (T)(a % b); }
 template <typename T> __device__ T spmd_floordiv_f(T a, T b) {
   if (b == (T)0) return a / b;
   const T mod = fmod(a, b);
@@ -90,9 +90,9 @@ def _c_numpy_loop(op: str, a: list[str], dtype: str) -> str | None:
     """The C expression of the ops whose NumPy loops C has no one function or operator for, or None."""
     t, floating = _C_TYPES[dtype], dtype in _FLOAT_C
     if op in (FLOOR_DIVIDE.name, REMAINDER.name, FMOD.name):
-        name = {FLOOR_DIVIDE.name: "floordiv", REMAINDER.name: "rem", FMOD.name: "fmod"}[op]
-        if floating and op == FMOD.name:
-            return f"(({t})fmod({a[0]}, {a[1]}))"
+        if floating and op == FMOD.name:  # C's fmod, named as the op
+            return f"(({t}){op}({a[0]}, {a[1]}))"
+        name = {FLOOR_DIVIDE.name: "floordiv", REMAINDER.name: "rem"}.get(op, "fmod_int")
         return f"spmd_{name}_{'f' if floating else 'i'}<{t}>({a[0]}, {a[1]})"
     if op in (LEFT_SHIFT.name, RIGHT_SHIFT.name):
         return f"spmd_{'lshift' if op == LEFT_SHIFT.name else 'rshift'}<{t}>({a[0]}, {a[1]})"
@@ -113,9 +113,9 @@ def _c_numpy_loop(op: str, a: list[str], dtype: str) -> str | None:
     if op in simple:
         return simple[op]
     if op in (FMAX.name, FMIN.name):  # NumPy's: C's fmax / fmin on floats (the other side where one is nan)
-        y, name = a[1], "fmax" if op == FMAX.name else "fmin"
-        if floating:
-            return f"(({t}){name}({x}, {y}))"
+        y = a[1]
+        if floating:  # C's fmax / fmin, named as the ops
+            return f"(({t}){op}({x}, {y}))"
         return f"({x} {'>=' if op == FMAX.name else '<='} {y} ? {x} : {y})"
     if op == HEAVISIDE.name:
         y = a[1]
