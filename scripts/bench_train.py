@@ -66,6 +66,9 @@ def parse_args(argv=None):
                     help="gradient accumulation over this many slices (pipeline preset: its micro-batches)")
     ap.add_argument("--donate", action="store_true",
                     help="update the parameters and optimizer state in place (build_train_step(donate=True))")
+    ap.add_argument("--predict", default=None, metavar="HARDWARE",
+                    help="also print the step program.estimate predicts on this hardware profile (a file, or a "
+                         "shipped name), the slowest rank's")
     ap.add_argument("--partition-only", action="store_true",
                     help="only trace and partition: print partition seconds and instruction counts")
     return ap.parse_args(argv)
@@ -167,6 +170,8 @@ def main():
     median, losses = timed_steps(ts, local, comm, ARGS, clock)
     rss = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX)  # KiB on Linux
     pipeline = pipeline_report(ts, clock, comm, ARGS.steps) if clock else None
+    predicted = comm.allreduce(ts.program.estimate(ARGS.predict, comm.Get_rank()).step_s, op=MPI.MAX) \
+        if ARGS.predict else None
     if comm.Get_rank() == 0:
         cfg = ts.cfg
         print(json.dumps({
@@ -184,6 +189,7 @@ def main():
             "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg()),
             **({"moe": moe_report(ts)} if cfg.moe_every else {}),
             **({"pipeline": pipeline} if clock else {}),
+            **({"predicted_step_s": predicted, "hardware": ARGS.predict} if ARGS.predict else {}),
         }))
 
 

@@ -6,6 +6,8 @@
 #   2. tests/mpi under "$MPIEXEC -n N" for N in $SPMD_MPI_SIZES
 #      (default "1 2 3 4 8"); only rank 0 prints, the other ranks' output is
 #      kept and its tail shown when a stage fails.
+#   3. tests/mpi on an emulated cluster of 2 hosts x 2 ranks (network
+#      namespaces, scripts/emulate_cluster.sh): skipped where not root.
 # Every stage runs even if an earlier one failed; any failing stage makes the
 # script exit non-zero. The last line is always "N passed, M failed, K skipped"
 # summed over all stages (read from per-stage JUnit XML; a test counts as
@@ -145,6 +147,31 @@ if has_tests tests/mpi; then
     done
 else
     printf '\n=== mpi: skipped (no test files in tests/mpi)\n'
+fi
+
+# ---- stage 3: tests/mpi on an emulated cluster: 2 hosts x 2 ranks ----------
+# Each host a network namespace with its own address, hostname and IPC (scripts/emulate_cluster.sh); needs
+# root. Skipped, saying why, where the machine cannot make namespaces, or with SPMD_CLUSTER_STAGE=0.
+cluster() { SPMD_CLUSTER_PREFIX=spmdci SPMD_CLUSTER_NET=10.79.0 SPMD_CLUSTER_DIR="$REPORTS/cluster" \
+    bash scripts/emulate_cluster.sh "$@"; }
+if [[ "${SPMD_CLUSTER_STAGE:-1}" == 0 ]]; then
+    printf '\n=== cluster-2x2: skipped (SPMD_CLUSTER_STAGE=0)\n'
+elif ! has_tests tests/mpi; then
+    printf '\n=== cluster-2x2: skipped (no test files in tests/mpi)\n'
+elif ! why="$(cluster check 2>&1)"; then
+    printf '\n=== cluster-2x2: skipped (%s)\n' "${why#emulate_cluster.sh: }"
+else
+    cluster up --nodes 2 --ranks-per-node 2 >/dev/null
+    (
+        eval "$(cluster env)"
+        run_stage "cluster-2x2" 1 "tests/mpi on 2 emulated hosts x 2 ranks (scripts/emulate_cluster.sh)" \
+            timeout -k 30 "$STAGE_TIMEOUT" "${MPIEXEC_CMD[@]}" -n 4 \
+            bash -c "$RANK_WRAPPER" rank-wrapper "$REPORTS/cluster-2x2" \
+            python -m pytest --with-mpi tests/mpi -q -p no:cacheprovider -x \
+            --timeout="$TEST_TIMEOUT" --timeout-method=thread
+    )
+    [[ "$(cat "$REPORTS/cluster-2x2.rc")" == 0 ]] || FAILED_STAGES+=("cluster-2x2")
+    cluster down >/dev/null
 fi
 
 # ---- summary (the last line is read by CI) -------------------------------

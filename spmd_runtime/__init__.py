@@ -17,6 +17,7 @@ from .partition import partition, plan_reshard
 from .program import SPMDProgram, load_program
 from .exec import run, run_local
 from .autodiff import grad, value_and_grad
+from .autodiff.scheduled import pipeline_loss
 from .ops.control import cond, fori_loop, remat, scan, while_loop
 from .ops.core import stop_gradient
 from .ops.manual import (all_gather, all_to_all, axis_index, pbroadcast, pmax, pmin, ppermute, psum, psum_scatter,
@@ -24,13 +25,16 @@ from .ops.manual import (all_gather, all_to_all, axis_index, pbroadcast, pmax, p
 from .pipeline import pipeline
 from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .models.lm import LMConfig
-from .optim import SGD, AdamW, DynamicLossScale
+from .optim import SGD, Adafactor, AdamW, DynamicLossScale
 from .darray import DArray, device_put, from_local, scatter_from_root
 from .jit import jit
+from .autoshard import autoshard
+from . import eager  # noqa: F401  (binds the DArray operators: eager ops outside jit)
 from .visualize import visualize_sharding
 from . import profile
 from . import distributed
-from .train import PRESETS, Preset, TrainStep, build_train_step, build_train_step_on_root, train_mesh
+from .train import (PRESETS, Plan, Preset, TrainStep, build_train_step, build_train_step_on_root, plan_train_step,
+                    train_mesh)
 
 from .exec import Runtime
 from .comm.agreement import AgreedError, DifferentValuesError
@@ -41,11 +45,11 @@ __version__ = "0.1.0"
 # runtime's first use of MPI) installs the job guard: an uncaught exception, SIGINT/SIGTERM, a rank that exits
 # early or a collective nobody joins (SPMD_TIMEOUT) then ends the whole job with the rank named (comm/jobguard.py).
 
-__all__ = ["config", "jit", "DArray", "device_put", "from_local", "scatter_from_root", "visualize_sharding", "profile",
+__all__ = ["config", "jit", "autoshard", "DArray", "device_put", "from_local", "scatter_from_root", "visualize_sharding", "profile",
            "distributed", "pytree", "P", "UNCONSTRAINED", "get_mesh", "set_mesh", "Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "stop_gradient",
            "scan", "fori_loop", "while_loop", "cond", "remat", "shard_map", "psum", "pmax", "pmin", "all_gather",
-           "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "save_checkpoint", "load_checkpoint",
-           "checkpoint_info", "LMConfig", "SGD", "AdamW", "DynamicLossScale", "PRESETS", "Preset", "TrainStep",
+           "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "pipeline_loss", "save_checkpoint", "load_checkpoint",
+           "checkpoint_info", "LMConfig", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "PRESETS", "Preset", "TrainStep", "Plan", "plan_train_step",
            "build_train_step", "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "DifferentValuesError",
            "__version__"]

@@ -1,4 +1,5 @@
-"""Command line: ``python -m spmd_runtime {run,show} PROGRAM ...``, ``calibrate`` (under mpiexec), ``profile DIR``."""
+"""Command line: ``python -m spmd_runtime {run,show} PROGRAM ...``, ``calibrate`` (under mpiexec), ``profile DIR``,
+``plan --preset P --mesh A,B,... --layers L --d D ...`` (the plan of a training step from shapes alone)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,7 @@ import sys
 
 import numpy as np
 
-from .calibrate import calibrate, write_profile
+from .calibrate import calibrate, hardware_profile, write_profile
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.agreement import AgreedError, agree, capture
 from .comm.communicator import world
@@ -16,8 +17,13 @@ from .exec import run as run_program
 from .exec import run_local
 from .exec.runner import shard
 from .exec.backend import to_host
+from .mesh import Mesh
+from .models.lm import LMConfig
+from .optim import make_optimizer
 from .profile import summarize
 from .program import load_program
+from .train.plan import plan_train_step
+from .train.presets import PRESETS, train_mesh
 
 
 def main(argv=None) -> int:
@@ -41,11 +47,54 @@ def main(argv=None) -> int:
     cal.add_argument("--out", default="cost_profile.json", help="profile file rank 0 writes")
     cal.add_argument("--sizes", default="1024,16384,131072,1048576", help="bytes per rank, comma-separated")
     cal.add_argument("--repeats", type=int, default=5)
+    cal.add_argument("--hardware", default=None, help="also write a hardware profile of this machine (GEMM FLOP/s, "
+                     "memory bandwidth, links inside and between nodes) for program.estimate")
+    _plan_parser(sub)
     args = parser.parse_args(argv)
     if args.cmd == "profile":
         print(summarize(args.directory, args.top))
         return 0
-    return {"run": _run, "show": _show, "calibrate": _calibrate}[args.cmd](args)
+    return {"run": _run, "show": _show, "calibrate": _calibrate, "plan": _plan}[args.cmd](args)
+
+
+def _plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="trace and partition a training step from shapes alone (no parameter is "
+                                       "allocated, nothing runs) and print its per-rank memory and traffic")
+    plan.add_argument("--preset", default="megatron", choices=sorted(PRESETS))
+    plan.add_argument("--mesh", required=True, help="mesh shape, comma-separated (e.g. 64,8,6)")
+    plan.add_argument("--axes", default=None, help="mesh axis names, comma-separated (default: the preset's "
+                      "train_mesh names: data,model; pipeline: stage,data,model)")
+    for name, default in (("layers", 2), ("d", 256), ("heads", 8), ("ffn", None), ("vocab", 51200),
+                          ("seq", 2048), ("batch", 8), ("microbatches", 1), ("experts", 0), ("moe-every", 0),
+                          ("head-dim", None)):
+        plan.add_argument(f"--{name}", type=int, default=default)
+    plan.add_argument("--ffn-kind", default="gelu", help="gelu | geglu | swiglu")
+    plan.add_argument("--bias", action="store_true", help="biases on every projection (GPT-2, Megatron)")
+    plan.add_argument("--dtype", default="bfloat16", help="compute dtype (master weights and state: float32)")
+    plan.add_argument("--remat", default="none", help="none | full | dots")
+    plan.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor")
+    plan.add_argument("--tied", action="store_true", help="output layer tied to the embedding")
+    plan.add_argument("--save", default=None, help="write the partitioned program here (python -m spmd_runtime "
+                      "show / run read it)")
+
+
+def _plan(args) -> int:
+    try:
+        shape = tuple(int(s) for s in args.mesh.split(","))
+        mesh = train_mesh(shape, args.preset) if args.axes is None else Mesh(shape, tuple(args.axes.split(",")))
+        cfg = LMConfig(layers=args.layers, d=args.d, heads=args.heads, ffn=args.ffn or 4 * args.d, vocab=args.vocab,
+                       seq=args.seq, batch=args.batch, dtype=args.dtype, remat=args.remat, tied=args.tied,
+                       experts=args.experts, moe_every=args.moe_every, head_dim=args.head_dim, bias=args.bias,
+                       ffn_kind=args.ffn_kind)
+        plan = plan_train_step(cfg, mesh, args.preset, make_optimizer(args.optimizer), args.microbatches)
+    except ValueError as e:
+        print(f"spmd_runtime plan: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(plan.format())
+    if args.save:
+        plan.step.program.save(args.save)
+        print(f"wrote the program to {args.save}")
+    return 0
 
 
 def _calibrate(args) -> int:
@@ -64,6 +113,13 @@ def _calibrate(args) -> int:
         for f in doc["fits"]:
             print(f"{f['op']:<19} k={f['k']:<3} alpha={f['alpha'] * 1e6:9.2f} us  beta={f['beta'] * 1e9:8.3f} ns/B")
         print(f"wrote {args.out} (use partition(..., cost_profile=...) or SPMD_COST_PROFILE={args.out})")
+    if args.hardware:
+        hardware = hardware_profile(doc, comm, args.repeats)
+        if comm.Get_rank() == 0:
+            hardware.save(args.hardware)
+            print(f"wrote {args.hardware}: {hardware}, FLOP/s {dict(hardware.flops)}, memory "
+                  f"{hardware.memory_bandwidth / 1e9:.1f} GB/s, per instruction {hardware.overhead_s * 1e6:.1f} us, "
+                  f"inside a node {hardware.intra}, between nodes {hardware.inter} (use program.estimate(path))")
     return 0
 
 

@@ -7,21 +7,31 @@ time of a size is the best of ``repeats`` calls (each started together after a b
 slowest rank), after one warm-up call; a shared, noisy machine inflates it. alpha and beta
 come from a least-squares line through (wire bytes, seconds), clamped at zero. Rank 0 writes the profile
 that ``partition(..., cost_profile=PATH)`` or ``$SPMD_COST_PROFILE`` then uses (cost.CostModel).
+
+``hardware_profile`` then describes the machine for the predictor (``hardware.Hardware``, ``estimate.py``):
+GEMM FLOP/s per dtype, memory bandwidth, the interpreter's cost per instruction, and the links inside a node
+and between nodes from all-reduce fits split by rank placement (``--hardware FILE`` on the command line).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 
 import numpy as np
+from mpi4py import MPI
 
-from .collective_kinds import KINDS as TABLE, WORLD
+from .collective_kinds import ALL_REDUCE, KINDS as TABLE, WORLD
 from .comm import collectives, watchdog
 from .comm.communicator import world
-from .cost import PROFILE_FORMAT, CostModel, wire_bytes
-from .exec.runner import communicator
+from .cost import PROFILE_FORMAT, SECONDS_PER_BYTE, CostModel, wire_bytes
+from .exec.runner import communicator, run_local
+from .graph import TensorSpec
+from .hardware import Hardware, Link
 from .mesh import Mesh
+from .partition import partition
+from .trace import trace
 
 KINDS = tuple(name for name, kind in TABLE.items() if not kind.exchange)  # every kind collectives.bind runs
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)  # bytes each rank puts in
@@ -95,3 +105,92 @@ def _fit_line(points) -> tuple[float, float]:
     if alpha < 0:
         return 0.0, float((t * w).sum() / (w * w).sum())
     return float(alpha), float(beta)
+
+
+# ------------------------------------------------------------ a hardware profile of this machine
+GEMM_SIZE = 512  # square matmuls: large enough for BLAS to reach its rate, small enough to take ~10 ms
+COPY_BYTES = 64 << 20  # a copy far larger than the caches: the memory bandwidth
+
+
+def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-machine") -> Hardware:
+    """A ``Hardware`` profile of the machine the job runs on (collective; every rank gets it): every rank at
+    once (as in a step) times a float32 / float64 GEMM, a copy of ``COPY_BYTES`` and the interpreter's cost of
+    one small instruction, the slowest rank counting; the links come from ``doc``'s all-reduce fits, inside a
+    node from the groups of node-local ranks and between nodes from an all-reduce over one rank per node."""
+    comm = world(comm)
+    per_node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank()).Get_size()
+    slowest = lambda seconds: max(comm.allgather(seconds))  # noqa: E731  (every rank's best, the slowest of them)
+    flops = {d: 2 * GEMM_SIZE ** 3 / slowest(_best(_gemm(d), repeats)) for d in ("float32", "float64")}
+    bandwidth = 2 * COPY_BYTES / slowest(_best(_copy(), repeats))
+    overhead = slowest(_instruction_overhead(comm, repeats))
+    intra = _link(doc, min(per_node, comm.Get_size()))
+    nodes = comm.Get_size() // per_node
+    inter = _inter_link(comm, per_node, nodes, repeats) if nodes > 1 else intra
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node
+    sources = {"": f"measured by `python -m spmd_runtime calibrate --hardware` on {comm.Get_size()} rank(s), "
+                   f"{per_node} per node", "device": f"{GEMM_SIZE}^3 GEMMs and a {COPY_BYTES >> 20} MiB copy on "
+                   f"every rank at once (the slowest rank); memory: the node's RAM over its ranks",
+               "node": "the all-reduce fit of a group of node-local ranks", "network":
+               "an all-reduce over one rank per node" if nodes > 1 else "one node only: the node's link"}
+    return Hardware(name, tuple(sorted(flops.items())), int(memory), bandwidth, per_node, intra, inter,
+                    nodes if nodes > 1 else None, overhead, sources)
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _gemm(dtype: str):
+    a = np.ones((GEMM_SIZE, GEMM_SIZE), dtype)
+    out = np.empty_like(a)
+    return lambda: np.matmul(a, a, out=out)
+
+
+def _copy():
+    src, dst = np.ones(COPY_BYTES // 8), np.empty(COPY_BYTES // 8)
+    return lambda: np.copyto(dst, src)
+
+
+def _instruction_overhead(comm, repeats: int, n: int = 200) -> float:
+    """Seconds the interpreter spends on one instruction beyond its work: a chain of ``n`` adds of 8 floats."""
+    def chain(x):
+        for _ in range(n):
+            x = x + 1.0
+        return x
+    mesh = Mesh((comm.Get_size(),), ("x",))
+    program = partition(trace(chain, TensorSpec((8 * comm.Get_size(),))), mesh, in_specs=[("x",)], fuse=False,
+                        overlap=False)
+    block = np.ones(8, np.float32)
+    return _best(lambda: run_local(program, block, comm=comm), repeats) / n
+
+
+def _link(doc: dict, k: int) -> Link:
+    """The link of an all-reduce fit over ``k`` ranks (the nearest measured group size): a ring all-reduce sends
+    2 (k - 1) messages, so latency = alpha / (2 (k - 1)), bandwidth = 1 / beta."""
+    fits = [f for f in doc["fits"] if f["op"] == ALL_REDUCE.name]
+    if not fits or k < 2:
+        return Link(SECONDS_PER_BYTE ** -1, 0.0)  # one rank: no link measured, the default model's
+    fit = min(fits, key=lambda f: (abs(math.log(f["k"] / k)), f["k"]))
+    beta = fit["beta"] or SECONDS_PER_BYTE
+    return Link(1 / beta, fit["alpha"] / (2 * (fit["k"] - 1)))
+
+
+@watchdog.collective(lambda frame: "calibrate's timing of an all-reduce between nodes (Barrier, allgather)")
+def _inter_link(comm, per_node: int, nodes: int, repeats: int) -> Link:
+    """An all-reduce over one rank per node (ranks in rank order per node), fitted as ``_link`` does."""
+    mc = communicator(Mesh((nodes, per_node), ("node", "local")), comm)
+    points = []
+    for nbytes in DEFAULT_SIZES:
+        x = np.ones(_elements(ALL_REDUCE.name, nodes, nbytes), np.float32)
+        run = collectives.bind(mc, ALL_REDUCE.name, np, x.shape, x.dtype, axes=("node",), op="sum")
+        comm.Barrier()
+        seconds = max(comm.allgather(_best(lambda: run(x), repeats)))
+        points.append((wire_bytes(ALL_REDUCE.name, nodes, x.nbytes, x.nbytes), seconds))
+    alpha, beta = _fit_line(points)
+    return _link({"fits": [{"op": ALL_REDUCE.name, "k": nodes, "alpha": alpha, "beta": beta}]}, nodes)

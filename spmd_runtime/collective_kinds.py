@@ -29,7 +29,7 @@ from types import MappingProxyType
 
 AXES, WORLD = "axes", "world"  # a kind's group: the sub-communicator of its axes, or pairs of world ranks
 BITS, FLOAT32, AS_IS = "bits", "float32", "as is"  # how 16-bit floats travel (module doc)
-REDUCTIONS = ("sum", "max", "min")  # the elementwise ops a reducing collective takes (MPI.SUM, MAX, MIN)
+REDUCTIONS = ("sum", "max", "min", "prod")  # the elementwise ops a reducing collective takes (MPI.SUM, MAX, MIN, PROD)
 
 # Bytes each rank sends for one collective over k > 1 ranks; S_in / S_out: its local bytes in / out.
 WIRE = MappingProxyType({

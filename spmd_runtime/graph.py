@@ -22,6 +22,7 @@ MESH_SPLIT = define("mesh_split")
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape and dtype of a traced function's argument."""
+    __pytree_leaf__ = True  # a leaf of argument trees (as jax's ShapeDtypeStruct), not a node of its fields
     shape: tuple[int, ...]
     dtype: str = "float32"  # JAX's and torch's default
 

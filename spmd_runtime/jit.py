@@ -93,7 +93,9 @@ class Jitted:
                                           for o, s in zip(outs, program.outputs))
 
     def lower(self, *args):
-        """The SPMDProgram this call would run (traced and partitioned, cached; nothing runs)."""
+        """The SPMDProgram this call would run (traced and partitioned, cached; nothing runs). ``args`` may be
+        abstract: ``sr.TensorSpec``s or any leaf with ``.shape`` and ``.dtype`` (jax's ``ShapeDtypeStruct``),
+        so a program of any size is planned without allocating its inputs."""
         program, _ = self._compiled(self._mesh(args), args)
         return program
 

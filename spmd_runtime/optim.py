@@ -9,7 +9,10 @@ state trees, ``m_<param>``, which old checkpoints use); ``init_state(params)``
 builds the tree and the traced ``update(params, grads, state)`` returns
 ``(new params, new state)`` of the same structures. Per-parameter state has the
 parameter's shape, so it can be laid out like the parameter or, for
-weight-update sharding, split further.
+weight-update sharding, split further. ``init_state`` of abstract parameters
+(``TensorSpec``s, or any leaf with ``.shape`` and ``.dtype`` that holds no data,
+like jax's ``ShapeDtypeStruct``) is the tree of the slots' TensorSpecs: a plan
+allocates no state.
 
 Hyperparameters are Python floats baked into the graph as constants.
 """
@@ -23,6 +26,7 @@ import numpy as np
 
 from . import numpy as snp
 from . import pytree
+from .graph import TensorSpec
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,9 @@ class StateSlot:
     name: str  # the flat name checkpoints written before state trees use ("m_embed")
     shape: tuple[int, ...]
     dtype: str
-    param: str | None  # the parameter this slot belongs to (same shape); None for a global scalar
+    param: str | None  # the parameter this slot belongs to; None for a global scalar
     path: tuple = ()  # where the slot lives in the state tree: ("m", "embed"); () means (name,)
+    dims: tuple | None = None  # the parameter's dims the slot keeps (factored moments); None: all (its shape)
 
     @property
     def key(self) -> tuple:
@@ -57,9 +62,12 @@ class Optimizer:
         return self._slots(OrderedDict(param_shapes), np.dtype(dtype).name)
 
     def init_state(self, params: dict) -> dict:
-        """The initial state tree for the dict ``params`` (zeros; counters at 0)."""
+        """The initial state tree for the dict ``params`` (zeros; counters at 0); for abstract ``params``
+        (``is_abstract``) the tree of each slot's TensorSpec, allocating nothing."""
         dtype = next(iter(params.values())).dtype
         layout = self.state_layout({k: v.shape for k, v in params.items()}, dtype)
+        if is_abstract(params):
+            return slot_tree(layout, [TensorSpec(s.shape, s.dtype) for s in layout])
         return slot_tree(layout, [np.zeros(s.shape, s.dtype) for s in layout])
 
     def _slots(self, shapes, dtype) -> list[StateSlot]:
@@ -74,6 +82,15 @@ class Optimizer:
     def loss_scale(self, state: dict):
         """Traced: the factor the loss is multiplied by before differentiation (1: none)."""
         return 1.0
+
+
+def is_abstract(tree) -> bool:
+    """Whether the leaves of ``tree`` are shapes and dtypes without data: TensorSpecs, or objects with ``.shape``
+    and ``.dtype`` that are no arrays (jax's ``ShapeDtypeStruct``); arrays (NumPy's, or any with ``__array__``)
+    are concrete."""
+    leaves = pytree.flatten(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+    return bool(leaves) and all(isinstance(x, TensorSpec) or not (isinstance(x, (np.ndarray, np.generic))
+                                                                  or hasattr(x, "__array__")) for x in leaves)
 
 
 def is_matrix(name: str, p, matrices) -> bool:
@@ -169,6 +186,8 @@ class DynamicLossScale(Optimizer):
         return inner + [StateSlot("loss_scale", (), "float32", None), StateSlot("good_steps", (), "float32", None)]
 
     def init_state(self, params):
+        if is_abstract(params):
+            return super().init_state(params)
         return {"inner": self.inner.init_state(params), "loss_scale": np.asarray(self.initial, np.float32),
                 "good_steps": np.zeros((), np.float32)}
 
@@ -193,7 +212,96 @@ class DynamicLossScale(Optimizer):
         return new_params, {"inner": new_inner, "loss_scale": scale, "good_steps": snp.where(grow, 0.0, good)}
 
 
-OPTIMIZERS = {"sgd": SGD, "adamw": AdamW}
+@dataclass(frozen=True)
+class Adafactor(Optimizer):
+    """Adafactor (Shazeer & Stern 2018) with the defaults of T5 / Mesh TensorFlow / GShard: second moments of a
+    matrix factored into row and column means (both dims >= ``min_dim_size_to_factor``; others keep a full
+    second moment; ``factor``: over the last two dims, so the leading dim of stacked layers or experts keeps
+    its own moments, as Praxis does for repeated layers, or over the two largest, Mesh TF's rule), decay 1 - t^-``decay_rate``, updates clipped to RMS
+    ``clipping_threshold``, a relative step size min(1e-2, 1/sqrt(t)) (``lr`` None) times the parameter's RMS
+    (at least ``eps2``, ``multiply_by_parameter_scale``), no first moment (``beta1`` 0). With ``lr`` set it is
+    the step size before the parameter scale. ``weight_decay``: decoupled, lr * wd * p on matrices.
+
+    State: ``{"step", "vr": {name: row means}, "vc": {name: column means}, "v": {name: full second moment}}``
+    (each parameter in "vr"/"vc" or in "v"), and ``"m"`` when ``beta1`` > 0. A factored slot keeps the
+    parameter's dims but one (``StateSlot.dims``), so a preset lays it out like the parameter on those dims."""
+    lr: float | None = None
+    beta1: float = 0.0
+    decay_rate: float = 0.8
+    eps1: float = 1e-30
+    eps2: float = 1e-3
+    clipping_threshold: float | None = 1.0
+    multiply_by_parameter_scale: bool = True
+    min_dim_size_to_factor: int = 128
+    weight_decay: float = 0.0
+    factor: str = "last"  # which two dims: "last" or "largest" (the same for a matrix)
+
+    def __post_init__(self):
+        if self.factor not in ("largest", "last"):
+            raise ValueError(f"Adafactor factor must be 'largest' or 'last'; got {self.factor!r}")
+
+    def factored_dims(self, shape) -> tuple[int, int] | None:
+        """(row dim, column dim) of a factored second moment: the two largest dims in order (``factor``
+        "largest", Mesh TF's rule) or the last two ("last"), or None when the smaller of them is below
+        ``min_dim_size_to_factor`` (or ``shape`` is < 2-d)."""
+        if len(shape) < 2:
+            return None
+        two = (sorted(range(len(shape)), key=lambda d: -shape[d])[:2] if self.factor == "largest"
+               else [len(shape) - 2, len(shape) - 1])
+        if min(shape[d] for d in two) < self.min_dim_size_to_factor:
+            return None
+        return min(two), max(two)
+
+    def _slots(self, shapes, dtype):
+        slots = [StateSlot("step", (), "float32", None)]
+        for name, shape in shapes.items():
+            factored = self.factored_dims(shape)
+            if factored:
+                for prefix, drop in (("vr", factored[1]), ("vc", factored[0])):
+                    keep = tuple(d for d in range(len(shape)) if d != drop)
+                    slots.append(StateSlot(f"{prefix}_{name}", tuple(shape[d] for d in keep), dtype, name,
+                                           (prefix, name), keep))
+            else:
+                slots.append(StateSlot(f"v_{name}", tuple(shape), dtype, name, ("v", name)))
+        return slots + (_per_param("m", shapes, dtype) if self.beta1 else [])
+
+    def update(self, params, grads, state, matrices=None):
+        t = state["step"] + 1.0
+        tt = snp.astype(t, next(iter(params.values())).dtype)
+        decay = 1.0 - snp.power(tt, -self.decay_rate)
+        step_size = snp.minimum(1.0 / snp.sqrt(tt), 1e-2) if self.lr is None else self.lr
+        new_params, new_state = {}, {"step": t, "vr": {}, "vc": {}, "v": {}, "m": {}}
+        for name, p in params.items():
+            g = grads[name]
+            squared = g * g + self.eps1
+            factored = self.factored_dims(p.shape)
+            if factored:
+                r, c = factored
+                vr = new_state["vr"][name] = decay * state["vr"][name] + (1.0 - decay) * snp.mean(squared, axis=c)
+                vc = new_state["vc"][name] = decay * state["vc"][name] + (1.0 - decay) * snp.mean(squared, axis=r)
+                row = vr / snp.mean(vr, axis=r, keepdims=True)  # vr lacks dim c, so r is still its index r
+                x = g / snp.sqrt(snp.expand_dims(row, c)) / snp.sqrt(snp.expand_dims(vc, r))
+            else:
+                v = new_state["v"][name] = decay * state["v"][name] + (1.0 - decay) * squared
+                x = g / snp.sqrt(v)
+            if self.clipping_threshold:
+                x = x / snp.maximum(_rms(x) * (1.0 / self.clipping_threshold), 1.0)
+            lr = step_size * snp.maximum(_rms(p), self.eps2) if self.multiply_by_parameter_scale else step_size
+            update = lr * x
+            if self.beta1:
+                update = new_state["m"][name] = self.beta1 * state["m"][name] + (1.0 - self.beta1) * update
+            if self.weight_decay and is_matrix(name, p, matrices):
+                update = update + lr * self.weight_decay * p
+            new_params[name] = p - update
+        return new_params, {k: v for k, v in new_state.items() if k == "step" or v}  # the slots init_state made
+
+
+def _rms(x):
+    """Root mean square of every element of ``x`` (a 0-d tensor)."""
+    return snp.sqrt(snp.mean(x * x))
+
+
+OPTIMIZERS = {"sgd": SGD, "adamw": AdamW, "adafactor": Adafactor}
 
 
 def make_optimizer(name: str, **hyper) -> Optimizer:
@@ -202,4 +310,4 @@ def make_optimizer(name: str, **hyper) -> Optimizer:
     return OPTIMIZERS[name](**hyper)
 
 
-__all__ = ["Optimizer", "SGD", "AdamW", "DynamicLossScale", "StateSlot", "slot_tree", "OPTIMIZERS", "make_optimizer"]
+__all__ = ["Optimizer", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "StateSlot", "slot_tree", "is_abstract", "OPTIMIZERS", "make_optimizer"]

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .estimate import estimate
 from .graph import PARAMETER
+from .hardware import Hardware
 from .mesh import Mesh
 from .cost import DEFAULT_MODEL, CostModel, collective_kind, group_size, wire_bytes
 from .opdef import lookup
@@ -114,6 +116,12 @@ class SPMDProgram:
                 out += [{**c, "trips": c.get("trips", 1) * trips, "wire_bytes": c["wire_bytes"] * trips,
                          "predicted_s": c["predicted_s"] * trips} for c in body.comm_summary(model)]
         return out
+
+    def estimate(self, hardware, rank: int = 0):
+        """This program's predicted call on ``hardware`` (a ``Hardware``, a shipped profile's name or a profile
+        file) as ``rank`` runs it: step time, compute, exposed communication, peak bytes against the device's
+        memory (``spmd_runtime/estimate.py``)."""
+        return estimate(self, hardware if isinstance(hardware, Hardware) else Hardware.load(hardware), rank)
 
     @property
     def wire_bytes(self) -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .mesh import Mesh
 
-REDUCE_OPS = ("sum", "max", "min")
+REDUCE_OPS = ("sum", "max", "min", "prod")
 
 
 # ---------------------------------------------------------------- the layout rule

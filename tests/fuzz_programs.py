@@ -78,7 +78,8 @@ class _Builder:
         ops = [self.unary, self.binary_same, self.binary_broadcast, self.reduce, self.transpose, self.reshape,
                self.einsum, self.annotate, self.where, self.cast, self.take, self.cumsum, self.arg_reduce,
                self.logsumexp, self.pooling, self.conv1d, self.slice_, self.flip, self.pad, self.concat,
-               self.dynamic_slice, self.top_k, self.roll, self.split_slice, self.split_family, self.math_]
+               self.dynamic_slice, self.top_k, self.roll, self.split_slice, self.split_family, self.numpy_family,
+               self.math_]
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
             self.pool.append(out)
@@ -269,6 +270,44 @@ class _Builder:
         """Dim d split over a random mesh axis, the others replicated."""
         axis = self.mesh.axis_names[int(self.rng.integers(len(self.mesh.axis_names)))]
         return tuple(axis if e == d else None for e in range(ndim))
+
+    def numpy_family(self, t):
+        """One of the issue-28 functions with an op or reduction kind of their own (one slot of the op list):
+        sort / argsort, take_along_axis, prod, any / all."""
+        ops = [self.sort, self.take_along_axis, self.prod, self.any_all]
+        return ops[self.rng.integers(len(ops))](t)
+
+    def sort(self, t):
+        """sort (maybe descending) or argsort along a random dim, whatever its split."""
+        if t.ndim == 0:
+            return None
+        axis, descending = int(self.rng.integers(t.ndim)), bool(self.rng.random() < 0.5)
+        if self.rng.random() < 0.5:
+            return snp.sort(t, axis=axis, descending=descending)
+        return snp.astype(snp.argsort(t, axis=axis, descending=descending), "float64") * 0.1
+
+    def take_along_axis(self, t):
+        """Entries of t picked along one dim by the argsort of a fresh input (negative positions too)."""
+        if t.ndim == 0:
+            return None
+        axis = int(self.rng.integers(t.ndim))
+        shape = t.shape[:axis] + (SIZES[self.rng.integers(len(SIZES))],) + t.shape[axis + 1:]
+        order = snp.argsort(self.new_param(shape), axis=axis)
+        return snp.take_along_axis(t, snp.minimum(order, t.shape[axis] - 1) - t.shape[axis], axis=axis)
+
+    def prod(self, t):
+        """A product over random dims of values near 1 (tanh keeps them in (0.5, 1.5))."""
+        if t.ndim == 0:
+            return None
+        axes = tuple(sorted(set(self.rng.integers(t.ndim, size=self.rng.integers(1, t.ndim + 1)).tolist())))
+        return snp.prod(1.0 + 0.5 * snp.tanh(t), axis=axes, keepdims=bool(self.rng.random() < 0.3))
+
+    def any_all(self, t):
+        if t.ndim == 0:
+            return None
+        axis = int(self.rng.integers(t.ndim))
+        fn = snp.any if self.rng.random() < 0.5 else snp.all
+        return snp.where(fn(t > 0.0, axis=axis, keepdims=True), t, -t)
 
     def split_family(self, t):
         """One of the ops below on a dim annotated split (one slot of the op list, so the mix stays as it was)."""

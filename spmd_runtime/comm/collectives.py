@@ -83,7 +83,7 @@ def persistent_enabled() -> bool:
 
 
 def all_reduce(mc, x, axes, op: str = "sum"):
-    """Elementwise ``op`` ('sum' | 'max' | 'min') of ``x`` over the group; same shape as ``x``.
+    """Elementwise ``op`` ('sum' | 'max' | 'min' | 'prod') of ``x`` over the group; same shape as ``x``.
 
     Wire bytes: 2 (k-1)/k * S.
     """

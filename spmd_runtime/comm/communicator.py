@@ -28,15 +28,15 @@ from spmd_runtime.comm.agreement import AgreedError, agree  # noqa: F401  (Agree
 from spmd_runtime.comm.gpu import Transport
 from spmd_runtime.dtypes import collective_refusal
 
-_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 # MPI defines SUM, MAX and MIN on none of its logical types (MPICH: "Invalid MPI_Op" on C_BOOL); NumPy's add and
-# maximum of bools are a logical or, its minimum a logical and: what LOR and LAND compute
-_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND}
+# maximum of bools are a logical or, its minimum (and multiply) a logical and: what LOR and LAND compute
+_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "prod": MPI.LAND}
 _BOOL = np.dtype(np.bool_)
 
 
 def mpi_op(op: str, dtype=None, kind: str = "a reduction"):
-    """The MPI op that reduces ``dtype`` buffers as NumPy's ``op`` ('sum' | 'max' | 'min') does (None: the op by
+    """The MPI op that reduces ``dtype`` buffers as NumPy's ``op`` ('sum' | 'max' | 'min' | 'prod') does (None: the op by
     name alone). A dtype the collective ``kind`` cannot reduce (dtypes.collective_refusal: complex max/min, a
     dtype no collective carries) raises TypeError "not supported: ...", before any MPI call."""
     if op not in _OPS:
@@ -148,7 +148,7 @@ class MeshCommunicator:
 
     @_waits("Allreduce")
     def Allreduce(self, axes, send, recv, op: str) -> None:
-        """``recv`` = elementwise ``op`` ('sum' | 'max' | 'min') of ``send`` over the group along ``axes``."""
+        """``recv`` = elementwise ``op`` ('sum' | 'max' | 'min' | 'prod') of ``send`` over the group along ``axes``."""
         self.sub(axes).Allreduce(send, recv, mpi_op(op, send.dtype, "Allreduce"))
 
     @_waits("Allgather")

@@ -100,6 +100,8 @@ def _bind_reduce_blocks(raw, xp, blocks_shape, dtype, axes, op):
     exchange = raw(ALL_TO_ALL.name, blocks_shape, axes=axes, split_dim=0, concat_dim=0)
     if op == "sum":
         return lambda blocks: xp.sum(exchange(blocks.view(WIRE)).view(dtype), axis=0, dtype=ACCUMULATE).astype(dtype)
+    if op == "prod":  # multiplied in float32 and rounded once, as the sum
+        return lambda blocks: xp.prod(exchange(blocks.view(WIRE)).view(dtype), axis=0, dtype=ACCUMULATE).astype(dtype)
     reduce = getattr(xp, op)  # max/min are exact in any precision
     return lambda blocks: reduce(exchange(blocks.view(WIRE)).view(dtype), axis=0)
 

@@ -34,7 +34,7 @@ from mpi4py import MPI
 # mpi4py Op objects are unhashable: look them up by equality. Per op: its ufunc, its name, and the NumPy dtype
 # kinds of the MPI datatypes it is defined on (the MPI standard's table; float16 is MPICH's MPIX_C_FLOAT16).
 _REDUCTIONS = ((MPI.SUM, np.add, "SUM", "iufc"), (MPI.MAX, np.maximum, "MAX", "iuf"),
-               (MPI.MIN, np.minimum, "MIN", "iuf"), (MPI.LOR, np.logical_or, "LOR", "biu"),
+               (MPI.MIN, np.minimum, "MIN", "iuf"), (MPI.PROD, np.multiply, "PROD", "iufc"), (MPI.LOR, np.logical_or, "LOR", "biu"),
                (MPI.LAND, np.logical_and, "LAND", "biu"))
 # The typecodes mpi4py maps to an MPI datatype (MPI.Datatype.fromcode): a buffer of any other dtype fails.
 _MPI_TYPECODES = frozenset("?bBhHiIlLqQefdgFDG")

@@ -16,7 +16,7 @@ import numpy as np
 from spmd_runtime.collective_kinds import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COLLECTIVE_PERMUTE,
                                            REDUCE_SCATTER)
 
-_NUMPY_REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min}
+_NUMPY_REDUCTIONS = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
 
 
 # -- reference semantics ------------------------------------------------------------------------
@@ -77,8 +77,8 @@ def carried_values(n: int, shape, dtype, seed=0) -> list:
 
 def kind_cases(mesh, axes, dtype) -> list:
     """(kind, attrs, reference(xs, rank)) for every kind a bound collective has, reducing with each op ``dtype``
-    reduces with (complex numbers: sum only), over ``axes`` (a permute: the ring over the world)."""
-    ops = ("sum",) if np.dtype(dtype).kind == "c" else ("sum", "max", "min")
+    reduces with (complex numbers: sum and prod), over ``axes`` (a permute: the ring over the world)."""
+    ops = ("sum", "prod") if np.dtype(dtype).kind == "c" else ("sum", "max", "min", "prod")
     ring, root = [(r, (r + 1) % mesh.size) for r in range(mesh.size)], mesh.axis_size(axes) - 1
     out = [(ALL_REDUCE.name, {"axes": axes, "op": op}, lambda xs, r, op=op: reference_all_reduce(mesh, xs, r, axes, op))
            for op in ops]

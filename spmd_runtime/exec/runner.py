@@ -287,11 +287,11 @@ def block_slices(shape, sharding, mesh, rank) -> tuple[slice, ...]:
 def shard(x, sharding, mesh, rank, pad=False, own=False):
     """This rank's true block of the global array ``x``; ``pad=True`` zero-pads it to the ceil size; ``own``:
     a C-ordered array of its own, never a view of ``x`` (a program may overwrite a donated input's block).
-    Partial over some axes (a pending sum): the block on coordinate 0 along them, zeros elsewhere, so the
-    summands add up to ``x`` (max/min: ``x`` everywhere)."""
+    Partial over some axes (a pending sum): the block on coordinate 0 along them, zeros elsewhere (ones for a
+    pending product), so the summands add up to ``x`` (max/min: ``x`` everywhere)."""
     block = x[block_slices(x.shape, sharding, mesh, rank)]
-    if sharding.partial and sharding.reduce_op == "sum" and mesh.index_along(rank, sharding.partial):
-        block = np.zeros_like(block)
+    if sharding.partial and sharding.reduce_op in ("sum", "prod") and mesh.index_along(rank, sharding.partial):
+        block = (np.zeros_like if sharding.reduce_op == "sum" else np.ones_like)(block)
     widths = [(0, want - have) for have, want in zip(block.shape, sharding.local_shape(x.shape, mesh))]
     if pad and any(w for _, w in widths):
         return np.pad(block, widths)  # a new array

@@ -3,7 +3,9 @@
 Token + learned positional embedding, ``layers`` pre-LayerNorm blocks (causal
 multi-head self-attention, GELU MLP, residuals), a final LayerNorm and an output
 layer (tied to the embedding or its own matrix), then softmax cross-entropy
-averaged over every token. Every op is an ordinary traced primitive, so the
+averaged over every token. The family of the published configs: optional biases
+on every projection, a per-head dim independent of d / heads, gated FFNs (GEGLU,
+SwiGLU), GShard MoE blocks. Every op is an ordinary traced primitive, so the
 loss, its gradient (``sr.value_and_grad``) and a whole training step partition
 like any other graph; how is decided only by annotations (``spmd_runtime.train``).
 
@@ -30,15 +32,20 @@ from ..dtypes import FLOATING
 from ..nn import gelu
 from ..ops.control import scan
 from ..ops.core import stop_gradient
-from ..pipeline import pipeline
+from ..pipeline import micro_batches, pipeline, stages_of_layers
 from .moe import EXPERT_COLUMN, EXPERT_ROW, ROUTER, MoEConfig, check_moe, moe_ffn, one_hot
-from .roles import NORM, ParamRole
+from .roles import COLUMN, COLUMN_BIAS, NORM, ROW_BIAS, ParamRole
 from .transformer import PARAM_ROLES as BLOCK_ROLES
 
 STACKED = "layers_"  # with scan_layers, block parameter k of every layer is "layers_<k>", shape (layers, ...)
 REMAT_POLICIES = {"none": None, "full": "nothing_saveable", "dots": "dots_saveable"}
 BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")
 MOE_BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "wg", "we1", "we2")
+GATE_PARAMS = ("w3",)  # gated FFNs: the gate's projection (d, ffn), beside w1
+ATTENTION_BIASES = ("wq_b", "wk_b", "wv_b", "wo_b")  # ``bias=True``: "<weight>_b" is the bias of <weight>
+FFN_BIASES = ("w1_b", "w2_b")
+ALL_BLOCK_PARAMS = BLOCK_PARAMS + GATE_PARAMS + ATTENTION_BIASES + FFN_BIASES + ("w3_b",)
+FFN_KINDS = ("gelu", "geglu", "swiglu")  # GELU MLP; gated GELU / SiLU (Shazeer 2020, T5 v1.1, GShard, PaLM)
 MASKED_SCORE = -1e9  # finite, so a masked score times a zero cotangent never makes a NaN (float16: -max/2)
 
 # Sharding hints: the role of each parameter kind (``param_kind``); tensor parallelism splits the vocab of the
@@ -48,7 +55,9 @@ OUTPUT = ParamRole("output layer", tensor=1)  # (d, vocab)
 POSITIONAL = ParamRole("positional table")  # (seq, d): replicated
 PARAM_ROLES = {"embed": EMBEDDING, "pos": POSITIONAL, "lnf_g": NORM, "lnf_b": NORM, "unembed": OUTPUT,
                **BLOCK_ROLES,  # the Megatron block's, as transformer.py declares them
-               "wg": ROUTER, "we1": EXPERT_COLUMN, "we2": EXPERT_ROW}  # MoE blocks: moe_ffn's wg, w1, w2
+               "wg": ROUTER, "we1": EXPERT_COLUMN, "we2": EXPERT_ROW,  # MoE blocks: moe_ffn's wg, w1, w2
+               "w3": COLUMN, **{k: COLUMN_BIAS for k in ("wq_b", "wk_b", "wv_b", "w1_b", "w3_b")},
+               "wo_b": ROW_BIAS, "w2_b": ROW_BIAS}
 
 
 @dataclass(frozen=True)
@@ -75,10 +84,21 @@ class LMConfig:
     # models, unrolled for MoE ones (their MoE and dense blocks differ; see ``scanned``)
     scan_layers: bool | None = None
     remat: str = "none"  # with scanned layers, what the backward pass recomputes: "none", "full" or "dots"
+    # the model family of the published configs: per-head dim independent of d / heads (GShard's 16 x 128 at
+    # d = 1024; None: d // heads), biases on every projection (GPT-2, Megatron: "<weight>_b"), and the dense
+    # FFN: "gelu" (GELU MLP), "geglu" / "swiglu" (gated: act(x w1) * (x w3), then w2; Shazeer 2020)
+    head_dim: int | None = None
+    bias: bool = False
+    ffn_kind: str = "gelu"
 
     def __post_init__(self):
-        if self.d % self.heads:
-            raise ValueError(f"LMConfig needs d to be a multiple of heads; got d={self.d}, heads={self.heads}")
+        if self.head_dim is None and self.d % self.heads:
+            raise ValueError(f"LMConfig needs d to be a multiple of heads; got d={self.d}, heads={self.heads} "
+                             f"(or set head_dim: the per-head dim need not be d // heads)")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
+            raise ValueError(f"LMConfig head_dim must be a positive int or None (d // heads); got {self.head_dim!r}")
+        if self.ffn_kind not in FFN_KINDS:
+            raise ValueError(f"LMConfig ffn_kind must be one of {FFN_KINDS}; got {self.ffn_kind!r}")
         for name in ("layers", "d", "heads", "ffn", "vocab", "seq", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LMConfig sizes must be >= 1; got {name}={getattr(self, name)}")
@@ -126,8 +146,24 @@ class LMConfig:
         """GShard: the second block of every ``moe_every`` (every other block for moe_every=2) is MoE."""
         return bool(self.moe_every) and (i + 1) % self.moe_every == 0
 
-    def block_params(self, i: int) -> tuple[str, ...]:
-        return MOE_BLOCK_PARAMS if self.is_moe_block(i) else BLOCK_PARAMS
+    @property
+    def head_size(self) -> int:
+        """The per-head dim: ``head_dim``, or d // heads."""
+        return self.head_dim or self.d // self.heads
+
+    @property
+    def gated(self) -> bool:
+        return self.ffn_kind != "gelu"
+
+    def block_params(self, i: int = 0) -> tuple[str, ...]:
+        """Parameter kinds of block ``i`` (with scanned layers every block's): the base ones first, so a model
+        without biases or gate keeps the names and initial values it always had."""
+        attention = ATTENTION_BIASES if self.bias else ()
+        if self.is_moe_block(i):  # the experts' FFN has no biases
+            return MOE_BLOCK_PARAMS + attention
+        gate = GATE_PARAMS if self.gated else ()
+        ffn = FFN_BIASES + tuple(k + "_b" for k in gate) if self.bias else ()
+        return BLOCK_PARAMS + gate + attention + ffn
 
     @property
     def tokens_per_step(self) -> int:
@@ -136,10 +172,11 @@ class LMConfig:
 
 def block_shapes(cfg: LMConfig) -> dict:
     """Block parameter kind -> shape of one layer's parameter."""
-    d, f, e = cfg.d, cfg.ffn, cfg.experts
-    return {"ln1_g": (d,), "ln1_b": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d),
+    d, f, e, inner = cfg.d, cfg.ffn, cfg.experts, cfg.heads * cfg.head_size
+    return {"ln1_g": (d,), "ln1_b": (d,), "wq": (d, inner), "wk": (d, inner), "wv": (d, inner), "wo": (inner, d),
             "ln2_g": (d,), "ln2_b": (d,), "w1": (d, f), "w2": (f, d), "wg": (d, e), "we1": (e, d, f),
-            "we2": (e, f, d)}
+            "we2": (e, f, d), "w3": (d, f), "wq_b": (inner,), "wk_b": (inner,), "wv_b": (inner,), "wo_b": (d,),
+            "w1_b": (f,), "w3_b": (f,), "w2_b": (d,)}
 
 
 def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
@@ -147,7 +184,7 @@ def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
     d, block = cfg.d, block_shapes(cfg)
     shapes = OrderedDict(embed=(cfg.vocab, d), pos=(cfg.seq, d))
     if cfg.scanned:
-        shapes.update((STACKED + k, (cfg.layers,) + block[k]) for k in BLOCK_PARAMS)
+        shapes.update((STACKED + k, (cfg.layers,) + block[k]) for k in cfg.block_params())
     for i in range(0 if cfg.scanned else cfg.layers):
         shapes.update((f"l{i}_{k}", block[k]) for k in cfg.block_params(i))
     shapes.update(lnf_g=(d,), lnf_b=(d,))
@@ -187,8 +224,8 @@ def layer_views(cfg: LMConfig, names) -> dict:
     same parameters, so checkpoints written either way load into both."""
     views = {}
     for name in names:
-        stacked = re.fullmatch(rf"(.*){STACKED}({'|'.join(BLOCK_PARAMS)})", name)
-        unrolled = re.fullmatch(rf"(.*)l(\d+)_({'|'.join(BLOCK_PARAMS)})", name)
+        stacked = re.fullmatch(rf"(.*){STACKED}({'|'.join(ALL_BLOCK_PARAMS)})", name)
+        unrolled = re.fullmatch(rf"(.*)l(\d+)_({'|'.join(ALL_BLOCK_PARAMS)})", name)
         if stacked:
             prefix, kind = stacked.groups()
             views[name] = StackOf(tuple(f"{prefix}l{i}_{kind}" for i in range(cfg.layers)))
@@ -210,7 +247,7 @@ def init_params(cfg: LMConfig, seed: int = 0) -> "OrderedDict[str, np.ndarray]":
     out = OrderedDict()
     for name, shape in param_shapes(cfg).items():
         kind = param_kind(name)
-        if kind.endswith("_g"):
+        if kind.endswith("_g"):  # LayerNorm gains; "_b": LayerNorm and projection biases
             value = np.ones(shape)
         elif kind.endswith("_b"):
             value = np.zeros(shape)
@@ -230,7 +267,9 @@ def lm_loss(cfg: LMConfig, params, tokens, labels, annotate=no_annotation):
     ``tokens``/``labels`` of shape (batch, seq).
 
     ``annotate(x, role)`` may pin the sharding of intermediate values (it returns x, possibly passed
-    through ``mesh_split``); roles: 'residual' (batch, seq, d) between sublayers, 'logits' (batch, seq, vocab),
+    through ``mesh_split``); roles: 'residual' (batch, seq, d) between sublayers, 'normed' (batch, seq, d) each
+    sublayer's LayerNorm output (the input of its first matmul), 'hidden' (batch, seq, d or ffn) the input of its
+    last matmul (heads concatenated, or the MLP's hidden activation), 'logits' (batch, seq, vocab),
     and in MoE blocks the roles of ``models.moe`` ('groups', 'expert_in', 'expert_hidden').
     With MoE blocks the loss includes ``aux_coef`` times the summed load-balancing losses.
     """
@@ -269,7 +308,7 @@ def _forward(cfg: LMConfig, params, tokens, annotate, run_layers=None):
     gatings = []
     if cfg.scanned:  # ONE loop over the stacked (dense) layers: traced and partitioned once
         block = lambda x, layer: dense_block(cfg, x, layer, annotate)
-        stacked = {k: p[STACKED + k] for k in BLOCK_PARAMS}
+        stacked = {k: p[STACKED + k] for k in cfg.block_params()}
         x = (run_layers or scan_layers)(cfg, block, x, stacked)
     for i in range(0 if cfg.scanned else cfg.layers):
         layer = {k: p[f"l{i}_{k}"] for k in cfg.block_params(i)}
@@ -280,7 +319,7 @@ def _forward(cfg: LMConfig, params, tokens, annotate, run_layers=None):
             gatings.append(gating)
             x = annotate(x + y, "residual")
         else:
-            x = annotate(_dense_ffn(x, layer), "residual")
+            x = annotate(_dense_ffn(cfg, x, layer, annotate), "residual")
     h = layer_norm(x, p["lnf_g"], p["lnf_b"])
     logits = snp.einsum("bsd,vd->bsv", h, p["embed"]) if cfg.tied else h @ p["unembed"]
     return logits, gatings
@@ -299,11 +338,9 @@ def pipelined_layers(mesh, microbatches: int, stage_axis: str = "stage", param_s
     layers. ``param_specs``: block parameter kind -> spec of its dims after the layer dim; ``state_spec``: the
     spec of one micro-batch's residual (batch / M, seq, d)."""
     def run(cfg: LMConfig, block, x, stacked):
-        s, m, (b, *rest) = mesh.axis_size(stage_axis), microbatches, x.shape
-        xs = snp.transpose(snp.reshape(x, (b // m, m, *rest)), (1, 0, 2, 3))  # [M, b/M, seq, d]
-        # [L, ...] -> [L/S, S, ...]: stage j's layers at [:, j], scanned by every stage at once
-        params = {k: snp.transpose(snp.reshape(v, (s, cfg.layers // s) + v.shape[1:]), (1, 0, *range(2, v.ndim + 1)))
-                  for k, v in stacked.items()}
+        s = mesh.axis_size(stage_axis)
+        xs = micro_batches(x, microbatches)  # [M, b/M, seq, d]
+        params = {k: stages_of_layers(v, s) for k, v in stacked.items()}  # stage j's layers at [:, j]
         specs = {k: (None,) + tuple((param_specs or {}).get(k) or (None,) * (v.ndim - 1)) for k, v in stacked.items()}
         ys = pipeline(lambda p, h: scan_layers(cfg, block, h, p), params, xs, mesh=mesh, stage_axis=stage_axis,
                       stage_dim=1, param_specs=specs, state_spec=state_spec)
@@ -314,17 +351,37 @@ def pipelined_layers(mesh, microbatches: int, stage_axis: str = "stage", param_s
 def dense_block(cfg: LMConfig, x, layer, annotate):
     """One pre-LayerNorm block on the residual ``x``: (batch, seq, d), or (stages, batch, seq, d) with
     parameters carrying a leading stage dim too (every pipeline stage at once)."""
-    return annotate(_dense_ffn(_attend(cfg, x, layer, annotate), layer), "residual")
+    return annotate(_dense_ffn(cfg, _attend(cfg, x, layer, annotate), layer, annotate), "residual")
 
 
 def _attend(cfg: LMConfig, x, layer, annotate):
     """A block's first half: x plus the attention of its first LayerNorm."""
-    return annotate(x + attention(cfg, layer, layer_norm(x, layer["ln1_g"], layer["ln1_b"])), "residual")
+    normed = annotate(layer_norm(x, layer["ln1_g"], layer["ln1_b"]), "normed")
+    return annotate(x + attention(cfg, layer, normed, annotate), "residual")
 
 
-def _dense_ffn(x, layer):
-    """``x`` plus the GELU MLP of its second LayerNorm (a dense block's second half)."""
-    return x + _matmul(gelu(_matmul(layer_norm(x, layer["ln2_g"], layer["ln2_b"]), layer["w1"])), layer["w2"])
+def _dense_ffn(cfg: LMConfig, x, layer, annotate=no_annotation):
+    """``x`` plus the FFN of its second LayerNorm (a dense block's second half): the GELU MLP, or a gated one,
+    act(a w1) * (a w3) (``ffn_kind``: GELU for "geglu", SiLU for "swiglu")."""
+    a = annotate(layer_norm(x, layer["ln2_g"], layer["ln2_b"]), "normed")
+    hidden = _linear(a, layer, "w1")
+    if cfg.ffn_kind == "gelu":
+        hidden = gelu(hidden)
+    else:
+        hidden = (gelu(hidden) if cfg.ffn_kind == "geglu" else silu(hidden)) * _linear(a, layer, "w3")
+    return x + _linear(annotate(hidden, "hidden"), layer, "w2")
+
+
+def silu(x):
+    """SiLU (swish): x * sigmoid(x)."""
+    return x / (1.0 + snp.exp(-x))
+
+
+def _linear(x, layer, name):
+    """``x @ layer[name]``, plus its bias ``layer[name + "_b"]`` where the model has biases."""
+    y = _matmul(x, layer[name])
+    bias = layer.get(name + "_b")
+    return y if bias is None else y + _broadcast_row(y, bias)
 
 
 def _staged(x) -> str:
@@ -363,22 +420,28 @@ def layer_norm(x, gain, bias, eps=1e-5):
     centred = x - mu
     xhat = centred / snp.sqrt(snp.mean(centred * centred, axis=-1, keepdims=True) + eps)
     z = _staged(x)
-    return (snp.einsum(f"{z}bsd,{z}d->{z}bsd", xhat, gain)
-            + snp.einsum(f"{z}bs,{z}d->{z}bsd", snp.ones(x.shape[:-1], x.dtype), bias))
+    return snp.einsum(f"{z}bsd,{z}d->{z}bsd", xhat, gain) + _broadcast_row(x, bias)
 
 
-def attention(cfg: LMConfig, w: dict, a):
+def _broadcast_row(x, row):
+    """The last-dim vector ``row`` (per stage with a leading stage dim) broadcast to ``x``'s shape (see above)."""
+    z = _staged(x)
+    return snp.einsum(f"{z}bs,{z}d->{z}bsd", snp.ones(x.shape[:-1], x.dtype), row)
+
+
+def attention(cfg: LMConfig, w: dict, a, annotate=no_annotation):
     """Causal multi-head self-attention of the normalised residual ``a`` (batch, seq, d) (or with a leading
     stage dim, every stage with its own weights)."""
     z = _staged(a)
     *lead, s, d = a.shape
-    h, hd = cfg.heads, d // cfg.heads
-    q, k, v = (_matmul(a, w[name]).reshape(*lead, s, h, hd) for name in ("wq", "wk", "wv"))
+    h, hd = cfg.heads, cfg.head_size
+    q, k, v = (_linear(a, w, name).reshape(*lead, s, h, hd) for name in ("wq", "wk", "wv"))
     scores = snp.einsum(f"{z}bqhd,{z}bkhd->{z}bhqk", q, k) * (1.0 / math.sqrt(hd))
     causal = snp.asarray(np.tril(np.ones((s, s), dtype=bool)))  # query q sees keys k <= q
     masked = max(MASKED_SCORE, -float(dtypes.finfo(scores.dtype).max) / 2)
     probs = safe_softmax(snp.where(causal, scores, masked))
-    return _matmul(snp.einsum(f"{z}bhqk,{z}bkhd->{z}bqhd", probs, v).reshape(*lead, s, d), w["wo"])
+    heads = annotate(snp.einsum(f"{z}bhqk,{z}bkhd->{z}bqhd", probs, v).reshape(*lead, s, h * hd), "hidden")
+    return _linear(heads, w, "wo")
 
 
 def safe_softmax(x):

@@ -46,5 +46,7 @@ class ParamRole:
 COLUMN = ParamRole("column-parallel weight", tensor=1)  # (d_in, d_out): the output columns (heads, MLP hidden)
 ROW = ParamRole("row-parallel weight", tensor=0)  # (d_in, d_out): the input rows; the partial sums all-reduced
 NORM = ParamRole("norm")  # LayerNorm gain or bias: replicated
+COLUMN_BIAS = ParamRole("column-parallel bias", tensor=0)  # (d_out,): split like its weight's columns
+ROW_BIAS = ParamRole("row-parallel bias")  # (d_out,): added after the partial sums are reduced: replicated
 
-__all__ = ["ParamRole", "COLUMN", "ROW", "NORM"]
+__all__ = ["ParamRole", "COLUMN", "ROW", "NORM", "COLUMN_BIAS", "ROW_BIAS"]

@@ -6,13 +6,14 @@ rules, the partition rules and the VJPs. ``docs/ADDING_AN_OP.md`` walks through 
 
 Families, lowest first (each may use the ones above it): ``core`` (leaves, elementwise, broadcast,
 reshape, transpose, reductions), ``einsum``, ``slicing``, ``gather``, ``windows``, ``indexing``,
-``top_k``, ``control`` (scan, while, cond), ``manual`` (shard_map and its collectives), and ``spmd`` (collectives and layout ops, emitted only by the partitioner). Importing this
+``top_k``, ``sorting``, ``control`` (scan, while, cond), ``manual`` (shard_map and its collectives), and ``spmd`` (collectives and layout ops, emitted only by the partitioner). Importing this
 package defines every op and binds the ``Tensor`` operators to the functions here.
 """
 import sys
 
 from ..trace import Tensor
-from . import core, einsum, gather, indexing, slicing, spmd, top_k, windows  # noqa: F401  (each defines its records)
+from . import core, einsum, gather, indexing, slicing, sorting, spmd, top_k, windows  # noqa: F401  (each defines its records)
+from . import linalg, manipulation, reductions  # noqa: F401,E402  (compositions of the families above: no records)
 from . import control  # noqa: F401,E402  (scan / while / cond: ops with a body; last, it uses the others)
 from . import manual  # noqa: F401,E402  (shard_map regions and their explicit collectives: they use control)
 
@@ -65,4 +66,16 @@ def _snp_method(name: str):
     return method
 
 
+def _bind_numpy_methods():
+    """The array methods of the non-elementwise coverage (jax.Array's: ``x.sort()`` returns a sorted copy)."""
+    methods = {"prod": reductions.prod, "any": reductions.any, "all": reductions.all, "std": reductions.std,
+               "cumsum": windows.cumsum, "cumprod": reductions.cumprod, "ravel": manipulation.ravel,
+               "flatten": manipulation.ravel, "repeat": manipulation.repeat, "sort": sorting.sort,
+               "argsort": sorting.argsort, "diagonal": linalg.diagonal, "trace": linalg.trace,
+               "nonzero": sorting.nonzero}
+    for name, fn in methods.items():
+        setattr(Tensor, name, fn)
+
+
 _bind_tensor_operators()
+_bind_numpy_methods()

@@ -10,6 +10,7 @@ the layers own the other parts: the propagation and partition rules in
 """
 from __future__ import annotations
 
+import builtins
 import functools
 import math
 
@@ -512,6 +513,15 @@ def min(x, axis=None, keepdims=False): return _reduce("min", x, axis, keepdims)
 amax, amin = max, min
 
 
+def prod(x, axis=None, keepdims=False, dtype=None):
+    """NumPy's prod: bools and narrow integers multiply in the platform integer, as ``sum``; a partitioned
+    product's partial products combine by a product all-reduce (MPI.PROD)."""
+    x = asarray(x)
+    if dtype is None and sum_dtype(x.dtype) != x.dtype:
+        dtype = sum_dtype(x.dtype)
+    return _reduce("prod", x, axis, keepdims, dtype)
+
+
 def mean(x, axis=None, keepdims=False, dtype=None) -> Tensor:
     x = _float(asarray(x if dtype is None else astype(x, dtype)))
     axes = range(x.ndim) if axis is None else as_tuple(axis)
@@ -519,9 +529,18 @@ def mean(x, axis=None, keepdims=False, dtype=None) -> Tensor:
     return multiply(sum(x, axis, keepdims), 1.0 / count if count else float("nan"))  # empty: nan, as NumPy
 
 
-def var(x, axis=None, keepdims=False) -> Tensor:
+def var(x, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correction=None) -> Tensor:
+    """The mean squared deviation over ``count - correction`` (Array API ``correction``, NumPy's ``ddof``)."""
+    if out is not None:
+        raise ValueError(f"var returns a new traced tensor (no out= buffers); got out={out!r}")
+    if correction is not None and ddof:
+        raise ValueError(f"var takes ddof or correction, not both; got ddof={ddof!r}, correction={correction!r}")
+    x = _float(asarray(x if dtype is None else astype(x, dtype)))
     centred = subtract(x, mean(x, axis, keepdims=True))
-    return mean(multiply(centred, centred), axis, keepdims)
+    axes = range(x.ndim) if axis is None else as_tuple(axis)
+    count = math.prod(x.shape[normalize_axis(a, x.ndim)] for a in axes)
+    correction = ddof if correction is None else correction
+    return multiply(sum(multiply(centred, centred), axis, keepdims), 1.0 / builtins.max(count - correction, 0))
 
 
 # ---------------------------------------------------------------- helpers
@@ -541,6 +560,8 @@ def reduce_identity(kind: str, dtype):
     dtype = np.dtype(dtype)
     if kind == "sum":
         return 0
+    if kind == "prod":
+        return 1
     if dtype == np.bool_:
         return kind == "min"
     if dtype.kind in "iu":

@@ -257,6 +257,8 @@ def _fusion(root: Instr, members: set[int], instrs, single: bool = False) -> Ins
         dtypes.append(ins.dtype)
     if len(steps) < 2 and not leaves and not single:
         return None
+    if _broadcast_shape(shapes) != tuple(root.shape):  # absorbed broadcasts would leave the result smaller
+        return None  # than the instruction (program_check's fusion rule; the generic chain returns the chain's)
     attrs = {"code": "; ".join(steps), "consts": tuple(consts), "dtypes": tuple(dtypes),
              "shapes": tuple(tuple(s) for s in shapes)}
     return root.copy(op=FUSION.name, args=tuple(params), attrs=attrs, free=(), donate=-1)
@@ -295,3 +297,10 @@ def _rebuild(program: SPMDProgram, kept: list[Instr]):
     inputs = [i.at(new[i.slot]) for i in program.inputs]
     outputs: list[IOSpec] = [o.at(new[o.slot]) for o in program.outputs]
     return instrs, inputs, outputs
+
+
+def _broadcast_shape(shapes) -> tuple | None:
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        return None

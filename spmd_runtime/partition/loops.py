@@ -13,6 +13,10 @@ read by its ``loop_out`` nodes. Partitioning reshards the operands to the agreed
 partitions each body as its own SPMD program (``partition`` with the parameter shardings as in_specs
 and the carry shardings as out_specs, so a disagreeing back edge is resharded inside the body).
 
+Pending sums (partition/pending_sums.py): a carry that starts at zero and to which the body adds a pending sum
+(gradient accumulation) is carried as pending summands, started from zeros of that layout, and its loop result
+completed once by whoever reads it; stacked results the enclosing body lets wait come out pending too.
+
 The scanned dim of ``xs`` is never split: propagation does not propose it, and an operand that has it
 split (a user annotation) is all-gathered over it first, with a note. Scanning a split dim (each
 rank its slice, the carry handed between ranks) is not implemented.
@@ -24,15 +28,18 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..bodies import TUPLE_DTYPE, extract
 from ..ops.control import COND, LOOP_OUT, SCAN, WHILE
-from ..ops.core import RESHAPE
+from ..ops.core import BROADCAST_IN_DIM, CONSTANT, RESHAPE
 from ..ops.slicing import SLICE
 from ..sharding import Sharding
 from .partitioner import (LocalValue, assign_buffers, buffer_roots, donated_program, live_nodes, made_fresh,
                           partition, user_shardings)
 from .scan_prefetch import pipelined_body, prefetch_enabled
 from .schedule import overlap_budget
+from .pending_sums import is_zeros
 from .propagation import legalize, merge, propagate
 
 
@@ -79,7 +86,7 @@ def _strip(s):
 
 
 def _stacked(s):
-    return None if s is None else Sharding(((),) + s.dims)
+    return None if s is None else Sharding(((),) + s.dims, s.partial, s.reduce_op)
 
 
 def body_shardings(body, mesh, seeds: dict) -> dict:
@@ -180,12 +187,13 @@ def _agreed(ctx, node) -> Agreement:
                                cur if isinstance(cur, TupleSharding) else None, ctx.mesh)
 
 
-def partition_body(ctx, node, body, in_shardings, out_shardings, what):
-    """``body`` as its own SPMD program; its notes join the enclosing program's, naming the node."""
+def partition_body(ctx, node, body, in_shardings, out_shardings, what, pending=()):
+    """``body`` as its own SPMD program; its notes join the enclosing program's, naming the node. ``pending``:
+    the outputs the loop takes as pending sums (``partition``'s)."""
     in_shardings = [_or_replicated(s, body.nodes[p].spec) for s, p in zip(in_shardings, body.params)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = partition(body, ctx.mesh, in_specs=in_shardings, out_specs=out_shardings)
+        program = partition(body, ctx.mesh, in_specs=in_shardings, out_specs=out_shardings, pending=pending)
     ctx.notes += [f"in the {what} of %{node.id}: {n}" for n in program.notes]
     return program
 
@@ -215,14 +223,28 @@ def partition_scan(ctx, node):
     if len(kept) < len(specs) - nc:  # stacked ys nobody reads (e.g. cotangents of undifferentiated xs)
         body = extract(body, body.params, body.outputs[:nc] + [body.outputs[k] for k in kept], keep_inputs=True)[0]
     ys = [_strip(ag.result.parts[k]) for k in kept]
-    program = partition_body(ctx, node, body, inner, carry + ys, "scan body")
+    waiting = ctx.pending_results.get(node.id, ())
+    pending = [k for k in range(nc) if is_zeros(ctx.graph, node.inputs[k])] + \
+        [nc + p for p, k in enumerate(kept) if k in waiting]
+    program = partition_body(ctx, node, body, inner, carry + ys, "scan body", pending)
+    for k in range(nc):  # accumulators kept pending (pending_sums): start from zero summands
+        if program.inputs[k].sharding != carry[k]:
+            carry[k] = program.inputs[k].sharding
+            args[k] = _zeros(ctx, program.inputs[k])
     attrs = {"body": program, "length": a["length"], "reverse": a["reverse"], "num_carry": nc, "num_xs": nx}
     args, m = _prefetching(ctx, attrs, args) if prefetch_enabled() and a["length"] > 1 else (args, 0)
     program = attrs["body"] = _carries_in_place(attrs["body"], attrs["num_carry"])
     results = carry + [o.sharding for o in program.outputs[nc:nc + m]] \
-        + [Sharding(((),) + o.sharding.dims) for o in program.outputs[nc + m:]]
+        + [_stacked(o.sharding) for o in program.outputs[nc + m:]]
     ctx.result_positions[node.id] = {k: p + (m if p >= nc else 0) for p, k in enumerate(list(range(nc)) + kept)}
     return emit_control(ctx, node, args, attrs, results)
+
+
+def _zeros(ctx, like) -> LocalValue:
+    """Zeros laid out as the body input ``like`` (an accumulator's pending sums: every summand zero)."""
+    zero = ctx.emit(CONSTANT, [], {"value": np.zeros((), like.dtype)}, Sharding(()), (), like.dtype)
+    return ctx.emit(BROADCAST_IN_DIM, [zero], {"shape": like.sharding.local_shape(like.shape, ctx.mesh), "dims": ()},
+                    like.sharding, like.shape, like.dtype)
 
 
 def _carries_in_place(body, nc: int):

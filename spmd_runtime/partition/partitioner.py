@@ -24,7 +24,8 @@ from ..ops.spmd import ALL_TO_ALLV, COLLECTIVE_PERMUTE, MASK_PADDING, SHARD_INDE
 from ..program import Instr, IOSpec, ShardingReport, SPMDProgram
 from ..sharding import Sharding, parse_spec_free
 from .fusion import fuse_elementwise, fusion_enabled
-from .pending_sums import keep_sums_pending
+from .pending_sums import (accumulated, deferrable, holds_pending_sum, keep_sums_pending, pending_layout,
+                           use_counts, waiting_chains)
 from .propagation import propagate, refine_free
 from .windowed import OFF, windowed_threshold, windowing
 from .schedule import overlap_budget as _budget, overlap_enabled, schedule_collectives
@@ -54,6 +55,7 @@ class PartitionContext:
         # position of each traced result among the results it kept (a loop_out reads its result there)
         self.live_nodes: set | None = None
         self.result_positions: dict[int, dict[int, int]] = {}
+        self.pending_results: dict[int, set] = {}  # scan node -> its results that may come out pending sums
 
     def sharding(self, node_id: int) -> Sharding:
         return self.shardings[node_id]
@@ -143,7 +145,8 @@ def _moves_nothing(step, mesh: Mesh) -> bool:
 
 def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: bool | None = None,
               cost_profile=None, overlap: bool | None = None, overlap_budget: int | None = None,
-              timings: dict | None = None, windowed_einsum: int | None = None, donate=()) -> SPMDProgram:
+              timings: dict | None = None, windowed_einsum: int | None = None, donate=(),
+              pending=()) -> SPMDProgram:
     """Partition ``graph`` over ``mesh`` into one SPMD program.
 
     ``in_specs`` / ``out_specs``: one ``mesh_split``-style spec per graph
@@ -164,6 +167,9 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     ``donate_argnums``: an update such as AdamW's then writes the new parameter into the old one's buffer
     instead of a fresh one (``sr.run_local`` hands it the caller's arrays: do not read a donated array after
     the run; ``sr.run`` donates copies of its shards).
+    ``pending``: output positions the caller takes as pending sums where they are (an enclosing loop's body:
+    partition/loops.py): such an output comes out partial when its sum is pending, and an accumulator among them
+    (output k = input k + a pending sum) takes input k partial too (``pending_sums``).
     ``timings``: a dict that receives, for benchmarks, the seconds of each pass run (``partition``: propagation,
     partition rules, resharding; ``fuse`` and ``schedule``, each with frees and donations) and the instructions
     it left (``<pass>_instrs``).
@@ -174,7 +180,7 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
         fusing = fusion_enabled(fuse)
         windows = windowed_threshold(windowed_einsum) if overlap_enabled(overlap) else OFF  # nothing would hide
         with using(model), windowing(windows):  # frees and donations are left to the fusion pass, which redoes them anyway
-            program = _partition(graph, mesh, in_specs, out_specs, buffers=not fusing)
+            program = _partition(graph, mesh, in_specs, out_specs, buffers=not fusing, pending=pending)
         laps.lap("partition", program)
         if fusing:
             fused = fused_program(program)
@@ -219,8 +225,9 @@ def _gc_paused():
         gc.enable()
 
 
-def _partition(graph, mesh, in_specs, out_specs, buffers: bool = True) -> SPMDProgram:
-    """The partitioned program; ``buffers``: with its frees and donations (else left for a later pass)."""
+def _partition(graph, mesh, in_specs, out_specs, buffers: bool = True, pending=()) -> SPMDProgram:
+    """The partitioned program; ``buffers``: with its frees and donations (else left for a later pass);
+    ``pending``: as ``partition``'s."""
     free: dict[int, tuple[int, ...]] = {}  # value -> dims its in/out spec leaves UNCONSTRAINED
     fixed = user_shardings(graph, mesh, in_specs, free)
     out_specs = _output_shardings(graph, mesh, out_specs, fixed, free)
@@ -230,16 +237,64 @@ def _partition(graph, mesh, in_specs, out_specs, buffers: bool = True) -> SPMDPr
     keep_sums_pending(graph, prop.shardings, fixed)
     ctx = PartitionContext(graph, mesh, prop.shardings)
     live = live_nodes(graph)
+    waits = deferrable(graph, live)
+    uses = use_counts(graph) if pending else {}
+    sums = accumulated(graph, pending, uses)  # output position -> the pending sum added to its input
+    adds = {graph.outputs[k]: (graph.params[k], g) for k, g in sums.items()}
+    outs = [graph.outputs[k] for k in pending if k < len(graph.outputs) and uses.get(graph.outputs[k]) == 1]
+    passes, ctx.pending_results = waiting_chains(graph, [sums.get(k, graph.outputs[k]) for k in pending], uses)
+    waits |= {graph[m].inputs[0] for m in passes} | set(outs)
     for node in graph.nodes:
         if node.id in live:
             ctx.node, before = node, len(ctx.notes)
-            ctx.values[node.id] = ctx.reshard(_partition_node(ctx, node), prop.shardings[node.id])
+            if node.id in passes and holds_pending_sum(ctx.value(node.inputs[0]).sharding):
+                ctx.values[node.id] = ctx.value(node.inputs[0])  # the annotation holds where the sum completes
+                continue
+            if node.id in adds:
+                _accumulate_pending(ctx, *adds[node.id])
+            ctx.values[node.id] = _partition_and_complete(ctx, node, node.id in waits)
             if len(ctx.notes) > before:
                 _name_notes(ctx, node, before)
                 ctx.note_nodes += [node.id] * (len(ctx.notes) - before)
     ctx.node = None
-    outputs = [ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
+    kept = {graph.outputs[k]: k for k in pending if graph.outputs[k] in outs}
+    outputs = [ctx.value(o) if kept.get(o) == k and holds_pending_sum(ctx.value(o).sharding) else
+               ctx.reshard(ctx.value(o), out_targets.get(k, prop.shardings[o])) for k, o in enumerate(graph.outputs)]
     return _finish(ctx, graph, prop, outputs, buffers)
+
+
+def _accumulate_pending(ctx: PartitionContext, param: int, summand: int) -> None:
+    """An accumulator ``param + summand`` whose summand holds a pending sum: the parameter (read only there) is
+    laid out as that pending sum instead, so the sum stays pending across iterations (its loop completes it
+    after the last)."""
+    acc, g = ctx.value(param), ctx.value(summand)
+    if not holds_pending_sum(g.sharding) or acc.sharding.partial:
+        return
+    ins = ctx.instrs[acc.slot]
+    ctx.instrs[acc.slot] = ins.copy(shape=tuple(ctx.local_shape(g)), sharding=g.sharding)
+    ctx.values[param] = LocalValue(acc.slot, g.sharding, acc.shape, acc.dtype)
+
+
+def _partition_and_complete(ctx: PartitionContext, node: Node, may_wait: bool) -> LocalValue:
+    """``node`` partitioned and laid out as its propagated sharding, except for the pending sums it may keep
+    (``pending_sums``): an op linear in operands that hold pending sums over the same axes adds them pending,
+    and a value whose one user can take its sum over leaves it pending (that user completes it, or passes it
+    on). A result whose propagated sharding is partial itself is left to the rules (``keep_sums_pending``)."""
+    target = ctx.shardings[node.id]
+    wants_final = isinstance(target, Sharding) and not target.partial
+    pending = pending_layout(node.op, node.attrs, [ctx.value(i).sharding for i in node.inputs]) if wants_final else None
+    if pending is None:
+        value = _partition_node(ctx, node)
+        target = ctx.shardings[node.id]  # a control node's rule sets its results' shardings
+    else:
+        ctx.shardings[node.id] = pending  # what the rule reads as its target
+        try:
+            value = _partition_node(ctx, node)
+        finally:
+            ctx.shardings[node.id] = target
+    if may_wait and wants_final and holds_pending_sum(value.sharding):
+        return value
+    return ctx.reshard(value, target)
 
 
 def fused_program(program: SPMDProgram) -> SPMDProgram:

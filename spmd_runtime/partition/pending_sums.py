@@ -6,17 +6,38 @@ pending sum negated, cast, times final values or divided by one. ``sum_carriers`
 the sum (the elementwise partition rule keeps those partial and brings the rest to final values);
 ``keep_sums_pending`` marks the values of such chains, from partial inputs to results wanted partial, as
 partial before partitioning, since propagation completes layouts of final values only.
+
+Inside a program the same holds for sums a partition rule leaves pending (a contraction over a split dim):
+XLA's all-reduce reassociation. A value used once, by an op that can carry its sum (``deferrable``), is not
+completed where it is made; the op that takes it (``pending_layout``) adds it to the other pending sums over
+the same axes, and the one completion runs where the result is first needed final. So the backward pass's
+cotangent of a value read by several contractions (Megatron's Q, K and V projections of one LayerNorm output)
+is ONE all-reduce of the summed partial products, not one per product.
+
+Loops (XLA's while-loop all-reduce code motion): a scan carry that starts at zero and whose body adds a pending
+sum to it (``acc + g``: gradient accumulation over micro-batches) accumulates the summands pending, and the
+sum is completed once, after the loop. The body's outputs that may stay pending (``partition(pending=...)``)
+let the annotations on the way (``mesh_split`` of each micro-batch's gradient, used only by the accumulation)
+pass the pending sum on, and so do the stacked results of a loop inside the body that feed them (each layer's
+gradient from the scanned layers' backward pass): ``waiting_chains``.
 """
 from __future__ import annotations
 
 from ..graph import Graph
-from ..ops.core import ADD, CONVERT, DIV, MUL, NEG, SUB
+from ..ops.control import LOOP_OUT
+from ..ops.core import ADD, BROADCAST_IN_DIM, CONSTANT, MESH_SPLIT, CONVERT, DIV, MUL, NEG, SUB, TRANSPOSE
 from ..sharding import Sharding
 
 # Ops linear in the operands that carry a pending sum: "all" operands are partial sums (a sum of sums), "one"
 # is (a sum times final values), or the "first" is (a sum over a final value).
 SUM_LINEAR = {ADD.name: "all", SUB.name: "all", NEG.name: "all", CONVERT.name: "all", MUL.name: "one",
               DIV.name: "first"}
+
+
+# Ops whose result may take over an operand's pending sum: the linear ones but a cast, which would move the
+# reduction to another dtype (more bytes, or summands rounded before they are added), and a transpose (a tied
+# embedding's gradient from the output layer is transposed before it joins the lookup's)
+TAKES_OVER = {op for op in SUM_LINEAR if op != CONVERT.name} | {TRANSPOSE.name}
 
 
 def sum_carriers(op: str, pending: list) -> list[int] | None:
@@ -50,3 +71,84 @@ def keep_sums_pending(graph: Graph, shardings: dict, fixed: dict) -> None:
                 vid = node.inputs[k]
                 if vid not in fixed:
                     shardings[vid] = Sharding(shardings[vid].dims, s.partial)
+
+
+def holds_pending_sum(sharding) -> bool:
+    return isinstance(sharding, Sharding) and bool(sharding.partial) and sharding.reduce_op == "sum"
+
+
+def pending_layout(op: str, attrs: dict, operands: list) -> Sharding | None:
+    """The layout of a ``TAKES_OVER`` op's result kept as a pending sum, given its operands' layouts: where its
+    carrier operands hold pending sums over the same axes and every operand is laid out on the same dims (so none
+    moves), those dims and axes. None otherwise (the rule then completes the sums it is given)."""
+    if op not in TAKES_OVER:
+        return None
+    if op == TRANSPOSE.name:
+        x = operands[0]
+        return Sharding(tuple(x.dims[p] for p in attrs["perm"]), x.partial) if holds_pending_sum(x) else None
+    pending = [s.partial if holds_pending_sum(s) else None for s in operands]
+    carriers = sum_carriers(op, pending)
+    if not carriers or len({s.dims for s in operands}) != 1:  # else some operand would move first
+        return None
+    return Sharding(operands[carriers[0]].dims, pending[carriers[0]])
+
+
+def deferrable(graph: Graph, live: set) -> set[int]:
+    """The values whose pending sums may wait for their user: those used once (a graph output counts as a use),
+    by a ``TAKES_OVER`` op. Used once, a pending sum joins at most one other, so completions never multiply:
+    each pending result stands for one or more completions it replaces."""
+    uses: dict[int, int] = dict.fromkeys(graph.outputs, 1)
+    taker: dict[int, bool] = {}
+    for node in graph.nodes:
+        if node.id in live:
+            for i in node.inputs:
+                uses[i] = uses.get(i, 0) + 1
+                taker[i] = node.op in TAKES_OVER
+    return {v for v, n in uses.items() if n == 1 and taker.get(v)}
+
+
+def use_counts(graph: Graph) -> dict[int, int]:
+    """value -> how often it is read (a graph output counts as a read)."""
+    uses: dict[int, int] = dict.fromkeys(graph.outputs, 0)
+    for v in graph.outputs:
+        uses[v] += 1
+    for node in graph.nodes:
+        for i in node.inputs:
+            uses[i] = uses.get(i, 0) + 1
+    return uses
+
+
+def accumulated(graph: Graph, positions, uses: dict) -> dict[int, int]:
+    """Of the output ``positions``, those of accumulators: output k is ``parameter k + g``, read only there, and the
+    parameter has no other use. Position -> g."""
+    out = {}
+    for k in positions:
+        if k >= len(graph.params):
+            continue
+        node, p = graph[graph.outputs[k]], graph.params[k]
+        if node.op == ADD.name and p in node.inputs and uses.get(node.id) == 1 and uses.get(p) == 1 \
+                and node.inputs[0] != node.inputs[1]:
+            out[k] = node.inputs[1] if node.inputs[0] == p else node.inputs[0]
+    return out
+
+
+def waiting_chains(graph: Graph, starts, uses: dict) -> tuple[set, dict]:
+    """From each of ``starts`` (values whose pending sum may wait), down the chain of annotations read only there:
+    those ``mesh_split`` nodes (they pass a pending sum on) and the loop results that end a chain (scan node ->
+    the indices of its results that may come out pending)."""
+    passes, loops = set(), {}
+    for v in starts:
+        while uses.get(v) == 1 and graph[v].op == MESH_SPLIT.name:
+            passes.add(v)
+            v = graph[v].inputs[0]
+        if uses.get(v) == 1 and graph[v].op == LOOP_OUT.name:
+            loops.setdefault(graph[v].inputs[0], set()).add(graph[v].attrs["index"])
+    return passes, loops
+
+
+def is_zeros(graph: Graph, vid: int) -> bool:
+    """Whether value ``vid`` is a constant zero (``zeros``: a broadcast zero scalar, or a zero constant)."""
+    node = graph[vid]
+    if node.op == BROADCAST_IN_DIM.name:
+        node = graph[node.inputs[0]]
+    return node.op == CONSTANT.name and not node.attrs["value"].any()

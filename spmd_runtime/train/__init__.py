@@ -22,15 +22,18 @@ The package:
   activation annotations a preset gives the step;
 - ``step``: the traced step (and the FSDP / pipeline ways to run the scanned layers, gradient accumulation);
 - ``runtime``: ``build_train_step``, ``TrainStep`` (run, gather, checkpoints, reports) and the MPI helpers
-  that do rank 0's work while the other ranks sleep.
+  that do rank 0's work while the other ranks sleep;
+- ``plan``: ``plan_train_step``, the step planned from shapes alone (nothing allocated, nothing run) with its
+  per-rank figures (the ``python -m spmd_runtime plan`` verb).
 
 Optimizers (``optim``), checkpoints (``checkpoint``) and the pipeline (``pipeline``) are their own modules.
 """
 from .layout import MOE_ROLES, Layout, make_layout, moe_activation_spec, param_spec, state_leaf_name, update_spec
 from .presets import BOTH, PIPELINE_AXES, PRESETS, Preset, as_preset, check_experts, check_pipeline, train_mesh
+from .plan import Plan, instruction_count, plan_train_step
 from .runtime import TrainStep, build_train_step, build_train_step_on_root, check_batch, format_comm, run_on_root
 from .step import (TOKEN_DTYPE, accumulate, fsdp_layers, input_specs, metric_names, pipeline_layers, step_specs,
                    train_step_fn)
 
 __all__ = ["Preset", "PRESETS", "TrainStep", "build_train_step", "build_train_step_on_root",
-           "run_on_root", "train_mesh", "param_spec", "update_spec", "format_comm"]
+           "run_on_root", "train_mesh", "param_spec", "update_spec", "format_comm", "Plan", "plan_train_step"]

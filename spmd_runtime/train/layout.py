@@ -62,9 +62,33 @@ class Layout:
         p = self.preset
         if role in MOE_ROLES:
             return self.annotate(x, moe_activation_spec(p, role, x.ndim))
-        model = p.model if role == "logits" else None
+        if role in ("normed", "hidden"):
+            return self._tensor_parallel_region(x, role)
+        model = p.model if role == "logits" else ()
+        # sequence parallelism (megatron_sp): the logits are a tensor-parallel region, their vocab split over the
+        # axes that split the sequence elsewhere; one value, split on different dims in different regions
+        seq = tuple(a for a in p.seq if a not in model)
         stage = (p.stage or None,) if x.ndim == 4 else ()  # inside the pipeline: (stages, batch, seq, d)
-        return self.annotate(x, stage + (p.batch or None, p.seq or None, model or None))
+        # outside it (embedding, head, loss) the stage axis splits the batch too, where it divides the rows: no
+        # stage repeats that work
+        batch = p.batch + p.stage if x.ndim == 3 and p.stage and \
+            x.shape[0] % self.mesh.axis_size(p.batch + p.stage) == 0 else p.batch
+        return self.annotate(x, stage + (batch or None, seq or None, model or None))
+
+    def _tensor_parallel_region(self, x, role):
+        """Sequence parallelism (the sequence split over axes that split the weights too: megatron_sp): inside a
+        sublayer's tensor-parallel region the sequence is whole. Its LayerNorm output ('normed') is all-gathered
+        before the column-parallel matmul, its cotangent reduce-scattered back into the sequence split; the input
+        of its row-parallel matmul ('hidden') is split on its last dim. Other presets leave both to propagation."""
+        p = self.preset
+        seq = tuple(a for a in p.seq if a not in p.model)
+        if seq == p.seq or self.mesh.size == 1:
+            return x
+        stage = (p.stage or None,) if x.ndim == 4 else ()
+        if role == "hidden":
+            return mesh_split(x, self.mesh, stage + (p.batch or None, seq or None, p.model or None))
+        return mesh_split(x, self.mesh, stage + (p.batch or None, seq or None, None),
+                          grad_spec=stage + (p.batch or None, p.seq or None, None))
 
     def annotate_state(self, state: dict) -> dict:
         """The new optimizer state tree, each slot pinned to its input's spec (so the step iterates)."""
@@ -100,11 +124,20 @@ def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer)
     slots = optimizer.state_layout(shapes, cfg.master_dtype)
     specs = {f"params.{n}": update[n] if preset.shard_params else use[n] for n in shapes}
     for slot in slots:
-        specs[state_leaf_name(slot)] = update[slot.param] if slot.param else (None,) * len(slot.shape)
+        specs[state_leaf_name(slot)] = slot_spec(slot, update)
     specs["batch.tokens"] = specs["batch.labels"] = (preset.batch or None, preset.seq or None)
     for name, spec in specs.items():
         parse_spec(spec, mesh, len(spec), name)  # fail early, naming the value
     return Layout(mesh, preset, specs, update, use, slots, roles)
+
+
+def slot_spec(slot, update: dict) -> tuple:
+    """An optimizer state slot's spec: its parameter's update spec on the dims it keeps (a factored moment
+    drops one); a global scalar's is replicated."""
+    if not slot.param:
+        return (None,) * len(slot.shape)
+    spec = update[slot.param]
+    return tuple(spec) if slot.dims is None else tuple(spec[d] for d in slot.dims)
 
 
 def state_leaf_name(slot) -> str:

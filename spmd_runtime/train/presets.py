@@ -13,6 +13,10 @@ single-role presets use every axis of a 2-d mesh):
   tensor (its outermost dim divisible by n), the new weights are all-gathered.
 - ``seq``: the sequence dim of the tokens and activations on every axis.
 - ``megatron_wus``: megatron, with the update sharded over "data" too.
+- ``megatron_sp`` (Megatron-SP, Korthikanti et al. 2022): megatron, with the activations outside the
+  tensor-parallel regions (LayerNorm, residual) split over the sequence on "model": each all-reduce of the
+  (b, s, h) activation becomes a reduce-scatter into the sequence split (after the row-parallel matmul) and an
+  all-gather out of it (before the column-parallel one): the same bytes, 1/t of those activations per rank.
 - ``dp_seq``: batch on "data", sequence on "model".
 - ``moe`` (GShard, for configs with MoE blocks): experts on "data", batch on ("model", "data") (the expert
   axis minor, so tokens reach their experts by one all-to-all over it), experts replicated over "model".
@@ -26,6 +30,8 @@ single-role presets use every axis of a 2-d mesh):
   consecutive layers, each rank holding its stage's parameters and optimizer state), run as ONE loop of
   M + S - 1 iterations over ``microbatches`` = M micro-batches (GPipe), the stage shift one
   collective_permute per iteration; batch on "data", megatron dims on "model" where the mesh has them.
+- ``pipeline_1f1b``: the same layout on the 1F1B schedule (``sr.pipeline_loss``): one loop of 2 (M + S - 1)
+  slots of one forward or one backward per stage, the head and loss inside it; at most S micro-batches held.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ class Preset:
     experts: tuple[str, ...] = ()
     shard_params: bool = False  # FSDP: weights held in their update layout, all-gathered before use
     stage: tuple[str, ...] = ()  # pipeline: the stacked layer dim split into stages over these axes
+    schedule: str = "gpipe"  # pipeline: "gpipe" (autodiff reverses the forward loop) or "1f1b" (pipeline_loss)
 
     def on(self, mesh: Mesh) -> "Preset":
         """This preset with the axes ``mesh`` lacks dropped."""
@@ -79,24 +86,30 @@ PRESETS = {
                        "weights all-gathered before use"),
     "fsdp_megatron": Preset("fsdp_megatron", batch=("data",), model=("model",), update=("data",), shard_params=True,
                             doc="megatron, with weights, gradients and optimizer state also sharded over data"),
+    "megatron_sp": Preset("megatron_sp", batch=("data",), seq=("model",), model=("model",),
+                          doc="megatron with sequence parallelism: layernorm, dropout and residual regions split "
+                              "over seq on model; all-gather / reduce-scatter replace the all-reduces"),
     "pipeline": Preset("pipeline", batch=("data",), model=("model",), stage=("stage",),
                        doc="GPipe: layer stages on stage (one collective_permute per iteration), batch on data, "
                            "megatron dims on model"),
+    "pipeline_1f1b": Preset("pipeline_1f1b", batch=("data",), model=("model",), stage=("stage",), schedule="1f1b",
+                            doc="1F1B (PipeDream-flush): the pipeline preset with each micro-batch's backward started "
+                                "as soon as its forward (and loss) is done: at most S micro-batches held per stage"),
 }
 PIPELINE_AXES = ("stage", "data", "model")
 
 
 def train_mesh(shape, preset: str = "dp") -> Mesh:
     """The mesh a preset expects: 2-d meshes are ("data", "model"); a 1-d mesh is ("model",) for
-    ``megatron`` (pure tensor parallelism) and ("data",) otherwise. ``pipeline`` meshes are ("stage",),
+    ``megatron`` and ``megatron_sp`` (pure tensor parallelism) and ("data",) otherwise. ``pipeline`` meshes are ("stage",),
     ("stage", "data") or ("stage", "data", "model")."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if preset == "pipeline" and 1 <= len(shape) <= 3:
+    if preset in PRESETS and PRESETS[preset].stage and 1 <= len(shape) <= 3:
         return Mesh(shape, PIPELINE_AXES[:len(shape)])
     if len(shape) == 2:
         return Mesh(shape, BOTH)
     if len(shape) == 1:
-        return Mesh(shape, ("model",) if preset == "megatron" else ("data",))
+        return Mesh(shape, ("model",) if preset in ("megatron", "megatron_sp") else ("data",))
     raise ValueError(f"a training mesh is 1-d or 2-d; got shape {shape}")
 
 

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import dtypes
 from .. import numpy as snp
 from .. import pytree
 from ..autodiff import value_and_grad
-from ..models.lm import LMConfig, lm_loss_and_metrics, param_shapes, pipelined_layers, scan_layers
+from ..autodiff.scheduled import pipeline_loss
+from ..graph import TensorSpec
+from ..models.lm import (STACKED, LMConfig, cross_entropy, dense_block, embed, layer_norm, lm_loss_and_metrics,
+                         param_shapes, pipelined_layers, positional, scan_layers)
 from ..ops.control import scan
 from ..optim import DynamicLossScale, Optimizer
+from ..pipeline import micro_batches, stages_of_layers
 from ..trace import mesh_split
 from .layout import Layout
 
@@ -31,6 +36,8 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
     scaled = isinstance(optimizer, DynamicLossScale)
     run_layers = (pipeline_layers(cfg, layout, microbatches) if layout.preset.stage
                   else fsdp_layers(layout) if layout.preset.shard_params and cfg.scanned else None)
+    # 1F1B: the head and loss run inside the pipeline loop, so the pipeline computes the whole loss
+    pipelined_loss = pipeline_1f1b_loss(cfg, layout, microbatches) if layout.preset.schedule == "1f1b" else None
     # weight decay on matrices only, whether or not the layers are stacked on a leading dim
     matrices = {n for n, shape in param_shapes(cfg).items() if len(shape) - layout.roles[n].stacked >= 2}
 
@@ -45,8 +52,8 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
 
         def loss_and_grads(compute, tokens, labels):
             def loss_fn(ps):
-                loss, metrics = lm_loss_and_metrics(cfg, [ps[n] for n in order], tokens, labels, layout.activation,
-                                                     run_layers)
+                loss, metrics = (pipelined_loss(ps, tokens, labels), {}) if pipelined_loss else \
+                    lm_loss_and_metrics(cfg, [ps[n] for n in order], tokens, labels, layout.activation, run_layers)
                 return (loss * scale, metrics) if scaled else (loss, metrics)
             (loss, metrics), grads = value_and_grad(loss_fn, has_aux=True)(compute)
             loss = loss / scale if scaled else loss
@@ -81,8 +88,49 @@ def pipeline_layers(cfg: LMConfig, layout: Layout, microbatches: int):
     """The pipeline preset's ``run_layers``: stages over the stage axes, each micro-batch's residual split like
     the batch, each stage's weights split like megatron's."""
     p = layout.preset
-    return pipelined_layers(layout.mesh, microbatches, p.stage[0], layout.layer_specs(layout.use),
-                            (p.batch or None, p.seq or None, None))
+    run = pipelined_layers(layout.mesh, microbatches, p.stage[0], layout.layer_specs(layout.use),
+                           (p.batch or None, p.seq or None, None))
+    return lambda cfg, block, x, stacked: run(cfg, block, _entering_pipeline(layout, x, microbatches), stacked)
+
+
+def _entering_pipeline(layout: Layout, x, microbatches: int):
+    """The whole batch's residual before it is cut into micro-batches: its rows stay split over the stage axis
+    (as ``Layout.activation`` split them) only where each micro-batch's rows divide among the (batch, stage)
+    shards; otherwise gathered over the stages here, so no micro-batch dim comes out split."""
+    p = layout.preset
+    rows = x.shape[0] // microbatches
+    batch = p.batch + p.stage if rows % layout.mesh.axis_size(p.batch + p.stage) == 0 else p.batch
+    return layout.annotate(x, (batch or None, p.seq or None, None))
+
+
+def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
+    """The ``pipeline_1f1b`` preset's loss ``(params dict, tokens, labels) -> mean loss``: the embedding, then
+    ``sr.pipeline_loss`` with the 1F1B schedule over the stage axis (stages of L/S layers as in
+    ``pipeline_layers``; each micro-batch's final LayerNorm, logits and cross-entropy run inside the loop on the
+    last stage's output, so its backward starts at once and a stage holds at most S micro-batches)."""
+    p, mesh, annotate = layout.preset, layout.mesh, layout.activation
+    s, specs = mesh.axis_size(p.stage[0]), layout.layer_specs(layout.use)
+    head_names = ("lnf_g", "lnf_b", "embed" if cfg.tied else "unembed")
+
+    def head_loss(head, y, labels):
+        h = layer_norm(y, head["lnf_g"], head["lnf_b"])
+        logits = annotate(snp.einsum("bsd,vd->bsv", h, head["embed"]) if cfg.tied else h @ head["unembed"], "logits")
+        return cross_entropy(snp.astype(logits, "float32") if dtypes.is_low_precision(logits.dtype) else logits,
+                             labels)
+
+    def loss(params, tokens, labels):
+        x = annotate(embed(cfg, params["embed"], tokens) + positional(params["pos"], tokens.shape[0]), "residual")
+        x = _entering_pipeline(layout, x, microbatches)
+        stacked = {n[len(STACKED):]: w for n, w in params.items() if n.startswith(STACKED)}
+        stage_specs = {k: (None,) + tuple(specs.get(k) or (None,) * (w.ndim - 1)) for k, w in stacked.items()}
+        block = lambda x, layer: dense_block(cfg, x, layer, annotate)
+        total = pipeline_loss(lambda ps, h: scan_layers(cfg, block, h, ps),
+                              {k: stages_of_layers(w, s) for k, w in stacked.items()}, micro_batches(x, microbatches),
+                              head_loss, {n: params[n] for n in head_names}, micro_batches(labels, microbatches),
+                              mesh=mesh, stage_axis=p.stage[0], stage_dim=1, param_specs=stage_specs,
+                              state_spec=(p.batch or None, p.seq or None, None))
+        return total * (1.0 / microbatches)
+    return loss
 
 
 def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):
@@ -102,9 +150,10 @@ def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):
 
 
 def input_specs(cfg: LMConfig, optimizer: Optimizer) -> tuple:
-    """Example arrays (shape, dtype) of the step's inputs: (params, opt_state, batch) trees."""
-    params = {k: np.zeros(v, cfg.master_dtype) for k, v in param_shapes(cfg).items()}
-    batch = np.zeros((cfg.batch, cfg.seq), TOKEN_DTYPE)
+    """The step's inputs as (params, opt_state, batch) trees of TensorSpecs: shapes and dtypes only, so a plan
+    of any size allocates no parameter or state slot."""
+    params = {k: TensorSpec(v, cfg.master_dtype) for k, v in param_shapes(cfg).items()}
+    batch = TensorSpec((cfg.batch, cfg.seq), TOKEN_DTYPE)
     return params, optimizer.init_state(params), {"tokens": batch, "labels": batch}
 
 

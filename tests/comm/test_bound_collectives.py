@@ -87,7 +87,7 @@ def test_bind_rejects_an_unknown_kind_naming_the_choices():
         with pytest.raises(ValueError, match=r"collective kind must be one of .*all_reduce.*; got 'all_sum'"):
             collectives.bind(mc, "all_sum", np, (2,), np.float32, axes=("x",))
         with pytest.raises(ValueError, match="reduction op must be one of"):
-            collectives.bind(mc, "all_reduce", np, (2,), np.float32, axes=("x",), op="prod")
+            collectives.bind(mc, "all_reduce", np, (2,), np.float32, axes=("x",), op="xor")
 
     run_simulated(MESH.size, lambda comm: body(MeshCommunicator(MESH, comm)))
 

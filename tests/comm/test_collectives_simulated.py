@@ -83,7 +83,7 @@ class RecordingComm:
 @pytest.mark.parametrize("mesh, axes", CASES)
 def test_all_reduce_matches_numpy(mesh, axes, dtype):
     xs = local_arrays(mesh, (3, 5), dtype)
-    ops = ("sum", "max", "min")
+    ops = ("sum", "max", "min", "prod")
     results = on_mesh(mesh, lambda mc: [all_reduce(mc, xs[mc.rank], axes, op) for op in ops])
     for rank in range(mesh.size):
         for op, got in zip(ops, results[rank]):
@@ -283,7 +283,7 @@ def test_constructor_and_argument_errors_state_the_rule():
     mesh = Mesh((2,), ("x",))
     bad_calls = {
         "distinct axes": lambda mc: all_reduce(mc, np.ones(2), ("z",), "sum"),
-        "must be one of": lambda mc: all_reduce(mc, np.ones(2), ("x",), "prod"),
+        "must be one of": lambda mc: all_reduce(mc, np.ones(2), ("x",), "xor"),
         "divisible by the group size 2; got shape": lambda mc: reduce_scatter(mc, np.ones(3), ("x",), 0, "sum"),
         r"must be in \[-2, 2\)": lambda mc: all_gather(mc, np.ones((2, 2)), ("x",), 2),
     }

@@ -74,7 +74,7 @@ def test_collectives_match_numpy(mesh, axes, make_mc):
     for dtype in DTYPES:
         xs = local_arrays(mesh, (2 * k, k, 3 * k), dtype)
         x = xs[rank]
-        for op in ("sum", "max", "min"):
+        for op in ("sum", "max", "min", "prod"):
             checks.append((all_reduce(mc, x, axes, op), ref.reference_all_reduce(mesh, xs, rank, axes, op)))
         for dim in (0, 1, -1):
             checks.append((all_gather(mc, x, axes, dim), ref.reference_all_gather(mesh, xs, rank, axes, dim)))

@@ -197,6 +197,18 @@ class FakeCupy(types.ModuleType):
     def call(self, func, *args, **kwargs):
         return self.wrap(func(*self.unwrap(args), **self.unwrap(kwargs)))
 
+    # -- sorts: CuPy's are always stable (thrust's) and take no other kind ------------------------
+    def sort(self, a, axis=-1, kind=None):
+        return self._stable(np.sort, a, axis, kind)
+
+    def argsort(self, a, axis=-1, kind=None):
+        return self._stable(np.argsort, a, axis, kind)
+
+    def _stable(self, func, a, axis, kind):
+        if kind not in (None, "stable"):
+            raise NotImplementedError(f"cupy sorts are stable: kind must be None; got {kind!r}")
+        return self.call(func, a, axis=axis, kind="stable")
+
     def unwrap(self, obj, allow_host=False):
         """Host views of device arrays; a NumPy array of rank >= 1 is refused unless ``allow_host``
         (indexing and assignment, where CuPy converts it)."""

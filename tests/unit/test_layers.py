@@ -25,6 +25,7 @@ NOT_AN_OP = {
     ("program_check", "cond"): "a while instruction's attribute holding its condition's program",
     ("ops.slicing", "constant"): "np.pad's mode, not the constant op",
     ("ops", "reshape"): "a Tensor method's name", ("ops", "transpose"): "a Tensor method's name",
+    ("ops", "cumsum"): "a Tensor method's name", ("ops", "sort"): "a Tensor method's name",
     ("models.lm", "take"): "LMConfig.embedding's option that selects the take op",
     ("data", "and"): "a word of the demo grammar",
 }

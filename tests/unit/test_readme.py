@@ -23,6 +23,8 @@ SHELL_BLOCKS = {
     "module load openmpi": "needs a site MPI and a fresh venv: test_readme_shell runs its last line",
     "scripts/launch.sh -n 16": "needs a cluster: test_readme_shell runs both lines with --dry-run",
     "python -m spmd_runtime show PROGRAM.json": "test_readme_shell runs it as written (2 ranks) on a saved program",
+    "scripts/emulate_cluster.sh check": "needs root (network namespaces): tests/faults/test_cluster.py runs a cluster "
+                                        "of 2 hosts; scripts/test.sh's cluster-2x2 stage runs tests/mpi on it",
 }
 
 # Python blocks that are fragments (names the reader supplies): compiled here, not run; first line -> why
@@ -46,6 +48,7 @@ EXPECTED_OUTPUT = [
     ["[] ['reduce_scatter']", "True"],
     ["SPMDProgram on Mesh(data=2, model=4)", "'kind': 'all_reduce'"],
     ["'kind': '"],
+    ["predicted on dgx-a100-80gb (rank 0): step", "fits: needs", "autoshard on dgx-a100-80gb: 5 candidates"],
 ]
 
 DRIVER = """

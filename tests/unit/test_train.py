@@ -62,7 +62,7 @@ def assert_state_close(got, want, rtol=1e-9, atol=1e-12):
 
 # ---------------------------------------------------------------- the partitioned step vs the reference
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"pipeline"}))  # pipeline: test_pipeline.py (3-d meshes)
+@pytest.mark.parametrize("preset", sorted(p for p in PRESETS if not PRESETS[p].stage))  # pipelines: test_pipeline*.py
 def test_two_steps_match_the_unpartitioned_reference(preset, shape):
     ts = step_for(shape, preset)
     state = ts.init(seed=3)

@@ -13,6 +13,7 @@ from ...ops.core import (ABS, ADD, AND, ARCCOS, ARCCOSH, ARCSIN, ARCSINH, ARCTAN
                          RSQRT, SELECT, SIN, SINH, SQRT, STOP_GRADIENT, SUB, TAN, TANH, TRANSPOSE, astype,
                          broadcast_in_dim, cos, cosh, exp, floor, log, negative, power, reshape, signbit, sin, sinh,
                          sqrt, sum, transpose, trunc, where)
+from ...ops.reductions import exclusive_cumprod
 from ...trace import emit
 from .table import vjp
 
@@ -217,7 +218,20 @@ def _reduce_vjp(node, g, ops, y):
     back = lambda t: broadcast_in_dim(t, x.shape, kept)
     if node.attrs["kind"] == "sum":
         return [back(g)]
+    if node.attrs["kind"] == "prod":
+        return [lambda: back(g) * _others_product(x, axes)]
     # max / min: the cotangent goes to the positions holding the result, split equally among ties
     hit = x == back(y)
     count = sum(astype(hit, x.dtype), axis=axes)
     return [where(hit, back(g / count), 0.0)]
+
+
+def _others_product(x, axes):
+    """Per entry, the product of the other entries of its reduced group (d prod / d x_i), without dividing by
+    x_i (exact at zeros): the reduced dims moved last and flattened, exclusive products from both ends."""
+    kept = [i for i in range(x.ndim) if i not in axes]
+    perm = kept + list(axes)
+    flat = reshape(transpose(x, perm), tuple(x.shape[i] for i in kept) + (-1,))
+    last = flat.ndim - 1
+    others = exclusive_cumprod(flat, last) * exclusive_cumprod(flat, last, reverse=True)
+    return transpose(reshape(others, tuple(x.shape[i] for i in perm)), tuple(np.argsort(perm)))

@@ -54,11 +54,11 @@ def _transpose_propagation():
 
 
 def _untransposed(result: Sharding, perm) -> Sharding:
-    """The operand sharding that ``transpose(perm)`` turns into ``result``."""
+    """The operand sharding that ``transpose(perm)`` turns into ``result`` (pending sums and all)."""
     dims = [()] * len(perm)
     for i, p in enumerate(perm):
         dims[p] = result.dims[i]
-    return Sharding(tuple(dims))
+    return Sharding(tuple(dims), result.partial, result.reduce_op)
 
 
 @propagation(RESHAPE, level=ELEMENTWISE_LEVEL)

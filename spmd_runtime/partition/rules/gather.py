@@ -29,6 +29,7 @@ from ...opdef import DOT_LEVEL
 from ...ops import core
 from ...ops.gather import FIRST_SHARD_ONLY, SCATTER_ADD, SCATTER_ADD_BLOCK, TAKE, TAKE_BLOCK
 from ...sharding import Sharding
+from ..pending_sums import is_zeros
 from ..propagation import combine, dedupe_axes
 from ..strategy import choose, letter_strategies
 from .table import partition, propagation
@@ -136,6 +137,8 @@ def _partition_scatter_add(ctx, node):
     updates = ctx.mask_padding(updates, range(axis, axis + len(indices.shape)), 0)  # padding must add nothing
     if add_after(shardings[0], result):
         scattered = _scatter_local(ctx, node, _zeros(ctx, node, result), indices, updates, result)
+        if is_zeros(ctx.graph, node.inputs[0]):  # a VJP's scatter into zeros: the pending sum is the result (it
+            return scattered                     # may wait for its user: partition/pending_sums.py)
         summands = [ctx.reshard(scattered, target), ctx.reshard(operand, target)]
         return ctx.emit_like(node, core.ADD, summands, {}, target)
     base = ctx.reshard(operand, shardings[0])

@@ -1,0 +1,204 @@
+"""Hardware profiles: what a cluster's devices and links can do, for predicting a program's step before running it.
+
+A profile is a small JSON file (format ``spmd_runtime.hardware``)::
+
+    {"format": "spmd_runtime.hardware", "name": "dgx-a100-80gb",
+     "device":  {"flops": {"bfloat16": 312e12, "float32": 19.5e12, ...},   # dense peak FLOP/s per dtype
+                 "memory_bytes": 85899345920, "memory_bandwidth": 2.039e12, "source": "..."},
+     "node":    {"ranks": 8, "link": {"bandwidth": 300e9, "latency": 3e-6}, "source": "..."},  # inside a node
+     "network": {"bandwidth": 25e9, "latency": 5e-6, "source": "..."},   # between nodes, per rank, each way
+     "nodes": 16,            # optional: the cluster's node count (a mesh must then have nodes x ranks devices)
+     "overhead_s": 5e-6}     # what one instruction costs beyond its FLOPs and bytes (a launch, a dispatch)
+
+Bandwidths are bytes per second one rank sends (each way); ``source`` strings say where each value comes from.
+Shipped profiles (``spmd_runtime/hardware_profiles/``): ``dgx-a100-80gb``, ``dgx-h100``, ``tpu-v3``;
+``python -m spmd_runtime calibrate --hardware FILE`` writes one for the machine it runs on. Ranks are placed on
+nodes in rank order (ranks 0..R-1 on the first node), as MPI launchers place them by default.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+FORMAT = "spmd_runtime.hardware"
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware_profiles")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link: ``bandwidth`` bytes/s one rank sends each way, ``latency`` seconds per message."""
+    bandwidth: float
+    latency: float
+
+    def __repr__(self):
+        return f"Link({self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us)"
+
+    def seconds(self, wire_bytes: float, messages: int) -> float:
+        return messages * self.latency + wire_bytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One cluster: its devices (FLOP/s per dtype, memory), ``ranks_per_node``, the links inside a node
+    (``intra``) and between nodes (``inter``), and optionally how many ``nodes`` it has."""
+    name: str
+    flops: tuple  # ((dtype name, FLOP/s), ...): a tuple so the profile stays hashable
+    memory_bytes: int
+    memory_bandwidth: float
+    ranks_per_node: int
+    intra: Link
+    inter: Link
+    nodes: int | None = None
+    overhead_s: float = 0.0
+    sources: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __repr__(self):
+        nodes = f" x {self.nodes} nodes" if self.nodes else ""
+        return f"Hardware({self.name}: {self.ranks_per_node} per node{nodes}, {self.memory_bytes / 2**30:g} GiB)"
+
+    @property
+    def devices(self) -> int | None:
+        return None if self.nodes is None else self.nodes * self.ranks_per_node
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for ``dtype`` (a dtype without its own rate runs at float32's)."""
+        rates = dict(self.flops)
+        rate = rates.get(str(dtype)) or rates.get("float32")
+        if rate is None:
+            raise ValueError(f"hardware profile {self.name!r} gives no FLOP/s for {dtype} nor float32; got rates "
+                             f"for {sorted(rates)}")
+        return rate
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def link_for(self, ranks) -> Link:
+        """The link a collective among ``ranks`` is limited by: inside one node, or between nodes."""
+        return self.intra if len({self.node_of(r) for r in ranks}) <= 1 else self.inter
+
+    def check_mesh(self, mesh) -> None:
+        """A mesh must have the profile's device count when the profile says how many nodes it has."""
+        if self.devices is not None and mesh.size != self.devices:
+            raise ValueError(f"a mesh on hardware {self.name!r} has its {self.nodes} nodes x {self.ranks_per_node} "
+                             f"ranks = {self.devices} devices; got a mesh of {mesh.size} ({mesh}) (use "
+                             f"hardware.with_nodes(n), or a profile without 'nodes')")
+
+    def with_nodes(self, nodes: int | None) -> "Hardware":
+        return Hardware(self.name, self.flops, self.memory_bytes, self.memory_bandwidth, self.ranks_per_node,
+                        self.intra, self.inter, nodes, self.overhead_s, self.sources)
+
+    # ------------------------------------------------------------ files
+    @classmethod
+    def load(cls, name_or_path) -> "Hardware":
+        """A shipped profile by name (``"dgx-a100-80gb"``) or a profile file's path."""
+        path = str(name_or_path)
+        if not os.path.exists(path):
+            shipped = os.path.join(SHIPPED, f"{path}.json")
+            if not os.path.exists(shipped):
+                raise ValueError(f"a hardware profile is a file or a shipped name ({', '.join(shipped_names())}); "
+                                 f"got {name_or_path!r}")
+            path = shipped
+        with open(path) as f:
+            try:
+                doc = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hardware profile {path} must be JSON; got {e}") from None
+        return cls.from_json(doc, path)
+
+    @classmethod
+    def from_json(cls, doc: dict, where: str = "the profile") -> "Hardware":
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"a hardware profile has format {FORMAT!r}; got "
+                             f"{doc.get('format') if isinstance(doc, dict) else type(doc).__name__!r} in {where}")
+        read = _Reader(doc, where)
+        flops = read.section("device.flops")
+        if not flops:
+            raise ValueError(f"hardware profile field device.flops needs at least one dtype's FLOP/s; got {{}} in "
+                             f"{where}")
+        nodes = doc.get("nodes")
+        return cls(name=str(read.value("name", str)),
+                   flops=tuple(sorted((str(k), read.positive(f"device.flops.{k}")) for k in flops)),
+                   memory_bytes=int(read.positive("device.memory_bytes")),
+                   memory_bandwidth=read.positive("device.memory_bandwidth"),
+                   ranks_per_node=read.count("node.ranks"),
+                   intra=Link(read.positive("node.link.bandwidth"), read.non_negative("node.link.latency")),
+                   inter=Link(read.positive("network.bandwidth"), read.non_negative("network.latency")),
+                   nodes=None if nodes is None else read.count("nodes"),
+                   overhead_s=read.non_negative("overhead_s") if "overhead_s" in doc else 0.0,
+                   sources=read.sources())
+
+    def to_json(self) -> dict:
+        doc = {"format": FORMAT, "name": self.name,
+               "device": {"flops": dict(self.flops), "memory_bytes": self.memory_bytes,
+                          "memory_bandwidth": self.memory_bandwidth},
+               "node": {"ranks": self.ranks_per_node,
+                        "link": {"bandwidth": self.intra.bandwidth, "latency": self.intra.latency}},
+               "network": {"bandwidth": self.inter.bandwidth, "latency": self.inter.latency},
+               "overhead_s": self.overhead_s}
+        if self.nodes is not None:
+            doc["nodes"] = self.nodes
+        for where, text in self.sources.items():
+            _at(doc, where)["source"] = text
+        return doc
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+            f.write("\n")
+
+
+def shipped_names() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(SHIPPED) if f.endswith(".json"))
+
+
+def _at(doc: dict, where: str) -> dict:
+    node = doc
+    for key in where.split(".") if where else []:
+        node = node[key]
+    return node
+
+
+class _Reader:
+    """Fields of a profile document by dotted path, each checked, the error naming the field and the file."""
+
+    def __init__(self, doc: dict, where: str):
+        self.doc, self.where = doc, where
+
+    def value(self, path: str, kind=(int, float)):
+        node = self.doc
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                raise ValueError(f"hardware profile field {path} is required; got none in {self.where}")
+            node = node[key]
+        if not isinstance(node, kind) or isinstance(node, bool):
+            raise ValueError(f"hardware profile field {path} must be a {getattr(kind, '__name__', 'number')}; got "
+                             f"{node!r} in {self.where}")
+        return node
+
+    def section(self, path: str) -> dict:
+        return self.value(path, dict)
+
+    def positive(self, path: str) -> float:
+        v = float(self.value(path))
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"hardware profile field {path} must be a positive number; got {v!r} in {self.where}")
+        return v
+
+    def non_negative(self, path: str) -> float:
+        v = float(self.value(path))
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"hardware profile field {path} must be zero or more; got {v!r} in {self.where}")
+        return v
+
+    def count(self, path: str) -> int:
+        v = self.value(path)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"hardware profile field {path} must be a whole number of at least 1; got {v!r} in "
+                             f"{self.where}")
+        return v
+
+    def sources(self) -> dict:
+        return {where: _at(self.doc, where)["source"] for where in ("", "device", "node", "network")
+                if isinstance(_at(self.doc, where).get("source"), str)}

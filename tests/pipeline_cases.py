@@ -1,0 +1,53 @@
+"""The pipeline_loss cases shared by tests/unit/test_pipeline_1f1b.py and tests/mpi/test_pipeline_mpi.py: S tanh
+stages and a linear head with a squared loss, differentiated in the stages, the head and the micro-batches, and
+the same loss and gradients written out by hand in NumPy."""
+import numpy as np
+
+import spmd_runtime as sr
+import spmd_runtime.numpy as snp
+
+B, D, H = 2, 5, 3
+
+
+def stages(w, x):  # every stage at once: x [S, B, D], w [S, D, D]
+    return snp.tanh(snp.einsum("sbd,sde->sbe", x, w))
+
+
+def head_loss(v, y, t):  # the head on one micro-batch's output [B, D], against targets [B, H]
+    return snp.sum((y @ v - t) ** 2)
+
+
+def loss_program(mesh, schedule, s, m, rows=B):
+    """``rows`` per micro-batch, split over mesh axis "data" where the mesh has one (uneven when it does not
+    divide them)."""
+    state_spec = ("data", None) if "data" in mesh.axis_names else None
+
+    def f(w, v, xs, ts):
+        loss = lambda w, v, xs: sr.pipeline_loss(stages, w, xs, head_loss, v, ts, mesh=mesh, schedule=schedule,
+                                                 state_spec=state_spec)
+        value, grads = sr.value_and_grad(loss, (0, 1, 2))(w, v, xs)
+        return (value,) + grads
+    rng = np.random.default_rng(0)
+    args = [0.5 * rng.standard_normal((s, D, D)), rng.standard_normal((D, H)), rng.standard_normal((m, rows, D)),
+            rng.standard_normal((m, rows, H))]
+    graph = sr.trace(f, *args)
+    return graph, sr.partition(graph, mesh), args
+
+
+def numpy_loss_and_grads(w, v, xs, ts):
+    """By hand: the stages in sequence, then the head, and the backward pass written out."""
+    loss, gw, gv, gx = 0.0, np.zeros_like(w), np.zeros_like(v), np.zeros_like(xs)
+    for m, (x, t) in enumerate(zip(xs, ts)):
+        acts = [x]
+        for s in range(len(w)):
+            acts.append(np.tanh(acts[-1] @ w[s]))
+        r = acts[-1] @ v - t
+        loss += np.sum(r * r)
+        gv += acts[-1].T @ (2 * r)
+        g = (2 * r) @ v.T
+        for s in reversed(range(len(w))):
+            g = g * (1 - acts[s + 1] ** 2)
+            gw[s] += acts[s].T @ g
+            g = g @ w[s].T
+        gx[m] = g
+    return [loss, gw, gv, gx]

@@ -1,0 +1,204 @@
+"""The 1F1B pipeline schedule (PipeDream-flush) in ``sr.pipeline_loss``: its static table is a valid 1F1B order
+(every micro-batch once forward and once backward on every stage, after its inputs arrived, at most S held per
+stage, the bubble fraction (S - 1) / (M + S - 1)); its loss and every gradient equal GPipe's and the reference
+evaluator's on 4 and 8 simulated ranks; its loop holds at most S micro-batches per stage where GPipe's stacks
+M + S - 1."""
+import numpy as np
+import pytest
+
+import spmd_runtime as sr
+import spmd_runtime.numpy as snp
+from simulated import run_everywhere, train_simulated
+from spmd_runtime.optim import AdamW
+from spmd_runtime.pipeline import bubble_fraction, one_f_one_b_schedule
+
+from pipeline_cases import B, D, loss_program, numpy_loss_and_grads, stages
+from test_pipeline import LM, lm_batches
+
+
+def replay(sched, m: int, s: int, v: int) -> dict:
+    """Runs the schedule's tables on labels instead of tensors, in the loop body's order (receive, forward input,
+    save, backward reads, head), checking that every read finds the value it names; returns per device the
+    most values each buffer held at once."""
+    kind, mb, chunk, t_all = sched["kind"], sched["mb"], sched["chunk"], sched["length"]
+    bufs = [{"inbox": {}, "save": {}, "cotangent": {}} for _ in range(s)]
+    most = [{"inbox": 0, "save": 0, "cotangent": 0} for _ in range(s)]
+    out_f, out_b = [None] * s, [None] * s  # what each device made last slot
+    for t in range(t_all):
+        for j in range(s):
+            if sched["recv"][t, j] >= 0:
+                k, c = out_f[(j - 1) % s]
+                bufs[j]["inbox"][sched["recv"][t, j]] = (k, c + (j == 0))
+            if sched["recv_ct"][t, j] >= 0:
+                k, c = out_b[(j + 1) % s]
+                bufs[j]["cotangent"][sched["recv_ct"][t, j]] = (k, c - (j == s - 1))
+        new_f, new_b = [None] * s, [None] * s
+        for j in range(s):
+            op = (int(mb[t, j]), int(chunk[t, j]))
+            if kind[t, j] == 1:
+                if (j, op[1]) != (0, 0):
+                    assert bufs[j]["inbox"].pop(sched["inbox"][t, j]) == op
+                bufs[j]["save"][sched["save"][t, j]] = op
+                new_f[j] = op
+                if sched["head"][t, j] >= 0:
+                    assert (j, op[1]) == (s - 1, v - 1)
+                    bufs[j]["cotangent"][sched["head"][t, j]] = op
+            elif kind[t, j] == 2:
+                assert bufs[j]["save"].pop(sched["save"][t, j]) == op
+                assert bufs[j]["cotangent"].pop(sched["cotangent"][t, j]) == op
+                new_b[j] = op
+            for name, held in bufs[j].items():
+                most[j][name] = max(most[j][name], len(held))
+                assert all(q < sched["sizes"][name] for q in held)
+        out_f, out_b = new_f, new_b
+    assert all(not held for b in bufs for held in b.values())
+    return most
+
+
+@pytest.mark.parametrize("m,s,v", [(1, 1, 1), (1, 3, 1), (3, 4, 1), (4, 4, 1), (8, 4, 1), (6, 2, 1), (16, 8, 1),
+                                   (4, 4, 2), (8, 4, 2), (4, 2, 3), (2, 2, 2), (8, 4, 4)])
+def test_schedule_is_a_valid_one_f_one_b_order_holding_at_most_s(m, s, v):
+    """Every (micro-batch, chunk) runs forward and backward once on every device, after its input arrived; the
+    buffer slots the tables name hold what each read expects; 1F1B holds at most S - j stage inputs on device j
+    (GPipe: all M), interleaved at most 2 (S - 1 - j) + (v - 1) S + 1 chunk inputs; the idle fraction is
+    (S - 1) / (M + S - 1) for 1F1B and (S - 1) / (v M + S - 1) interleaved."""
+    sched = one_f_one_b_schedule(m, s, v)
+    kind, mb, chunk = sched["kind"], sched["mb"], sched["chunk"]
+    if v == 1:
+        assert sched["length"] == kind.shape[0] == 2 * (m + s - 1)
+    when = {}
+    for t, j in zip(*np.nonzero(kind)):
+        key = (int(kind[t, j]), int(mb[t, j]), int(chunk[t, j]), int(j))
+        assert key not in when
+        when[key] = t
+    assert len(when) == 2 * m * v * s
+    for (k_, k, c, j), t in when.items():
+        if k_ == 1 and (j or c):
+            assert t > (when[1, k, c, j - 1] if j else when[1, k, c - 1, s - 1])
+        if k_ == 2:
+            assert t > (when[2, k, c, j + 1] if j < s - 1 else when[2, k, c + 1, 0] if c < v - 1 else when[1, k, c, j])
+    most = replay(sched, m, s, v)
+    for j in range(s):
+        bound = min(s - j, m) if v == 1 else min(2 * (s - 1 - j) + (v - 1) * s + 1, m * v)
+        assert most[j]["save"] <= bound
+    busy = np.sum(kind > 0)
+    assert 1 - busy / (s * sched["length"]) == pytest.approx((s - 1) / (m * v + s - 1))
+    name = "1f1b" if v == 1 else "interleaved"
+    assert bubble_fraction(name, s, m, rounds=v) == pytest.approx((s - 1) / (m * v + s - 1))
+
+
+def test_bubble_fractions():
+    assert bubble_fraction("gpipe", 4, 12) == pytest.approx(3 / 15)
+    assert bubble_fraction("circular", 4, 8, rounds=2) == pytest.approx(3 / 19)
+    with pytest.raises(ValueError, match="schedule must be one of 'gpipe', '1f1b', 'circular', 'interleaved'; got 'pipedream'"):
+        bubble_fraction("pipedream", 4, 8)
+
+
+@pytest.mark.parametrize("shape,axes,s,m,rows", [
+    ((4,), ("stage",), 4, 6, B), ((4, 2), ("stage", "data"), 4, 3, B), ((8,), ("stage",), 8, 8, B),
+    ((2,), ("stage",), 4, 3, B), ((3,), ("stage",), 3, 4, B), ((3, 2), ("stage", "data"), 3, 2, 3),
+    ((2, 4), ("stage", "data"), 2, 3, 3), ((1,), ("stage",), 2, 2, B)], ids=str)
+def test_one_f_one_b_loss_and_gradients_equal_gpipe_and_the_reference(shape, axes, s, m, rows):
+    """1 to 8 ranks; (2,) runs 4 stages on 2 devices (2 vectorised stages each); 3 rows over data=2 or 4 are
+    uneven."""
+    mesh = sr.Mesh(shape, axes)
+    graph, prog, args = loss_program(mesh, "1f1b", s, m, rows)
+    want = numpy_loss_and_grads(*args)
+    ref = sr.evaluate(graph, *args)
+    gpipe_graph, _, _ = loss_program(mesh, "gpipe", s, m, rows)
+    for got, g, w in zip(ref, sr.evaluate(gpipe_graph, *args), want):
+        np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+    for outs in run_everywhere(prog, *args):
+        for got, w in zip(outs, want):
+            np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+
+
+def micro_batch_buffers(prog, mb_shape) -> list:
+    """(role, micro-batch states per rank) of every loop buffer of ``prog`` made of [..., B, D] states."""
+    out = []
+    for ins in prog.instrs:
+        if ins.op != "scan":
+            continue
+        body, nc, length = ins.attrs["body"], ins.attrs["num_carry"], ins.attrs["length"]
+        for k, o in enumerate(body.outputs):
+            local = tuple(o.sharding.local_shape(o.shape, prog.mesh))
+            if len(local) > len(mb_shape) and local[-len(mb_shape):] == mb_shape:
+                out.append(("carry" if k < nc else "ys",
+                            int(np.prod(local[:-len(mb_shape)])) * (1 if k < nc else length)))
+    return out
+
+
+def test_one_f_one_b_holds_at_most_s_micro_batches_per_stage_where_gpipe_holds_m_plus_s_minus_1():
+    """S = 4 stages, M = 12 micro-batches on 4 ranks: the 1F1B loop stacks nothing; its saved stage inputs and
+    waiting activations ([S, S, B, D] carries) hold S micro-batches per rank, and its one larger carry is the
+    collector of the M input cotangents (as large as the input micro-batches themselves). GPipe's forward loop
+    stacks M + S - 1 states per rank for its backward."""
+    s, m = 4, 12
+    mesh = sr.Mesh((s,), ("stage",))
+    _, one_f, _ = loss_program(mesh, "1f1b", s, m)
+    _, gpipe, _ = loss_program(mesh, "gpipe", s, m)
+    held = sorted(micro_batch_buffers(one_f, (B, D)), key=lambda r: r[1])
+    assert {role for role, _ in held} == {"carry"}
+    # in flight forward and back, one waiting activation, one waiting cotangent, S saved stage inputs, and the
+    # input cotangents (+1 spare row)
+    assert [n for _, n in held] == [1, 1, 1, 1, s, m + 1]
+    assert max(n for role, n in micro_batch_buffers(gpipe, (B, D)) if role == "ys") >= m + s - 1
+    # the 1F1B loop moves one activation forward and one cotangent back per slot, each one stage's state
+    loop = next(i for i in one_f.instrs if i.op == "scan")
+    assert loop.attrs["length"] == 2 * (m + s - 1)
+    permutes = [c for c in one_f.comm_summary() if c["kind"] == "collective_permute"]
+    assert [(c["trips"], c["bytes_in"]) for c in permutes] == [(2 * (m + s - 1), B * D * 8)] * 2
+
+
+def test_pipeline_loss_rejects_an_unknown_schedule():
+    mesh = sr.Mesh((2,), ("stage",))
+    with pytest.raises(ValueError, match="schedule must be one of \\('gpipe', '1f1b', 'interleaved'\\); got 'zb'"):
+        sr.trace(lambda w, x: sr.pipeline_loss(stages, w, x, lambda h, y, t: snp.sum(y), mesh=mesh,
+                                               schedule="zb"),
+                 sr.TensorSpec((2, D, D)), sr.TensorSpec((3, B, D)))
+
+
+@pytest.mark.parametrize("shape,microbatches", [((2, 2, 2), 2), ((4, 2), 4)], ids=["2x2x2", "4x2"])
+def test_pipeline_1f1b_preset_trains_like_the_gpipe_preset(shape, microbatches):
+    """The LM on 8 simulated ranks: three steps of ``pipeline_1f1b`` give the ``pipeline`` (GPipe) preset's losses,
+    parameters and optimizer state; its loop runs 2 (M + S - 1) slots with one activation and one cotangent shift
+    each."""
+    steps = {p: sr.build_train_step(LM, sr.train_mesh(shape, p), p, AdamW(lr=1e-2), microbatches=microbatches)
+             for p in ("pipeline", "pipeline_1f1b")}
+    state, data = steps["pipeline"].init(0), lm_batches(1) * 3
+    (gpipe, gpipe_losses), (one_f, one_f_losses) = [train_simulated(ts, state, data) for ts in steps.values()]
+    np.testing.assert_allclose(one_f_losses, gpipe_losses, rtol=1e-12)
+    assert gpipe_losses[2] < gpipe_losses[0]
+    gpipe, one_f = steps["pipeline"].named(gpipe), steps["pipeline_1f1b"].named(one_f)
+    assert len(gpipe) > 20
+    for name, want in gpipe.items():
+        np.testing.assert_allclose(one_f[name], want, rtol=1e-9, atol=1e-12, err_msg=name)
+    s = shape[0]
+    permutes = [c for c in steps["pipeline_1f1b"].program.comm_summary() if c["kind"] == "collective_permute"]
+    assert [c["trips"] for c in permutes] == [2 * (microbatches + s - 1)] * 2
+
+
+@pytest.mark.parametrize("shape,axes,stages_,m,rows", [
+    ((2,), ("stage",), 4, 4, B), ((4,), ("stage",), 8, 4, B), ((2, 2), ("stage", "data"), 4, 2, 3),
+    ((2,), ("stage",), 6, 2, B), ((4, 2), ("stage", "data"), 8, 4, B)], ids=str)
+def test_interleaved_loss_and_gradients_equal_gpipe_and_the_reference(shape, axes, stages_, m, rows):
+    """V stages on S devices, device j holding stages j, j + S, ...: the interleaved 1F1B schedule gives the loss
+    and gradients of the same V stages in sequence; its loop runs one chunk per device per slot, the shifts
+    wrapping from the last device to the first (two collective_permutes each way)."""
+    mesh = sr.Mesh(shape, axes)
+    graph, prog, args = loss_program(mesh, "interleaved", stages_, m, rows)
+    want = numpy_loss_and_grads(*args)
+    for got, w in zip(sr.evaluate(graph, *args), want):
+        np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+    for outs in run_everywhere(prog, *args):
+        for got, w in zip(outs, want):
+            np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+    loop = next(i for i in prog.instrs if i.op == "scan")
+    assert loop.attrs["length"] == one_f_one_b_schedule(m, shape[0], stages_ // shape[0])["length"]
+    assert [c["kind"] for c in loop.attrs["body"].comm_summary()].count("collective_permute") == 4
+
+
+def test_interleaved_needs_whole_groups_of_micro_batches():
+    with pytest.raises(ValueError, match="groups of the device count; got 3 micro-batches for 2 devices"):
+        loss_program(sr.Mesh((2,), ("stage",)), "interleaved", 4, 3)
