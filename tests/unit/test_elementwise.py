@@ -208,9 +208,11 @@ def test_comparisons_of_mixed_dtypes():
 def test_tensor_methods():
     x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
     got = evaluate(lambda a: (a.flatten(), a.ravel(), a.argmax(), a.argmin(axis=1), a.clip(-0.5, 0.5), a.round(1),
-                              a.mT, a.reshape(6, 4), a.sum(axis=0), a.mean(), a.max(axis=(0, 2)), a.cumsum(1)), x)
+                              a.mT, a.reshape(6, 4), a.sum(axis=0), a.mean(), a.max(axis=(0, 2)), a.cumsum(1),
+                              a.prod(axis=2), a.any(axis=0), (a > 0).all(axis=1), a.std(axis=2), a.cumprod(1)), x)
     want = (x.flatten(), x.ravel(), x.argmax(), x.argmin(axis=1), x.clip(-0.5, 0.5), x.round(1),
-            np.swapaxes(x, -1, -2), x.reshape(6, 4), x.sum(axis=0), x.mean(), x.max(axis=(0, 2)), x.cumsum(1))
+            np.swapaxes(x, -1, -2), x.reshape(6, 4), x.sum(axis=0), x.mean(), x.max(axis=(0, 2)), x.cumsum(1),
+            x.prod(axis=2), x.any(axis=0), (x > 0).all(axis=1), x.std(axis=2), x.cumprod(1))
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=1e-6)
