@@ -4,6 +4,7 @@ Annotate a few tensors of a traced function with ``mesh_split``, ``partition``
 it into ONE SPMD program, and ``run`` that program on every MPI rank.
 """
 from . import dtypes  # noqa: F401  (registers "bfloat16" with NumPy when ml_dtypes is installed)
+from .dtypes import config  # sr.config.update("enable_x64", True): JAX's x64 switch (dtypes.py's promotion table)
 from .graph import Graph, TensorSpec
 from .mesh import Mesh, get_mesh, set_mesh
 from .sharding import UNCONSTRAINED, P, Sharding, parse_spec
@@ -46,7 +47,7 @@ __version__ = "0.1.0"
 # runtime's first use of MPI) installs the job guard: an uncaught exception, SIGINT/SIGTERM, a rank that exits
 # early or a collective nobody joins (SPMD_TIMEOUT) then ends the whole job with the rank named (comm/jobguard.py).
 
-__all__ = ["jit", "autoshard", "DArray", "device_put", "from_local", "scatter_from_root", "visualize_sharding", "profile",
+__all__ = ["config", "jit", "autoshard", "DArray", "device_put", "from_local", "scatter_from_root", "visualize_sharding", "profile",
            "distributed", "pytree", "P", "UNCONSTRAINED", "get_mesh", "set_mesh", "Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "stop_gradient",
            "scan", "fori_loop", "while_loop", "cond", "remat", "shard_map", "psum", "pmax", "pmin", "all_gather",

@@ -3,8 +3,9 @@
 The NumPy face of the op records: every name here is a traced function of one op family in
 ``spmd_runtime/ops/`` (which defines the op, its shape/dtype rule and kernel; the layers' rules for it
 live in ``partition/rules/`` and ``autodiff/rules/``, one module per family). Binary ops broadcast
-NumPy-style by inserting explicit ``broadcast_in_dim`` nodes; Python scalars are weakly typed
-(NEP 50): ``x * 2.0`` keeps x's dtype.
+NumPy-style by inserting explicit ``broadcast_in_dim`` nodes; dtypes promote by JAX's rules (the table in
+``spmd_runtime/dtypes.py``: Python scalars weak, ``x * 2.0`` keeps x's dtype, float32 by default, float64 only
+where asked for or with ``sr.config.update("enable_x64", True)``).
 """
 from . import dispatch
 from .ops.core import (array, zeros, ones, full, add, subtract, multiply, divide, true_divide,
@@ -12,6 +13,12 @@ from .ops.core import (array, zeros, ones, full, add, subtract, multiply, divide
     less, less_equal, greater, greater_equal, logical_and, logical_or, logical_not, sum, max, min, amax,
     amin, mean, var, reshape, transpose, swapaxes, moveaxis, expand_dims, squeeze, broadcast_to, astype,
     broadcast_in_dim)
+from .ops.core import (sin, cos, tan, arcsin, arccos, arctan, arctan2, sinh, cosh, arcsinh, arccosh, arctanh,
+    asin, acos, atan, atan2, asinh, acosh, atanh, log1p, expm1, log2, log10, exp2, logaddexp, sigmoid, reciprocal,
+    rsqrt, cbrt, floor, ceil, round, around, trunc, fix, rint, sign, signbit, copysign, hypot, clip, isfinite,
+    isnan, isinf, nan_to_num, floor_divide, remainder, mod, fmod, divmod, bitwise_and, bitwise_or, bitwise_xor,
+    bitwise_invert, bitwise_not, invert, bitwise_left_shift, bitwise_right_shift, left_shift, right_shift,
+    positive, float_power, pow, logical_xor, heaviside, deg2rad, rad2deg, radians, degrees, fmax, fmin)
 from .ops.einsum import dot, einsum, matmul
 from .ops.gather import scatter_add, take
 from .ops.indexing import argmax, argmin, logsumexp, softmax
@@ -55,8 +62,16 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
     "prod", "ptp", "std", "argsort", "searchsorted", "sort", "take_along_axis", "nonzero", "flatnonzero",
     "argwhere", "unique", "bool_", "complex64",
     "complex128", "dtype", "e", "finfo", "float16", "float32", "float64", "iinfo", "inf", "int8", "int16",
-    "int32", "int64", "nan", "newaxis", "pi", "uint8", "uint16", "uint32", "uint64", "bool",
-    "erf", "erfc", "erfinv"]
+    "int32", "int64", "nan", "newaxis", "pi", "uint8", "uint16", "uint32", "uint64", "bool"] + \
+    ["sin", "cos", "tan", "arcsin", "arccos", "arctan", "arctan2", "sinh", "cosh", "arcsinh", "arccosh",
+            "arctanh", "asin", "acos", "atan", "atan2", "asinh", "acosh", "atanh", "log1p", "expm1", "log2", "log10",
+            "exp2", "logaddexp", "sigmoid", "reciprocal", "rsqrt", "cbrt", "floor", "ceil", "round", "around",
+            "trunc", "fix", "rint", "sign", "signbit", "copysign", "hypot", "clip", "isfinite", "isnan", "isinf",
+            "nan_to_num", "floor_divide", "remainder", "mod", "fmod", "divmod", "bitwise_and", "bitwise_or",
+            "bitwise_xor", "bitwise_invert", "bitwise_not", "invert", "bitwise_left_shift", "bitwise_right_shift",
+            "left_shift", "right_shift", "positive", "float_power", "pow", "logical_xor", "heaviside", "deg2rad",
+            "rad2deg", "radians", "degrees", "fmax", "fmin",
+            "erf", "erfc", "erfinv"]
 
 
 # snp calls on DArrays, or outside any trace, run eagerly (spmd_runtime/dispatch.py, eager.py)

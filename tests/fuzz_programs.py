@@ -81,7 +81,8 @@ class _Builder:
         ops = [self.unary, self.binary_same, self.binary_broadcast, self.reduce, self.transpose, self.reshape,
                self.einsum, self.annotate, self.where, self.cast, self.take, self.cumsum, self.arg_reduce,
                self.logsumexp, self.pooling, self.conv1d, self.slice_, self.flip, self.pad, self.concat,
-               self.dynamic_slice, self.top_k, self.roll, self.split_slice, self.split_family, self.numpy_family]
+               self.dynamic_slice, self.top_k, self.roll, self.split_slice, self.split_family, self.numpy_family,
+               self.math_]
         ops.append(self.special_random)
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
@@ -91,6 +92,20 @@ class _Builder:
         f = [lambda v: snp.tanh(v), lambda v: snp.exp(snp.tanh(v)), lambda v: snp.log(snp.abs(v) + 1.0),
              lambda v: snp.sqrt(snp.abs(v)), lambda v: -v, lambda v: snp.abs(v)]
         return f[self.rng.integers(len(f))](t)
+
+    def math_(self, t):
+        """The elementwise math of ops/core.py, continuous ones only (a floor or a remainder would turn a last-bit
+        difference of a partitioned sum into a jump), kept finite by their domains."""
+        others = [o for o in self.pool if o.shape == t.shape]
+        o = others[self.rng.integers(len(others))]
+        f = [lambda v, w: snp.sin(v) * snp.cos(w), lambda v, w: snp.arctan(v) + snp.arcsin(snp.tanh(w)),
+             lambda v, w: snp.log1p(snp.abs(v)) - snp.expm1(snp.tanh(w)), lambda v, w: snp.sigmoid(v) * w,
+             lambda v, w: snp.rsqrt(v * v + 1.0), lambda v, w: snp.cbrt(v) + snp.sinh(snp.tanh(w)),
+             lambda v, w: snp.clip(v, -0.5, 0.5), lambda v, w: snp.hypot(v, w),
+             lambda v, w: snp.arctan2(v, w * w + 1.0), lambda v, w: snp.logaddexp(v, w),
+             lambda v, w: snp.fmax(v, w) - snp.fmin(v, 0.25), lambda v, w: snp.arctanh(snp.tanh(v) * 0.5),
+             lambda v, w: snp.log2(snp.abs(v) + 1.0) + snp.exp2(snp.tanh(w))]
+        return f[self.rng.integers(len(f))](t, o)
 
     def binary_same(self, t):
         others = [o for o in self.pool if o.shape == t.shape]

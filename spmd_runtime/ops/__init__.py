@@ -9,6 +9,8 @@ reshape, transpose, reductions), ``einsum``, ``slicing``, ``gather``, ``windows`
 ``top_k``, ``sorting``, ``special`` (erf, erfc, erf_inv), ``random`` (Threefry random bits), ``control`` (scan, while, cond), ``manual`` (shard_map and its collectives), and ``spmd`` (collectives and layout ops, emitted only by the partitioner). Importing this
 package defines every op and binds the ``Tensor`` operators to the functions here.
 """
+import sys
+
 from ..trace import Tensor
 from . import core, einsum, gather, indexing, random, slicing, sorting, special, spmd, top_k, windows  # noqa: F401  (each defines its records)
 from . import linalg, manipulation, reductions  # noqa: F401,E402  (compositions of the families above: no records)
@@ -17,25 +19,51 @@ from . import manual  # noqa: F401,E402  (shard_map regions and their explicit c
 
 
 def _bind_tensor_operators():
-    """NumPy's operators and methods on traced tensors, as the functions of the families."""
+    """NumPy's operators and methods on traced tensors, as the functions of the families. ``&``, ``|``, ``^``,
+    ``~`` are bitwise (logical on bools), as NumPy's; ``//`` and ``%`` are NumPy's floor division and remainder."""
     binary = {"__add__": core.add, "__sub__": core.subtract, "__mul__": core.multiply, "__truediv__": core.divide,
-              "__pow__": core.power, "__matmul__": einsum.matmul, "__eq__": core.equal, "__ne__": core.not_equal,
-              "__lt__": core.less, "__le__": core.less_equal, "__gt__": core.greater, "__ge__": core.greater_equal,
-              "__and__": core.logical_and, "__or__": core.logical_or}
-    for name, fn in binary.items():
+              "__floordiv__": core.floor_divide, "__mod__": core.remainder, "__divmod__": core.divmod,
+              "__pow__": core.power, "__matmul__": einsum.matmul, "__and__": core.bitwise_and,
+              "__or__": core.bitwise_or, "__xor__": core.bitwise_xor, "__lshift__": core.left_shift,
+              "__rshift__": core.right_shift}
+    comparisons = {"__eq__": core.equal, "__ne__": core.not_equal, "__lt__": core.less, "__le__": core.less_equal,
+                   "__gt__": core.greater, "__ge__": core.greater_equal}
+    for name, fn in {**binary, **comparisons}.items():
         setattr(Tensor, name, fn)
-    for name, fn in {"__radd__": core.add, "__rsub__": core.subtract, "__rmul__": core.multiply,
-                     "__rtruediv__": core.divide, "__rpow__": core.power, "__rmatmul__": einsum.matmul}.items():
-        setattr(Tensor, name, lambda self, other, fn=fn: fn(other, self))
+    for name, fn in binary.items():  # reflected: 2 - x, 7 // x, 1 << x, ...
+        setattr(Tensor, "__r" + name[2:], lambda self, other, fn=fn: fn(other, self))
     Tensor.__neg__ = core.negative
-    Tensor.__invert__ = core.logical_not
+    Tensor.__pos__ = core.positive
+    Tensor.__abs__ = core.absolute
+    Tensor.__invert__ = core.invert
     Tensor.__hash__ = object.__hash__
     Tensor.__getitem__ = slicing.getitem
     Tensor.T = property(lambda self: core.transpose(self))
+    Tensor.mT = property(lambda self: core.swapaxes(self, -1, -2))  # the Array API's matrix transpose
     for name, fn in {"reshape": core.reshape, "transpose": core.transpose, "sum": core.sum, "max": core.max,
                      "min": core.min, "mean": core.mean, "var": core.var, "astype": core.astype,
                      "swapaxes": core.swapaxes, "squeeze": core.squeeze}.items():
         setattr(Tensor, name, fn)
+    for fn in (core.clip, core.round, indexing.argmax, indexing.argmin, windows.cumsum):  # methods named as snp's
+        setattr(Tensor, fn.__name__, fn)
+    Tensor.flatten = Tensor.ravel = lambda self: core.reshape(self, -1)
+    for name in SNP_METHODS:
+        setattr(Tensor, name, _snp_method(name))
+
+
+# Methods of ops another family may define: each calls ``snp.<name>`` when called, or says it is missing.
+SNP_METHODS = ("prod", "any", "all", "std", "cumprod")
+
+
+def _snp_method(name: str):
+    def method(self, *args, **kwargs):
+        snp = sys.modules["spmd_runtime.numpy"]  # loaded by the package; importing it here would be a cycle
+        if not hasattr(snp, name):
+            raise AttributeError(f"Tensor.{name} calls snp.{name}, which this spmd_runtime does not define; got a "
+                                 f"call on {self!r}")
+        return getattr(snp, name)(self, *args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    return method
 
 
 def _bind_numpy_methods():

@@ -1,8 +1,8 @@
 """Core ops: leaves, elementwise, broadcast / reshape / transpose and reductions, each ONE record.
 
 The traced functions here are the NumPy-named face ``spmd_runtime.numpy`` re-exports. Binary ops
-broadcast NumPy-style by inserting explicit ``broadcast_in_dim`` nodes; Python scalars are weakly
-typed (NEP 50): ``x * 2.0`` keeps x's dtype. This file holds the records, the traced functions (the
+broadcast NumPy-style by inserting explicit ``broadcast_in_dim`` nodes; dtypes promote by JAX's rules
+(``dtypes.result_type``: Python scalars weak, ``x * 2.0`` keeps x's dtype, float32 by default). This file holds the records, the traced functions (the
 shape/dtype rules), the kernels and the helpers they use (``reduce_identity`` also for the rules);
 the layers own the other parts: the propagation and partition rules in
 ``spmd_runtime/partition/rules/core.py``, the VJPs in ``spmd_runtime/autodiff/rules/core.py``
@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from .. import opdef
-from ..dtypes import ACCUMULATE, is_low_precision, result_type, sum_dtype
+from ..dtypes import ACCUMULATE, default_float, finfo, is_floating, is_low_precision, result_type, sum_dtype
 from ..graph import MESH_SPLIT, PARAMETER
 from ..opdef import define
 from ..trace import Tensor, current_graph, emit
@@ -41,17 +41,38 @@ BINARY_UFUNCS = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "tru
                  "maximum": "maximum", "minimum": "minimum", "eq": "equal", "ne": "not_equal", "lt": "less",
                  "le": "less_equal", "gt": "greater", "ge": "greater_equal", "and": "logical_and",
                  "or": "logical_or"}
-EXPENSIVE = ("exp", "log", "tanh", "sqrt", "div", "pow")  # transcendental or a division: never ``cheap``
+# The elementwise math of jax.numpy / the Array API, each the array module's ufunc of the same name (NumPy's
+# semantics: float32 in, float32 out; integer floor_divide / remainder by 0 give 0, as NumPy's do).
+MATH_UNARY = ("sin", "cos", "tan", "arcsin", "arccos", "arctan", "sinh", "cosh", "arcsinh", "arccosh", "arctanh",
+              "log1p", "expm1", "log2", "log10", "exp2", "cbrt", "reciprocal", "floor", "ceil", "trunc", "rint",
+              "sign", "signbit", "isfinite", "isnan", "isinf", "invert")
+MATH_BINARY = ("arctan2", "logaddexp", "copysign", "hypot", "floor_divide", "remainder", "fmod", "bitwise_and",
+               "bitwise_or", "bitwise_xor", "left_shift", "right_shift", "fmax", "fmin", "heaviside")
+UNARY_UFUNCS.update({name: name for name in MATH_UNARY})
+BINARY_UFUNCS.update({name: name for name in MATH_BINARY})
+EXPENSIVE = ("exp", "log", "tanh", "sqrt", "div", "pow", "sin", "cos", "tan", "arcsin", "arccos", "arctan", "sinh",
+             "cosh", "arcsinh", "arccosh", "arctanh", "log1p", "expm1", "log2", "log10", "exp2", "cbrt",
+             "reciprocal", "arctan2", "logaddexp", "hypot", "floor_divide", "remainder", "fmod")  # never ``cheap``
 ELEMENTWISE = {name: define(name, fresh=True, in_place=True, ufunc=ufunc, cheap=name not in EXPENSIVE)
                for name, ufunc in {**UNARY_UFUNCS, **BINARY_UFUNCS}.items()}
 UNARY = tuple(ELEMENTWISE[n] for n in UNARY_UFUNCS)
 BINARY = tuple(ELEMENTWISE[n] for n in BINARY_UFUNCS)
-NEG, EXP, LOG, TANH, SQRT, ABS, NOT = UNARY  # by name, for the layers that key tables by record (code generators)
-ADD, SUB, MUL, DIV, POW, MAXIMUM, MINIMUM, EQ, NE, LT, LE, GT, GE, AND, OR = BINARY
+NEG, EXP, LOG, TANH, SQRT, ABS, NOT = UNARY[:7]  # by name, for the layers that key tables by record (code generators)
+ADD, SUB, MUL, DIV, POW, MAXIMUM, MINIMUM, EQ, NE, LT, LE, GT, GE, AND, OR = BINARY[:15]
+(SIN, COS, TAN, ARCSIN, ARCCOS, ARCTAN, SINH, COSH, ARCSINH, ARCCOSH, ARCTANH, LOG1P, EXPM1, LOG2, LOG10, EXP2, CBRT,
+ RECIPROCAL, FLOOR, CEIL, TRUNC, RINT, SIGN, SIGNBIT, ISFINITE, ISNAN, ISINF, INVERT) = UNARY[7:]
+(ARCTAN2, LOGADDEXP, COPYSIGN, HYPOT, FLOOR_DIVIDE, REMAINDER, FMOD, BITWISE_AND, BITWISE_OR, BITWISE_XOR, LEFT_SHIFT,
+ RIGHT_SHIFT, FMAX, FMIN, HEAVISIDE) = BINARY[15:]
 COMPARISONS = tuple(ELEMENTWISE[n] for n in ("eq", "ne", "lt", "le", "gt", "ge"))
+# Zero almost everywhere or not differentiable: no cotangent flows back (JAX's gradient of floor, sign, ... is 0).
+PIECEWISE_CONSTANT = (FLOOR, CEIL, TRUNC, RINT, SIGN, SIGNBIT, ISFINITE, ISNAN, ISINF, INVERT, FLOOR_DIVIDE,
+                      BITWISE_AND, BITWISE_OR, BITWISE_XOR, LEFT_SHIFT, RIGHT_SHIFT, HEAVISIDE)
+# Elementwise ops without a ufunc of their own (a kernel of a few ufuncs): never fused, never in place.
+RSQRT = define("rsqrt", fresh=True)
+LOGISTIC = define("logistic", fresh=True)  # jax.lax.logistic: the sigmoid
 SELECT = define("select", fresh=True, cheap=True)
 CONVERT = define("convert", fresh=True, cheap=True)
-ELEMENTWISE_LIKE = UNARY + BINARY + (SELECT, CONVERT)  # same shape in and out, computed pointwise
+ELEMENTWISE_LIKE = UNARY + BINARY + (RSQRT, LOGISTIC, SELECT, CONVERT)  # same shape in and out, computed pointwise
 BROADCAST_IN_DIM = define("broadcast_in_dim")
 RESHAPE = define("reshape")
 TRANSPOSE = define("transpose")
@@ -61,9 +82,13 @@ REDUCE = define("reduce", fresh=True)
 # ================================================================ traced API
 # ---------------------------------------------------------------- constants
 def asarray(x, dtype=None) -> Tensor:
-    """A traced tensor for ``x``: tensors pass through, arrays and scalars become constants."""
+    """A traced tensor for ``x``: tensors pass through, arrays and scalars become constants. A NumPy array keeps
+    its dtype; a Python scalar or list takes JAX's default (``snp.asarray(1.0)`` is float32 without x64). As an
+    operand of an op (``x * np.float64(2)``) a NumPy value promotes as its 32-bit twin instead (``dtypes.py``)."""
     if isinstance(x, Tensor):
         return x if dtype is None else astype(x, dtype)
+    if dtype is None:  # a NumPy array or scalar keeps its dtype (converting it asks for it); Python values and
+        dtype = x.dtype if isinstance(x, (np.ndarray, np.generic)) else result_type(x)  # lists: JAX's default
     value = np.asarray(x, dtype=dtype)
     return emit(CONSTANT, [], {"value": value}, value.shape, value.dtype)
 
@@ -80,7 +105,7 @@ def stop_gradient(x) -> Tensor:
 
 def full(shape, fill_value, dtype="float32") -> Tensor:
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    return broadcast_to(asarray(np.asarray(fill_value, dtype=dtype)), shape)
+    return broadcast_to(asarray(fill_value, dtype=dtype), shape)
 
 
 def zeros(shape, dtype="float32") -> Tensor:
@@ -97,7 +122,7 @@ def _operands(*xs):
     dtype = result_type(*xs)
     if not any(isinstance(x, Tensor) for x in xs):
         current_graph()
-    ts = [astype(x, dtype) if isinstance(x, Tensor) else asarray(np.asarray(x, dtype=dtype)) for x in xs]
+    ts = [astype(x, dtype) if isinstance(x, Tensor) else asarray(x, dtype=dtype) for x in xs]
     shape = np.broadcast_shapes(*[t.shape for t in ts])
     return [broadcast_to(t, shape) for t in ts], dtype, shape
 
@@ -113,7 +138,21 @@ def _binary(op, a, b, out_dtype=None):
 
 
 def _float(x):
-    return astype(x, result_type(x, 1.0)) if isinstance(x, Tensor) else x
+    """``x`` as a floating (or complex) tensor: integers and bools in the default float dtype (JAX's inexact
+    promotion: float32, float64 with x64), floats as they are."""
+    if type(x) in (bool, int, float):
+        return float(x)  # stays weak: ``bf16 / 3`` is bfloat16
+    x = asarray(x)
+    return astype(x, result_type(x, 1.0))
+
+
+def _integral(x, what: str):
+    """``x`` as a tensor of integers or bools, else a TypeError naming ``what``."""
+    x = asarray(x)
+    if x.dtype.kind not in "biu":
+        raise TypeError(f"{what} takes integers or bools (NumPy's and JAX's rule); got {x.dtype}: cast with "
+                        f".astype('int32') first")
+    return x
 
 
 def add(a, b): return _binary(ELEMENTWISE["add"], a, b)
@@ -142,6 +181,213 @@ def square(x): return multiply(x, x)
 
 
 true_divide, abs = divide, absolute
+
+
+# ---------------------------------------------------------------- elementwise math (jax.numpy / Array API)
+def _inexact_unary(name):
+    """The traced function of ufunc op ``name``: integers and bools computed in the default float dtype."""
+    def fn(x):
+        return _unary(ELEMENTWISE[name], _float(x))
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"NumPy's ``{name}``, elementwise; integers and bools are computed in the default float dtype."
+    return fn
+
+
+(sin, cos, tan, arcsin, arccos, arctan, sinh, cosh, arcsinh, arccosh, arctanh, log1p, expm1, log2, log10, exp2,
+ cbrt, reciprocal) = (_inexact_unary(n) for n in MATH_UNARY[:18])
+
+
+def _inexact_binary(name):
+    def fn(a, b):
+        (a, b), _, _ = _operands(a, b)
+        return _binary(ELEMENTWISE[name], _float(a), _float(b))
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"NumPy's ``{name}``, elementwise; integers and bools are computed in the default float dtype."
+    return fn
+
+
+arctan2, logaddexp, copysign, hypot, heaviside = (
+    _inexact_binary(n) for n in ("arctan2", "logaddexp", "copysign", "hypot", "heaviside"))
+
+
+def rsqrt(x):
+    """``1 / sqrt(x)`` (jax.lax.rsqrt), one op."""
+    x = asarray(_float(x))
+    return emit(RSQRT, [x], {}, x.shape, x.dtype)
+
+
+def sigmoid(x):
+    """The logistic function ``1 / (1 + exp(-x))`` (jax.nn.sigmoid, jax.lax.logistic), without overflow."""
+    x = asarray(_float(x))
+    return emit(LOGISTIC, [x], {}, x.shape, x.dtype)
+
+
+def _integral_kept(name):
+    """Op ``name`` on floats; integers and bools are their own value (JAX's and the Array API's floor, ceil, ...)."""
+    def fn(x):
+        x = asarray(x)
+        return x if x.dtype.kind in "biu" else _unary(ELEMENTWISE[name], x)
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"NumPy's ``{name}`` on floats; an integer or bool tensor is returned as it is (its own {name})."
+    return fn
+
+
+floor, ceil, trunc, rint = (_integral_kept(n) for n in ("floor", "ceil", "trunc", "rint"))
+fix = trunc
+
+
+def round(x, decimals: int = 0):
+    """NumPy's ``round``: half to even, at ``decimals`` digits (``rint(x * 10**d) / 10**d``, as NumPy computes it;
+    negative ``decimals`` round to tens, hundreds, ...). Integers are returned as they are for ``decimals >= 0``."""
+    x, decimals = asarray(x), int(decimals)
+    if x.dtype.kind in "biu":
+        if decimals < 0:
+            raise ValueError(f"round of integers takes decimals >= 0 here; got decimals={decimals} for {x.dtype}: "
+                             f"round x.astype('float32') instead")
+        return x
+    if decimals == 0:
+        return rint(x)
+    if decimals > 0:
+        return divide(rint(multiply(x, 10.0 ** decimals)), 10.0 ** decimals)
+    return multiply(rint(divide(x, 10.0 ** -decimals)), 10.0 ** -decimals)
+
+
+around = round
+
+
+def sign(x):
+    """NumPy's ``sign``: -1, 0 or 1 (nan for nan) in x's dtype."""
+    return _unary(ELEMENTWISE["sign"], x)
+
+
+def signbit(x): return _unary(ELEMENTWISE["signbit"], x, "bool")
+def isfinite(x): return _unary(ELEMENTWISE["isfinite"], x, "bool")
+def isnan(x): return _unary(ELEMENTWISE["isnan"], x, "bool")
+def isinf(x): return _unary(ELEMENTWISE["isinf"], x, "bool")
+
+
+def positive(x):
+    """``+x``: the value itself."""
+    return asarray(x)
+
+
+def floor_divide(a, b):
+    """NumPy's ``//``: rounds toward -inf (``-7 // 2 == -4``); an integer divided by 0 gives 0, as NumPy's."""
+    return _binary(ELEMENTWISE["floor_divide"], a, b)
+
+
+def remainder(a, b):
+    """NumPy's ``%``: the sign of the divisor (``-7 % 2 == 1``); an integer modulo 0 gives 0, as NumPy's."""
+    return _binary(ELEMENTWISE["remainder"], a, b)
+
+
+def fmod(a, b):
+    """C's ``fmod``: the sign of the dividend (``fmod(-7, 2) == -1``); an integer modulo 0 gives 0, as NumPy's."""
+    return _binary(ELEMENTWISE["fmod"], a, b)
+
+
+mod = remainder
+
+
+def divmod(a, b):
+    """``(a // b, a % b)``."""
+    return floor_divide(a, b), remainder(a, b)
+
+
+def fmax(a, b):
+    """The larger of a and b, ignoring a nan on one side (NumPy's ``fmax``)."""
+    return _binary(ELEMENTWISE["fmax"], a, b)
+
+
+def fmin(a, b):
+    """The smaller of a and b, ignoring a nan on one side (NumPy's ``fmin``)."""
+    return _binary(ELEMENTWISE["fmin"], a, b)
+
+
+def _bitwise(name, what):
+    logical = {"bitwise_and": AND, "bitwise_or": OR, "bitwise_xor": NE}[name]
+
+    def fn(a, b):
+        (a, b), dtype, _ = _operands(a, b)
+        if dtype == np.bool_:  # the same values as the logical ops, which the compiled loops know
+            return _binary(logical, a, b)
+        return _binary(ELEMENTWISE[name], _integral(a, what), _integral(b, what))
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"NumPy's ``{name}`` of integers or bools (logical on bools)."
+    return fn
+
+
+bitwise_and = _bitwise("bitwise_and", "bitwise_and (&)")
+bitwise_or = _bitwise("bitwise_or", "bitwise_or (|)")
+bitwise_xor = _bitwise("bitwise_xor", "bitwise_xor (^)")
+
+
+def _shift(name, what):
+    def fn(a, b):
+        (a, b), _, _ = _operands(a, b)
+        if a.dtype == np.bool_:
+            raise TypeError(f"{what} takes integers (the Array API's rule); got bool: cast with .astype('int32')")
+        return _binary(ELEMENTWISE[name], _integral(a, what), _integral(b, what))
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"NumPy's ``{name}`` of integers (a shift by the bit width or more gives 0, or -1 for negatives)."
+    return fn
+
+
+left_shift = bitwise_left_shift = _shift("left_shift", "left_shift (<<)")
+right_shift = bitwise_right_shift = _shift("right_shift", "right_shift (>>)")
+
+
+def invert(x):
+    """NumPy's ``~``: bitwise not of integers, logical not of bools."""
+    x = _integral(x, "invert (~)")
+    return _unary(NOT if x.dtype == np.bool_ else ELEMENTWISE["invert"], x)
+
+
+bitwise_invert = bitwise_not = invert
+
+
+def logical_xor(a, b):
+    return not_equal(astype(a, "bool"), astype(b, "bool"))
+
+
+def float_power(a, b):
+    """``a ** b`` in a floating dtype (JAX's ``float_power``: the inputs' inexact promotion, not NumPy's float64)."""
+    (a, b), _, _ = _operands(a, b)
+    return power(_float(a), _float(b))
+
+
+def deg2rad(x): return multiply(_float(x), math.pi / 180.0)
+def rad2deg(x): return multiply(_float(x), 180.0 / math.pi)
+
+
+radians, degrees = deg2rad, rad2deg
+asin, acos, atan, atan2, asinh, acosh, atanh = arcsin, arccos, arctan, arctan2, arcsinh, arccosh, arctanh
+pow = power
+
+
+def clip(x, min=None, max=None):
+    """``x`` limited to [min, max] (the Array API's ``clip``: either bound may be None; NumPy's rule
+    ``minimum(maximum(x, min), max)``, so min > max gives max)."""
+    x = asarray(x)
+    if min is not None:
+        x = maximum(x, min)
+    if max is not None:
+        x = minimum(x, max)
+    return x
+
+
+def nan_to_num(x, copy=True, nan=0.0, posinf=None, neginf=None):
+    """NumPy's ``nan_to_num``: nan -> ``nan``, +inf -> ``posinf`` (default: the dtype's largest), -inf ->
+    ``neginf`` (its most negative); integers and bools unchanged."""
+    x = asarray(x)
+    if not is_floating(x.dtype):
+        return x
+    info = finfo(x.dtype)
+    posinf = float(info.max) if posinf is None else posinf
+    neginf = float(info.min) if neginf is None else neginf
+    out = where(isnan(x), nan, x)
+    out = where(equal(x, float("inf")), posinf, out)
+    return where(equal(x, float("-inf")), neginf, out)
 
 
 def where(cond, a, b) -> Tensor:
@@ -251,8 +497,9 @@ def _reduce(kind, x, axis, keepdims, dtype=None):
 
 
 def sum(x, axis=None, keepdims=False, dtype=None):
-    """NumPy's sum: bools and narrow integers are summed in the platform integer (``dtypes.sum_dtype``), so a
-    partitioned sum's partial sums and their all-reduce have the dtype NumPy's sum has."""
+    """JAX's sum: bools and narrow integers are summed in the default integer (``dtypes.sum_dtype``: int32, int64
+    with x64; unsigned ones in uint32 / uint64), so a partitioned sum's partial sums and their all-reduce have
+    the dtype the sum declares; ``dtype=`` sums in that dtype."""
     x = asarray(x)
     if dtype is None and sum_dtype(x.dtype) != x.dtype:
         dtype = sum_dtype(x.dtype)
@@ -279,7 +526,7 @@ def mean(x, axis=None, keepdims=False, dtype=None) -> Tensor:
     x = _float(asarray(x if dtype is None else astype(x, dtype)))
     axes = range(x.ndim) if axis is None else as_tuple(axis)
     count = math.prod(x.shape[normalize_axis(a, x.ndim)] for a in axes)
-    return multiply(sum(x, axis, keepdims), 1.0 / count)
+    return multiply(sum(x, axis, keepdims), 1.0 / count if count else float("nan"))  # empty: nan, as NumPy
 
 
 def var(x, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correction=None) -> Tensor:
@@ -330,6 +577,19 @@ def _ufunc_kernel(name):
 
 for _op in ELEMENTWISE.values():
     _op.kernel = _ufunc_kernel(_op.ufunc)
+
+
+@opdef.kernel(RSQRT)
+def _rsqrt_kernel(xp, x):
+    return xp.reciprocal(xp.sqrt(x))
+
+
+@opdef.kernel(LOGISTIC)
+def _logistic_kernel(xp, x):
+    """exp of -|x| only (no overflow): 1 / (1 + e) for x >= 0, e / (1 + e) below, each to a few ulp."""
+    e = xp.exp(-xp.abs(x))
+    r = xp.reciprocal(e + 1)
+    return xp.where(x >= 0, r, e * r)
 
 
 @opdef.kernel(PARAMETER)
@@ -399,8 +659,8 @@ def _reduce_kernel(xp, x, kind, axes, into=None):
         return into
     if kind == "sum" and _rows_summed_by_blas(xp, x, axes):
         return _row_sums(x, len(axes), into)
-    if kind == "sum" and sum_dtype(x.dtype) != x.dtype:  # a sum in bool (logical or) or a narrow integer:
-        return xp.sum(x, axis=tuple(axes), dtype=x.dtype, out=into)  # its declared dtype, not NumPy's wider one
+    if kind == "sum" and x.dtype.kind in "biu":  # a sum in bool (logical or) or an integer: in its declared
+        return xp.sum(x, axis=tuple(axes), dtype=x.dtype, out=into)  # dtype, never NumPy's wider one
     if into is not None:  # a buffer planned for the result (exec/buffers.py)
         return reduction(xp, kind)(x, axis=tuple(axes), out=into)
     return reduction(xp, kind)(x, axis=tuple(axes))  # kind comes from a program: allow-listed

@@ -1,6 +1,8 @@
 """Bool, integer and complex arrays end to end: ``sr.partition`` / ``sr.jit`` + ``sr.run`` on every 1-d and 2-d
 mesh of 1 to 4 simulated ranks (tests/mesh_cases.py), through the collectives and the program format, equal to
-NumPy in value and dtype; a complex max over a split axis ends with "not supported: ..." on every rank."""
+NumPy in value and in JAX's dtype (a sum of bools or narrow integers is in the default integer, int32 / uint32
+without x64, where NumPy's is int64 / uint64: ``JAX_SUM``); a complex max over a split axis ends with "not
+supported: ..." on every rank."""
 from __future__ import annotations
 
 import numpy as np
@@ -49,6 +51,20 @@ CASES = [
      [np.arange(ROWS * 3, dtype=np.float32).reshape(ROWS, 3), _complex(np.complex64, (3, 2))], [0, None]),
     ("complex128 sum", lambda m, x: m.sum(x, axis=0), [_complex(np.complex128, (ROWS, 3))], [0]),
 ]
+# jax.numpy.sum's dtype without x64 (bools and integers narrower than int32 sum in int32, unsigned ones in uint32,
+# 32-bit ones in themselves); NumPy's platform-integer sums (int64 / uint64) are what this replaces.
+JAX_SUM = {"bool": "int32", "int8": "int32", "int16": "int32", "int32": "int32", "uint8": "uint32",
+           "uint16": "uint32", "uint32": "uint32"}
+
+
+def _expected(name, fn, inputs):
+    """NumPy's value, in JAX's dtype for a sum of bools or narrow integers (no ``dtype=``)."""
+    expected = np.asarray(fn(np, *inputs))
+    if "sum" in name and "as bool" not in name and inputs[0].dtype.name in JAX_SUM:
+        return expected.astype(JAX_SUM[inputs[0].dtype.name])
+    return expected
+
+
 MESHES = [m for n in (1, 2, 3, 4) for m in meshes_for(n)]
 PARAMS = [pytest.param(c, m, id=f"{c[0]}-{m}") for c in CASES for m in MESHES]
 
@@ -69,7 +85,7 @@ def _assert_numpy(outs, expected, what):
 @pytest.mark.parametrize("case, mesh", PARAMS)
 def test_partitioned_run_equals_numpy(case, mesh):
     name, fn, inputs, dims = case
-    expected = np.asarray(fn(np, *inputs))
+    expected = _expected(name, fn, inputs)
     program = sr.partition(sr.trace(lambda *a: fn(snp, *a), *inputs), mesh, in_specs=_specs(mesh, inputs, dims))
     _assert_numpy(run_simulated(mesh.size, lambda comm: sr.run(program, *inputs, comm=comm)), expected, name)
 
@@ -77,7 +93,7 @@ def test_partitioned_run_equals_numpy(case, mesh):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_jit_and_the_program_format_carry_the_dtypes(case, tmp_path):
     name, fn, inputs, dims = case
-    mesh, expected = sr.Mesh((2, 2), ("x", "y")), np.asarray(fn(np, *inputs))
+    mesh, expected = sr.Mesh((2, 2), ("x", "y")), _expected(name, fn, inputs)
     specs = tuple(_specs(mesh, inputs, dims))
     outs = run_simulated(4, lambda comm: np.asarray(sr.jit(lambda *a: fn(snp, *a), mesh=mesh, in_specs=specs,
                                                            comm=comm)(*inputs)))  # a DArray gathers: every rank
@@ -88,16 +104,18 @@ def test_jit_and_the_program_format_carry_the_dtypes(case, tmp_path):
     _assert_numpy(run_simulated(4, lambda comm: sr.run(loaded, *inputs, comm=comm)), expected, f"{name} (saved)")
 
 
-def test_a_traced_sum_has_numpys_dtype():
-    """The partial sums and their all-reduce have the dtype of NumPy's sum (the platform integer for bools and
-    narrow integers), so they agree (a bool all-reduce of int64 partials was an MPI datatype mismatch)."""
+def test_a_traced_sum_has_jaxs_dtype():
+    """The partial sums and their all-reduce have the dtype of JAX's sum (the default integer for bools and
+    narrow integers, ``JAX_SUM``), so they agree (a bool all-reduce of int64 partials was an MPI datatype
+    mismatch)."""
     for dtype in ("bool", "int8", "int16", "int32", "uint8", "uint32", "int64", "uint64", "float16", "complex64"):
         x = np.zeros((4, 2), dtype)
+        want = JAX_SUM.get(dtype, dtype)
         graph = sr.trace(lambda x: snp.sum(x), x)
-        assert graph.output_specs[0].dtype == np.sum(x).dtype, dtype
+        assert graph.output_specs[0].dtype == want, dtype
         program = sr.partition(graph, sr.Mesh((2,), ("x",)), in_specs=[sr.P("x", None)])
         reduced = [c for c in program.instrs if c.op == "all_reduce"]
-        assert [c.dtype for c in reduced] == [np.sum(x).dtype], (dtype, program)
+        assert [c.dtype for c in reduced] == [want], (dtype, program)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

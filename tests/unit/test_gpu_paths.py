@@ -691,8 +691,8 @@ def host_kernels(fake_cupy, monkeypatch, tmp_path):
     import shutil
     if shutil.which("g++") is None:
         pytest.skip("the fake ElementwiseKernel compiles the generated CUDA body with the host g++; none here")
-    monkeypatch.setattr(fake_cupy, "ElementwiseKernel", lambda *a: HostElementwiseKernel(fake_cupy, *a, tmp_path),
-                        raising=False)
+    monkeypatch.setattr(fake_cupy, "ElementwiseKernel",
+                        lambda *a, **k: HostElementwiseKernel(fake_cupy, *a, tmp_path, **k), raising=False)
     monkeypatch.setattr(fake_cupy, "ReductionKernel",
                         lambda *a, **k: HostReductionKernel(fake_cupy, *a, tmp_path=tmp_path, **k), raising=False)
 
@@ -830,3 +830,46 @@ def test_fused_max_and_min_kernels_keep_nan_and_infinities_as_numpy(fake_cupy, h
     assert fake_cupy.events.count("reduction kernel") == 2
     for g, w in zip(got, want):
         np.testing.assert_array_equal(backend.to_host(g), w)
+
+
+# The elementwise math of ops/core.py through the generated CUDA (exec/backends/cupy.py: _c_expr and its device
+# functions): each op's result times 1 is a fused chain, so every op runs as generated code, on special values.
+FLOAT_MATH = [snp.sin, snp.cos, snp.tan, snp.arcsin, snp.arccos, snp.arctan, snp.sinh, snp.cosh, snp.arcsinh,
+              snp.arccosh, snp.arctanh, snp.log1p, snp.expm1, snp.log2, snp.log10, snp.exp2, snp.cbrt, snp.reciprocal,
+              snp.floor, snp.ceil, snp.trunc, snp.rint, snp.sign, lambda a: snp.where(snp.signbit(a), 1.0, 0.0),
+              lambda a: snp.where(snp.isnan(a), 1.0, 0.0), lambda a: snp.where(snp.isinf(a), 1.0, 0.0),
+              lambda a: snp.where(snp.isfinite(a), 1.0, 0.0)]
+FLOAT_MATH2 = [snp.arctan2, snp.logaddexp, snp.copysign, snp.hypot, snp.floor_divide, snp.remainder, snp.fmod,
+               snp.fmax, snp.fmin, snp.heaviside]
+INT_MATH2 = [snp.floor_divide, snp.remainder, snp.fmod, snp.bitwise_and, snp.bitwise_or, snp.bitwise_xor,
+             lambda a, b: ~a, lambda a, b: a << b, lambda a, b: a >> b, lambda a, b: snp.sign(a) + snp.fmax(a, b),
+             lambda a, b: snp.fmin(a, b), lambda a, b: snp.where(snp.signbit(a) | snp.isnan(b), 1, 0)]
+
+
+def _math_chains(ops, *args):
+    return tuple(op(*args) * 1 for op in ops)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])  # float64, int64: the same templates and calls in double
+def test_fused_elementwise_math_gives_numpys_values_as_generated_kernels(fake_cupy, host_kernels, dtype):
+    if dtype.startswith("float"):
+        x = np.array([0.5, -0.5, 0.0, -0.0, 2.5, -7.5, np.inf, -np.inf, np.nan, 3.0, 1e-3, -1.0], dtype)
+        y = np.array([2.0, 2.0, -3.0, 0.0, -2.0, 2.0, 1.0, np.inf, 1.0, 0.0, -0.0, -1.0], dtype)
+        fn = lambda a, b: _math_chains(FLOAT_MATH, a) + _math_chains(FLOAT_MATH2, a, b)
+    else:
+        x = np.array([7, -7, 7, -7, 5, -5, 0, 1, -1, 12, 3, -128], dtype)
+        y = np.array([2, 2, -2, -2, 0, 0, 3, 40, 70, 2, 31, 1], dtype)
+        fn = lambda a, b: _math_chains(INT_MATH2, a, b)
+    graph = sr.trace(fn, x, y)
+    program = sr.partition(graph, sr.Mesh((1,), ("x",)))
+    assert sum(i.op == "fusion" for i in program.instrs) == len(graph.outputs)
+    with np.errstate(all="ignore"):
+        got = run_simulated(1, lambda comm: sr.run(program, x, y, comm=comm, backend="cupy"))[0]
+        want = sr.evaluate(graph, x, y)
+    assert fake_cupy.events.count("compile") == len(graph.outputs)
+    for k, (g, w) in enumerate(zip(got, want)):
+        g = backend.to_host(g)
+        assert g.dtype == w.dtype, k
+        np.testing.assert_allclose(g, w, rtol=4e-7 if dtype == "float32" else 1e-15, atol=0, err_msg=f"output {k}")
+        signed = ~np.isnan(w)  # a NaN's sign bit means nothing
+        np.testing.assert_array_equal(np.signbit(g[signed]), np.signbit(w[signed]), err_msg=f"the sign of output {k}")

@@ -57,7 +57,8 @@ def test_save_load_roundtrip_keeps_hash_and_text(tmp_path):
 
 def test_constants_survive_save_exactly(tmp_path):
     c = np.random.default_rng(0).standard_normal(24)
-    program = sr.partition(sr.trace(lambda x: x + c, sr.TensorSpec((24,))), sr.Mesh((4,), ("x",)),
+    # a float64 program: with a float32 x the constant is float32 (JAX's promotion: a NumPy operand is 32-bit)
+    program = sr.partition(sr.trace(lambda x: x + c, sr.TensorSpec((24,), "float64")), sr.Mesh((4,), ("x",)),
                            in_specs=[("x",)])
     program.save(tmp_path / "p.json")
     (const,) = [i for i in sr.load_program(tmp_path / "p.json").instrs if i.op == "constant"]

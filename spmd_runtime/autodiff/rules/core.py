@@ -6,10 +6,13 @@ from __future__ import annotations
 import numpy as np
 
 from ...dtypes import is_floating
-from ...ops.core import (ABS, ADD, AND, BROADCAST_IN_DIM, COMPARISONS, CONSTANT, CONVERT, DIV, EXP, LOG, MAXIMUM,
-                         MESH_SPLIT, MINIMUM, MUL, NEG, NOT, OR, PARAMETER, POW, SQRT, SUB, TANH,
-                         REDUCE, RESHAPE, SELECT, STOP_GRADIENT, TRANSPOSE, astype, broadcast_in_dim, log, negative,
-                         power, reshape, sum, transpose, where)
+from ...ops.core import (ABS, ADD, AND, ARCCOS, ARCCOSH, ARCSIN, ARCSINH, ARCTAN, ARCTAN2, ARCTANH, BROADCAST_IN_DIM,
+                         CBRT, COMPARISONS, CONSTANT, CONVERT, COPYSIGN, COS, COSH, DIV, EXP, EXP2, EXPM1, FMAX, FMIN,
+                         FMOD, HYPOT, LOG, LOG1P, LOG2, LOG10, LOGADDEXP, LOGISTIC, MAXIMUM, MESH_SPLIT, MINIMUM, MUL,
+                         NEG, NOT, OR, PARAMETER, PIECEWISE_CONSTANT, POW, RECIPROCAL, REDUCE, REMAINDER, RESHAPE,
+                         RSQRT, SELECT, SIN, SINH, SQRT, STOP_GRADIENT, SUB, TAN, TANH, TRANSPOSE, astype,
+                         broadcast_in_dim, cos, cosh, exp, floor, log, negative, power, reshape, signbit, sin, sinh,
+                         sqrt, sum, transpose, trunc, where)
 from ...ops.reductions import exclusive_cumprod
 from ...trace import emit
 from .table import vjp
@@ -21,7 +24,7 @@ def _leaf_vjp(node, g, ops, y):
     return []
 
 
-@vjp(*COMPARISONS, AND, OR, NOT)
+@vjp(*COMPARISONS, AND, OR, NOT, *PIECEWISE_CONSTANT)
 def _no_gradient(node, g, ops, y):
     return [None] * len(ops)
 
@@ -82,12 +85,86 @@ def _pow_vjp(node, g, ops, y):
     return [da, db]
 
 
-@vjp(MAXIMUM, MINIMUM)
+@vjp(MAXIMUM, MINIMUM, FMAX, FMIN)
 def _max_min_vjp(node, g, ops, y):
     """The cotangent goes to the operand that was chosen; ties split it equally (JAX's balanced rule)."""
     a, b = ops
     pick = lambda this, other: where(this == y, where(other == y, g * 0.5, g), 0.0)
     return [lambda: pick(a, b), lambda: pick(b, a)]
+
+
+# ---------------------------------------------------------------- elementwise math: d/dx as traced ops of x, y
+LN2, LN10 = float(np.log(2.0)), float(np.log(10.0))
+_UNARY_DERIVATIVES = {  # op record -> (x, y) -> dy/dx
+    SIN: lambda x, y: cos(x),
+    COS: lambda x, y: -sin(x),
+    TAN: lambda x, y: 1.0 + y * y,
+    ARCSIN: lambda x, y: 1.0 / sqrt(1.0 - x * x),
+    ARCCOS: lambda x, y: -1.0 / sqrt(1.0 - x * x),
+    ARCTAN: lambda x, y: 1.0 / (1.0 + x * x),
+    SINH: lambda x, y: cosh(x),
+    COSH: lambda x, y: sinh(x),
+    ARCSINH: lambda x, y: 1.0 / sqrt(x * x + 1.0),
+    ARCCOSH: lambda x, y: 1.0 / sqrt((x - 1.0) * (x + 1.0)),
+    ARCTANH: lambda x, y: 1.0 / (1.0 - x * x),
+    LOG1P: lambda x, y: 1.0 / (1.0 + x),
+    EXPM1: lambda x, y: y + 1.0,
+    LOG2: lambda x, y: 1.0 / (x * LN2),
+    LOG10: lambda x, y: 1.0 / (x * LN10),
+    EXP2: lambda x, y: y * LN2,
+    CBRT: lambda x, y: 1.0 / (3.0 * y * y),
+    RECIPROCAL: lambda x, y: -(y * y),
+}
+_BY_NAME = {op.name: derivative for op, derivative in _UNARY_DERIVATIVES.items()}
+
+
+@vjp(*_UNARY_DERIVATIVES)
+def _math_unary_vjp(node, g, ops, y):
+    return [g * _BY_NAME[node.op](ops[0], y)]
+
+
+@vjp(RSQRT)
+def _rsqrt_vjp(node, g, ops, y):
+    return [g * (-0.5 * y * y * y)]
+
+
+@vjp(LOGISTIC)
+def _logistic_vjp(node, g, ops, y):
+    return [g * (y * (1.0 - y))]
+
+
+@vjp(ARCTAN2)
+def _arctan2_vjp(node, g, ops, y):
+    a, b = ops
+    denominator = lambda: a * a + b * b
+    return [lambda: g * b / denominator(), lambda: -(g * a) / denominator()]
+
+
+@vjp(HYPOT)
+def _hypot_vjp(node, g, ops, y):
+    a, b = ops
+    return [lambda: g * a / y, lambda: g * b / y]
+
+
+@vjp(LOGADDEXP)
+def _logaddexp_vjp(node, g, ops, y):
+    a, b = ops
+    return [lambda: g * exp(a - y), lambda: g * exp(b - y)]
+
+
+@vjp(COPYSIGN)
+def _copysign_vjp(node, g, ops, y):
+    """|a| with b's sign: d/da is +1 where a's sign is kept, -1 where it flips; nothing flows to b (JAX)."""
+    a, b = ops
+    return [lambda: where(signbit(a) == signbit(b), g, -g), None]
+
+
+@vjp(REMAINDER, FMOD)
+def _remainder_vjp(node, g, ops, y):
+    """a - b * q with q = floor(a / b) (remainder) or trunc(a / b) (fmod), q piecewise constant."""
+    a, b = ops
+    quotient = floor if node.op == REMAINDER.name else trunc
+    return [g, lambda: -(g * quotient(a / b))]
 
 
 @vjp(SELECT)

@@ -21,7 +21,11 @@ from typing import Any
 import numpy as np
 
 from ...devices import import_cupy, is_cupy
-from ...ops.core import ABS, ADD, AND, DIV, EQ, EXP, GE, GT, LE, LOG, LT, MUL, NE, OR, POW, SQRT, SUB, TANH
+from ...ops.core import (ABS, ADD, AND, ARCCOS, ARCCOSH, ARCSIN, ARCSINH, ARCTAN, ARCTAN2, ARCTANH, BITWISE_AND,
+                         BITWISE_OR, BITWISE_XOR, CBRT, CEIL, CONVERT, COPYSIGN, COS, COSH, DIV, EQ, EXP, EXP2, EXPM1,
+                         FLOOR, FLOOR_DIVIDE, FMAX, FMIN, FMOD, GE, GT, HEAVISIDE, HYPOT, INVERT, ISFINITE, ISINF,
+                         ISNAN, LE, LEFT_SHIFT, LOG, LOG1P, LOG2, LOG10, LOGADDEXP, LT, MUL, NE, OR, POW, RECIPROCAL,
+                         REMAINDER, RIGHT_SHIFT, RINT, SIGN, SIGNBIT, SIN, SINH, SQRT, SUB, TAN, TANH, TRUNC)
 from .numpy_c import POINTWISE
 from .steps import Fusion, result_of
 
@@ -30,7 +34,93 @@ _C_TYPES = {"float16": "float16", "float32": "float", "float64": "double", "bool
             "uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}
 _C_INFIX = {ADD.name: "+", SUB.name: "-", MUL.name: "*", DIV.name: "/", EQ.name: "==", NE.name: "!=", LT.name: "<",
             LE.name: "<=", GT.name: ">", GE.name: ">=", AND.name: "&&", OR.name: "||"}
-_C_CALL = {op.name: op.name for op in (EXP, LOG, TANH, SQRT, POW)}  # CUDA's math functions, named as the ops
+_C_CALL = {op.name: op.name for op in (EXP, LOG, TANH, SQRT, POW, SIN, COS, TAN, SINH, COSH, LOG1P, EXPM1, LOG2,
+                                       LOG10, EXP2, CBRT, FLOOR, CEIL, TRUNC, RINT, COPYSIGN, HYPOT)}  # CUDA's, named alike
+_C_CALL.update({ARCSIN.name: "asin", ARCCOS.name: "acos", ARCTAN.name: "atan", ARCSINH.name: "asinh",
+                ARCCOSH.name: "acosh", ARCTANH.name: "atanh", ARCTAN2.name: "atan2"})
+_C_BITWISE = {BITWISE_AND.name: "&", BITWISE_OR.name: "|", BITWISE_XOR.name: "^"}
+# NumPy's integer and float loops where C's operators differ (a floor toward -inf, a divisor's sign, a shift by the
+# width or more, division by 0): device functions, the float ones NumPy's npy_divmod step for step.
+DEVICE_HELPERS = """
+template <typename T> __device__ T spmd_floordiv_i(T a, T b) {
+  if (b == 0) return (T)0;
+  const T q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? (T)(q - 1) : q;
+}
+template <typename T> __device__ T spmd_rem_i(T a, T b) {
+  if (b == 0) return (T)0;
+  const T r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? (T)(r + b) : r;
+}
+template <typename T> __device__ T spmd_fmod_int_i(T a, T b) { return b == 0 ? (T)0 : (T)(a % b); }
+template <typename T> __device__ T spmd_floordiv_f(T a, T b) {
+  if (b == (T)0) return a / b;
+  const T mod = fmod(a, b);
+  T div = (a - mod) / b;
+  if (mod != (T)0 && ((b < (T)0) != (mod < (T)0))) div -= (T)1;
+  if (div == (T)0) return copysign((T)0, a / b);
+  T fl = floor(div);
+  if (div - fl > (T)0.5) fl += (T)1;
+  return fl;
+}
+template <typename T> __device__ T spmd_rem_f(T a, T b) {
+  T mod = fmod(a, b);
+  if (b == (T)0) return mod;
+  if (mod != (T)0) { if ((b < (T)0) != (mod < (T)0)) mod += b; } else { mod = copysign((T)0, b); }
+  return mod;
+}
+template <typename T> __device__ T spmd_lshift(T a, T b) {
+  return (unsigned long long)b < sizeof(T) * 8 ? (T)(a << b) : (T)0;
+}
+template <typename T> __device__ T spmd_rshift(T a, T b) {
+  return (unsigned long long)b < sizeof(T) * 8 ? (T)(a >> b) : (a < 0 ? (T)-1 : (T)0);
+}
+template <typename T> __device__ T spmd_logaddexp(T x, T y) {
+  if (x == y) return x + (T)0.693147180559945309417232121458176568;
+  const T d = x - y;
+  if (d > (T)0) return x + log1p(exp(-d));
+  if (d <= (T)0) return y + log1p(exp(d));
+  return d;
+}
+"""
+_FLOAT_C = ("float16", "float32", "float64")
+
+
+def _c_numpy_loop(op: str, a: list[str], dtype: str) -> str | None:
+    """The C expression of the ops whose NumPy loops C has no one function or operator for, or None."""
+    t, floating = _C_TYPES[dtype], dtype in _FLOAT_C
+    if op in (FLOOR_DIVIDE.name, REMAINDER.name, FMOD.name):
+        if floating and op == FMOD.name:  # C's fmod, named as the op
+            return f"(({t}){op}({a[0]}, {a[1]}))"
+        name = {FLOOR_DIVIDE.name: "floordiv", REMAINDER.name: "rem"}.get(op, "fmod_int")
+        return f"spmd_{name}_{'f' if floating else 'i'}<{t}>({a[0]}, {a[1]})"
+    if op in (LEFT_SHIFT.name, RIGHT_SHIFT.name):
+        return f"spmd_{'lshift' if op == LEFT_SHIFT.name else 'rshift'}<{t}>({a[0]}, {a[1]})"
+    if op == LOGADDEXP.name:
+        return f"spmd_logaddexp<{t}>({a[0]}, {a[1]})"
+    if op in _C_BITWISE:
+        return f"(({t})({a[0]} {_C_BITWISE[op]} {a[1]}))"
+    x = a[0]
+    simple = {
+        INVERT.name: f"(!{x})" if dtype == "bool" else f"(({t})~{x})",
+        RECIPROCAL.name: f"((({t})1) / {x})",
+        SIGN.name: f"({x} > ({t})0 ? ({t})1 : ({x} < ({t})0 ? ({t})-1 : ({x} == ({t})0 ? ({t})0 : {x})))",
+        SIGNBIT.name: f"signbit((double){x})",
+        ISNAN.name: f"isnan((double){x})",
+        ISINF.name: f"isinf((double){x})",
+        ISFINITE.name: f"isfinite((double){x})",
+    }
+    if op in simple:
+        return simple[op]
+    if op in (FMAX.name, FMIN.name):  # NumPy's: C's fmax / fmin on floats (the other side where one is nan)
+        y = a[1]
+        if floating:  # C's fmax / fmin, named as the ops
+            return f"(({t}){op}({x}, {y}))"
+        return f"({x} {'>=' if op == FMAX.name else '<='} {y} ? {x} : {y})"
+    if op == HEAVISIDE.name:
+        y = a[1]
+        return f"({x} < ({t})0 ? ({t})0 : ({x} > ({t})0 ? ({t})1 : ({x} == ({t})0 ? {y} : {x})))"
+    return None
 
 
 def elementwise_kernels(xp) -> bool:
@@ -69,9 +159,15 @@ def _c_expr(op: str, a: list[str], dtype: str) -> str:
         return f"{_C_CALL[op]}({', '.join(a)})"
     if op in POINTWISE:
         return POINTWISE[op](*a)
+    looped = _c_numpy_loop(op, a, dtype)
+    if looped is not None:
+        return looped
     x = a[0]
+    if op == CONVERT.name:
+        return f"(({_C_TYPES[dtype]}){x})"
     if op != ABS.name:
-        return f"(({_C_TYPES[dtype]}){x})"  # convert
+        raise NotImplementedError(f"a fused step needs its CUDA expression (exec/backends/cupy.py: _c_expr); got op "
+                                  f"{op!r}, which has none")
     if dtype == "float16":  # through float: abs(-0.0) is +0.0 with the sign bit cleared, as NumPy's
         return f"((float16)fabsf((float){x}))"
     return f"fabs({x})" if dtype in ("float32", "float64") else f"({x} < 0 ? -{x} : {x})"
@@ -123,13 +219,13 @@ def cuda_reduce_source(fusion: Fusion, operand_dtypes) -> tuple[str, str, str]:
     args = ", ".join(f"{_C_TYPES[d]} p{i}" for i, d in enumerate(params))
     last = f"t{len(fusion.steps) - 1}"
     body = operation.replace(f"out = {last};", f"return {last};")
-    preamble = f"__device__ {_C_TYPES[fusion.dtype.name]} spmd_chain({args}) {{\n{body}\n}}"
+    preamble = f"{DEVICE_HELPERS}__device__ {_C_TYPES[fusion.dtype.name]} spmd_chain({args}) {{\n{body}\n}}"
     return in_params, f"spmd_chain({', '.join(f'p{i}' for i in range(len(params)))})", preamble
 
 
 def _cupy_kernel(fusion: Fusion, cp, operand_dtypes):
     in_params, out_params, operation = cuda_source(fusion, operand_dtypes)
-    kernel = cp.ElementwiseKernel(in_params, out_params, operation, "spmd_fusion")
+    kernel = cp.ElementwiseKernel(in_params, out_params, operation, "spmd_fusion", preamble=DEVICE_HELPERS)
     views, shape, dtype, donate = fusion.views, fusion.shape, fusion.dtype, fusion.donate
 
     def run(*args):
@@ -141,7 +237,8 @@ def _cupy_kernel(fusion: Fusion, cp, operand_dtypes):
 def _elementwise_kernel(interp, group: Group):
     """``operands -> member results`` through ONE generated CuPy ElementwiseKernel writing every member."""
     cp = interp.xp
-    kernel = cp.ElementwiseKernel(*cuda_source(group.fusion, group.dtypes, group.results), "spmd_group")
+    kernel = cp.ElementwiseKernel(*cuda_source(group.fusion, group.dtypes, group.results), "spmd_group",
+                                  preamble=DEVICE_HELPERS)
     made = [(*result_of(interp, slot), k) for slot, k in zip(group.members, group.into)]
 
     def compute(args):
