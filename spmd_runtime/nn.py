@@ -45,10 +45,8 @@ def relu6(x):
 
 
 def sigmoid(x):
-    """1 / (1 + exp(-x)) from e = exp(-|x|): 1 / (1 + e) for x >= 0, e / (1 + e) below, so nothing overflows and
-    the small values keep their relative accuracy. (A ``snp.sigmoid`` op may replace it.)"""
-    e = snp.exp(-snp.abs(x))
-    return snp.where(x >= 0, 1.0, e) / (1.0 + e)
+    """1 / (1 + exp(-x)): ``snp.sigmoid`` (the logistic op: it computes exp(-|x|) only, so nothing overflows)."""
+    return snp.sigmoid(x)
 
 
 def silu(x):
@@ -74,7 +72,7 @@ def softplus(x):
     fed only its own side, so neither overflows and no NaN reaches the gradient)."""
     positive = x > 0
     above, below = snp.where(positive, x, 0.0), snp.where(positive, 0.0, x)
-    return snp.where(positive, above + _log1p(snp.exp(-above)), _log1p(snp.exp(below)))
+    return snp.where(positive, above + snp.log1p(snp.exp(-above)), snp.log1p(snp.exp(below)))
 
 
 def log_sigmoid(x):
@@ -84,7 +82,7 @@ def log_sigmoid(x):
 def elu(x, alpha=1.0):
     """x for x > 0, alpha (exp(x) - 1) otherwise."""
     below = snp.where(x > 0, 0.0, x)
-    return snp.where(x > 0, x, alpha * _expm1(below))
+    return snp.where(x > 0, x, alpha * snp.expm1(below))
 
 
 def leaky_relu(x, negative_slope=1e-2):
@@ -94,24 +92,6 @@ def leaky_relu(x, negative_slope=1e-2):
 def hard_tanh(x):
     """x clipped to [-1, 1]."""
     return snp.where(x > 1, 1.0, snp.where(x < -1, -1.0, x))
-
-
-def _log1p(t):
-    """log(1 + t), accurate for small t without a log1p op: log(u) * t / (u - 1) with u = 1 + t rounded
-    (Goldberg's trick; t itself where u rounds to 1). (``snp.log1p`` may replace it.)"""
-    u = 1.0 + t
-    same = u == 1.0
-    return snp.where(same, t, snp.log(u) * t / snp.where(same, 1.0, u - 1.0))
-
-
-def _expm1(x):
-    """exp(x) - 1, accurate near 0 without an expm1 op: for |x| < 1, (u - 1) * x / log(u) with u = exp(x)
-    (Kahan's trick; x itself where u rounds to 1); u - 1 beyond, where nothing cancels (and u may underflow).
-    (``snp.expm1`` may replace it.)"""
-    u = snp.exp(x)
-    plain, same = snp.abs(x) >= 1.0, u == 1.0
-    log_u = snp.log(snp.where(plain | same, 2.0, u))
-    return snp.where(plain, u - 1.0, snp.where(same, x, (u - 1.0) * x / log_u))
 
 
 # ================================================================ softmax and friends
