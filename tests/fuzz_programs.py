@@ -153,8 +153,9 @@ class _Builder:
             return None
         axis = int(self.rng.integers(t.ndim))
         u = self.new_param((SIZES[self.rng.integers(len(SIZES))],))
-        indices = snp.astype(snp.abs(u) * t.shape[axis], "int64")  # clamped when out of range
-        return snp.take(t, indices, axis=axis)
+        indices = snp.astype(snp.abs(u) * t.shape[axis], "int64")  # out of range: clamped, wrapped or filled
+        mode = ("clip", "wrap", "fill")[self.rng.integers(3)]
+        return snp.take(t, indices, axis=axis, mode=mode, fill_value=0.5 if mode == "fill" else None)
 
     def cumsum(self, t):
         return snp.tanh(snp.cumsum(t, axis=int(self.rng.integers(t.ndim)))) if t.ndim else None

@@ -29,7 +29,8 @@ def _bind_tensor_operators():
     Tensor.__neg__ = core.negative
     Tensor.__invert__ = core.logical_not
     Tensor.__hash__ = object.__hash__
-    Tensor.__getitem__ = slicing.getitem
+    Tensor.__getitem__ = gather.getitem
+    Tensor.at = property(gather.IndexUpdateHelper)
     Tensor.T = property(lambda self: core.transpose(self))
     for name, fn in {"reshape": core.reshape, "transpose": core.transpose, "sum": core.sum, "max": core.max,
                      "min": core.min, "mean": core.mean, "var": core.var, "astype": core.astype,

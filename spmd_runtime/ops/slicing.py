@@ -287,7 +287,7 @@ def _scalar_attr(value, dtype, what):
 
 
 def _expand_ellipsis(key, ndim):
-    bad = [k for k in key if not (k is None or k is Ellipsis or isinstance(k, slice) or _is_int(k)
+    bad = [k for k in key if not (k is None or k is Ellipsis or isinstance(k, slice) or is_int(k)
                                   or (isinstance(k, Tensor) and k.ndim == 0 and k.dtype.kind in "iu"))]
     if bad:
         raise TypeError(f"Tensor indexing takes ints, slices, None, Ellipsis and 0-d integer tensors (basic "
@@ -304,7 +304,7 @@ def _expand_ellipsis(key, ndim):
     return key + fill
 
 
-def _is_int(k) -> bool:
+def is_int(k) -> bool:
     if isinstance(k, (bool, np.bool_)) or isinstance(k, Tensor):
         return False
     try:
