@@ -89,8 +89,10 @@ def _wrap_once(indices: Tensor, n: int) -> Tensor:
     """Negative indices plus n (NumPy's, once); a constant's folded while tracing."""
     known = _constant_value(indices)
     if known is not None:
-        return core.asarray(np.where(known < 0, known + n, known).astype(known.dtype))
-    return core.where(indices < 0, indices + n, indices)
+        known = known.astype(np.int64)
+        return core.asarray(np.where(known < 0, known + n, known))
+    indices = core.astype(indices, "int64")  # as int64: a narrow or unsigned int compared with n could wrap
+    return indices if indices.dtype.kind == "u" else core.where(indices < 0, indices + n, indices)
 
 
 def _take(table: Tensor, indices: Tensor, axis: int, mode: str = "clip") -> Tensor:
@@ -125,7 +127,11 @@ def scatter(operand, indices, updates, axis=0, kind="set") -> Tensor:
     operand, indices = core.asarray(operand), _index_tensor(indices, SCATTER.name)
     axis = _gathered_axis(operand, axis, SCATTER.name)
     indices = _wrap_once(indices, operand.shape[axis])
-    updates = _updates_for(operand, indices, updates, axis, SCATTER.name)
+    return _scatter(operand, indices, _updates_for(operand, indices, updates, axis, SCATTER.name), axis, kind)
+
+
+def _scatter(operand: Tensor, indices: Tensor, updates: Tensor, axis: int, kind: str) -> Tensor:
+    """The SCATTER record: indices out of [0, n) are dropped (no wrapping here)."""
     return emit(SCATTER, [operand, indices, updates], {"axis": axis, "kind": kind}, operand.shape, operand.dtype)
 
 
@@ -288,7 +294,7 @@ def _scatter_combined(x, indices, values, axis, kind, valid=None) -> Tensor:
         return _scatter_add(x, indices, values, axis)
     if valid is not None:
         indices = core.where(valid, indices, n)  # n: out of range, dropped
-    return scatter(x, indices, values, axis, kind)
+    return _scatter(x, indices, values, axis, kind)
 
 
 def _update_window(x, entries, values, kind) -> Tensor:
