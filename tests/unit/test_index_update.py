@@ -9,6 +9,7 @@ import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.autodiff import grad
 
+from op_cases_gather import INDEX_UPDATE_CASES, check_partitioned, check_reference, simulated_meshes
 from simulated import assert_all_ranks
 
 MASK = np.array([[True, False, True, False, False], [False, True, False, False, True],
@@ -239,3 +240,19 @@ def test_vjp_matches_central_differences(name):
     value = lambda a, b: float(sr.evaluate(sr.trace(f, a, b), a, b)[0])
     np.testing.assert_allclose(gx, _numeric_grad(lambda a: value(a, u), x), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gu, _numeric_grad(lambda b: value(x, b), u), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the case table (also run under MPI)
+CASE_PARAMS = [pytest.param(c, s, m, id=f"{c.name}-spec{i}-{m}") for c in INDEX_UPDATE_CASES
+               for i, s in enumerate(c.specs) for m in simulated_meshes()]
+
+
+@pytest.mark.parametrize("case", INDEX_UPDATE_CASES, ids=lambda c: c.name)
+def test_case_reference_matches_numpy(case):
+    check_reference(case)
+
+
+@pytest.mark.filterwarnings("ignore:spmd_runtime partitioner")
+@pytest.mark.parametrize("case,specs,mesh", CASE_PARAMS)
+def test_case_partitioned_matches_reference(case, specs, mesh):
+    check_partitioned(case, specs, mesh)
