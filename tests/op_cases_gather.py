@@ -116,8 +116,10 @@ GATHER_CASES = [
 ]
 
 INDEX_UPDATE_CASES = [
-    Case("getitem_arrays", _getitem, ((24, 5, 3), (2,)), ((("A", None, None), None), ((None, "B", None), ("A",)), ((("A", "B"), None, None), None))),
-    Case("getitem_arrays_uneven", _getitem, ((10, 7, 3), (2,)), ((("A", None, None), None), ((None, None, "A"), ("B",)))),
+    Case("getitem_arrays", _getitem, ((24, 5, 3), (2,)),
+         ((("A", None, None), None), ((None, "B", None), ("A",)), ((("A", "B"), None, None), None))),
+    Case("getitem_arrays_uneven", _getitem, ((10, 7, 3), (2,)),
+         ((("A", None, None), None), ((None, None, "A"), ("B",)))),
 ] + [Case(f"at_{kind}{'_uneven' if n == 10 else ''}", lambda m, x, u, v, kind=kind: _at(m, x, u, v, kind),
           ((n, 4), (6,), (6, 4)), ((A_, None, None), (B_, ("A",), A_), ((("A", "B"), None), None, None)))
      for kind in ("set", "add", "min", "max") for n in (24, 10)]

@@ -52,7 +52,7 @@ SCATTER_ADD_BLOCK = define("scatter_add_block", "program")  # scatter_add into o
 SCATTER = define("scatter")  # set / min / max / mul at indices along one axis; indices out of [0, n) dropped
 SCATTER_BLOCK = define("scatter_block", "program")  # scatter into one block of the scattered axis
 FIRST_SHARD_ONLY = define("first_shard_only", "program")  # a value counted once in a partial sum
-SCATTER_KINDS = ("set", "min", "max", "mul")
+SCATTER_KINDS = ("set", "min", "max", "multiply")
 TAKE_MODES = (None, "fill", "clip", "wrap")
 
 
@@ -89,6 +89,8 @@ def _wrap_once(indices: Tensor, n: int) -> Tensor:
     """Negative indices plus n (NumPy's, once); a constant's folded while tracing."""
     known = _constant_value(indices)
     if known is not None:
+        if known.dtype == np.int64 and not (known < 0).any():
+            return indices
         known = known.astype(np.int64)
         return core.asarray(np.where(known < 0, known + n, known))
     indices = core.astype(indices, "int64")  # as int64: a narrow or unsigned int compared with n could wrap
@@ -197,7 +199,7 @@ def getitem(x, key) -> Tensor:
     if len(advanced) == 1:
         d = advanced[0]
         return _take(y, _clamp(_wrap_once(_as_index(entries[d][1]), y.shape[d]), y.shape[d]), d)
-    entries = [(kind, v) if kind in _ADVANCED else ("slice", slice(None)) for kind, v in entries]  # over y's dims
+    entries = [(kind, v) if kind in _ADVANCED else ("span", slice(None)) for kind, v in entries]  # over y's dims
     linear, _, shape = _positions(y.shape, entries, clip=True)
     return _take(core.reshape(y, (y.size,)), linear, 0) if y.size else core.zeros(shape, y.dtype)
 
@@ -231,20 +233,20 @@ class IndexUpdateRef:
         return _update(self.x, self.key, values, "set")
 
     def add(self, values) -> Tensor:
-        return _update(self.x, self.key, values, "add")
+        return _update(self.x, self.key, values, "accumulate")
 
     def subtract(self, values) -> Tensor:
-        return _update(self.x, self.key, core.negative(core.asarray(values)), "add")
+        return _update(self.x, self.key, core.negative(core.asarray(values)), "accumulate")
 
     def multiply(self, values) -> Tensor:
-        return _update(self.x, self.key, values, "mul")
+        return _update(self.x, self.key, values, "multiply")
 
     mul = multiply
 
     def divide(self, values) -> Tensor:
         """``x`` divided, at ``key``, by the product of the values aimed at each entry (JAX's)."""
         x = core.asarray(self.x)
-        return core.divide(x, _update(core.ones(x.shape, x.dtype), self.key, values, "mul"))
+        return core.divide(x, _update(core.ones(x.shape, x.dtype), self.key, values, "multiply"))
 
     def min(self, values) -> Tensor:
         return _update(self.x, self.key, values, "min")
@@ -254,7 +256,7 @@ class IndexUpdateRef:
 
 
 _ADVANCED = ("array", "int", "scalar")  # with an array among them, ints and 0-d tensors broadcast as arrays do
-_COMBINE = {"add": core.add, "mul": core.multiply, "min": core.minimum, "max": core.maximum}
+_COMBINE = {"accumulate": core.add, "multiply": core.multiply, "min": core.minimum, "max": core.maximum}
 
 
 def _update(x, key, values, kind) -> Tensor:
@@ -270,11 +272,11 @@ def _update(x, key, values, kind) -> Tensor:
                          f"{values.shape}") from None
     if 0 in shape:
         return x
-    if all(kind == "int" or kind == "scalar" or kind == "none" or (kind == "slice" and _step(v, n) == 1)
+    if all(kind == "int" or kind == "scalar" or kind == "none" or (kind == "span" and _step(v, n) == 1)
            for (kind, v), n in _with_sizes(entries, x.shape)):
         return _update_window(x, entries, values, kind)
     arrays = [d for d, (k, _) in enumerate(entries) if k == "array"]
-    if len(arrays) == 1 and all(k == "array" or (k == "slice" and v == slice(None)) for k, v in entries):
+    if len(arrays) == 1 and all(k == "array" or (k == "span" and v == slice(None)) for k, v in entries):
         return _scatter_combined(x, _as_index(entries[arrays[0]][1]), values, arrays[0], kind)
     linear, valid, _ = _positions(x.shape, entries, clip=False)
     flat = _scatter_combined(core.reshape(x, (x.size,)), linear, values, 0, kind, valid)
@@ -288,7 +290,7 @@ def _scatter_combined(x, indices, values, axis, kind, valid=None) -> Tensor:
     if valid is not None or _constant_value(indices) is None:  # constant indices were checked in range
         inside = core.logical_and(indices >= 0, indices < n)
         valid = inside if valid is None else core.logical_and(valid, inside)
-    if kind == "add":
+    if kind == "accumulate":
         if valid is not None:
             values = core.where(_spread_tensor(valid, axis, values.ndim), values, core.zeros((), values.dtype))
         return _scatter_add(x, indices, values, axis)
@@ -303,7 +305,7 @@ def _update_window(x, entries, values, kind) -> Tensor:
     for (k, v), n in _with_sizes(entries, x.shape):
         if k == "none":
             continue
-        if k == "slice":
+        if k == "span":
             a, b, _ = v.indices(n)
             starts.append(a), sizes.append(max(b - a, 0))
         else:
@@ -332,9 +334,9 @@ def _step(s: slice, n: int) -> int:
 
 
 def _parse_key(x, key) -> list[tuple[str, object]]:
-    """The key as (kind, value) entries, one per indexed dim (or None): 'slice', 'none', 'int', 'scalar' (a 0-d
-    traced int), 'array' (a NumPy int array or a traced int tensor); Ellipsis expanded, constant boolean masks
-    turned into their nonzero int arrays (one per dim they cover)."""
+    """The key as (kind, value) entries, one per indexed dim (or None): 'span' (a slice), 'none', 'int',
+    'scalar' (a 0-d traced int), 'array' (a NumPy int array or a traced int tensor); Ellipsis expanded,
+    constant boolean masks turned into their nonzero int arrays (one per dim they cover)."""
     entries = []
     for k in key if isinstance(key, tuple) else (key,):
         if isinstance(k, list):
@@ -354,7 +356,7 @@ def _parse_key(x, key) -> list[tuple[str, object]]:
                 raise IndexError(f"array indices are integers or booleans; got dtype {k.dtype.name}")
             entries.append(("array", k.astype(np.int64)))
         elif k is None or k is Ellipsis or isinstance(k, slice):
-            entries.append(("none" if k is None else "ellipsis" if k is Ellipsis else "slice", k))
+            entries.append(("none" if k is None else "ellipsis" if k is Ellipsis else "span", k))
         elif slicing.is_int(k):
             entries.append(("int", operator.index(k)))
         else:
@@ -370,7 +372,7 @@ def _expand(entries, shape):
     used = sum(k not in ("none", "ellipsis", "mask") for k, _ in entries)
     if used > len(shape):
         raise IndexError(f"too many indices: the tensor has {len(shape)} dims; got {used} indices")
-    fill = [("slice", slice(None))] * (len(shape) - used)
+    fill = [("span", slice(None))] * (len(shape) - used)
     at = next((i for i, (k, _) in enumerate(entries) if k == "ellipsis"), len(entries))
     entries = entries[:at] + fill + entries[at + 1:]
     out, dim = [], 0
@@ -417,7 +419,7 @@ def _positions(shape, entries, clip: bool):
         if k == "none":
             continue
         n, stride = sizes[i], strides[i]
-        if k == "slice":
+        if k == "span":
             known = known + stride * np.arange(*v.indices(n)).reshape(
                 [-1 if d == place[i] else 1 for d in range(len(result))])
         elif k == "int":
@@ -517,7 +519,7 @@ def _combine_rows(xp, operand, rows, updates, axis, kind):
         last = order[xp.concatenate((ordered[1:] != ordered[:-1], xp.ones(1, bool)))]
         target[flat[last]] = values[last]
         return out
-    ufunc = {"min": xp.minimum, "max": xp.maximum, "mul": xp.multiply}[kind]
+    ufunc = {"min": xp.minimum, "max": xp.maximum, "multiply": xp.multiply}[kind]
     if hasattr(ufunc, "at"):
         ufunc.at(target, flat, values)
     else:  # CuPy: no ufunc.at for these

@@ -298,7 +298,7 @@ def test_traced_scalar_index_wraps_negatives_and_clamps():
 
 
 @pytest.mark.parametrize("key,error,match", [
-    (np.s_[[0.5, 1]], IndexError, "integers or booleans; got dtype float64"),  # integer arrays index: test_index_update.py
+    (np.s_[[0.5, 1]], IndexError, "integers or booleans; got dtype float64"),  # int arrays: test_index_update.py
     (np.s_[True], IndexError, "Tensor indices are ints"),
     (np.s_[9], IndexError, "out of bounds"),
     (np.s_[-10], IndexError, "out of bounds"),

@@ -40,7 +40,7 @@ def _scatter_vjp(node, g, ops, y):
     if kind in ("min", "max"):
         return [lambda: core.where(core.equal(x, y), g, 0.0), None,
                 lambda: core.where(core.equal(picked(y), updates), picked(g), 0.0)]
-    factors = scatter(core.ones(x.shape, x.dtype), indices, updates, axis, "mul")
+    factors = scatter(core.ones(x.shape, x.dtype), indices, updates, axis, "multiply")
     return [lambda: g * factors, None, lambda: picked(g * x)]
 
 
