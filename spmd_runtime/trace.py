@@ -94,23 +94,34 @@ def emit(op, inputs, attrs, shape, dtype) -> Tensor:
     line that made it (``Node.source``)."""
     g = current_graph()
     ids = [t.id if t.graph is g else g.capture(t) for t in inputs]  # a loop body lifts enclosing values
-    return Tensor(g, g.add(getattr(op, "name", op), ids, attrs, shape, dtype, user_line()).id)
+    source = getattr(trace_state, "source", None)
+    return Tensor(g, g.add(getattr(op, "name", op), ids, attrs, shape, dtype, source or user_line()).id)
+
+
+def set_source(source):
+    """Nodes emitted from now on record ``source`` (None: the user's line, found by ``user_line``); returns the
+    previous setting. The VJP of a node emits its cotangent ops at the node's own line (JAX's transposed
+    source_info), with no walk up the stack."""
+    previous, trace_state.source = getattr(trace_state, "source", None), source
+    return previous
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MODELS = os.path.join(_PACKAGE, "models") + os.sep  # the bundled example models count as the user's code
 _INSIDE: dict = {}  # file name -> whether it is the package's (a str caches its hash; a code object does not)
 
 
 def user_line() -> tuple | None:
     """(file, line) of the innermost frame outside the spmd_runtime package (JAX's source_info): the user's
-    line being traced. A walk up the stack (each file name checked once)."""
-    f = sys._getframe(1)
+    line being traced; the bundled models (spmd_runtime/models) count as the user's. A walk up the stack from
+    emit's caller (each file name checked once)."""
+    f = sys._getframe(2)
     inside = _INSIDE.get
     while f is not None:
         name = f.f_code.co_filename
         known = inside(name)
         if known is None:
-            known = _INSIDE[name] = name.startswith(_PACKAGE)
+            known = _INSIDE[name] = name.startswith(_PACKAGE) and not name.startswith(_MODELS)
         if not known:
             return name, f.f_lineno
         f = f.f_back
@@ -118,10 +129,11 @@ def user_line() -> tuple | None:
 
 
 def user_line_of(error: BaseException) -> tuple | None:
-    """(file, line) of the innermost traceback entry of ``error`` outside the spmd_runtime package."""
+    """(file, line) of the innermost traceback entry of ``error`` in the user's code (as ``user_line``)."""
     found, tb = None, error.__traceback__
     while tb is not None:
-        if not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith(_PACKAGE) or name.startswith(_MODELS):
             found = tb.tb_frame.f_code.co_filename, tb.tb_lineno
         tb = tb.tb_next
     return found

@@ -116,3 +116,12 @@ def test_a_python_int_argument_used_as_a_static_value_names_static_argnums(body,
         sr.jit(body, mesh=sr.Mesh((1,), ("x",)))(np.ones(3), 3)
     out = sr.jit(body, mesh=sr.Mesh((1,), ("x",)), static_argnums=1)(np.ones(3), 3)  # the fix works
     assert np.asarray(out).shape == (3,)
+
+
+def test_gradient_nodes_carry_the_line_of_the_node_they_differentiate():
+    def loss(x):
+        return snp.sum(snp.tanh(x))  # TANH-LINE
+    graph = sr.trace(lambda x: sr.grad(loss)(x), sr.TensorSpec((4,)))
+    tanh = next(n for n in graph.nodes if n.op == "tanh")
+    after = [n for n in graph.nodes if n.id > tanh.id and n.op in ("mul", "sub")]  # 1 - tanh^2, times g
+    assert after and all(n.source == (HERE, line_of("# TANH-LINE")) for n in after), [(n.op, n.source) for n in after]
