@@ -134,7 +134,7 @@ def scatter(operand, indices, updates, axis=0, kind="set") -> Tensor:
 
 def _scatter(operand: Tensor, indices: Tensor, updates: Tensor, axis: int, kind: str) -> Tensor:
     """The SCATTER record: indices out of [0, n) are dropped (no wrapping here)."""
-    return emit(SCATTER, [operand, indices, updates], {"axis": axis, "kind": kind}, operand.shape, operand.dtype)
+    return emit(SCATTER, [operand, indices, updates], {"axis": axis, "combine": kind}, operand.shape, operand.dtype)
 
 
 def _updates_for(operand: Tensor, indices: Tensor, updates, axis: int, what: str) -> Tensor:
@@ -262,6 +262,8 @@ _COMBINE = {"accumulate": core.add, "multiply": core.multiply, "min": core.minim
 def _update(x, key, values, kind) -> Tensor:
     """``x`` with ``x[key]`` combined with ``values`` by ``kind`` ('set', 'add', 'mul', 'min', 'max')."""
     x = core.asarray(x)
+    if isinstance(key, Tensor) and key.dtype == np.bool_:
+        return _update_where(x, key, values, kind)
     entries = _parse_key(x, key)
     shape = _layout(x.shape, entries)[0]
     values = core.asarray(values)
@@ -281,6 +283,19 @@ def _update(x, key, values, kind) -> Tensor:
     linear, valid, _ = _positions(x.shape, entries, clip=False)
     flat = _scatter_combined(core.reshape(x, (x.size,)), linear, values, 0, kind, valid)
     return core.reshape(flat, x.shape)
+
+
+def _update_where(x, mask, values, kind) -> Tensor:
+    """``x.at[mask]`` with a traced boolean mask: the where-style update JAX allows, a scalar ``values`` put
+    where the mask (over x's leading dims) is True."""
+    values = core.asarray(values)
+    if values.ndim or mask.shape != x.shape[:mask.ndim]:
+        raise IndexError(f"x.at[mask] with a traced boolean mask takes a scalar value and a mask shaped like x's "
+                         f"leading dims (a where: snp.where(mask, value, x)); got a mask of shape {mask.shape} for "
+                         f"x {x.shape} and values of shape {values.shape}")
+    values = core.astype(values, x.dtype)
+    new = values if kind == "set" else _COMBINE[kind](x, values)
+    return core.where(core.reshape(mask, mask.shape + (1,) * (x.ndim - mask.ndim)), new, x)
 
 
 def _scatter_combined(x, indices, values, axis, kind, valid=None) -> Tensor:
@@ -492,17 +507,17 @@ def take_block(xp, table, indices, shard, axis, size, mode="clip"):
 
 
 @opdef.kernel(SCATTER)
-def scatter_kernel(xp, operand, indices, updates, axis, kind):
-    return _combine_rows(xp, operand, indices.astype("int64", copy=False), updates, axis, kind)
+def scatter_kernel(xp, operand, indices, updates, axis, combine):
+    return _combine_rows(xp, operand, indices.astype("int64", copy=False), updates, axis, combine)
 
 
 @opdef.kernel(SCATTER_BLOCK)
-def scatter_block(xp, operand, indices, updates, shard, axis, kind, size):
+def scatter_block(xp, operand, indices, updates, shard, axis, combine, size):
     """``scatter`` into block ``shard`` of the scattered axis of true size ``size``: updates aimed at other
     blocks (or out of [0, size)) are dropped."""
     rows = indices.astype("int64", copy=False)
     local = rows - shard * operand.shape[axis]
-    return _combine_rows(xp, operand, xp.where((rows >= 0) & (rows < size), local, -1), updates, axis, kind)
+    return _combine_rows(xp, operand, xp.where((rows >= 0) & (rows < size), local, -1), updates, axis, combine)
 
 
 def _combine_rows(xp, operand, rows, updates, axis, kind):

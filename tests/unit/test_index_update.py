@@ -256,3 +256,14 @@ def test_case_reference_matches_numpy(case):
 @pytest.mark.parametrize("case,specs,mesh", CASE_PARAMS)
 def test_case_partitioned_matches_reference(case, specs, mesh):
     check_partitioned(case, specs, mesh)
+
+
+def test_at_with_a_traced_boolean_mask_is_a_where():
+    x = np.arange(12.0).reshape(4, 3)
+    fn = lambda t: (t.at[t > 5.0].set(0.0), t.at[t[:, 0] > 2.0].add(1.0), t.at[t < 3.0].max(2.0))
+    s, a, m = sr.evaluate(sr.trace(fn, x), x)
+    np.testing.assert_array_equal(s, np.where(x > 5.0, 0.0, x))
+    np.testing.assert_array_equal(a, np.where((x[:, 0] > 2.0)[:, None], x + 1.0, x))
+    np.testing.assert_array_equal(m, np.where(x < 3.0, np.maximum(x, 2.0), x))
+    with pytest.raises(IndexError, match="takes a scalar value"):
+        sr.trace(lambda t: t.at[t > 0].set(np.ones((4, 3))), x)

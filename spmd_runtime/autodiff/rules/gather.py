@@ -27,7 +27,7 @@ def _scatter_vjp(node, g, ops, y):
     to the result (a tie: every tied entry); mul: g times the other factors, assuming unique indices (JAX's
     contract for the gradient of a multiplying scatter)."""
     x, indices, updates = ops
-    axis, kind = node.attrs["axis"], node.attrs["kind"]
+    axis, kind = node.attrs["axis"], node.attrs["combine"]
     n = x.shape[axis]
     valid = _spread_tensor(core.logical_and(indices >= 0, indices < n), axis, updates.ndim)
     picked = lambda v: core.where(valid, _take(v, indices, axis), core.zeros((), v.dtype))  # v at each update
