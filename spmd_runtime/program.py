@@ -221,7 +221,7 @@ class SPMDProgram:
         """Write the program as JSON with its content hash (and a keyed HMAC when ``SPMD_PROGRAM_KEY`` is set)."""
         body = self.body()
         doc = {"format": "spmd_runtime.program", "version": FORMAT_VERSION, "hash": self.hash, **body}
-        sources = {str(i.out): list(i.source) for i in self.instrs if i.source}
+        sources = _sources(self)
         if sources:  # the user's lines, for listings: beside the body, not in its hash
             doc["sources"] = sources
         key = _program_key()
@@ -277,14 +277,28 @@ def load_program(path) -> SPMDProgram:
     return prog
 
 
-def _read_sources(prog: SPMDProgram, sources) -> None:
+def _sources(prog: SPMDProgram, prefix: str = "") -> dict:
+    """{"slot" or "slot.body/slot...": [file, line]}: the user's lines of a program's instructions and its
+    bodies' (a loop body's instructions under its instruction's slot and the body's position)."""
+    out = {}
+    for ins in prog.instrs:
+        if ins.source:
+            out[f"{prefix}{ins.out}"] = list(ins.source)
+        for k, body in enumerate(_bodies(ins)):
+            out.update(_sources(body, f"{prefix}{ins.out}.{k}/"))
+    return out
+
+
+def _read_sources(prog: SPMDProgram, sources, prefix: str = "") -> None:
     """The saved user's lines back on their instructions (display only: anything malformed is ignored)."""
     if not isinstance(sources, dict):
         return
     for ins in prog.instrs:
-        s = sources.get(str(ins.out))
+        s = sources.get(f"{prefix}{ins.out}")
         if isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and type(s[1]) is int:
             ins.source = (s[0], s[1])
+        for k, body in enumerate(_bodies(ins)):
+            _read_sources(body, sources, f"{prefix}{ins.out}.{k}/")
 
 
 def _program_key() -> bytes | None:
