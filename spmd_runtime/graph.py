@@ -8,6 +8,7 @@ reason about implicit broadcasting. A node's ``op`` is the name of its record in
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,10 +57,16 @@ class Node:
     attrs: dict
     shape: tuple[int, ...]
     dtype: str
+    source: tuple | None = None  # (file, line) of the user's code that emitted it (JAX's source_info), or None
 
     @property
     def spec(self) -> TensorSpec:
         return TensorSpec(self.shape, self.dtype)
+
+    @property
+    def where(self) -> str:
+        """``model.py:12``, the user's line that made this node ('' when unknown)."""
+        return "" if self.source is None else f"{os.path.basename(self.source[0])}:{self.source[1]}"
 
 
 @dataclass(eq=False)
@@ -68,12 +75,13 @@ class Graph:
     params: list[int] = field(default_factory=list)
     param_names: list[str] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
+    scalar_args: dict = field(default_factory=dict)  # parameter node id -> what a Python number argument is
     in_tree: object = None  # pytree structure of the traced function's arguments (a tuple of them)
     out_tree: object = None  # ... and of its result; leaves are params / outputs in order
 
-    def add(self, op: str, inputs, attrs, shape, dtype) -> Node:
+    def add(self, op: str, inputs, attrs, shape, dtype, source=None) -> Node:
         node = Node(len(self.nodes), op, tuple(inputs), dict(attrs), tuple(int(s) for s in shape),
-                    np.dtype(dtype).name)
+                    np.dtype(dtype).name, source)
         self.nodes.append(node)
         return node
 
@@ -112,7 +120,8 @@ class Graph:
         for n in self.nodes:
             attrs = ", ".join(f"{k}={_short(v)}" for k, v in n.attrs.items())
             args = ", ".join(f"%{i}" for i in n.inputs)
-            lines.append(f"  %{n.id} = {n.op}({args}{', ' if args and attrs else ''}{attrs}) : {n.spec}")
+            where = f"  # {n.where}" if n.source else ""
+            lines.append(f"  %{n.id} = {n.op}({args}{', ' if args and attrs else ''}{attrs}) : {n.spec}{where}")
         lines.append(f"  return {', '.join(f'%{o}' for o in self.outputs)}")
         return "\n".join(lines)
 

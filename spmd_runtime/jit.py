@@ -14,12 +14,14 @@ Results are DArrays in the function's output structure.
 """
 from __future__ import annotations
 
+import builtins
 import inspect
 
 import numpy as np
 
 from . import pytree
-from .comm.agreement import DifferentValuesError, agree, capture, check_same, digests, plain_data_error, ranks_by_value
+from .comm.agreement import (AgreedError, DifferentValuesError, agree, capture, check_same, digests, plain_data_error,
+                             ranks_by_value)
 from .darray import DArray
 from .exec.runner import SKIP, Runtime, communicator, program_difference, run_local, settings_difference, shard
 from .graph import TensorSpec
@@ -27,7 +29,7 @@ from .mesh import Mesh, get_mesh
 from .partition import partition
 from .profile import profiling
 from .sharding import P, Sharding, parse_spec
-from .trace import mesh_split, trace
+from .trace import current_graph, mesh_split, trace, user_line_of
 
 
 def jit(fn=None, *, mesh: Mesh | None = None, in_specs=None, out_specs=None, static_argnums=(), profile=None,
@@ -77,10 +79,13 @@ class Jitted:
         mesh, comm = self._mesh(args), self._comm(args)
         mc, rt = communicator(mesh, comm), Runtime.of(comm)
         check = rt.checks_inputs(self.check_inputs)
-        compiled, error = capture(self._digested, mesh, args, check)  # agreed on by every rank before anything runs
+        try:  # a failure is agreed on by every rank before anything runs
+            compiled, failure = self._digested(mesh, args, check), None
+        except Exception as e:  # noqa: BLE001 - whatever fails here must be agreed on, not raised on one rank
+            compiled, failure = None, e
         program, leaves, sums = compiled or (None, None, None)
         described, _ = capture(_describe_args, args)  # one it cannot describe fails to compile: agreed on below
-        _agree_call(rt, mc, program, error, described, sums, self.__name__)
+        _agree_call(rt, mc, program, failure, described, sums, self.__name__)
         donated = program.donated  # a NumPy argument's blocks are views of it: donated ones are copied
         blocks = [x.local if isinstance(x, DArray) else shard(x, s.sharding, mesh, mc.rank, own=k in donated)
                   for k, (x, s) in enumerate(zip(leaves, program.inputs))]
@@ -131,7 +136,11 @@ class Jitted:
         specs, reduce_to = self._input_specs(dynamic, leaves)
         fn, positions = self.fn, [i for i in range(len(static) + len(dynamic)) if i not in static]
 
+        scalars = _python_number_leaves(positions, dynamic)
+
         def traced(*dyn):
+            g = current_graph()  # a Python number traced as a 0-d array: its misuse names static_argnums
+            g.scalar_args = {g.params[k]: (position, g.param_names[k], kind) for k, (position, kind) in scalars.items()}
             if reduce_to:  # partial DArrays where final values are declared: the planner completes the sums
                 flat = pytree.flatten(dyn)[0]
                 dyn = tree.unflatten(mesh_split(x, mesh, reduce_to[k]) if k in reduce_to else x
@@ -208,6 +217,16 @@ class Jitted:
         return next((x.comm for x in pytree.flatten(args)[0] if isinstance(x, DArray)), None)
 
 
+def _python_number_leaves(positions, dynamic) -> dict:
+    """{flat leaf: (argument position, 'int' / 'float' / 'bool')} for the arguments that are Python numbers."""
+    out, first = {}, 0
+    for position, arg in zip(positions, dynamic):
+        if isinstance(arg, (bool, int, float)):
+            out[first] = (position, type(arg).__name__)
+        first += len(pytree.flatten(arg)[0])
+    return out
+
+
 def _sharding(spec, x):
     return parse_spec(spec, x.mesh, x.ndim, "in_specs")
 
@@ -249,12 +268,61 @@ def _describe_args(args) -> str:
                                 else x, args))
 
 
-def _agree_call(rt, mc, program, error, described, sums, name):
+class CompileError(AgreedError, ValueError):
+    """Raised alike on every rank by ``jit`` when tracing or partitioning failed on some rank and the error's type
+    cannot be kept: otherwise every rank raises the type of the lowest failing rank's error (``keep_type``; on
+    a rank that failed, chained to its own error)."""
+
+
+def _where(failure: BaseException) -> str:
+    """``" (at /path/model.py:12)"``: the user's line in the traceback of a failure while tracing."""
+    line = user_line_of(failure)
+    return "" if line is None else f" (at {line[0]}:{line[1]})"
+
+
+def keep_type(cls: type, agreed: AgreedError) -> BaseException:
+    """An exception of type ``cls`` (a subclass that is also an AgreedError, carrying ``ranks``) with the agreed
+    message: ``except AttributeError`` still catches a traced AttributeError, and the job guard still prints it
+    as an error every rank raised. A type that cannot be subclassed so gives the agreed error itself."""
+    try:
+        typed = _TYPED.get(cls) or _TYPED.setdefault(cls, type(cls.__name__, (cls, AgreedError), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__init__": BaseException.__init__,
+            "__str__": BaseException.__str__}))
+        error = typed(str(agreed))
+    except Exception:  # noqa: BLE001 - a layout conflict, a final class, an odd constructor: the agreed error
+        return agreed
+    error.ranks, error.messages = agreed.ranks, agreed.messages
+    return error
+
+
+def _agreed_type(failure, agreed: AgreedError):
+    """The type every rank raises: that of the lowest failing rank's error, this rank's own when it is that one,
+    else a builtin exception of that name, else None (the agreed CompileError)."""
+    name = agreed.messages[min(agreed.messages)].split(":", 1)[0] if agreed.messages else ""
+    if failure is not None and type(failure).__name__ == name:
+        return type(failure)
+    builtin = getattr(builtins, name, None)
+    return builtin if isinstance(builtin, type) and issubclass(builtin, Exception) else None
+
+
+_TYPED: dict = {}  # exception type -> its agreed subclass
+
+
+def _agree_call(rt, mc, program, failure, described, sums, name):
     """One allgather: every rank compiled without error to the same program (else: what differs, the
-    arguments, the settings or the traced code) from the same NumPy argument values, or every rank raises."""
+    arguments, the settings or the traced code) from the same NumPy argument values, or every rank raises:
+    the ranks that failed with their own exception's type, chained to it, the others a CompileError; every
+    message names each failing rank's error and the user's line it failed at."""
     mine = (None if program is None else program.hash, described, rt.settings_key, sums)
-    gathered = agree(mc.comm, error, f"jit({name})", mine, ValueError,
-                     rule=f"jit({name}) compiles on every rank before it runs")
+    error = None if failure is None else f"{type(failure).__name__}: {failure}{_where(failure)}"
+    try:
+        gathered = agree(mc.comm, error, f"jit({name})", mine, CompileError,
+                         rule=f"jit({name}) compiles on every rank before it runs")
+    except CompileError as agreed:
+        cls = _agreed_type(failure, agreed)
+        if cls is None:
+            raise
+        raise keep_type(cls, agreed) from failure
     ranks = list(range(len(gathered)))
     if len({g[0] for g in gathered}) > 1:
         if len({g[1] for g in gathered}) > 1:

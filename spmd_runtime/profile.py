@@ -1,7 +1,8 @@
 """Timelines of runs in the Chrome trace event format (open in Perfetto or chrome://tracing).
 
 ``sr.run(..., profile=DIR)``, ``sr.jit(fn, profile=DIR)`` or ``SPMD_PROFILE=DIR``
-record one span per instruction ("X" events: op name, local shape, bytes; for
+record one span per instruction ("X" events: op name, local shape, bytes, the user's source line where
+the program was partitioned in this process; for
 collectives also the mesh axes of the group, its size and the bytes on the
 wire) plus one span per run, and write ``DIR/rank<r>.trace.json`` for each
 rank (rewritten after every run, so the file always parses).
@@ -91,6 +92,8 @@ def instrument(interpreter):
 
 def _timed(fn, ins, program, rec):
     args = {"slot": ins.out, "shape": list(ins.shape), "dtype": ins.dtype, "bytes": ins.nbytes}
+    if ins.source:  # the user's line that made it (a loaded program has none)
+        args["source"] = f"{ins.source[0]}:{ins.source[1]}"
     cat, kind = "compute", collective_kind(ins.op)
     if kind:
         cat, k = "comm", group_size(kind, ins.attrs, program.mesh)

@@ -44,6 +44,7 @@ class Instr:
     global_shape: tuple[int, ...]
     free: tuple[int, ...] = ()  # slots whose last use is this instruction
     donate: int = -1  # operand position whose dying buffer receives the result (in place), or -1
+    source: tuple | None = field(default=None, compare=False, repr=False)  # the user's (file, line); not saved
 
     @property
     def nbytes(self) -> int:
@@ -192,7 +193,9 @@ class SPMDProgram:
             args = ", ".join(f"%{a}" + ("!" if k == ins.donate else "") for k, a in enumerate(ins.args))
             sep = ", " if args and attrs else ""
             ty = "tuple" if _bodies(ins) else f"{_ty(ins.dtype, ins.shape)} {ins.sharding}"
-            name = f"  # {self.names[ins.out]}" if ins.out in self.names else ""
+            comment = [self.names[ins.out]] if ins.out in self.names else []
+            comment += [source_line(ins.source)] if ins.source else []
+            name = f"  # {'  '.join(comment)}" if comment else ""
             lines.append(f"{indent}%{ins.out} = {ins.op}({args}{sep}{attrs}) : {ty}{name}")
             for name, v in ins.attrs.items():
                 for k, body in enumerate(v if isinstance(v, tuple) else (v,)):
@@ -226,6 +229,9 @@ class SPMDProgram:
         """Write the program as JSON with its content hash (and a keyed HMAC when ``SPMD_PROGRAM_KEY`` is set)."""
         body = self.body()
         doc = {"format": "spmd_runtime.program", "version": FORMAT_VERSION, "hash": self.hash, **body}
+        sources = _sources(self)
+        if sources:  # the user's lines, for listings: beside the body, not in its hash
+            doc["sources"] = sources
         key = _program_key()
         if key is not None:
             doc["hmac"] = hmac.new(key, self.hash.encode(), hashlib.sha256).hexdigest()
@@ -265,6 +271,7 @@ def load_program(path) -> SPMDProgram:
         raise ValueError(f"a program file has format spmd_runtime.program version {FORMAT_VERSION}; got "
                          f"{doc.get('format')!r} version {doc.get('version')!r} in {path}")
     prog = _program_from(doc)
+    _read_sources(prog, doc.get("sources"))
     if prog.hash != doc["hash"]:
         raise ValueError(f"a program file's content must match its hash; got {prog.hash[:12]} for recorded "
                          f"{doc['hash'][:12]} in {path} (edited or corrupt)")
@@ -276,6 +283,30 @@ def load_program(path) -> SPMDProgram:
                              f"got {'none' if 'hmac' not in doc else 'a different one'} in {path}")
     check_program(prog)
     return prog
+
+
+def _sources(prog: SPMDProgram, prefix: str = "") -> dict:
+    """{"slot" or "slot.body/slot...": [file, line]}: the user's lines of a program's instructions and its
+    bodies' (a loop body's instructions under its instruction's slot and the body's position)."""
+    out = {}
+    for ins in prog.instrs:
+        if ins.source:
+            out[f"{prefix}{ins.out}"] = list(ins.source)
+        for k, body in enumerate(_bodies(ins)):
+            out.update(_sources(body, f"{prefix}{ins.out}.{k}/"))
+    return out
+
+
+def _read_sources(prog: SPMDProgram, sources, prefix: str = "") -> None:
+    """The saved user's lines back on their instructions (display only: anything malformed is ignored)."""
+    if not isinstance(sources, dict):
+        return
+    for ins in prog.instrs:
+        s = sources.get(f"{prefix}{ins.out}")
+        if isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and type(s[1]) is int:
+            ins.source = (s[0], s[1])
+        for k, body in enumerate(_bodies(ins)):
+            _read_sources(body, sources, f"{prefix}{ins.out}.{k}/")
 
 
 def _program_key() -> bytes | None:
@@ -304,6 +335,11 @@ def _stacked_bytes(ins: Instr) -> int:
     if ins.op != SCAN.name or body is None:
         return 0
     return sum(ins.attrs["length"] * n for n in body.output_bytes()[ins.attrs["num_carry"]:])
+
+
+def source_line(source) -> str:
+    """``model.py:12`` for a (file, line) source."""
+    return f"{os.path.basename(source[0])}:{source[1]}"
 
 
 def _ty(dtype, shape):

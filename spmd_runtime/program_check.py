@@ -30,12 +30,14 @@ from .graph import PARAMETER
 from .ops.core import (BROADCAST_IN_DIM, CONSTANT, CONVERT, REDUCE, REDUCE_KINDS, RESHAPE, SELECT, STOP_GRADIENT,
                        TRANSPOSE, reduction)  # noqa: F401  (reduction: re-exported)
 from .ops.einsum import EINSUM
+from .ops.gather import SCATTER_KINDS
 from .ops.slicing import CONCATENATE, REVERSE, SLICE
 from .ops.spmd import RESIZE
 from .ops.windows import WINDOW_EDGE
 from .ops.spmd import FUSED_REDUCE, FUSION, MASK_PADDING, ROTATED_CONCAT, SHARD_INDEX, SHARD_SLICE
 
 STRING_ATTRIBUTES = {"output": frozenset({"values", "indices"}),  # top_k: which of its two results
+                     "combine": frozenset(SCATTER_KINDS), "mode": frozenset({"clip", "wrap"}),  # scatter, take
                      **{name: frozenset(allowed) for kind in KINDS.values() for name, allowed in kind.strings}}
 BODY_ATTRIBUTES = ("body", "cond", "branches")  # control instructions (ops/control.py) hold programs
 EINSUM_SPEC = re.compile(r"^[A-Za-z]*(,[A-Za-z]*)*->[A-Za-z]*$")

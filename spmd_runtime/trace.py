@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import threading
 
@@ -46,14 +47,29 @@ class Tensor:
         return self.shape[0]
 
     def __bool__(self):
-        raise TypeError("a traced Tensor has no truth value: Python control flow cannot depend on traced data; "
-                        "use snp.where")
+        raise TypeError(f"a traced Tensor has no truth value: Python control flow cannot depend on traced data; "
+                        f"use snp.where (or sr.cond / sr.while_loop){self._static_hint()}; got {self!r}")
+
+    def __index__(self):  # range(t), a shape entry, a Python index: the value is needed now
+        self._no_value("a Python int (range, a shape, an index)")
+
+    def _static_hint(self) -> str:
+        """For a jit whose Python number arguments are traced: which ones, and the static_argnums to pass."""
+        args = getattr(self.graph, "scalar_args", None)
+        if not args:
+            return ""
+        named = ", ".join(f"{name!r} (position {position}, a Python {kind})" for position, name, kind in
+                          args.values())
+        positions = tuple(sorted(position for position, _, _ in args.values()))
+        static = positions[0] if len(positions) == 1 else positions
+        return (f". Python number arguments of jit are traced as 0-d arrays: {named}; a value Python code needs "
+                f"(if, range, a shape) must be static: sr.jit(fn, static_argnums={static})")
 
     # Operators (+, @, [], .sum, ...) are bound by spmd_runtime.ops, which defines the op functions.
     def _no_value(self, what: str):
         raise TypeError(f"{what} needs values, and a traced Tensor has none: values are not known while tracing; "
                         f"compute with spmd_runtime.numpy (import spmd_runtime.numpy as snp: use snp.exp, snp.sum, "
-                        f"...) and read values from sr.run's outputs; got {self!r}")
+                        f"...) and read values from sr.run's outputs{self._static_hint()}; got {self!r}")
 
     def __array__(self, *args, **kwargs):  # np.exp(t), np.asarray(t): NumPy would need the values
         self._no_value("a NumPy function (np.exp, np.asarray, ...)")
@@ -74,10 +90,53 @@ class Tensor:
 
 
 def emit(op, inputs, attrs, shape, dtype) -> Tensor:
-    """Record one node of ``op`` (an ``opdef.OpDef`` record, or its name) in the active trace."""
+    """Record one node of ``op`` (an ``opdef.OpDef`` record, or its name) in the active trace, with the user's
+    line that made it (``Node.source``)."""
     g = current_graph()
     ids = [t.id if t.graph is g else g.capture(t) for t in inputs]  # a loop body lifts enclosing values
-    return Tensor(g, g.add(getattr(op, "name", op), ids, attrs, shape, dtype).id)
+    source = getattr(trace_state, "source", None)
+    return Tensor(g, g.add(getattr(op, "name", op), ids, attrs, shape, dtype, source or user_line()).id)
+
+
+def set_source(source):
+    """Nodes emitted from now on record ``source`` (None: the user's line, found by ``user_line``); returns the
+    previous setting. The VJP of a node emits its cotangent ops at the node's own line (JAX's transposed
+    source_info), with no walk up the stack."""
+    previous, trace_state.source = getattr(trace_state, "source", None), source
+    return previous
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MODELS = os.path.join(_PACKAGE, "models") + os.sep  # the bundled example models count as the user's code
+_INSIDE: dict = {}  # file name -> whether it is the package's (a str caches its hash; a code object does not)
+
+
+def user_line() -> tuple | None:
+    """(file, line) of the innermost frame outside the spmd_runtime package (JAX's source_info): the user's
+    line being traced; the bundled models (spmd_runtime/models) count as the user's. A walk up the stack from
+    emit's caller (each file name checked once)."""
+    f = sys._getframe(2)
+    inside = _INSIDE.get
+    while f is not None:
+        name = f.f_code.co_filename
+        known = inside(name)
+        if known is None:
+            known = _INSIDE[name] = name.startswith(_PACKAGE) and not name.startswith(_MODELS)
+        if not known:
+            return name, f.f_lineno
+        f = f.f_back
+    return None
+
+
+def user_line_of(error: BaseException) -> tuple | None:
+    """(file, line) of the innermost traceback entry of ``error`` in the user's code (as ``user_line``)."""
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith(_PACKAGE) or name.startswith(_MODELS):
+            found = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+        tb = tb.tb_next
+    return found
 
 
 def trace(fn, *arg_specs) -> Graph:

@@ -82,7 +82,7 @@ class _Builder:
                self.einsum, self.annotate, self.where, self.cast, self.take, self.cumsum, self.arg_reduce,
                self.logsumexp, self.pooling, self.conv1d, self.slice_, self.flip, self.pad, self.concat,
                self.dynamic_slice, self.top_k, self.roll, self.split_slice, self.split_family, self.numpy_family,
-               self.math_]
+               self.math_, self.index_arrays, self.at_update]
         ops.append(self.special_random)
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
@@ -172,8 +172,34 @@ class _Builder:
             return None
         axis = int(self.rng.integers(t.ndim))
         u = self.new_param((SIZES[self.rng.integers(len(SIZES))],))
-        indices = snp.astype(snp.abs(u) * t.shape[axis], "int64")  # clamped when out of range
-        return snp.take(t, indices, axis=axis)
+        indices = snp.astype(snp.abs(u) * t.shape[axis], "int64")  # out of range: clamped, wrapped or filled
+        mode = ("clip", "wrap", "fill")[self.rng.integers(3)]
+        return snp.take(t, indices, axis=axis, mode=mode, fill_value=0.5 if mode == "fill" else None)
+
+    def index_arrays(self, t):
+        """NumPy advanced indexing: an index array on one dim (constant, negatives included) and, on a rank >= 2
+        tensor, a traced one from data on another (clamped)."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        ids = self.rng.integers(-t.shape[d], t.shape[d], size=int(self.rng.integers(1, 5)))
+        key = [slice(None)] * t.ndim
+        key[d] = ids
+        if t.ndim >= 2:
+            e = (d + 1) % t.ndim
+            key[e] = snp.astype(snp.abs(snp.sum(t)) * 3.0, "int64") + np.arange(len(ids))
+        return t[tuple(key)]
+
+    def at_update(self, t):
+        """x.at[ids].set / add / min / max / multiply on one dim, constant ids with repeats, values a fresh input."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        ids = self.rng.integers(-t.shape[d], t.shape[d], size=int(self.rng.integers(1, 5)))
+        key = (slice(None),) * d + (ids,)
+        u = snp.tanh(self.new_param(t.shape[:d] + ids.shape + t.shape[d + 1:]))
+        kind = ("set", "add", "min", "max", "multiply")[self.rng.integers(5)]
+        return getattr(t.at[key], kind)(u)
 
     def cumsum(self, t):
         return snp.tanh(snp.cumsum(t, axis=int(self.rng.integers(t.ndim)))) if t.ndim else None

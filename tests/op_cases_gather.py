@@ -59,6 +59,33 @@ def _ties(m, x):
     return (x * 2.0).astype("int64")
 
 
+def _getitem(m, x, u):
+    """x[i, :, [0, 2]] with traced (or, on NumPy, computed) indices: negatives wrapped once, then clamped."""
+    i = _indices(m, u, 6.0)
+    if m is np:
+        n = x.shape[0]
+        i = np.clip(np.where(i < 0, i + n, i), 0, n - 1)
+    return x[i, :, [0, 2]] + x[:, [-1, 1]].sum()
+
+
+_UFUNC = {"set": None, "add": np.add, "min": np.minimum, "max": np.maximum}
+
+
+def _at(m, x, u, v, kind):
+    """x.at[i].<kind>(v): on NumPy, indices out of range dropped (JAX), negatives wrapped, repeats as ufunc.at
+    (set: the last wins)."""
+    i = _indices(m, u, 6.0)
+    if m is not np:
+        return getattr(x.at[i], kind)(v)
+    n, out = x.shape[0], x.copy()
+    keep = (i >= -n) & (i < n)
+    if kind == "set":
+        out[i[keep]] = v[keep]
+    else:
+        _UFUNC[kind].at(out, i[keep], v[keep])
+    return out
+
+
 _DEAD_ROW = np.zeros((24, 1))
 _DEAD_ROW[5] = -np.inf  # a row of -inf only: logsumexp -inf, no NaN
 
@@ -88,6 +115,15 @@ GATHER_CASES = [
          ((B_, None, None), (A_, ("B", None), None), (None, ("A", None), (None, "A", None)))),
 ]
 
+INDEX_UPDATE_CASES = [
+    Case("getitem_arrays", _getitem, ((24, 5, 3), (2,)),
+         ((("A", None, None), None), ((None, "B", None), ("A",)), ((("A", "B"), None, None), None))),
+    Case("getitem_arrays_uneven", _getitem, ((10, 7, 3), (2,)),
+         ((("A", None, None), None), ((None, None, "A"), ("B",)))),
+] + [Case(f"at_{kind}{'_uneven' if n == 10 else ''}", lambda m, x, u, v, kind=kind: _at(m, x, u, v, kind),
+          ((n, 4), (6,), (6, 4)), ((A_, None, None), (B_, ("A",), A_), ((("A", "B"), None), None, None)))
+     for kind in ("set", "add", "min", "max") for n in (24, 10)]
+
 INDEXING_CASES = [
     Case("argmax_argmin", lambda m, x: m.argmax(x, axis=0) + m.argmin(x, axis=1), ((24, 24),),
          ((A_,), (B_,), (("A", "B"),), (("B", "A"),))),
@@ -107,7 +143,7 @@ INDEXING_CASES = [
          ((A_,), (B_,), (("A", "B"),))),
 ]
 
-CASES = GATHER_CASES + INDEXING_CASES
+CASES = GATHER_CASES + INDEX_UPDATE_CASES + INDEXING_CASES
 
 
 # the simulated meshes of the unit suites: every size of the brief, 1-d and 2-d, plus reordered devices

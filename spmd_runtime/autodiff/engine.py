@@ -33,7 +33,7 @@ from ..opdef import OPS
 from .rules.table import VJP
 from ..ops.core import CONVERT, asarray, ones, zeros
 from ..bodies import BodyGraph, capture
-from ..trace import Tensor, current_graph, emit
+from ..trace import Tensor, current_graph, emit, set_source
 
 
 # ---------------------------------------------------------------- public API
@@ -94,10 +94,14 @@ def backward_from(seeds: dict, wrt: list[Tensor], start: int) -> list[Tensor]:
             raise NotImplementedError(f"reverse-mode differentiation needs a VJP rule for every op on the path "
                                       f"to the output; got none for op {node.op!r} (%{node.id} {node.spec})")
         operands = [Tensor(g, i) for i in node.inputs]
-        results = rule(node, cts.pop(node.id), operands, Tensor(g, node.id))
-        for x, ct in zip(operands, results):
-            if ct is not None and x.id in active:
-                _accumulate(cts, x, ct() if callable(ct) else ct, node)
+        previous = set_source(node.source)  # the cotangent's ops are at the user's line of the node
+        try:
+            results = rule(node, cts.pop(node.id), operands, Tensor(g, node.id))
+            for x, ct in zip(operands, results):
+                if ct is not None and x.id in active:
+                    _accumulate(cts, x, ct() if callable(ct) else ct, node)
+        finally:
+            set_source(previous)
     return [cts.get(t.id) if t.id in cts else zeros(t.shape, t.dtype) for t in wrt]
 
 

@@ -31,12 +31,14 @@ from spmd_runtime.dtypes import FLOATING
 class AgreedError(RuntimeError):
     """Raised alike on EVERY rank after the ranks agreed that some rank failed (see ``agree``).
 
-    ``ranks``: the failing ranks. Uncaught, it prints one line per rank and the job exits with status 1.
+    ``ranks``: the failing ranks; ``messages``: rank -> its error message, when ``agree`` raised it. Uncaught, it
+    prints one line per rank and the job exits with status 1.
     """
 
     def __init__(self, message: str, ranks=()):
         super().__init__(message)
         self.ranks = list(ranks)
+        self.messages: dict = {}
 
 
 class DifferentValuesError(AgreedError, ValueError):
@@ -93,7 +95,11 @@ def agree(comm, error: str | None, what: str, payload=None, error_type=AgreedErr
         failed = sorted(r for ranks in by_message.values() for r in ranks)
         message = (f"{rule or what + ' must succeed on every rank'}; got errors on rank(s) {failed}: "
                    f"{_details(by_message, gathered, rule is not None)}")
-        raise error_type(message, failed) if issubclass(error_type, AgreedError) else error_type(message)
+        if not issubclass(error_type, AgreedError):
+            raise error_type(message)
+        error = error_type(message, failed)
+        error.messages = {rank: m for rank, (m, _) in enumerate(gathered) if m is not None}  # each failing rank's
+        raise error
     return [p for _, p in gathered]
 
 

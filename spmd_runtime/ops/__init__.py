@@ -37,7 +37,8 @@ def _bind_tensor_operators():
     Tensor.__abs__ = core.absolute
     Tensor.__invert__ = core.invert
     Tensor.__hash__ = object.__hash__
-    Tensor.__getitem__ = slicing.getitem
+    Tensor.__getitem__ = gather.getitem
+    Tensor.at = property(gather.IndexUpdateHelper)
     Tensor.T = property(lambda self: core.transpose(self))
     Tensor.mT = property(lambda self: core.swapaxes(self, -1, -2))  # the Array API's matrix transpose
     for name, fn in {"reshape": core.reshape, "transpose": core.transpose, "sum": core.sum, "max": core.max,

@@ -6,9 +6,10 @@ API (re-exported as ``spmd_runtime.numpy.<name>``): ``static_slice`` (XLA Slice:
 positive stride; defined here as ``lax_slice`` so the builtin ``slice`` stays usable) and
 ``slice_in_dim`` (one dim, JAX-style), ``pad`` (NumPy, constant mode) and ``lax_pad`` ((low, high,
 interior) per dim), ``concatenate``, ``stack``, ``reverse`` / ``flip``, ``arange``, ``iota``,
-``broadcasted_iota``, ``dynamic_slice``, ``dynamic_update_slice``. ``Tensor.__getitem__`` is
-``getitem``: NumPy basic indexing (ints, slices with any step, None, Ellipsis) plus 0-d traced
-integer indices (a size-1 dynamic slice, negative values wrapping once as in JAX).
+``broadcasted_iota``, ``dynamic_slice``, ``dynamic_update_slice``. ``getitem`` is NumPy basic indexing
+(ints, slices with any step, None, Ellipsis) plus 0-d traced integer indices (a size-1 dynamic slice,
+negative values wrapping once as in JAX); ``Tensor.__getitem__`` is ``gather.getitem``, which adds
+integer-array and boolean-mask indexing on top of it.
 
 Dynamic starts follow XLA: each is clamped to [0, n - size] of the GLOBAL dim (never per shard), and
 negative starts are not wrapped. ``dynamic_slice`` with only Python ints folds into a static slice.
@@ -287,7 +288,7 @@ def _scalar_attr(value, dtype, what):
 
 
 def _expand_ellipsis(key, ndim):
-    bad = [k for k in key if not (k is None or k is Ellipsis or isinstance(k, slice) or _is_int(k)
+    bad = [k for k in key if not (k is None or k is Ellipsis or isinstance(k, slice) or is_int(k)
                                   or (isinstance(k, Tensor) and k.ndim == 0 and k.dtype.kind in "iu"))]
     if bad:
         raise TypeError(f"Tensor indexing takes ints, slices, None, Ellipsis and 0-d integer tensors (basic "
@@ -304,7 +305,7 @@ def _expand_ellipsis(key, ndim):
     return key + fill
 
 
-def _is_int(k) -> bool:
+def is_int(k) -> bool:
     if isinstance(k, (bool, np.bool_)) or isinstance(k, Tensor):
         return False
     try:

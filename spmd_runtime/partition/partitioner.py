@@ -75,7 +75,7 @@ class PartitionContext:
             local = tuple(local)
         name = op if type(op) is str and op in OPS else lookup(op).name
         self.instrs.append(Instr(name, out.slot, tuple(a.slot for a in args), dict(attrs), local, out.dtype,
-                                 sharding, out.shape))
+                                 sharding, out.shape, source=None if self.node is None else self.node.source))
         return out
 
     def emit_like(self, node: Node, op, args, attrs, sharding: Sharding) -> LocalValue:
@@ -450,11 +450,14 @@ def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]
     if buffers:
         assign_buffers(instrs, {o.slot for o in outputs})
     dropped = {n for n, v in ctx.values.items() if v.slot not in renumber}
-    notes = list(dict.fromkeys(note for note, n in zip(ctx.notes, ctx.note_nodes + [None] * len(ctx.notes))
-                               if n not in dropped))
+    about = {}  # each kept note -> the node it is about (the first), or None
+    for note, n in zip(ctx.notes, ctx.note_nodes + [None] * len(ctx.notes)):
+        if n not in dropped:
+            about.setdefault(note, n)
+    notes = list(about)
     if is_lead_rank():  # every rank partitions the same graph: one copy of each note per job
-        for n in notes:
-            warnings.warn(f"spmd_runtime partitioner: {n}", stacklevel=3)
+        for note, n in about.items():
+            _warn(f"spmd_runtime partitioner: {note}", None if n is None else graph[n].source)
     named = [(n, graph.name_of(n.id)) for n in graph.nodes if n.op in (PARAMETER.name, MESH_SPLIT.name)]
     named = [(n, name) for n, name in named if name]
     report = ShardingReport({n.id: (prop.shardings[n.id], prop.origin[n.id]) for n in graph.nodes},
@@ -462,6 +465,14 @@ def _finish(ctx: PartitionContext, graph: Graph, prop, results: list[LocalValue]
     names = {renumber[ctx.value(n.id).slot]: name for n, name in named
              if n.id in ctx.values and n.op != PARAMETER.name and ctx.value(n.id).slot in renumber}
     return SPMDProgram(mesh, instrs, inputs, outputs, notes, report, graph.in_tree, graph.out_tree, names)
+
+
+def _warn(message: str, source) -> None:
+    """A partitioner warning at the user's line that made the node (JAX's source_info), else at the caller's."""
+    if source is None:
+        warnings.warn(message, stacklevel=4)
+    else:
+        warnings.warn_explicit(message, UserWarning, source[0], source[1])
 
 
 def _drop_dead(instrs: list[Instr], roots) -> tuple[list[Instr], dict[int, int]]:

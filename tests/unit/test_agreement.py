@@ -260,7 +260,8 @@ def test_jit_of_rank_dependent_code_says_where_the_programs_differ():
     message = _same_error(2, call)
     assert "the same arguments and settings, but the function traced to programs that first differ at line 2" \
            in message
-    assert "ranks [0]: '%1 = tanh(%0) : float64[4] [R]'; ranks [1]: '%1 = exp(%0) : float64[4] [R]'" in message
+    assert ("ranks [0]: '%1 = tanh(%0) : float64[4] [R]  # test_agreement.py:259'; ranks [1]: '%1 = exp(%0) : "
+            "float64[4] [R]  # test_agreement.py:259'") in message  # the listing names the user's line too
 
 
 def test_run_of_different_programs_says_where_they_differ():

@@ -34,7 +34,7 @@ def test_reference_matches_numpy(case):
 def test_take_clamps_out_of_range_indices_like_numpy_clip():
     table = np.arange(12.0).reshape(4, 3)
     ids = np.array([[-7, 0], [3, 99]])
-    graph = sr.trace(lambda t, i: snp.take(t, i, axis=0), table, ids)
+    graph = sr.trace(lambda t, i: snp.take(t, i, axis=0, mode="clip"), table, ids)
     got = sr.evaluate(graph, table, ids)[0]
     np.testing.assert_array_equal(got, np.take(table, ids, axis=0, mode="clip"))
     np.testing.assert_array_equal(got[0, 0], table[0])
@@ -57,7 +57,7 @@ def test_scatter_add_broadcasts_and_casts_updates():
 
 @pytest.mark.parametrize("call,error,match", [
     (lambda t, i: snp.take(t, i.astype("float64")), TypeError, "integer indices; got dtype float64"),
-    (lambda t, i: snp.take(t, i, mode="raise"), ValueError, "mode must be 'clip'; got mode='raise'"),
+    (lambda t, i: snp.take(t, i, mode="raise"), ValueError, r"mode is one of .*; got mode='raise'"),
     (lambda t, i: snp.take(t, i, axis=2), ValueError, r"axis in \[-2, 2\); got axis 2"),
     (lambda t, i: snp.scatter_add(t, i, snp.ones((3, 5))), ValueError,
      r"broadcastable to .* = \(2, 4\); got shape \(3, 5\)"),
@@ -77,7 +77,7 @@ def test_partitioned_matches_reference(case, specs, mesh):
 
 # ---------------------------------------------------------------- partitioner: exact collectives
 def embed(table, ids):
-    return snp.take(table, ids, axis=0)
+    return snp.take(table, ids, axis=0, mode="clip")
 
 
 def scatter(operand, ids, updates):
@@ -160,7 +160,7 @@ def test_narrow_and_unsigned_indices_take_the_shard_offset(dtype):
     """Indices are widened to int64 before the offset is subtracted (uint8 - offset would wrap)."""
     table = np.random.default_rng(4).standard_normal((300, 2))
     ids = np.array([0, 100, 127, 5, 2 if dtype.startswith("u") else -1], dtype)
-    graph = sr.trace(lambda t, i: (snp.take(t, i), snp.scatter_add(t, i, 1.0)), table, ids)
+    graph = sr.trace(lambda t, i: (snp.take(t, i, mode="clip"), snp.scatter_add(t, i, 1.0)), table, ids)
     program = sr.partition(graph, MESH_4, in_specs=[("x", None), None])
     want_take, want_scatter = np.take(table, ids, axis=0, mode="clip"), np_scatter_add(table, ids, np.ones((5, 2)))
     for got_take, got_scatter in run_simulated(4, lambda comm: sr.run(program, table, ids, comm=comm)):

@@ -27,7 +27,7 @@ import numpy as np
 
 from ...opdef import DOT_LEVEL
 from ...ops import core
-from ...ops.gather import FIRST_SHARD_ONLY, SCATTER_ADD, SCATTER_ADD_BLOCK, TAKE, TAKE_BLOCK
+from ...ops.gather import FIRST_SHARD_ONLY, SCATTER, SCATTER_ADD, SCATTER_ADD_BLOCK, SCATTER_BLOCK, TAKE, TAKE_BLOCK
 from ...sharding import Sharding
 from ..pending_sums import is_zeros
 from ..propagation import combine, dedupe_axes
@@ -71,7 +71,7 @@ def _take_propagation():
     return fwd, bwd
 
 
-@propagation(SCATTER_ADD, level=DOT_LEVEL)
+@propagation(SCATTER_ADD, SCATTER, level=DOT_LEVEL)
 def _scatter_add_propagation():
     """The result follows the operand, and the updates' non-index dims; backward, the updates' index dims
     and the indices' dims copy each other (sideways), their other dims follow the result."""
@@ -109,9 +109,9 @@ def _partition_take(ctx, node):
     table, indices = ctx.reshard(table, table_sh), ctx.reshard(indices, indices_sh)
     vocab_axes = table_sh.dims[axis]
     if not vocab_axes:
-        return ctx.emit_like(node, TAKE, [table, indices], {"axis": axis}, result)
+        return ctx.emit_like(node, TAKE, [table, indices], node.attrs, result)
     shard = ctx.shard_index(vocab_axes)
-    return ctx.emit_like(node, TAKE_BLOCK, [table, indices, shard], {"axis": axis, "size": table.shape[axis]},
+    return ctx.emit_like(node, TAKE_BLOCK, [table, indices, shard], {**node.attrs, "size": table.shape[axis]},
                          result)
 
 
@@ -153,10 +153,25 @@ def _scatter_local(ctx, node, base, indices, updates, result):
     axis = node.attrs["axis"]
     rows_axes = result.dims[axis]
     if not rows_axes:
-        return ctx.emit_like(node, SCATTER_ADD, [base, indices, updates], {"axis": axis}, result)
+        return ctx.emit_like(node, node.op, [base, indices, updates], node.attrs, result)
     shard = ctx.shard_index(rows_axes)
-    return ctx.emit_like(node, SCATTER_ADD_BLOCK, [base, indices, updates, shard],
-                         {"axis": axis, "size": node.shape[axis]}, result)
+    block_op = SCATTER_BLOCK if node.op == SCATTER.name else SCATTER_ADD_BLOCK
+    return ctx.emit_like(node, block_op, [base, indices, updates, shard], {**node.attrs, "size": node.shape[axis]},
+                         result)
+
+
+@partition(SCATTER)
+def _partition_scatter(ctx, node):
+    """set / min / max / mul cannot combine partial results by a sum: the operand stays laid out as the result
+    is wanted, the updates follow it on the operand's dims and are whole on the index dims, the indices whole;
+    a split scattered axis keeps, per rank, the updates aimed at its block (``scatter_block``)."""
+    axis, result = node.attrs["axis"], Sharding(ctx.sharding(node.id).dims)
+    operand, indices, updates = (ctx.value(i) for i in node.inputs)
+    operand_t, _, updates_t = scatter_terms(len(operand.shape), len(indices.shape), axis)
+    base = ctx.reshard(operand, result)
+    indices = ctx.reshard(indices, Sharding.replicated(len(indices.shape)))
+    updates = ctx.reshard(updates, Sharding(tuple(_map_dims(operand_t, result, updates_t))))
+    return _scatter_local(ctx, node, base, indices, updates, result)
 
 
 def _zeros(ctx, node, sharding):
