@@ -21,7 +21,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import pytree
-from .darray import DArray
+from .darray import DArray, device_put
 from .jit import jit
 from .mesh import get_mesh
 from . import dispatch, numpy as snp
@@ -136,6 +136,19 @@ def _getitem(self, key):
     return apply(_GETITEM, self, key)
 
 
+def _set(x, key, value):
+    return x.at[key].set(value)
+
+
+def _setitem(self, key, value):
+    """``x[key] = value`` (the Array API's arrays are mutable; JAX's are not: there it is ``x.at[key].set``): this
+    DArray's block becomes that of ``x.at[key].set(value)``, resharded to this DArray's layout if it moved."""
+    updated = apply(_set, self, key, value)
+    if updated.sharding != self.sharding:
+        updated = device_put(updated, self.spec, self.mesh)
+    self.local = updated.local
+
+
 def _scalar(convert):
     def to_scalar(self):
         if self.ndim != 0:
@@ -160,6 +173,7 @@ def bind_darray_operators():
             continue
         setattr(DArray, name, _property(name) if isinstance(value, property) else _dunder(name))
     DArray.__getitem__ = _getitem
+    DArray.__setitem__ = _setitem
     DArray.__hash__ = object.__hash__  # __eq__ is elementwise now; identity hashing, as numpy arrays refuse it
     DArray.__spmd_function__ = staticmethod(spmd_function)
     for convert in (float, int, bool, complex):

@@ -6,7 +6,7 @@ this module adds is only what a test harness must: a mesh over the MPI world (th
 outside a trace make DArrays on it), ``asarray`` from Python data (NumPy parses the data, then the array is
 laid out on a dim drawn by a seeded generator: the same draws on every rank, so the ranks agree), and the
 namespace metadata the suite reads (``__array_api_version__``, ``__array_namespace_info__``, dtype objects).
-Data-type defaults follow NumPy's (float64 / int64): the suite runs with float64 enabled where snp has a switch.
+Data-type defaults follow NumPy's (float64 / int64): the suite runs with JAX's x64 switch on (``sr.config``).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ __array_api_version__ = "2023.12"
 _WORLD = MPI.COMM_WORLD.Get_size()
 MESH = sr.Mesh((_WORLD,), ("x",))
 sr.set_mesh(MESH)
+sr.config.update("enable_x64", True)  # the standard's float64 / int64 where asked for, NumPy's defaults
 _draws = np.random.default_rng(int(os.environ.get("SPMD_ARRAY_API_SEED", "0")))
 SHARDED = _WORLD > 1 and os.environ.get("SPMD_ARRAY_API_SHARDED", "1") != "0"
 

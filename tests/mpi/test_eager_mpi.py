@@ -149,3 +149,15 @@ def test_element_access_compiles_one_program_per_layout():
     assert programs() <= before + 1  # x[i] (one index) may be one more program; the 70 x[i, j] none
     with pytest.raises(IndexError, match="index 7 is out of bounds for axis 0 with size 7"):
         x[7, 0]
+
+
+def test_setitem_updates_the_darray_in_its_layout():
+    mesh = sr.Mesh((MPI.COMM_WORLD.size,), ("x",))
+    x = sr.device_put(A, sr.P("x"), mesh)
+    want = A.copy()
+    x[2:5, 1] = 7.0
+    want[2:5, 1] = 7.0
+    x[[0, 6]] = np.ones(5, "float32")
+    want[[0, 6]] = 1.0
+    assert x.sharding == sr.device_put(A, sr.P("x"), mesh).sharding
+    np.testing.assert_array_equal(np.asarray(x), want)
