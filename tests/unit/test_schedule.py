@@ -90,7 +90,8 @@ def test_gradient_all_reduce_reduces_in_place_into_its_dying_operand():
             users.setdefault(a, []).append(i.out)
     by_slot = {i.out: i for i in ts.program.instrs}
     sole = [d for d in dones if users[d.args[1]] == [d.args[0], d.out]  # read by its start and done only,
-            and lookup(by_slot[d.args[1]].op).fresh]  # and a buffer of its own (an einsum's, not a scatter's)
+            and lookup(by_slot[d.args[1]].op).fresh  # and a buffer of its own (an einsum's, not a scatter's)
+            and d.shape]  # a gradient: a 0-d value (the loss) is never reduced in place (_assign_donations)
     assert len(sole) >= 3 and all(d.donate == 1 for d in sole)  # shown as %x! in the listing
     assert any(f"all_reduce_done(%{d.args[0]}, %{d.args[1]}!)" in str(ts.program) for d in dones)
 
