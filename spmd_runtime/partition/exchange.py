@@ -80,22 +80,30 @@ class _Layout:
         self.AB = tuple(a for a in names if a in A and a not in B)
         self.BA = tuple(a for a in names if a in B and a not in A)
         self.free = tuple(a for a in names if a not in A and a not in self.partial)  # who may hold a piece
-        # per dim, per target block j: [(source block i, source slice, target slice)]; its counts by i
-        self.pieces = [[_checked(_overlaps(n, s, mesh, *_block(m, d, mesh, j), w), w, s, d)
-                        for j in range(mesh.axis_size(d))]
+        # per dim, per target block j that holds entries: [(source block i, source slice, target slice)]; their
+        # counts by i, and per source block i that some target reads: [(j, count)] and the multiset of counts.
+        # Only blocks with entries are listed: a dim of n entries has at most n of them, however many shards.
+        self.pieces = [{j: _checked(_overlaps(n, s, mesh, *_block(m, d, mesh, j), w), w, s, d)
+                        for j in range(min(mesh.axis_size(d), _nonempty(m, mesh.axis_size(d))))}
                        for n, m, s, d, w in zip(shape, out_shape, self.src, self.dst, self.maps)]
-        self.count = [[{i: _count((t,)) for i, _, t in per_j} for per_j in dim] for dim in self.pieces]
-        self.by_source = []  # per dim, per source block i: [(j, count)]
-        for d, dim in enumerate(self.count):
-            inv = [[] for _ in range(mesh.axis_size(self.src[d]))]
-            for j, counts in enumerate(dim):
+        self.count = [{j: {i: _count((t,)) for i, _, t in per_j} for j, per_j in dim.items() if per_j}
+                      for dim in self.pieces]
+        self.by_source = []
+        for dim in self.count:
+            inv: dict = {}
+            for j, counts in dim.items():
                 for i, c in counts.items():
-                    inv[i].append((j, c))
+                    inv.setdefault(i, []).append((j, c))
             self.by_source.append(inv)
+        self.every = [{i: tuple(sorted(Counter(n for _, n in pairs).items())) for i, pairs in inv.items()}
+                      for inv in self.by_source]
 
     # ------------------------------------------------------------------ indices of blocks
-    def _indices(self, axes, fixed) -> list[int]:
-        """Linear indices over ``axes`` (major first) of the coordinates that agree with ``fixed``."""
+    def _indices(self, axes, fixed):
+        """Linear indices over ``axes`` (major first) of the coordinates that agree with ``fixed`` (a range when
+        ``fixed`` names none of them, else a set)."""
+        if not any(a in fixed for a in axes):
+            return range(self.mesh.axis_size(axes))
         ranges = [(fixed[a],) if a in fixed else range(self.mesh.axis_size(a)) for a in axes]
         sizes = [self.mesh.axis_size(a) for a in axes]
         out = []
@@ -104,7 +112,7 @@ class _Layout:
             for c, s in zip(coords, sizes):
                 index = index * s + c
             out.append(index)
-        return out
+        return set(out)
 
     def _digits(self, index, axes) -> dict:
         out = {}
@@ -124,7 +132,7 @@ class _Layout:
         for c in self._groups(self.C):
             src_ix = [self._indices(s, c) for s in self.src]
             dst_ix = [self._indices(d, c) for d in self.dst]
-            if all(any(self.count[d][j] for j in js) for d, js in enumerate(dst_ix)):  # they read something
+            if all(_present(js, self.count[d]) for d, js in enumerate(dst_ix)):  # they read something
                 differ |= {a for a in self.AB if self.mesh.axis_size(a) > 1}
                 differ |= {a for a in self.C if self._reads_elsewhere(a, c, dst_ix)}
                 received = max(received, self._received(src_ix, dst_ix))
@@ -140,17 +148,19 @@ class _Layout:
     def _reads_elsewhere(self, axis, c, dst_ix) -> bool:
         """Whether receivers at C coordinates ``c`` read a source block whose ``axis`` coordinate is not theirs."""
         d = next(d for d, s in enumerate(self.src) if axis in s)
-        return any(self._digits(i, self.src[d])[axis] != c[axis] for j in dst_ix[d] for i in self.count[d][j])
+        return any(self._digits(i, self.src[d])[axis] != c[axis]
+                   for j in _present(dst_ix[d], self.count[d]) for i in self.count[d][j])
 
     def _received(self, src_ix, dst_ix) -> int:
         """The most a receiver at these C coordinates gets: its target entries that read something, less its own
         block's piece (per dim the Pareto front of (entries, own piece): the maximum is monotone in both)."""
         fronts = []
         for d, (si, dj) in enumerate(zip(src_ix, dst_ix)):
-            pairs = set()
-            for j in dj:
+            read = _present(dj, self.count[d])
+            pairs = {(0, 0)} if len(read) < len(dj) else set()  # a target block that reads nothing
+            for j in read:
                 counts = self.count[d][j]
-                total, mine = sum(counts.values()), [counts[i] for i in si if i in counts]
+                total, mine = sum(counts.values()), [n for i, n in counts.items() if i in si]
                 pairs.update((total, m) for m in mine)
                 if len(mine) < len(si):
                     pairs.add((total, 0))
@@ -161,7 +171,7 @@ class _Layout:
     def _by_target(self, d, c) -> dict:
         """Dim d: B-minus-A coordinates g -> the target block of a receiver at C coordinates ``c`` and g."""
         ba = tuple(a for a in self.dst[d] if a in self.BA)
-        return {tuple(g[a] for a in ba): self._indices(self.dst[d], {**c, **g})[0] for g in self._groups(ba)}
+        return {tuple(g[a] for a in ba): _index({**c, **g}, self.dst[d], self.mesh) for g in self._groups(ba)}
 
     def _default_load(self, src_ix, own) -> int:
         """The most a holder of a block at these C coordinates sends when every receiver reads its own replica:
@@ -170,12 +180,12 @@ class _Layout:
         fronts = []
         for d, si in enumerate(src_ix):
             ba = tuple(a for a in self.dst[d] if a in self.BA)
-            pairs = set()
-            for i in si:
+            pairs = set()  # source blocks nobody reads give nothing: left out
+            for i in _present(si, self.by_source[d]):
                 gives = Counter()
                 for j, n in self.by_source[d][i]:
                     gives[tuple(self._digits(j, self.dst[d])[a] for a in ba)] += n
-                pairs.update((gives[g], self.count[d][j].get(i, 0)) for g, j in own[d].items())
+                pairs.update((gives[g], self.count[d].get(j, {}).get(i, 0)) for g, j in own[d].items())
             fronts.append(_pareto(pairs))
         return max((k * math.prod(x for x, _ in combo) - math.prod(y for _, y in combo)
                     for combo in itertools.product(*fronts)), default=0)
@@ -186,11 +196,10 @@ class _Layout:
         k, holders = self.mesh.axis_size(self.AB), self.mesh.axis_size(self.BA)
         classes = []
         for d, si in enumerate(src_ix):
-            keys = Counter()
-            for i in si:
-                every = Counter(n for _, n in self.by_source[d][i])
-                local = Counter(n for n in (self.count[d][j].get(i, 0) for j in own[d].values()) if n)
-                keys[(tuple(sorted(every.items())), tuple(sorted(local.items())))] += 1
+            keys = set()  # source blocks nobody reads have no pieces: left out
+            for i in _present(si, self.by_source[d]):
+                local = Counter(n for n in (self.count[d].get(j, {}).get(i, 0) for j in own[d].values()) if n)
+                keys.add((self.every[d][i], tuple(sorted(local.items()))))
             classes.append(list(keys))
         best = 0
         for combo in itertools.product(*classes):
@@ -218,7 +227,7 @@ class _Layout:
 
     def _wanted(self, coords):
         """(source block, (source slices, target slices)) of every piece of this receiver's target block."""
-        per_dim = [self.pieces[d][_index(coords, dst, self.mesh)] for d, dst in enumerate(self.dst)]
+        per_dim = [self.pieces[d].get(_index(coords, dst, self.mesh), []) for d, dst in enumerate(self.dst)]
         for combo in itertools.product(*per_dim):
             yield tuple(i for i, _, _ in combo), (tuple(s for _, s, _ in combo), tuple(t for _, _, t in combo))
 
@@ -253,7 +262,7 @@ class _Layout:
         """Receiver ``coords``'s piece of source block ``block`` (None: none)."""
         parts = []
         for d, i in enumerate(block):
-            hit = [p for p in self.pieces[d][_index(coords, self.dst[d], self.mesh)] if p[0] == i]
+            hit = [p for p in self.pieces[d].get(_index(coords, self.dst[d], self.mesh), ()) if p[0] == i]
             if not hit:
                 return None
             parts.append(hit[0])
@@ -320,6 +329,18 @@ def _in_rounds(mesh, rank, local, sends, recvs):
         send_list.append((dest, sends.get(dest)))
         recv_list.append((source, recvs.get(source)))
     return send_list, recv_list
+
+
+def _present(ix, table) -> list:
+    """The keys of ``table`` among the indices ``ix`` (a range or a set), in the cost of the smaller."""
+    if len(ix) > len(table):
+        return [i for i in table if i in ix]
+    return [i for i in ix if i in table]
+
+
+def _nonempty(n, k) -> int:
+    """How many of the k blocks of a dim of n entries hold any: ceil(n / ceil(n / k))."""
+    return -(-n // -(-n // k)) if n else 0
 
 
 def _index(coords, axes, mesh) -> int:
