@@ -126,8 +126,8 @@ def exchanged(x, src, dst, mesh, partial=(), maps=None) -> dict:
 
 
 @pytest.mark.parametrize("mesh", [sr.Mesh((3,), ("x",)), sr.Mesh((2, 3), ("x", "y")),
-                                  sr.Mesh((2, 2), ("x", "y"), devices=(3, 1, 2, 0)), sr.Mesh((2, 1, 2), ("x", "y", "z"))],
-                         ids=str)
+                                  sr.Mesh((2, 2), ("x", "y"), devices=(3, 1, 2, 0)),
+                                  sr.Mesh((2, 1, 2), ("x", "y", "z"))], ids=str)
 @pytest.mark.parametrize("shape", [(10, 7), (1, 9)], ids=str)
 def test_each_ranks_own_rounds_deliver_its_target_block(mesh, shape):
     x = np.arange(1, np.prod(shape) + 1, dtype=np.float64).reshape(shape)
