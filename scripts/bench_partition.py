@@ -4,6 +4,13 @@
     python scripts/bench_partition.py --layers 2 8 --preset dp --mesh 8 --rounds 5
     python scripts/bench_partition.py --profile 32          # cProfile of one partition, top 30 by own time
     python scripts/bench_partition.py --cpu                 # CPU seconds of this process (a loaded machine)
+    python scripts/bench_partition.py --layers 2 --meshes 64x8 192x8 384x8   # 512, 1536, 3072 ranks
+
+With ``--meshes`` every measurement runs in a fresh process (nothing cached from another mesh or round) and
+reports that process's peak RSS; the rounds interleave the meshes, and the closing line gives the ratio of the
+slowest mesh's best total to the fastest's (the issue's target: flat within 1.5x from 512 to 3072 ranks, the
+3072-rank plan under 10 s and 2 GiB). The model is narrow (d = 256: ``input_specs`` still builds its example
+arrays), so what grows with the mesh is the partitioner's own work.
 
 Per model (layers unrolled, so the program grows with the model): graph nodes, program instructions as the
 partitioner emits them (``instrs``: before fusion and the async split) and as ``partition()`` returns them
@@ -29,10 +36,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import json
 import math
 import os
 import pstats
+import resource
 import subprocess
+import sys
 import time
 
 import spmd_runtime as sr
@@ -88,6 +98,42 @@ def uptime() -> str:
         return "loadavg " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def across_meshes(args) -> None:
+    """Each (mesh, layers) partitioned in a fresh child process per round; every round printed, then the best."""
+    print(f"# {args.preset}, {'CPU' if args.cpu else 'wall'} seconds, {args.rounds} rounds, one fresh process per "
+          f"measurement; rss: the child's peak resident set")
+    print(f"# before: {uptime()}")
+    head = f"{'round':>6} {'mesh':>10} {'ranks':>6} {'layers':>6} {'instrs':>7} {'final':>6} {'partition s':>11} " \
+           f"{'total s':>9} {'rss MiB':>8}"
+    print(head)
+    best: dict = {}
+    for r in range(args.rounds):
+        for mesh in args.meshes:
+            for layers in args.layers:
+                m = child_measure(mesh, layers, args)
+                print(mesh_row(str(r + 1), mesh, layers, m), flush=True)
+                old = best.get((mesh, layers))
+                best[(mesh, layers)] = m if old is None else {k: min(old[k], m[k]) for k in m}
+    for (mesh, layers), m in best.items():
+        print(mesh_row("min", mesh, layers, m))
+    for layers in args.layers:
+        totals = [best[(mesh, layers)]["total"] for mesh in args.meshes]
+        print(f"# layers {layers}: slowest / fastest best total over the meshes = {max(totals) / min(totals):.2f}x")
+    print(f"# after: {uptime()}")
+
+
+def child_measure(mesh: str, layers: int, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--preset", args.preset, "--layers", str(layers), "--mesh",
+           *mesh.split("x")] + (["--cpu"] if args.cpu else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def mesh_row(label: str, mesh: str, layers: int, m: dict) -> str:
+    return (f"{label:>6} {mesh:>10} {math.prod(int(x) for x in mesh.split('x')):>6} {layers:>6} {m['instrs']:>7} "
+            f"{m['final']:>6} {m['partition']:>11.3f} {m['total']:>9.3f} {m['rss'] / 2**20:>8.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32, 64])
@@ -96,9 +142,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", type=int, metavar="LAYERS", help="cProfile one partition of this size")
     parser.add_argument("--cpu", action="store_true", help="time with process CPU time instead of wall time")
+    parser.add_argument("--meshes", nargs="+", metavar="AxB", help="compare meshes (e.g. 64x8 192x8 384x8), each "
+                        "measurement in a fresh process with its peak RSS")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measurement, as JSON
     args = parser.parse_args()
+    if args.meshes:
+        return across_meshes(args)
     clock = time.process_time if args.cpu else time.perf_counter
     mesh = sr.train_mesh(tuple(args.mesh), args.preset)
+    if args.child:
+        m = measure(args.layers[0], args.preset, mesh, clock)
+        print(json.dumps({**m, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+        return
     if args.profile:
         graph, in_specs, out_specs, _ = traced(args.profile, args.preset, mesh, clock)
         profiler = cProfile.Profile()

@@ -52,6 +52,7 @@ from ..mesh import Mesh
 from ..ops.spmd import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALLV, COLLECTIVE_PERMUTE, REDUCE_SCATTER, RESIZE,
                         SHARD_SLICE)
 from ..sharding import Sharding
+from .exchange import exchange_cost, receive_lower_bound
 
 # Most states the search expands before it settles for the best plan found (or the greedy one).
 SEARCH_LIMIT = 400
@@ -352,9 +353,9 @@ class _Planner:
 
     def exchange(self, dst, itemsize):
         """all_to_allv: every rank sends each other rank the intersection of their blocks, all dims at once."""
-        table = exchange_table(self.cur.dims, dst.dims, self.shape, self.mesh, self.cur.partial)
-        self.emit(ALL_TO_ALLV, dst.dims, axes=table.axes, src_dims=self.cur.dims, dst_dims=dst.dims,
-                  partial_axes=self.cur.partial, wire_bytes=table.busiest * itemsize)
+        cost = exchange_cost(self.cur.dims, dst.dims, self.shape, self.mesh, self.cur.partial)
+        self.emit(ALL_TO_ALLV, dst.dims, axes=cost.axes, src_dims=self.cur.dims, dst_dims=dst.dims,
+                  partial_axes=self.cur.partial, wire_bytes=cost.busiest * itemsize)
 
 
 def _notes(steps, src, dst, shape) -> list[str]:
@@ -397,169 +398,12 @@ def permute_pairs(src: Sharding, dst: Sharding, mesh: Mesh) -> list[tuple[int, i
     return [(r, holder[key(r, src)]) for r in sorted(mesh.devices)]
 
 
-@dataclass(frozen=True)
-class ExchangeTable:
-    """Who sends whom which block of an all_to_allv from ``src_dims`` to ``dst_dims`` (one entry per rank).
-
-    Rank q's target block is cut into its intersections with the source blocks. A piece q holds stays local;
-    any other comes from one of its holders (ranks that match q on the ``partial`` axes), the least loaded so
-    far, biggest pieces first, so partially replicated sources spread the sending. ``sends[r]``: (dest, local
-    source slices), ``recvs[r]``: (source, local target slices), both in round order: round s pairs mesh
-    position p with p + s (send) and p - s (receive); None slices: nothing that round, known to both sides."""
-    axes: tuple[str, ...]  # the axes in which some sender and its receiver differ (the joint group)
-    sends: dict
-    recvs: dict
-    busiest: int  # elements the busiest rank sends to others or receives from them (its time on the wire)
-
-
-@lru_cache(maxsize=1 << 12)
-def exchange_table(src_dims, dst_dims, shape, mesh: Mesh, partial=(), maps=None) -> ExchangeTable:
-    """``maps`` (one per dim, None for the identity): (offset, stride, size[, first, end[, dilation[, wrap]]]):
-    target entry j of a dim of ``size`` is source entry offset + stride * j (modulo the source size when
-    ``wrap``; divided by ``dilation``, read only when it divides exactly), read only from [first, end) of the
-    source (default all); entries that read nothing stay the fill value: slices, pads (interior too), shifts,
-    rotations and concatenations of slices along split dims move exactly the entries they need."""
-    src_dims, dst_dims = tuple(map(tuple, src_dims)), tuple(map(tuple, dst_dims))
-    maps = tuple(maps) if maps is not None else (None,) * len(shape)
-    out_shape = tuple(n if m is None else m[2] for n, m in zip(shape, maps))
-    split = {a for d in src_dims for a in d}
-    free = [a for a in mesh.axis_names if a not in split and a not in partial]
-    pieces = {r: {} for r in mesh.devices}  # holder -> {receiver: (source slices, target slices)}
-    remote = []
-    for q in mesh.devices:
-        coords = mesh.coords(q)
-        want = [_block(m, d, mesh, q) for m, d in zip(out_shape, dst_dims)]
-        per_dim = [_overlaps(n, d, mesh, lo, hi, f) for n, d, (lo, hi), f in zip(shape, src_dims, want, maps)]
-        if any(len({p[0] for p in pieces_of_dim}) < len(pieces_of_dim) for pieces_of_dim in per_dim):
-            raise ValueError(f"a wrapped window map reads one source block twice for one target block (maps {maps}, "
-                             f"source {src_dims}, target {dst_dims}): one exchange cannot carry two pieces per pair")
-        for combo in itertools.product(*per_dim):
-            fixed = dict(coords)
-            for d, (index, _, _) in zip(src_dims, combo):
-                fixed.update(_split_index(index, d, mesh))
-            piece = tuple(c[1] for c in combo), tuple(c[2] for c in combo)
-            if fixed == coords:
-                pieces[q][q] = piece
-                continue
-            holders = [mesh.rank_at({**fixed, **dict(zip(free, f))})
-                       for f in itertools.product(*(range(mesh.axis_size(a)) for a in free))]
-            remote.append((-_count(piece[1]), mesh.devices.index(q), q, mesh.rank_at(fixed), holders, piece))
-    load, received = dict.fromkeys(mesh.devices, 0), dict.fromkeys(mesh.devices, 0)
-    differ = set()
-    for size, _, q, default, holders, piece in sorted(remote, key=lambda t: t[:2]):
-        h = min(holders, key=lambda c: (load[c], c != default, mesh.devices.index(c)))
-        load[h] -= size
-        received[q] -= size
-        pieces[h][q] = piece
-        cq, ch = mesh.coords(q), mesh.coords(h)
-        differ |= {a for a in mesh.axis_names if cq[a] != ch[a]}
-    order, sends, recvs = mesh.devices, {}, {}
-    for me, r in enumerate(order):
-        ahead = [order[(me + s) % len(order)] for s in range(len(order))]
-        behind = [order[(me - s) % len(order)] for s in range(len(order))]
-        sends[r] = [(d, pieces[r].get(d, (None, None))[0]) for d in ahead]
-        recvs[r] = [(src, pieces[src].get(r, (None, None))[1]) for src in behind]
-    busiest = max(max(load.values()), max(received.values()))
-    return ExchangeTable(tuple(a for a in mesh.axis_names if a in differ), sends, recvs, busiest)
-
-
 def window_exchange(src: Sharding, dst_dims, shape, mesh: Mesh, maps, itemsize: int, fill=0) -> dict:
     """Attributes of one all_to_allv that moves, for every target block of ``dst_dims``, exactly the source
-    entries ``maps`` sends it (see ``exchange_table``): a slice, pad or shift along split dims as one exchange
+    entries ``maps`` sends it (see ``exchange.window_parts``): a slice, pad or shift along split dims as one exchange
     of the rows that change owner instead of a gather. Cost: its ``wire_bytes``."""
     maps = tuple(None if m is None else tuple(int(v) for v in m) for m in maps)
     dst_dims = tuple(map(tuple, dst_dims))
-    table = exchange_table(src.dims, dst_dims, tuple(shape), mesh, src.partial, maps)
-    return {"axes": table.axes, "src_dims": src.dims, "dst_dims": dst_dims, "partial_axes": src.partial,
-            "maps": maps, "fill": fill, "wire_bytes": table.busiest * itemsize}
-
-
-@lru_cache(maxsize=1 << 14)
-def receive_lower_bound(src_dims, dst_dims, shape, mesh: Mesh) -> int:
-    """Elements the busiest rank must receive to go from src_dims to dst_dims: its target block less what of
-    it it already holds. No plan moves less (a ring collective sends what it receives)."""
-    coords = _coord_matrix(mesh)
-    need, have = np.ones(mesh.size, dtype=np.int64), np.ones(mesh.size, dtype=np.int64)
-    for n, s, d in zip(shape, src_dims, dst_dims):
-        (s_lo, s_hi), (d_lo, d_hi) = _bounds(n, s, mesh, coords), _bounds(n, d, mesh, coords)
-        need *= d_hi - d_lo
-        have *= np.clip(np.minimum(s_hi, d_hi) - np.maximum(s_lo, d_lo), 0, None)
-    return int((need - have).max())
-
-
-@lru_cache(maxsize=64)
-def _coord_matrix(mesh: Mesh) -> np.ndarray:
-    """Row p: the mesh coordinates of the device at position p (row-major over the mesh shape)."""
-    return np.array(list(np.ndindex(*mesh.shape)), dtype=np.int64).reshape(mesh.size, len(mesh.shape))
-
-
-def _bounds(n, axes, mesh, coords):
-    """[start, stop) of every position's block of a dim of size n split over ``axes``."""
-    index = np.zeros(len(coords), dtype=np.int64)
-    for a in axes:
-        index = index * mesh.axis_size(a) + coords[:, mesh.axis_index(a)]
-    c = -(-n // mesh.axis_size(axes))
-    return np.minimum(index * c, n), np.minimum(index * c + c, n)
-
-
-def _block(n, axes, mesh, rank):
-    c = -(-n // mesh.axis_size(axes))
-    i = mesh.index_along(rank, axes)
-    return min(i * c, n), min((i + 1) * c, n)
-
-
-def _overlaps(n, axes, mesh, lo, hi, window=None):
-    """(block index, local source slice, local target slice) of each source block (``axes`` blocks of a dim of
-    size n) holding entries of the target block [lo, hi); ``window`` maps target entries to source entries (see
-    ``exchange_table``; None: the identity)."""
-    offset, stride, _, first_read, end_read, dilation, wrap = _window(window, n)
-    if wrap and hi > lo:  # source index modulo n: one linear piece per period the target block spans
-        periods = range((offset + stride * lo) // n, (offset + stride * (hi - 1)) // n + 1)
-        return [p for t in periods for p in _overlaps(n, axes, mesh, lo, hi, (offset - t * n, stride, hi, 0, n))]
-    k = mesh.axis_size(axes)
-    c = -(-n // k)
-    first, last = (lo // c, -(-hi // c)) if window is None else (0, k)
-    out = []
-    for i in range(first, min(k, last)):
-        s_lo, s_hi = max(i * c, first_read), min((i + 1) * c, n, end_read)
-        if s_hi <= s_lo:
-            continue
-        # target j reads source (offset + stride * j) / dilation: j = (dilation * s - offset) / stride
-        j0 = max(lo, -(-(dilation * s_lo - offset) // stride))
-        j1 = min(hi, (dilation * (s_hi - 1) - offset) // stride + 1)
-        if dilation > 1:  # stride 1 here: only every dilation-th target entry reads the source
-            j0 += (-(offset + j0)) % dilation
-        if j1 > j0:
-            count = (j1 - j0 - 1) // dilation + 1
-            src = (offset + stride * j0) // dilation - i * c  # local index in block i
-            step = stride if dilation == 1 else 1
-            out.append((i, slice(src, src + step * (count - 1) + 1, step),
-                        slice(j0 - lo, j0 - lo + dilation * (count - 1) + 1, dilation)))
-    return out
-
-
-def _window(window, n):
-    """(offset, stride, size, first, end, dilation, wrap) of a window map: target entry j of the dim reads source
-    entry (offset + stride * j) / dilation when that divides exactly and lies in [first, end) (default: the
-    whole source); the rest keep the fill value. Dilation > 1 (interior padding) needs stride 1; ``wrap`` 1
-    takes the source index modulo n (a rotation: np.roll)."""
-    if window is None:
-        return 0, 1, n, 0, n, 1, 0
-    offset, stride, size, *rest = window
-    first, end, dilation, wrap = (list(rest) + [0, n, 1, 0][len(rest):])[:4]
-    if dilation > 1 and stride != 1:
-        raise ValueError(f"a window map with dilation {dilation} needs stride 1; got stride {stride}")
-    return offset, stride, size, first, end, dilation, wrap
-
-
-def _split_index(index, axes, mesh) -> dict:
-    """Mesh coordinates along ``axes`` (major first) of linear shard number ``index``."""
-    out = {}
-    for a in reversed(axes):
-        index, out[a] = divmod(index, mesh.axis_size(a))
-    return out
-
-
-def _count(slices) -> int:
-    """Entries of a box of slices (target slices of a dilated window are strided)."""
-    return math.prod(len(range(s.start, s.stop, s.step or 1)) for s in slices)
+    cost = exchange_cost(src.dims, dst_dims, tuple(shape), mesh, src.partial, maps)
+    return {"axes": cost.axes, "src_dims": src.dims, "dst_dims": dst_dims, "partial_axes": src.partial,
+            "maps": maps, "fill": fill, "wire_bytes": cost.busiest * itemsize}

@@ -12,7 +12,7 @@ from ...collective_kinds import BY_START
 from ...program_check import derives
 from ...ops.spmd import (ALL_TO_ALLV, COLLECTIVES, DONES, MASK_PADDING, ROTATED_CONCAT, SHARD_INDEX, SHARD_SLICE,
                          STARTS)
-from ...partition.resharding import exchange_table
+from ...partition.exchange import exchange_rounds
 from ...sharding import block_span
 from .table import bind
 
@@ -50,15 +50,14 @@ def _operand_checked(run, ins, operand):
 
 @bind(ALL_TO_ALLV)
 def _bind_all_to_allv(interp, ins):
-    """This rank's rounds of (peer, slices) from the planner's exchange table, resolved once (window maps
-    included: a slice, pad or concatenation along a split dim)."""
+    """This rank's rounds of (peer, slices), resolved once for this rank alone (window maps included: a slice,
+    pad or concatenation along a split dim): no table of every rank's rounds is built."""
     a = ins.attrs
     operand = interp.program.instrs[ins.args[0]].global_shape
-    table = exchange_table(a["src_dims"], a["dst_dims"], operand, interp.program.mesh, tuple(a["partial_axes"]),
-                           a.get("maps"))
-    rank = interp.mc.rank
-    return partial(collectives.all_to_allv, interp.mc, sends=table.sends[rank], recvs=table.recvs[rank],
-                   out_shape=ins.shape, fill=a.get("fill", 0))
+    sends, recvs = exchange_rounds(a["src_dims"], a["dst_dims"], operand, interp.program.mesh, interp.mc.rank,
+                                   tuple(a["partial_axes"]), a.get("maps"))
+    return partial(collectives.all_to_allv, interp.mc, sends=sends, recvs=recvs, out_shape=ins.shape,
+                   fill=a.get("fill", 0))
 
 
 @bind(*STARTS.values())

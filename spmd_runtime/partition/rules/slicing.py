@@ -445,7 +445,7 @@ def _choose_modes(ctx, node, x, need, target, kept, shift_pieces, owned_ok) -> t
 
 def _exchanged(ctx, node, x, target, maps, wire, fill=0, into=None):
     """The op as ONE all_to_allv from the operand's blocks straight to the target's (``maps``: per dim the
-    (offset, stride, size) window, see resharding.exchange_table) when that moves fewer bytes than ``wire``
+    (offset, stride, size) window, see exchange.window_parts) when that moves fewer bytes than ``wire``
     (the gather / owned-sum plan); None otherwise, or for partial sums."""
     if x.sharding.partial or target.partial:
         return None
