@@ -24,13 +24,14 @@ parameter count is exactly eq. 2's. Here b is the micro-batch size per data-para
 Megatron-LM's published GPT-3 175B script), M = batch / (d b) micro-batches (gradient accumulation without a
 pipeline, the pipeline's micro-batches with one), V = 51200, s = 2048, bf16 compute (the paper: fp16; same bytes).
 
-Rows are planned with the closest preset: ``megatron`` (mesh data x model) for p = 1, ``pipeline`` (stage x data x
-model; GPipe) for p > 1. A row that cannot be planned prints why and the script goes on. ``--max-ranks`` skips
-the largest meshes (partitioning builds per-rank tables today: ~92 s and ~11 GB at 3072 ranks).
+Rows are planned with the closest preset: ``megatron`` (mesh data x model) for p = 1, ``pipeline_1f1b`` (stage x
+data x model; the paper's 1F1B, without its interleaving; ``--schedule pipeline`` for GPipe) for p > 1. A row
+that cannot be planned prints why and the script goes on. ``--max-ranks`` skips the larger meshes (partitioning no
+longer grows with the rank count: the 1T row's 3072 ranks plan like the others).
 
-    python scripts/bench_megatron_table.py                      # every row up to --max-ranks 1024
+    python scripts/bench_megatron_table.py --predict dgx-a100-80gb   # every row, and its predicted TFLOP/s
     python scripts/bench_megatron_table.py --rows 1.7B,18B --remat none
-    python scripts/bench_megatron_table.py --rows 1T --max-ranks 4096
+    python scripts/bench_megatron_table.py --rows 1T --schedule pipeline   # GPipe instead of 1F1B
 """
 from __future__ import annotations
 
@@ -76,9 +77,11 @@ GSHARD = dict(layers=36, d=1024, heads=16, head_dim=128, ffn=8192, experts=2048,
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=None, help="comma-separated row names (1.7B, ..., 1T, gshard); default all")
-    ap.add_argument("--max-ranks", type=int, default=1024, help="skip rows on more ranks than this")
+    ap.add_argument("--max-ranks", type=int, default=4096, help="skip rows on more ranks than this")
     ap.add_argument("--remat", default="full", choices=["full", "none"], help="full: the paper's full recompute")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--schedule", default="pipeline_1f1b", choices=["pipeline_1f1b", "pipeline"],
+                    help="the preset of the p > 1 rows: 1F1B (the paper's schedule, default) or GPipe")
     ap.add_argument("--predict", default=None, metavar="HARDWARE",
                     help="also predict each row's step on this hardware profile (e.g. dgx-a100-80gb: program.estimate)"
                          " and print its TFLOP/s per GPU by the paper's eq. 3 next to the published figure")
@@ -135,13 +138,12 @@ def plan_row(row, args) -> None:
     f = megatron_formulas(a, h, l, t, p, d, batch, args.remat)
     head = f"{name}: l={l} h={h} a={a}  t={t} p={p} d={d} ({gpus} ranks)  batch {batch}, M={f['M']} x b={MICRO}"
     if gpus > args.max_ranks:
-        print(f"{head}\n  skipped: {gpus} ranks > --max-ranks {args.max_ranks} (partitioning builds per-rank "
-              f"exchange tables today; run with --max-ranks {gpus} to try)\n")
+        print(f"{head}\n  skipped: {gpus} ranks > --max-ranks {args.max_ranks}\n")
         return
     cfg = sr.LMConfig(layers=l, d=h, heads=a, ffn=4 * h, vocab=VOCAB, seq=SEQ, batch=batch, dtype=args.dtype,
                       remat=args.remat, tied=True, bias=True)  # Megatron's GPT: biases, tied output layer
     preset, mesh = (("megatron", sr.Mesh((d, t), ("data", "model"))) if p == 1 else
-                    ("pipeline", sr.Mesh((p, d, t), ("stage", "data", "model"))))
+                    (args.schedule, sr.Mesh((p, d, t), ("stage", "data", "model"))))
     try:
         plan = plan_train_step(cfg, mesh, preset, AdamW(), microbatches=f["M"])
     except Exception as e:  # a row the presets cannot express yet: say why, go on with the next
