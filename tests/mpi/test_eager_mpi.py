@@ -71,12 +71,14 @@ def test_mixed_darray_and_numpy_operands(world_meshes):
 
 
 def test_results_chain_and_keep_layout():
-    mesh = sr.Mesh((MPI.COMM_WORLD.size,), ("x",))
-    x = sr.device_put(A, sr.P("x"), mesh)
+    n = MPI.COMM_WORLD.size
+    mesh = sr.Mesh((n,), ("x",))
+    a = np.linspace(-1, 1, (2 * n + 1) * 3, dtype="float32").reshape(2 * n + 1, 3)  # uneven, no rank empty
+    x = sr.device_put(a, sr.P("x"), mesh)
     z = snp.tanh(x * 2.0 + 1.0) - x
     assert z.sharding == x.sharding  # elementwise results keep their operands' layout: nothing moved
     assert z.local.shape == x.local.shape
-    np.testing.assert_allclose(np.asarray(z), np.tanh(A * 2 + 1) - A, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(z), np.tanh(a * 2 + 1) - a, rtol=1e-6, atol=1e-6)
 
 
 def test_one_program_per_signature():
