@@ -14,6 +14,8 @@ import subprocess
 
 import pytest
 
+from spmd_runtime.hardware import Hardware
+
 from test_faults import HYDRA, ROOT, Case, _launch, _named_by_the_watcher, one_rank_computes
 
 SCRIPT = os.path.join(ROOT, "scripts", "emulate_cluster.sh")
@@ -59,6 +61,12 @@ def test_ranks_are_placed_on_their_hosts(cluster_env, tmp_path):
     assert [p[:5] for p in placed] == [["0", "node1", "0", "2", "2"], ["1", "node1", "1", "2", "2"],
                                        ["2", "node2", "0", "2", "2"], ["3", "node2", "1", "2", "2"]], r["output"]
     assert all(p[5] == want_total for p in placed), r["output"]  # every rank has the same reduced value
+    # the predictor's placement (rank order, 2 per node) is the launcher's: a collective it prices as between
+    # nodes is one whose ranks sit on different hosts here
+    hw = Hardware.load("dgx-a100-80gb")
+    hw = Hardware(hw.name, hw.flops, hw.memory_bytes, hw.memory_bandwidth, 2, hw.intra, hw.inter)
+    assert [f"node{hw.node_of(int(p[0])) + 1}" for p in placed] == [p[1] for p in placed]
+    assert hw.link_for([0, 1]) is hw.intra and hw.link_for([0, 2]) is hw.inter
 
 
 def test_a_rank_killed_on_the_second_host_is_named_by_rank_and_host(cluster_env, tmp_path):
