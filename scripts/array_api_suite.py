@@ -10,7 +10,8 @@ Both namespaces run the same tests with the same settings (``--max-examples``, d
 API version 2023.12): spmd_runtime through ``scripts/array_api/spmd_array_api.py`` (eager DArrays on a
 mesh over the MPI world; ``--ranks N`` runs the suite under ``mpiexec -n N``, every rank drawing the same
 examples, and counts rank 0's report), NumPy as the suite's own reference. Prints passed / failed / skipped
-per test file and in all, and spmd_runtime's passes as a share of NumPy's.
+per test file and in all, and spmd_runtime's passes as a share of NumPy's. Each test file runs on its own
+(``--file-budget`` seconds at most: a file past it counts nothing, and says so).
 """
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ ADAPTER = HERE / "array_api"
 OUTCOMES = ("passed", "failed", "skipped")
 
 
-def run_suite(namespace: str, suite: Path, args, report: Path) -> None:
+def run_suite(namespace: str, suite: Path, args, report: Path, target: str = "array_api_tests") -> None:
     env = dict(os.environ, ARRAY_API_TESTS_MODULE=namespace, ARRAY_API_TESTS_VERSION="2023.12",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ADAPTER), str(HERE.parent), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", "array_api_tests", "-q", "-p", "no:cacheprovider", "--derandomize",
+    cmd = [sys.executable, "-m", "pytest", target, "-q", "-p", "no:cacheprovider", "--derandomize",
            "--disable-deadline", f"--max-examples={args.max_examples}", f"--junitxml={report}", "-o",
            "junit_family=xunit1", "--disable-extension", "fft"]
     if args.k:
@@ -45,7 +46,11 @@ def run_suite(namespace: str, suite: Path, args, report: Path) -> None:
                f'if [ "$PMI_RANK" != 0 ]; then exec "$@" --junitxml=/dev/null >/dev/null 2>&1; else exec "$@"; fi',
                "rank"] + cmd
     print(f"$ ({namespace}) {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, cwd=suite, env=env, stdout=subprocess.DEVNULL if not args.verbose else None, check=False)
+    try:
+        subprocess.run(cmd, cwd=suite, env=env, stdout=subprocess.DEVNULL if not args.verbose else None, check=False,
+                       timeout=args.file_budget)
+    except subprocess.TimeoutExpired:
+        print(f"  ({namespace}) {target}: past --file-budget {args.file_budget} s, not counted", flush=True)
 
 
 def outcomes(report: Path) -> dict[str, collections.Counter]:
@@ -69,17 +74,24 @@ def main() -> None:
     ap.add_argument("-k", help="pytest's -k expression: a part of the suite")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per test (pytest-timeout)")
     ap.add_argument("--verbose", action="store_true", help="show pytest's output")
+    ap.add_argument("--files", nargs="+", default=None, help="test files of the suite (default: every one), each run "
+                    "on its own so one slow file costs only itself")
+    ap.add_argument("--file-budget", type=int, default=1800, help="seconds per test file and namespace")
     args = ap.parse_args()
     if not (args.suite / "array-api" / "spec").is_dir():
         sys.exit(f"--suite must be a checkout of data-apis/array-api-tests with its array-api submodule "
                  f"(git submodule update --init); got {args.suite} without array-api/spec")
     results = {}
+    files = args.files or sorted(p.name for p in (args.suite / "array_api_tests").glob("test_*.py"))
     with tempfile.TemporaryDirectory(prefix="array_api_") as tmp:
         for name, namespace in (("spmd", "spmd_array_api"), ("numpy", "numpy")):
             if args.only in (None, name):
-                report = Path(tmp) / f"{name}.xml"
-                run_suite(namespace, args.suite.resolve(), args, report)
-                results[name] = outcomes(report) if report.exists() else {}
+                results[name] = collections.defaultdict(collections.Counter)
+                for f in files:
+                    report = Path(tmp) / f"{name}-{f}.xml"
+                    run_suite(namespace, args.suite.resolve(), args, report, f"array_api_tests/{f}")
+                    for where, counts in (outcomes(report) if report.exists() else {}).items():
+                        results[name][where] += counts
     print_table(results, args)
 
 
