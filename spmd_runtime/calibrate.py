@@ -118,7 +118,9 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     one small instruction, the slowest rank counting; the links come from ``doc``'s all-reduce fits, inside a
     node from the groups of node-local ranks and between nodes from an all-reduce over one rank per node."""
     comm = world(comm)
-    per_node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank()).Get_size()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())  # the ranks sharing this rank's memory
+    per_node = node.Get_size()
+    node.Free()
     slowest = lambda seconds: max(comm.allgather(seconds))  # noqa: E731  (every rank's best, the slowest of them)
     flops = {d: 2 * GEMM_SIZE ** 3 / slowest(_best(_gemm(d), repeats)) for d in ("float32", "float64")}
     bandwidth = 2 * COPY_BYTES / slowest(_best(_copy(), repeats))
