@@ -81,7 +81,7 @@ _spmd_setup_env() {
     # Cheap sanity check that the key modules are still there (find_spec does
     # not import them, so this costs a few ms, not a second).
     local mods="'numpy', 'mpi4py'"
-    case ",$extras," in *,test,*) mods="$mods, 'pytest', 'pytest_mpi', 'pytest_timeout', 'hypothesis'" ;; esac
+    case ",$extras," in *,test,*) mods="$mods, 'pytest', 'pytest_mpi', 'pytest_timeout', 'xdist', 'hypothesis'" ;; esac
     local check="import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ($mods)))"
     if [[ "${SPMD_REINSTALL:-0}" != 1 && "$want" == "$have" ]] \
         && "$venv/bin/python" -c "$check" >/dev/null 2>&1; then

@@ -15,6 +15,8 @@
 #
 # Knobs: SPMD_MPI_SIZES="1 2 3 4 8"  SPMD_STAGE_TIMEOUT=600 (seconds per MPI
 # stage)  SPMD_TEST_TIMEOUT=300 (seconds per test, pytest-timeout)
+# SPMD_UNIT_WORKERS=auto (pytest-xdist processes for the unit stage: one per
+# core; 0 runs it in this process)
 # plus those of scripts/setup_env.sh.
 set -euo pipefail
 
@@ -25,6 +27,7 @@ source scripts/setup_env.sh
 MPI_SIZES="${SPMD_MPI_SIZES-1 2 3 4 8}"
 STAGE_TIMEOUT="${SPMD_STAGE_TIMEOUT:-600}"
 TEST_TIMEOUT="${SPMD_TEST_TIMEOUT:-300}"
+UNIT_WORKERS="${SPMD_UNIT_WORKERS:-auto}"
 
 REPORTS="$(mktemp -d "${TMPDIR:-/tmp}/spmd_test.XXXXXX")"
 trap 'rm -rf "$REPORTS"' EXIT
@@ -76,8 +79,8 @@ for d in tests/unit tests/comm; do
     [[ -d "$d" ]] && UNIT_DIRS+=("$d")
 done
 if [[ ${#UNIT_DIRS[@]} -gt 0 ]] && has_tests "${UNIT_DIRS[@]}"; then
-    run_stage unit 1 "python -m pytest ${UNIT_DIRS[*]} -q${*:+ $*}" \
-        python -m pytest "${UNIT_DIRS[@]}" -q --junitxml="$REPORTS/unit.rank0.xml" "$@"
+    run_stage unit 1 "python -m pytest ${UNIT_DIRS[*]} -q -n $UNIT_WORKERS${*:+ $*}" \
+        python -m pytest "${UNIT_DIRS[@]}" -q -n "$UNIT_WORKERS" --junitxml="$REPORTS/unit.rank0.xml" "$@"
 else
     printf '\n=== unit: skipped (no test files in tests/unit or tests/comm)\n'
 fi
