@@ -70,6 +70,8 @@ GIB = 2.0 ** 30
 # Lepikhin et al. 2020, "GShard", MoE(2048E, 36L): 36 layers (every other one MoE, top-2, capacity factor 2),
 # 2048 experts, model dim 1024, FFN hidden 8192, 16 heads of dim 128, 2048 TPU cores (one expert each),
 # 4M tokens per batch; planned as a decoder-only LM of the same shape (GShard's model is an encoder-decoder).
+# Its published training speed: 0.72 steps/s on 2048 TPU v3 cores (the figure issue 27 compares against).
+GSHARD_HARDWARE, GSHARD_STEPS_PER_S = "tpu-v3", 0.72
 GSHARD = dict(layers=36, d=1024, heads=16, head_dim=128, ffn=8192, experts=2048, moe_every=2, vocab=32000,
               seq=1024, batch=4096, ranks=2048)
 
@@ -216,7 +218,19 @@ def plan_gshard(args) -> None:
     print(f"  all-to-all wire bytes / step    {ours / GIB:10.2f} GiB   formula {f['all_to_all'] / GIB:10.2f} GiB   "
           f"ratio {ours / f['all_to_all']:6.2f}")
     print(f"  all-reduce wire bytes / step    {reduced / GIB:10.2f} GiB   formula {f['all_reduce'] / GIB:10.2f} GiB   "
-          f"ratio {reduced / f['all_reduce']:6.2f}\n")
+          f"ratio {reduced / f['all_reduce']:6.2f}")
+    if args.predict:  # on the paper's own device, whatever profile the Table 1 rows use
+        predict_gshard(plan.step.program)
+    print()
+
+
+def predict_gshard(program) -> None:
+    """The MoE row's predicted steps/s on TPU v3 (GShard's device: 2048 cores) beside the published 0.72."""
+    e = program.estimate(GSHARD_HARDWARE)
+    rate = 1.0 / e.step_s
+    print(f"  predicted on {e.hardware.name}: step {e.step_s:.2f} s (compute {e.compute_s:.2f} s, exposed "
+          f"communication {e.exposed_comm_s:.2f} s); {rate:.2f} steps/s   published {GSHARD_STEPS_PER_S} steps/s   "
+          f"ratio {rate / GSHARD_STEPS_PER_S:5.2f}; {e.verdict}")
 
 
 SUMMARY: list = []

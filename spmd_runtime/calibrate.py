@@ -173,14 +173,14 @@ def _instruction_overhead(comm, repeats: int, n: int = 200) -> float:
 
 
 def _link(doc: dict, k: int) -> Link:
-    """The link of an all-reduce fit over ``k`` ranks (the nearest measured group size): a ring all-reduce sends
-    2 (k - 1) messages, so latency = alpha / (2 (k - 1)), bandwidth = 1 / beta."""
+    """The link of an all-reduce fit over ``k`` ranks (the nearest measured group size): an all-reduce sends
+    ``ALL_REDUCE.messages(k)`` messages in sequence, so latency = alpha / that, bandwidth = 1 / beta."""
     fits = [f for f in doc["fits"] if f["op"] == ALL_REDUCE.name]
     if not fits or k < 2:
         return Link(SECONDS_PER_BYTE ** -1, 0.0)  # one rank: no link measured, the default model's
     fit = min(fits, key=lambda f: (abs(math.log(f["k"] / k)), f["k"]))
     beta = fit["beta"] or SECONDS_PER_BYTE
-    return Link(1 / beta, fit["alpha"] / (2 * (fit["k"] - 1)))
+    return Link(1 / beta, fit["alpha"] / ALL_REDUCE.messages(fit["k"]))
 
 
 @watchdog.collective(lambda frame: "calibrate's timing of an all-reduce between nodes (Barrier, allgather)")

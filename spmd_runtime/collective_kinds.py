@@ -4,6 +4,9 @@ One frozen ``CollectiveKind`` per kind, in ``KINDS`` (name -> kind):
 
 - ``wire``: the bytes each rank puts on the wire (ring algorithms over k ranks, GSPMD_NOTES.md section 5), a key
   of ``WIRE``; ``"sent"``: what the planner's exchange table says its busiest rank moves (``cost.py``);
+- ``steps``: the messages each rank sends one after another (the latency terms), a key of ``STEPS``: those of the
+  logarithmic algorithms MPI libraries pick at scale (recursive halving / doubling, Rabenseifner's all-reduce;
+  NCCL's trees likewise), whose bandwidth term equals the ring's; pairwise exchange for all-to-all;
 - ``pair``: the (start, done) op names of its nonblocking split (MPI's ``I`` call posted at the start, waited
   for at the done; ``partition/schedule.py``, ``exec/rules/spmd.py``), or None: always blocking;
 - ``sixteen_bit``: how float16 / bfloat16 buffers travel (``comm/low_precision.py``): ``BITS`` (viewed as uint16
@@ -24,6 +27,7 @@ kinds. A floor module: it imports only the standard library.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -37,6 +41,13 @@ WIRE = MappingProxyType({
     "(k-1)/k*S_in": lambda k, s_in, s_out: (k - 1) / k * s_in,
     "(k-1)/k*S_out": lambda k, s_in, s_out: (k - 1) / k * s_out,
     "S_in": lambda k, s_in, s_out: float(s_in),
+})
+# Messages each rank sends in sequence for one collective over k > 1 ranks (the algorithm's latency terms).
+STEPS = MappingProxyType({
+    "2log2(k)": lambda k: 2 * math.ceil(math.log2(k)),  # Rabenseifner: recursive halving, then doubling
+    "log2(k)": lambda k: math.ceil(math.log2(k)),  # recursive doubling (all-gather) / halving (reduce-scatter)
+    "k-1": lambda k: k - 1,  # pairwise exchange
+    "1": lambda k: 1,
 })
 SENT = "sent"  # an exchange's wire bytes: its busiest rank's pieces, from the planner's table (not from k)
 
@@ -55,6 +66,7 @@ class CollectiveKind:
     in_place: bool = False
     rounds_of: str | None = None  # an exchange: priced as k - 1 rounds of this kind's measured fit
     calibration: tuple[tuple[str, object], ...] = ()  # attributes calibrate.py times it with, besides its group
+    steps: str = "log2(k)"  # a key of STEPS: its latency terms
 
     def __repr__(self):
         split = f", pair={'/'.join(self.pair)}" if self.pair else ""
@@ -73,6 +85,10 @@ class CollectiveKind:
         if k <= 1:
             return 0.0
         return WIRE[self.wire](k, bytes_in, bytes_out)
+
+    def messages(self, k: int) -> int:
+        """Messages each rank sends one after another for one of this collective over ``k`` ranks."""
+        return STEPS[self.steps](k) if k > 1 else 0
 
     def result_shape(self, shape, k: int, attrs: dict) -> tuple[int, ...] | None:
         """The local result shape for an operand of local ``shape`` over a group of ``k``; None: planned."""
@@ -93,19 +109,20 @@ def _split(name: str) -> tuple[str, str]:
 _REDUCE_OP = (("op", REDUCTIONS),)
 _ALL = (
     CollectiveKind("all_reduce", "2(k-1)/k*S_in", FLOAT32, ("axes",), ("op",), _REDUCE_OP, _split("all_reduce"),
-                   in_place=True),
+                   in_place=True, steps="2log2(k)"),
     CollectiveKind("all_gather", "(k-1)/k*S_out", BITS, ("axes", "dim"), pair=_split("all_gather"),
                    result=(("dim", "*k"),), calibration=(("dim", 0),)),
     CollectiveKind("reduce_scatter", "(k-1)/k*S_in", FLOAT32, ("axes", "dim"), ("op",), _REDUCE_OP,
                    _split("reduce_scatter"), result=(("dim", "/k"),), calibration=(("dim", 0),)),
     CollectiveKind("all_to_all", "(k-1)/k*S_in", BITS, ("axes", "split_dim", "concat_dim"), pair=_split("all_to_all"),
                    result=(("split_dim", "/k"), ("concat_dim", "*k")),
-                   calibration=(("split_dim", 0), ("concat_dim", 0))),
-    CollectiveKind("collective_permute", "S_in", BITS, ("pairs",), pair=_split("collective_permute"), group=WORLD),
+                   calibration=(("split_dim", 0), ("concat_dim", 0)), steps="k-1"),
+    CollectiveKind("collective_permute", "S_in", BITS, ("pairs",), pair=_split("collective_permute"), group=WORLD,
+                   steps="1"),
     # the resharding planner's block exchange: rounds of point-to-point pieces within the group of its ``axes``;
     # ``maps`` (and ``fill``): a window exchange (slice, pad, concatenate)
     CollectiveKind("all_to_allv", SENT, AS_IS, ("src_dims", "dst_dims", "partial_axes", "axes", "wire_bytes"),
-                   ("maps", "fill"), result=None, rounds_of="collective_permute"),
+                   ("maps", "fill"), result=None, rounds_of="collective_permute", steps="k-1"),
     # every rank of the group gets the x of its rank ``root``: a pipelined broadcast forwards S per rank
     CollectiveKind("broadcast", "S_in", BITS, ("axes",), ("root",), pair=_split("broadcast")),
 )
@@ -115,6 +132,6 @@ BY_DONE = MappingProxyType({kind.pair[1]: kind for kind in _ALL if kind.pair})  
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PERMUTE, ALL_TO_ALLV, BROADCAST = _ALL
 
-__all__ = ["CollectiveKind", "KINDS", "BY_START", "BY_DONE", "WIRE", "SENT", "AXES", "WORLD", "BITS", "FLOAT32",
+__all__ = ["CollectiveKind", "KINDS", "BY_START", "BY_DONE", "WIRE", "STEPS", "SENT", "AXES", "WORLD", "BITS", "FLOAT32",
            "AS_IS", "REDUCTIONS", "ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL", "COLLECTIVE_PERMUTE",
            "ALL_TO_ALLV", "BROADCAST"]

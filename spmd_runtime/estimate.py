@@ -7,7 +7,7 @@
   roofline: ``max(flops / peak(dtype), bytes / memory bandwidth)`` plus the profile's per-instruction overhead;
 - communication: each collective's wire bytes (``cost.wire_bytes``: the ring formulas) over the link its group
   is limited by (``Hardware.link_for``: inside a node, or between nodes when the group spans several), plus one
-  latency per message of the algorithm;
+  latency per message of the algorithm (``CollectiveKind.messages``: logarithmic in the group size);
 - overlap as the program's schedule allows: a ``*_start`` puts its collective on the rank's one communication
   channel and compute goes on until its ``*_done``; a blocking collective waits for it;
 - loops: a scan's body ``length`` times (a pipeline's bubble is in its iterations: every stage computes every
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .collective_kinds import ALL_REDUCE, BY_DONE, BY_START, KINDS, WORLD
+from .collective_kinds import BY_DONE, BY_START, KINDS, WORLD
 from .cost import wire_bytes
 from .graph import PARAMETER
 from .hardware import Hardware, Link
@@ -188,7 +188,7 @@ class _Walk:
             axes = tuple(ins.attrs.get("axes", ()))
             ranks = self._group(axes)
             k = len(ranks)
-            messages = max(k - 1, 1) * (2 if kind is ALL_REDUCE else 1)  # a ring all-reduce makes two passes
+            messages = kind.messages(k)
         arg_bytes = _nbytes(*shapes[ins.args[0]]) if ins.args else 0
         wire = wire_bytes(kind.name, k, arg_bytes, _nbytes(ins.shape, ins.dtype), ins.attrs.get("wire_bytes"))
         link: Link = self.hw.link_for(ranks)

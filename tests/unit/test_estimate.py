@@ -9,6 +9,7 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
+from spmd_runtime.collective_kinds import KINDS
 from spmd_runtime.hardware import Hardware, Link, shipped_names
 
 A100 = Hardware.load("dgx-a100-80gb")
@@ -90,7 +91,16 @@ def test_collectives_take_the_link_their_group_spans():
     wire = 2 * (2 - 1) / 2 * 1024 * 4
     assert across[0].comm_s == pytest.approx(2 * hw.inter.latency + wire / hw.inter.bandwidth)
     wire = 2 * (4 - 1) / 4 * 1024 * 4
-    assert within[0].comm_s == pytest.approx(6 * hw.intra.latency + wire / hw.intra.bandwidth)
+    # Rabenseifner's all-reduce: log2(4) halving + log2(4) doubling steps, not a ring's 2 (4 - 1)
+    assert within[0].comm_s == pytest.approx(4 * hw.intra.latency + wire / hw.intra.bandwidth)
+
+
+@pytest.mark.parametrize("kind, k, messages", [
+    ("all_reduce", 2, 2), ("all_reduce", 8, 6), ("all_reduce", 6, 6), ("all_reduce", 2048, 22),
+    ("all_gather", 8, 3), ("reduce_scatter", 3, 2), ("broadcast", 1024, 10), ("all_to_all", 8, 7),
+    ("all_to_allv", 4, 3), ("collective_permute", 64, 1), ("all_reduce", 1, 0)])
+def test_latency_terms_grow_with_the_log_of_the_group(kind, k, messages):
+    assert KINDS[kind].messages(k) == messages
 
 
 def test_async_collectives_hide_behind_independent_compute():
