@@ -76,8 +76,9 @@ def _plan_parser(sub) -> None:
     auto.add_argument("--devices", type=int, required=True)
     auto.add_argument("--hardware", required=True, help="a profile file, or dgx-a100-80gb / dgx-h100 / tpu-v3")
     auto.add_argument("--presets", default=None, help="comma-separated (default: every preset that fits the model)")
-    auto.add_argument("--microbatches", default="1", help="micro-batch counts to try, comma-separated")
-    auto.add_argument("--remats", default="none", help="remat policies to try, comma-separated")
+    auto.add_argument("--microbatches", default=None, help="micro-batch counts to try, comma-separated (default: "
+                      "1, 2, 4, ... until a layout fits; a pipeline's until more stop being faster)")
+    auto.add_argument("--remats", default=None, help="remat policies to try, comma-separated (default: --remat's)")
     _model_arguments(auto)
 
 
@@ -123,8 +124,8 @@ def _autoshard(args) -> int:
     try:
         autoshard(_config(args), args.devices, args.hardware, optimizer=make_optimizer(args.optimizer),
                   presets=args.presets.split(",") if args.presets else None,
-                  microbatches=tuple(int(m) for m in args.microbatches.split(",")),
-                  remats=tuple(args.remats.split(",")))
+                  microbatches=tuple(int(m) for m in args.microbatches.split(",")) if args.microbatches else None,
+                  remats=tuple(args.remats.split(",")) if args.remats else None)
     except ValueError as e:
         print(f"spmd_runtime autoshard: {e}", file=sys.stderr, flush=True)
         return 2

@@ -1,11 +1,15 @@
 """sr.autoshard: candidates built, predicted, pruned by memory and ranked (spmd_runtime/autoshard.py)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import spmd_runtime as sr
-from spmd_runtime.autoshard import autoshard, mesh_shapes
+from spmd_runtime.autoshard import autoshard, held_bytes, mesh_shapes
 from spmd_runtime.hardware import Hardware, Link
+from spmd_runtime.models.lm import param_shapes
+from spmd_runtime.optim import AdamW
 
 CFG = sr.LMConfig(layers=2, d=32, heads=4, ffn=64, vocab=64, seq=16, batch=4)
 A100 = Hardware.load("dgx-a100-80gb")
@@ -37,10 +41,45 @@ def test_refused_layouts_say_why():
     assert refused and all("experts" in c.error for c in refused)  # experts=2 cannot split over 4
 
 
+def test_held_bytes_are_parameters_and_adam_moments_per_rank():
+    n = sum(math.prod(s) for s in param_shapes(CFG).values())
+    dp = held_bytes(CFG, (2,), "dp", AdamW())
+    assert 12 * n <= dp <= 12 * n + 64  # float32 weights, m and v replicated; a step counter
+    assert held_bytes(CFG, (1, 2), "megatron", AdamW()) < 0.75 * dp  # the big matrices split in two
+    assert held_bytes(CFG, (2,), "fsdp", AdamW()) <= dp / 2 + 64  # everything split over both ranks
+
+
+def test_a_layout_whose_state_alone_is_too_big_is_refused_unpartitioned():
+    cfg = sr.LMConfig(layers=2, d=32, heads=4, ffn=64, vocab=64, seq=4, batch=4)
+    n = sum(math.prod(s) for s in param_shapes(cfg).values())
+    small = Hardware("small", (("float32", 1e12),), 11 * n, 1e12, 8, Link(1e9, 0), Link(1e9, 0))
+    found = autoshard(cfg, 4, small, presets=["dp", "fsdp"], verbose=False)  # dp holds 12 n, fsdp 3 n per rank
+    dp, fsdp = [c for c in found if c.preset == "dp"], [c for c in found if c.preset == "fsdp"]
+    assert len(dp) == 1 and dp[0].step_s is None and "parameters and optimizer state alone" in dp[0].error
+    assert fsdp[0].step_s is not None and fsdp[0].fits
+
+
+def test_micro_batches_ascend_until_a_layout_fits():
+    big = sr.LMConfig(layers=2, d=32, heads=4, ffn=64, vocab=64, seq=64, batch=16)
+    one = [c for c in autoshard(big, 2, A100, presets=["dp"], microbatches=(1,), verbose=False)][0]
+    need = held_bytes(big, (2,), "dp", AdamW())
+    room = Hardware("room", (("float32", 1e12),), (need + one.peak_bytes) // 2, 1e12, 8, Link(1e9, 0), Link(1e9, 0))
+    found = autoshard(big, 2, room, presets=["dp"], verbose=False)
+    counts = sorted(c.microbatches for c in found)
+    assert not [c for c in found if c.microbatches == 1][0].fits  # the whole batch at once is over
+    assert counts[-1] > 1 and [c.fits for c in sorted(found, key=lambda c: c.microbatches)][-1]
+    assert sum(c.fits for c in found) == 1  # it stopped at the first count that fits
+
+
 def test_no_layout_that_fits_is_an_error_naming_the_sizes():
     tiny = Hardware("tiny", (("float32", 1e12),), 1 << 10, 1e12, 8, Link(1e9, 0), Link(1e9, 0))
-    with pytest.raises(ValueError, match=r"no layout .* fits in 0\.00 GiB per device; got the smallest peak"):
+    with pytest.raises(ValueError, match=r"no layout .* fits in 0\.00 GiB per device; got no layout built: the "
+                                         r"smallest parameters and optimizer state 0\.00 GiB per rank"):
         autoshard(CFG, 2, tiny, presets=["dp"], verbose=False)
+    n = sum(math.prod(s) for s in param_shapes(CFG).values())
+    roomy = Hardware("roomy", (("float32", 1e12),), 13 * n, 1e12, 8, Link(1e9, 0), Link(1e9, 0))
+    with pytest.raises(ValueError, match=r"fits in 0\.00 GiB per device; got the smallest peak 0\.00 GiB"):
+        autoshard(CFG, 2, roomy, presets=["dp"], verbose=False)  # state fits, activations don't: built, too big
 
 
 def test_device_count_must_match_the_profile():
