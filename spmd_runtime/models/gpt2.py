@@ -43,7 +43,9 @@ import numpy as np
 from .. import nn as snn
 from .. import numpy as snp
 from .. import random as srandom
+from ..darray import DArray
 from ..jit import jit
+from ..sharding import P
 from .lm import EMBEDDING, POSITIONAL
 from .roles import COLUMN_BIAS, NORM, ROW_BIAS, ParamRole
 
@@ -298,49 +300,65 @@ def sample_uncached(cfg: GPTConfig, params: dict, idx, key, temperature: float =
     return sample(lm_head(params, x[:, -1, :]), key, temperature, top_k)
 
 
-_prefill = jit(prefill, static_argnums=(0, 4, 5))
-_decode = {}  # the cache's layout -> the decode program, its cache returned laid out as it came in
-_uncached = jit(sample_uncached, static_argnums=(0, 4, 5))
+_JITTED = {}  # (function, batch axes, head axes) -> its jit, the KV cache pinned to (batch, -, heads, -)
 
 
-def _decoder(cache):
-    shardings = [{k: c[k].sharding for k in ("k", "v")} for c in cache]
-    key = (cache[0]["k"].mesh, repr(shardings))
-    if key not in _decode:
-        _decode[key] = jit(decode_step, static_argnums=(0, 6, 7), donate_argnums=(2,),
-                           out_specs=(None, shardings))
-    return _decode[key]
+def _jitted(fn, n_layer: int, batch: tuple, heads: tuple):
+    """``fn`` (prefill, decode_step or sample_uncached) under ``jit``: tokens split over ``batch`` axes, and the
+    cache it returns over ``batch`` and its head dim over ``heads`` (tensor parallelism: each rank keeps its
+    heads' keys and values)."""
+    key = (fn, n_layer, batch, heads)
+    if key not in _JITTED:
+        rows = P(batch or None)
+        cache = [{"k": P(batch or None, None, heads or None, None)} for _ in range(n_layer)]
+        cache = [{"k": c["k"], "v": c["k"]} for c in cache]
+        outs = rows if fn is sample_uncached else (rows, cache)
+        _JITTED[key] = jit(fn, static_argnums=(0, 6, 7) if fn is decode_step else (0, 4, 5),
+                           donate_argnums=(2,) if fn is decode_step else (), out_specs=outs)
+    return _JITTED[key]
+
+
+def _head_axes(params: dict, batch: tuple) -> tuple:
+    """The mesh axes splitting the heads where the model uses them: those splitting the out dim of the first
+    c_attn weight (a DArray laid out by megatron's roles), less the batch's."""
+    w = params["transformer.h.0.attn.c_attn.weight"]
+    return tuple(a for a in w.sharding.dims[0] if a not in batch) if isinstance(w, DArray) else ()
 
 
 def generate(cfg: GPTConfig, params: dict, idx, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, key=None):
+             top_k: int | None = None, key=None, batch_axes=()):
     """nanoGPT's ``GPT.generate``: ``idx`` (b, t) continued by ``max_new_tokens`` tokens, returned as a NumPy
     int array (b, t + max_new_tokens). The prompt is one prefill filling a KV cache, each new token one decode
     step against it (functional cache updates; the same program for every position). ``temperature`` == 0 is
     greedy; else softmax(logits / temperature) sampled over the ``top_k`` largest with keys from ``key``
-    (``srandom.key(seed)``; default key(0)). Runs on the context mesh, or on the mesh of DArray ``params``,
-    partitioned as they are laid out: megatron-split weights decode tensor-parallel, the cache split over
-    heads. Past ``block_size`` tokens the context is cropped to its last block_size (as nanoGPT) and each step
-    runs the whole block uncached."""
+    (``srandom.key(seed)``; default key(0)): token p of a sequence is drawn with ``fold_in(key, p)``, the same
+    on any mesh.
+
+    Sharded as training is: on the mesh of DArray ``params`` (or the context mesh), partitioned as they are laid
+    out; with megatron's layout the decode is tensor-parallel and the cache split over heads like c_attn's out
+    dim. ``batch_axes`` (a preset's ``batch``) split the sequences. Past ``block_size`` tokens the context is
+    cropped to its last block_size (as nanoGPT) and each step runs the whole block uncached."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate's max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
     if temperature < 0:
         raise ValueError(f"generate's temperature must be >= 0 (0: greedy); got {temperature!r}")
     idx = np.asarray(idx).astype("int32")
     key = srandom.key(0) if key is None else np.asarray(key)
-    b, t = idx.shape
+    batch = tuple(batch_axes)
+    layout = (cfg.n_layer, batch, _head_axes(params, batch))
     if max_new_tokens == 0:
         return idx
     context = idx[:, -cfg.block_size:]
-    token, cache = _prefill(cfg, params, context, key, temperature, top_k)
+    token, cache = _jitted(prefill, *layout)(cfg, params, context, key, temperature, top_k)
     tokens, pos = [token], context.shape[1]
     for _ in range(max_new_tokens - 1):
         if pos < cfg.block_size:
-            token, cache = _decoder(cache)(cfg, params, cache, token, np.int32(pos), key, temperature, top_k)
+            token, cache = _jitted(decode_step, *layout)(cfg, params, cache, token, np.int32(pos), key, temperature,
+                                                         top_k)
         else:  # the block is full: nanoGPT crops the context, so every position shifts
             so_far = np.concatenate([idx] + [np.asarray(x)[:, None] for x in tokens], axis=1)
-            token = _uncached(cfg, params, so_far[:, -cfg.block_size:], srandom.fold_in(key, pos + 1),
-                              temperature, top_k)
+            token = _jitted(sample_uncached, *layout)(cfg, params, so_far[:, -cfg.block_size:],
+                                                      srandom.fold_in(key, pos + 1), temperature, top_k)
         tokens.append(token)
         pos += 1
     return np.concatenate([idx] + [np.asarray(x).astype("int32")[:, None] for x in tokens], axis=1)
