@@ -43,7 +43,7 @@ import numpy as np
 from .. import nn as snn
 from .. import numpy as snp
 from .. import random as srandom
-from ..darray import DArray
+from ..darray import DArray, device_put
 from ..jit import jit
 from ..sharding import P
 from .lm import EMBEDDING, POSITIONAL
@@ -344,6 +344,8 @@ def generate(cfg: GPTConfig, params: dict, idx, max_new_tokens: int, temperature
         raise ValueError(f"generate's temperature must be >= 0 (0: greedy); got {temperature!r}")
     idx = np.asarray(idx).astype("int32")
     key = srandom.key(0) if key is None else np.asarray(key)
+    # NumPy weights become replicated DArrays once: a jit call digests its NumPy arguments, every decode step
+    params = {n: w if isinstance(w, DArray) else device_put(w) for n, w in params.items()}
     batch = tuple(batch_axes)
     layout = (cfg.n_layer, batch, _head_axes(params, batch))
     if max_new_tokens == 0:
