@@ -325,6 +325,21 @@ def _head_axes(params: dict, batch: tuple) -> tuple:
     return tuple(a for a in w.sharding.dims[0] if a not in batch) if isinstance(w, DArray) else ()
 
 
+def _head_major(cfg: GPTConfig, params: dict, heads: tuple) -> dict:
+    """``params`` with each c_attn weight (3d, d) and bias (3d,) laid out once as the (3, heads, head size, ...)
+    view attention takes, split over ``heads``: megatron's contiguous split of 3d is not a head split, so decode
+    steps would otherwise reshard every c_attn weight for every token. ``attention`` takes either shape."""
+    fused = [n for n in params if n.endswith(("attn.c_attn.weight", "attn.c_attn.bias"))]
+    if not heads or not fused:
+        return params
+    key = ("head-major", cfg, heads)
+    if key not in _JITTED:
+        shapes = {n: (3, cfg.n_head, cfg.head_size) + params[n].shape[1:] for n in fused}
+        specs = {n: P(None, heads, *[None] * (len(shapes[n]) - 2)) for n in fused}
+        _JITTED[key] = jit(lambda ws: {n: snp.reshape(w, shapes[n]) for n, w in ws.items()}, out_specs=specs)
+    return {**params, **_JITTED[key]({n: params[n] for n in fused})}
+
+
 def generate(cfg: GPTConfig, params: dict, idx, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, key=None, batch_axes=()):
     """nanoGPT's ``GPT.generate``: ``idx`` (b, t) continued by ``max_new_tokens`` tokens, returned as a NumPy
@@ -348,6 +363,7 @@ def generate(cfg: GPTConfig, params: dict, idx, max_new_tokens: int, temperature
     params = {n: w if isinstance(w, DArray) else device_put(w) for n, w in params.items()}
     batch = tuple(batch_axes)
     layout = (cfg.n_layer, batch, _head_axes(params, batch))
+    params = _head_major(cfg, params, layout[2])
     if max_new_tokens == 0:
         return idx
     context = idx[:, -cfg.block_size:]

@@ -190,14 +190,20 @@ def test_kv_cache_decode_gives_argmax_of_the_uncached_forward(preset, shape):
         placed = _placed(preset, shape, params, comm)
         batch = PRESETS[preset].on(train_mesh(shape, preset)).batch
         tokens = gpt2.generate(CFG, placed, prompt, 12, temperature=0.0, batch_axes=batch)
-        _, cache = gpt2._jitted(gpt2.prefill, CFG.n_layer, batch, gpt2._head_axes(placed, batch))(
+        heads = gpt2._head_axes(placed, batch)
+        placed = gpt2._head_major(CFG, placed, heads)
+        token, cache = gpt2._jitted(gpt2.prefill, CFG.n_layer, batch, heads)(
             CFG, placed, prompt, srandom.key(0), 0.0, None)
-        return tokens, cache[0]["k"].sharding.dims
+        decode = gpt2._jitted(gpt2.decode_step, CFG.n_layer, batch, heads).lower(
+            CFG, placed, cache, token, np.int32(3), srandom.key(0), 0.0, None)
+        return tokens, cache[0]["k"].sharding.dims, {c["kind"] for c in decode.comm_summary()}
     results = run_simulated(train_mesh(shape, preset).size, body)
-    for tokens, _ in results:
+    for tokens, _, _ in results:
         np.testing.assert_array_equal(tokens, want)
     mesh = train_mesh(shape, preset)  # tensor-parallel decode: each rank holds its heads' keys and values
     assert results[0][1] == (PRESETS[preset].on(mesh).batch, (), PRESETS[preset].on(mesh).model, ())
+    # a decode step moves no weight and no cache: megatron's all-reduces of partial sums, nothing under dp
+    assert results[0][2] == ({"all_reduce"} if preset == "megatron" else set()), results[0][2]
 
 
 def test_sampling_is_reproducible_on_any_mesh_and_top_k_1_is_greedy():
