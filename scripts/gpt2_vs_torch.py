@@ -128,8 +128,8 @@ def main(argv=None) -> int:
             same = np.array_equal(tokens, theirs)
             mismatches += not same
             print(f"round {r + 1}: ours {new / ours_s[-1]:8.1f} tok/s ({ours_s[-1]:.3f} s wall, {ours_cpu[-1]:.3f} s "
-                  f"CPU)   nanoGPT torch {new / torch_s[-1]:8.1f} tok/s ({torch_s[-1]:.3f} s wall, {torch_cpu[-1]:.3f} s "
-                  f"CPU)   greedy tokens equal: {same}")
+                  f"CPU)   nanoGPT torch {new / torch_s[-1]:8.1f} tok/s ({torch_s[-1]:.3f} s wall, "
+                  f"{torch_cpu[-1]:.3f} s CPU)   greedy tokens equal: {same}")
     for what, ours, theirs in (("wall", ours_s, torch_s), ("CPU", ours_cpu, torch_cpu)):
         print(f"min {what}: ours {new / min(ours):.1f} tok/s, nanoGPT torch {new / min(theirs):.1f} tok/s, "
               f"ours / torch time {min(ours) / min(theirs):.2f}x")
