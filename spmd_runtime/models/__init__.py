@@ -2,6 +2,7 @@
 from .lm import LMConfig, init_params, lm_logits, lm_loss, lm_loss_and_metrics, param_roles, param_shapes
 from .moe import MoEConfig, moe_ffn, top2_gating
 from .roles import ParamRole
+from . import gpt2  # nanoGPT's GPT-2 on the public API: gpt2.GPTConfig, gpt2.forward, gpt2.generate
 from .transformer import BlockConfig, block_params, megatron_specs, transformer_block
 
 __all__ = ["BlockConfig", "block_params", "megatron_specs", "transformer_block", "LMConfig", "init_params",

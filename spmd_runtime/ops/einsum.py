@@ -33,6 +33,7 @@ def einsum(spec: str, *operands) -> Tensor:
         raise ValueError(f"einsum needs one operand per input term; got {len(terms)} terms in {spec!r} and "
                          f"{len(operands)} operands")
     ops = [asarray(o) for o in operands]
+    terms, out = _expand_ellipsis(terms, out, ops)
     for t, o in zip(terms, ops):
         if len(t) != o.ndim or not builtins.all(c in string.ascii_letters for c in t):
             raise ValueError(f"einsum terms name each operand dim with one letter; got term {t!r} for shape {o.shape}")
@@ -47,6 +48,25 @@ def einsum(spec: str, *operands) -> Tensor:
         rest = "".join(terms[i + 1:]) + out
         acc, acc_term = _einsum2(acc, acc_term, ops[i], terms[i], rest, sizes)
     return _einsum1(acc, acc_term, out)
+
+
+def _expand_ellipsis(terms, out, ops):
+    """NumPy's ``...``: the dims a term leaves unnamed, given unused letters aligned from the right across the
+    operands (an implicit output puts them first, as NumPy)."""
+    if "..." not in "".join(terms) + (out or ""):
+        return terms, out
+    used = set("".join(terms) + (out or ""))
+    free = [c for c in string.ascii_letters if c not in used]
+    widths = [o.ndim - (len(t) - 3) if "..." in t else 0 for t, o in zip(terms, ops)]
+    if builtins.any(w < 0 for w in widths) or max(widths) > len(free):
+        raise ValueError(f"einsum's '...' stands for the dims a term leaves unnamed; got terms {terms} for shapes "
+                         f"{[o.shape for o in ops]}")
+    dims = "".join(free[:max(widths)])
+    expanded = [t.replace("...", dims[len(dims) - w:]) for t, w in zip(terms, widths)]
+    if out is None:
+        named = "".join(t.replace("...", "") for t in terms)
+        return expanded, dims + "".join(sorted(c for c in set(named) if named.count(c) == 1))
+    return expanded, out.replace("...", dims)
 
 
 def _letter_sizes(terms, ops) -> dict:

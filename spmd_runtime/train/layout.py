@@ -42,6 +42,35 @@ def update_spec(shape, spec, axes, mesh: Mesh, first_dim: int = 0) -> tuple:
     return tuple(tuple(h) + tuple(axes) if d == dim else (tuple(h) or None) for d, h in enumerate(have))
 
 
+@dataclass(frozen=True)
+class ParamLayout:
+    """Per-parameter specs of a model under a preset: ``held`` between steps (the step's inputs and outputs),
+    ``use`` where the model uses the weight, ``update`` of its gradient, optimizer state and update. They differ
+    only where the preset shards the update (wus) or the weights themselves (fsdp: held == update)."""
+    held: dict
+    use: dict
+    update: dict
+
+    def __repr__(self):
+        return f"ParamLayout({len(self.held)} parameters)"
+
+
+def param_layout(shapes: dict, roles: dict, mesh: Mesh, preset: Preset) -> ParamLayout:
+    """The specs of every parameter of ANY model that declares its parameters' sharding roles (``shapes`` and
+    ``roles``: name -> shape, name -> ``ParamRole``; the built-in LM's ``param_roles``, ``models.gpt2``'s, a
+    user's): the preset's axes on the dims each role splits (``param_spec``), the update further split over
+    ``preset.update`` (``update_spec``, never on a stacked layer dim)."""
+    missing = [n for n in shapes if n not in roles]
+    if missing:
+        raise ValueError(f"param_layout needs a sharding role for every parameter; got none for {missing[:3]} "
+                         f"(give each a models.roles.ParamRole)")
+    preset = preset.on(mesh)
+    use = OrderedDict((n, param_spec(roles[n], s, preset)) for n, s in shapes.items())
+    update = OrderedDict((n, update_spec(s, use[n], preset.update, mesh, first_dim=int(roles[n].stacked)))
+                         for n, s in shapes.items())
+    return ParamLayout(update if preset.shard_params else use, use, update)
+
+
 @dataclass
 class Layout:
     """Every input's spec by leaf name (``params.wq``, ``opt_state.m.wq``, ``batch.tokens``: the names the
@@ -118,11 +147,10 @@ def moe_activation_spec(preset: Preset, role: str, ndim: int) -> tuple:
 def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
     check_experts(cfg, mesh, preset)
     shapes, roles = param_shapes(cfg), param_roles(cfg)
-    use = OrderedDict((n, param_spec(roles[n], s, preset)) for n, s in shapes.items())
-    update = {n: update_spec(s, use[n], preset.update, mesh, first_dim=int(roles[n].stacked))  # never the scanned dim
-              for n, s in shapes.items()}
+    params = param_layout(shapes, roles, mesh, preset)
+    use, update = params.use, dict(params.update)
     slots = optimizer.state_layout(shapes, cfg.master_dtype)
-    specs = {f"params.{n}": update[n] if preset.shard_params else use[n] for n in shapes}
+    specs = {f"params.{n}": params.held[n] for n in shapes}
     for slot in slots:
         specs[state_leaf_name(slot)] = slot_spec(slot, update)
     specs["batch.tokens"] = specs["batch.labels"] = (preset.batch or None, preset.seq or None)

@@ -69,3 +69,16 @@ def test_a_broadcast_operand_is_summed_through_blas_with_np_einsums_value(spec, 
     a, b = np.broadcast_to(np.float32(1), sa), rng.standard_normal(sb).astype(np.float32)
     np.testing.assert_allclose(_einsum_kernel(np, a, b, spec), np.einsum(spec, a, b), rtol=1e-6)
     assert seen and all(0 not in strides for pair in seen for strides in pair)
+
+
+@pytest.mark.parametrize("spec, shapes", [("...i,oi->...o", ((2, 3, 4), (5, 4))), ("...ij,...jk", ((2, 3, 4), (4, 5))),
+                                          ("b...,b...->...b", ((2, 3, 4), (2, 3, 4))), ("...,...", ((3,), (3,)))])
+def test_traced_einsum_takes_numpys_ellipsis(spec, shapes):
+    import spmd_runtime as sr  # the traced front end, not the kernel above
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    with sr.Mesh((1,), ("x",)):
+        got = np.asarray(sr.jit(lambda a, b: sr.numpy.einsum(spec, a, b))(*xs))
+    np.testing.assert_allclose(got, np.einsum(spec, *xs), rtol=1e-5)
+    with pytest.raises(ValueError, match="stands for the dims a term leaves unnamed"):
+        sr.trace(lambda a: sr.numpy.einsum("ij...k->k", a), sr.TensorSpec((2, 3), "float32"))
