@@ -163,7 +163,9 @@ def load_safetensors(path, mesh: Mesh, shardings=None, *, names=None, transforms
 
 def _like_error(loaded: dict, like) -> str | None:
     missing = [n for n in pytree.leaf_names(like) if n not in loaded]
-    return f"KeyError: like= names tensors the file holds; got {missing} not among {sorted(loaded)}" if missing else None
+    if missing:
+        return f"KeyError: like= names tensors the file holds; got {missing} not among {sorted(loaded)}"
+    return None
 
 
 def _load_local(path, mesh: Mesh, shardings, rank: int, names, transforms, tied, expect, strict: bool) -> dict:
@@ -172,7 +174,7 @@ def _load_local(path, mesh: Mesh, shardings, rank: int, names, transforms, tied,
     if not path.is_file():
         raise FileNotFoundError(f"load_safetensors needs an existing .safetensors file; got no file {path}")
     with safe_open(str(path), framework="numpy") as f:
-        stored = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+        stored = {k: _shape_and_code(f.get_slice(k)) for k in f.keys()}
         wanted = _wanted(shardings, expect)
         sources = _sources(stored, names or {}, dict(tied or {}), wanted, strict, path, transforms)
         specs = _load_specs(shardings, mesh, sources)
@@ -187,6 +189,10 @@ def _load_local(path, mesh: Mesh, shardings, rank: int, names, transforms, tied,
                                 _transform(transforms, ours))
             out[ours] = (block, shape, sharding)
     return out
+
+
+def _shape_and_code(view) -> tuple:
+    return tuple(view.get_shape()), view.get_dtype()
 
 
 def _read_block(f, key: str, slices: tuple, dtype, transform) -> np.ndarray:
