@@ -66,13 +66,15 @@ from .sharding import Sharding
 
 TIED_KEY = "spmd_runtime.tied"  # the __metadata__ entry recording the ties (a JSON object alias -> source)
 
-# safetensors' dtype codes (the format's spec) for the dtypes a sharded array may have
-_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32", "int16": "I16",
-          "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-          "complex64": "C64"}
-if BFLOAT16 is not None:
-    _CODES["bfloat16"] = "BF16"
+# safetensors' dtype codes (the format's spec) for the dtypes a sharded array may have, in the order its own
+# writer lays tensors out (its dtype enum, largest first: every tensor stays aligned to its item size)
+_CODES = {"uint64": "U64", "int64": "I64", "float64": "F64", "complex64": "C64", "float32": "F32", "uint32": "U32",
+          "int32": "I32", "bfloat16": "BF16", "float16": "F16", "uint16": "U16", "int16": "I16", "int8": "I8",
+          "uint8": "U8", "bool": "BOOL"}
+if BFLOAT16 is None:
+    del _CODES["bfloat16"]
 _DTYPES = {code: np.dtype(name) for name, code in _CODES.items()}
+_ORDER = {name: i for i, name in enumerate(_CODES)}
 
 
 class WeightsError(AgreedError):
@@ -368,14 +370,14 @@ def _check_ties(blocks: dict, keys: dict, tied: dict) -> None:
 
 def _layout(blocks: dict, keys: dict, transforms, tied: dict) -> dict:
     """File key -> (our name, stored shape, dtype, byte offset in the data): the tensors written, laid out as
-    safetensors does (larger items first, then by name, so every tensor is aligned to its item size)."""
+    safetensors' own writer does (by dtype in ``_CODES`` order, then by name: the same bytes as its file)."""
     rows = []
     for name, (block, shape, _) in blocks.items():
         if keys[name] in tied:
             continue
         if block.dtype.name not in _CODES:  # a byte-swapped dtype has its native one's name: written native
             raise TypeError(f"safetensors stores {sorted(_CODES)}; got dtype {block.dtype} for {name!r}")
-        rows.append((-block.dtype.itemsize, keys[name], name, _transform(transforms, name).stored_shape(shape),
+        rows.append((_ORDER[block.dtype.name], keys[name], name, _transform(transforms, name).stored_shape(shape),
                      np.dtype(block.dtype.name)))
     layout, offset = {}, 0
     for _, key, name, shape, dtype in sorted(rows):

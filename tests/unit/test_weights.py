@@ -151,6 +151,22 @@ def test_each_rank_reads_only_its_blocks_and_the_save_reproduces_the_file(mesh, 
     assert meta is None and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
+@pytest.mark.parametrize("mesh", [MESHES[2], MESHES[5]], ids=str)
+def test_a_sharded_save_is_byte_identical_to_safetensors_own_writer(mesh, file, tmp_path):
+    specs, out = specs_for(mesh), tmp_path / "out.safetensors"
+    run_simulated(mesh.size, lambda comm: save_safetensors(
+        out, {n: x[true_slices(x.shape, specs[n], mesh, comm.Get_rank())] for n, x in ORIG.items()},
+        {n: (x.shape, specs[n]) for n, x in ORIG.items()}, mesh, comm=comm))
+    assert out.read_bytes() == file.read_bytes()
+
+
+def test_without_safetensors_the_load_says_what_to_install(file, monkeypatch):
+    monkeypatch.setattr(weights, "safe_open", None)
+    errors = load_errors(file, MESHES[1])
+    assert all("load_safetensors needs the safetensors package; install it with `pip install "
+               "spmd_runtime[weights]`" in e for e in errors)
+
+
 @pytest.mark.parametrize("mesh", [MESHES[0], MESHES[4], MESHES[6]], ids=str)
 def test_darrays_save_without_shardings_and_load_as_darrays_in_a_tree(mesh, file, tmp_path):
     specs = specs_for(mesh)
