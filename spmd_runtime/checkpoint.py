@@ -599,7 +599,9 @@ def _load_local(directory, mesh: Mesh, shardings, rank: int, expect, strict: boo
     stored = _matching(_with_views(meta["tensors"], views or {}, path), _expected(shardings, expect),
                        set(expect or ()), expect is not None, strict, path)
     specs = _load_specs(shardings, mesh, stored)
-    unknown = sorted(set(specs) - set(stored) - (set(meta["tensors"]) if not strict else set()))
+    # strict=False: a sharding for a stored tensor or a view that did not match (or whose sources are not all
+    # stored: TrainStep.load of a checkpoint holding parameters alone) just goes unused
+    unknown = sorted(set(specs) - set(stored) - (set(meta["tensors"]) | set(views or ()) if not strict else set()))
     if unknown:
         raise KeyError(f"load_checkpoint shardings must name tensors of the checkpoint {sorted(stored)}; got "
                        f"unknown name(s) {unknown}")

@@ -361,12 +361,13 @@ def test_a_train_step_state_goes_to_a_file_and_back(tmp_path):
         loaded = load_safetensors(file, mesh, ts.program, names=names, strict=False, comm=comm)
         resumed = {"params": {n[len("params."):]: b for n, b in loaded.items()}, "opt_state": local["opt_state"]}
         safetensors_to_checkpoint(file, back, mesh, ts.program, names=names, strict=False, comm=comm)
-        again = load_checkpoint(back, mesh, ts.program, comm=comm, strict=False)
-        return ts.step(local, tokens, tokens, comm=comm)[1], ts.step(resumed, tokens, tokens, comm=comm)[1], again
+        again = ts.load(back, comm=comm, strict=False)  # parameters only: the optimizer state comes back None
+        again["opt_state"] = local["opt_state"]
+        return [ts.step(s, tokens, tokens, comm=comm)[1] for s in (local, resumed, again)]
 
-    (loss, resumed_loss, again), _ = run_simulated(2, body)
-    assert resumed_loss == loss  # the same step from the weights that went through the file
+    losses = run_simulated(2, body)[0]
+    assert losses[1] == losses[0] and losses[2] == losses[0]  # the same step from weights that went through files
     stored, _ = read_back(file)
-    assert sorted(stored) == sorted(names.values()) and sorted(again) == sorted(params)
+    assert sorted(stored) == sorted(names.values())
     for n in params:
         np.testing.assert_array_equal(stored[names[n]], state["params"][n[len("params."):]])
