@@ -25,7 +25,7 @@ a file name to the file name it is tied to (nanoGPT: ``{"lm_head.weight": "trans
 As Hugging Face does (``_tied_weights_keys``; safetensors refuses tensors that share memory), only the
 source is stored: a save drops the alias (its blocks must equal the source's, checked per rank), a load
 reads an alias the file lacks from its source. The file's ``__metadata__`` records the ties
-(``spmd_runtime.tied``) for the reader; PyTorch then loads with ``strict=False`` and re-ties (nanoGPT's
+(``spmd_runtime.tied``; a load given no ``tied`` uses them); PyTorch then loads with ``strict=False`` and re-ties (nanoGPT's
 ``GPT`` keeps the tie itself: loading ``transformer.wte.weight`` sets ``lm_head.weight``).
 
 Checks, on every rank, raising ``WeightsError`` on EVERY rank (``comm.agreement``): with ``expect`` (our
@@ -143,7 +143,8 @@ def load_safetensors(path, mesh: Mesh, shardings=None, *, names=None, transforms
 
     ``shardings``: our name -> Sharding or mesh_split spec on ``mesh`` (tensors not named come back
     replicated), or an SPMDProgram (its inputs/outputs by name). ``names``: our name -> the file's name.
-    ``transforms``: our name -> ``Transpose``. ``tied``: file alias -> file source. ``expect``: our name ->
+    ``transforms``: our name -> ``Transpose``. ``tied``: file alias -> file source (default: the ties the file
+    records, if any). ``expect``: our name ->
     (global shape, dtype) the model needs (a program's inputs/outputs are expected too): then exactly those
     tensors load, and any that is missing, unexpected (unless ``strict=False``), or of another shape or dtype
     fails the load on every rank, naming each; without it every tensor of the file loads. ``like``: a pytree
@@ -178,7 +179,8 @@ def _load_local(path, mesh: Mesh, shardings, rank: int, names, transforms, tied,
     with safe_open(str(path), framework="numpy") as f:
         stored = {k: _shape_and_code(f.get_slice(k)) for k in f.keys()}
         wanted = _wanted(shardings, expect)
-        sources = _sources(stored, names or {}, dict(tied or {}), wanted, strict, path, transforms)
+        tied = dict(tied) if tied is not None else _recorded_ties(f.metadata(), path)
+        sources = _sources(stored, names or {}, tied, wanted, strict, path, transforms)
         specs = _load_specs(shardings, mesh, sources)
         unknown = sorted(set(specs) - set(sources))
         if unknown:
@@ -191,6 +193,19 @@ def _load_local(path, mesh: Mesh, shardings, rank: int, names, transforms, tied,
                                 _transform(transforms, ours))
             out[ours] = (block, shape, sharding)
     return out
+
+
+def _recorded_ties(metadata, path: Path) -> dict:
+    """The ties a file records (``save_safetensors`` writes them), used when the caller names none."""
+    try:
+        ties = json.loads((metadata or {}).get(TIED_KEY, "{}"))
+    except ValueError:
+        ties = None
+    if not (isinstance(ties, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in ties.items())):
+        raise ValueError(f"the {TIED_KEY!r} metadata of a .safetensors file maps alias names to source names (a "
+                         f"JSON object of strings); got {(metadata or {}).get(TIED_KEY)!r} in {path} (pass tied= "
+                         f"to override it)")
+    return ties
 
 
 def _shape_and_code(view) -> tuple:

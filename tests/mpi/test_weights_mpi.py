@@ -83,6 +83,9 @@ def requests(monkeypatch):
         def keys(self):
             return self.real.keys()
 
+        def metadata(self):
+            return self.real.metadata()
+
         def get_slice(self, key):
             real = self.real.get_slice(key)
 

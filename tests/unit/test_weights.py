@@ -116,6 +116,9 @@ def requests(monkeypatch):
         def keys(self):
             return self.real.keys()
 
+        def metadata(self):
+            return self.real.metadata()
+
         def get_slice(self, key):
             return Slice(self.real.get_slice(key), key)
 
@@ -243,6 +246,9 @@ def test_a_tied_alias_loads_from_its_source_and_is_not_written(tmp_path):
     stored, meta = read_back(out)
     assert_bit_equal(stored, {"transformer.wte.weight": wte})
     assert json.loads(meta[TIED_KEY]) == TIE
+    again = run_simulated(1, lambda comm: load_safetensors(out, Mesh((1,), ("x",)), comm=comm,  # ties as recorded
+                                                           expect={n: ((11, 4), "float32") for n in specs}))[0]
+    assert_bit_equal(again, {"transformer.wte.weight": wte, "lm_head.weight": wte})
 
 
 def test_a_tied_alias_differing_from_its_source_fails_the_save(tmp_path):
@@ -303,6 +309,10 @@ def test_bad_calls_fail_on_every_rank(file, tmp_path):
     assert all("shardings must name tensors it loads" in e and "'nope'" in e for e in errors)
     errors = load_errors(file, MESHES[1], like={"nope": 0})
     assert all("like= names tensors the file holds; got ['nope']" in e for e in errors)
+    save_file({"a": np.zeros(2)}, str(tmp_path / "odd.safetensors"), metadata={TIED_KEY: "[1]"})
+    errors = load_errors(tmp_path / "odd.safetensors", MESHES[1])
+    assert all(f"the '{TIED_KEY}' metadata of a .safetensors file maps alias names to source names" in e
+               and "got '[1]'" in e for e in errors)
     mesh = MESHES[1]
     errors = errors_on_every_rank(2, lambda comm: save_safetensors(
         tmp_path / "c.safetensors", {"a": np.zeros(2), "b": np.zeros(2)}, {"a": ((4,), ("x",)), "b": ((4,), ("x",))},
