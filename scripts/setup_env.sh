@@ -4,7 +4,7 @@
 #     source scripts/setup_env.sh
 #
 # It makes sure <repo>/.venv exists and holds spmd_runtime installed editable
-# with the extras in SPMD_EXTRAS (default "mpich,test,bf16,digest"), activates it, and
+# with the extras in SPMD_EXTRAS (default "mpich,test,bf16,digest,weights"), activates it, and
 # exports:
 #   MPIEXEC              launcher to use (default: the venv's mpiexec; an
 #                        MPIEXEC already in the environment wins)
@@ -16,7 +16,7 @@
 #   SPMD_VENV      venv path (default <repo>/.venv)
 #   SPMD_PYTHON    interpreter for creating the venv (default: the newest
 #                  python3.X >= 3.10 on PATH that works)
-#   SPMD_EXTRAS    extras to install (default "mpich,test,bf16,digest"; use "test,bf16,digest" with
+#   SPMD_EXTRAS    extras to install (default "mpich,test,bf16,digest,weights"; use "test,bf16,digest,weights" with
 #                  an mpi4py built against your own MPI, see README.md)
 #   SPMD_REINSTALL=1  force the pip install step
 #
@@ -29,7 +29,7 @@ _spmd_setup_env() {
 
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     venv="${SPMD_VENV:-$root/.venv}"
-    extras="${SPMD_EXTRAS-mpich,test,bf16,digest}"
+    extras="${SPMD_EXTRAS-mpich,test,bf16,digest,weights}"
     stamp="$venv/.spmd_install_stamp"
 
     _spmd_log() { printf '[setup_env] %s\n' "$*" >&2; }
@@ -82,6 +82,9 @@ _spmd_setup_env() {
     # not import them, so this costs a few ms, not a second).
     local mods="'numpy', 'mpi4py'"
     case ",$extras," in *,test,*) mods="$mods, 'pytest', 'pytest_mpi', 'pytest_timeout', 'xdist', 'hypothesis'" ;; esac
+    case ",$extras," in *,bf16,*) mods="$mods, 'ml_dtypes'" ;; esac
+    case ",$extras," in *,digest,*) mods="$mods, 'xxhash'" ;; esac
+    case ",$extras," in *,weights,*) mods="$mods, 'safetensors'" ;; esac
     local check="import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ($mods)))"
     if [[ "${SPMD_REINSTALL:-0}" != 1 && "$want" == "$have" ]] \
         && "$venv/bin/python" -c "$check" >/dev/null 2>&1; then

@@ -29,6 +29,7 @@ from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .models.lm import LMConfig
 from .optim import SGD, Adafactor, AdamW, DynamicLossScale
 from .darray import DArray, device_put, from_local, scatter_from_root
+from .weights import checkpoint_to_safetensors, load_safetensors, safetensors_to_checkpoint, save_safetensors
 from .jit import jit
 from .autoshard import autoshard
 from . import eager  # noqa: F401  (binds the DArray operators: eager ops outside jit)
@@ -54,4 +55,5 @@ __all__ = ["config", "jit", "autoshard", "DArray", "device_put", "from_local", "
            "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "pipeline_loss", "save_checkpoint", "load_checkpoint",
            "checkpoint_info", "LMConfig", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "PRESETS", "Preset", "TrainStep", "Plan", "plan_train_step",
            "build_train_step", "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "DifferentValuesError",
+           "load_safetensors", "save_safetensors", "safetensors_to_checkpoint", "checkpoint_to_safetensors",
            "__version__"]

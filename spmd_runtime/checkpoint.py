@@ -62,6 +62,7 @@ import numpy as np
 
 from .comm.agreement import AgreedError, agree, capture
 from .comm.communicator import world
+from .dtypes import BFLOAT16
 from .exec.backend import to_host
 from .mesh import Mesh
 from . import pytree
@@ -385,9 +386,15 @@ def _metadata(plan, mesh: Mesh, stems, step, crcs: list) -> dict:
         for index, bounds in _all_blocks(shape, sharding, mesh):
             blocks.append({"file": _block_file(stems[name], index), "offset": [a for a, _ in bounds],
                            "shape": [b - a for a, b in bounds], "crc32": crc_of[i, index]})
-        tensors[name] = {"shape": list(shape), "dtype": block.dtype.str, "sharding": sharding.to_json(),
+        tensors[name] = {"shape": list(shape), "dtype": _dtype_str(block.dtype), "sharding": sharding.to_json(),
                          "blocks": blocks}
     return {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "mesh": mesh.to_json(), "tensors": tensors}
+
+
+def _dtype_str(dtype: np.dtype) -> str:
+    """The metadata's name of a dtype: its array-protocol string, but ``bfloat16`` by name (its string is a
+    bare '<V2', which would load as raw bytes)."""
+    return "bfloat16" if BFLOAT16 is not None and dtype == BFLOAT16 else dtype.str
 
 
 def _write_npy(path: Path, block: np.ndarray) -> None:
@@ -592,7 +599,9 @@ def _load_local(directory, mesh: Mesh, shardings, rank: int, expect, strict: boo
     stored = _matching(_with_views(meta["tensors"], views or {}, path), _expected(shardings, expect),
                        set(expect or ()), expect is not None, strict, path)
     specs = _load_specs(shardings, mesh, stored)
-    unknown = sorted(set(specs) - set(stored) - (set(meta["tensors"]) if not strict else set()))
+    # strict=False: a sharding for a stored tensor or a view that did not match (or whose sources are not all
+    # stored: TrainStep.load of a checkpoint holding parameters alone) just goes unused
+    unknown = sorted(set(specs) - set(stored) - (set(meta["tensors"]) | set(views or ()) if not strict else set()))
     if unknown:
         raise KeyError(f"load_checkpoint shardings must name tensors of the checkpoint {sorted(stored)}; got "
                        f"unknown name(s) {unknown}")
@@ -698,6 +707,8 @@ def _open_block(path: Path, name: str, blk: dict, dtype, verify: bool) -> np.nda
     except (ValueError, OSError, EOFError) as e:
         raise ValueError(f"block file {file} of {name!r} must be a readable .npy file; got {type(e).__name__}: "
                          f"{e} in {path} (corrupt header or truncated)") from None
+    if data.dtype.kind == "V" and dtype == BFLOAT16 and data.dtype.itemsize == 2:  # .npy keeps bfloat16 as '|V2'
+        data = data.view(dtype)
     if list(data.shape) != list(blk["shape"]) or data.dtype != dtype:
         raise ValueError(f"block file {file} of {name!r} must hold {np.dtype(dtype).name}{list(blk['shape'])}; got "
                          f"{data.dtype.name}{list(data.shape)} in {path} (corrupt or replaced)")

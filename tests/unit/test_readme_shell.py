@@ -25,7 +25,7 @@ from tests.unit.test_cli_mpiexec import MPIEXEC, ROOT, pytestmark  # noqa: F401 
 from tests.unit.test_readme import BLOCKS
 
 NOT_RUN = {"scripts/demo.sh", "scripts/test.sh", "module load openmpi", "python3 -m venv .venv",
-           "MPICC=$(which mpicc) pip install", "pip install -e '.[test]'",
+           "MPICC=$(which mpicc) pip install", "pip install -e '.[test,bf16,digest,weights]'",
            "scripts/emulate_cluster.sh"}  # needs root: tests/faults/test_cluster.py and test.sh's cluster stage
 
 
