@@ -1,7 +1,7 @@
 """``sr.autoshard``: choose a training layout by prediction, before spending an allocation (issue 27).
 
 For a model config, a device count and a hardware profile, every candidate layout -- each preset on every
-mesh shape it can take for that device count (1-d, every 2-d factorisation, and for ``pipeline`` every
+mesh shape it can take for that device count (1-d, every 2-d factorisation, and for the pipelines every
 stage x data x model one whose stage count divides the layers), each micro-batch count and remat policy asked
 for -- is partitioned (abstract shapes; nothing runs), predicted with ``program.estimate`` (the slowest
 rank's step), pruned when its peak bytes exceed the device's memory, and ranked by predicted step time.
@@ -10,8 +10,8 @@ The table of candidates is printed; the result is the list, best first: ``result
 Two prunings keep a search over thousands of devices to seconds: a layout whose parameters and optimizer state
 alone (from its specs, before anything is traced) exceed the device's memory is refused unpartitioned; and
 unless micro-batch counts are given, each layout tries 1, 2, 4, ... micro-batches (dividing its per-data-rank
-batch) and stops at the first that fits, or, for a pipeline (whose bubble shrinks with more), once more stop
-being faster.
+batch) and stops at the first that fits, or, for a pipeline (whose bubble shrinks with more), starts near its
+stage count and stops once more stop being faster.
 
 Candidates a preset refuses (experts that do not divide, a stage count that does not divide the layers, ...)
 are listed with the reason, not dropped silently.
@@ -63,7 +63,7 @@ def mesh_shapes(preset: str, devices: int, cfg: LMConfig) -> list[tuple]:
     if preset in ONE_AXIS:
         return [(devices,)]
     pairs = [(a, devices // a) for a in range(1, devices + 1) if devices % a == 0]
-    if preset != "pipeline":
+    if not PRESETS[preset].stage:
         return pairs
     return [(s, d, devices // (s * d)) for s, d in itertools.product(range(2, devices + 1), range(1, devices + 1))
             if devices % (s * d) == 0 and cfg.layers % s == 0]
@@ -117,7 +117,8 @@ def _search_microbatches(cfg, preset, shape, counts, remat, hardware, optimizer)
         return [Candidate(preset, shape, 1, remat, held_bytes=held, error=f"parameters and optimizer state alone take "
                           f"{held / 2**30:.2f} GiB per rank, over the device's {hardware.memory_bytes / 2**30:.2f} GiB")]
     found: list[Candidate] = []
-    for m in counts or _powers_of_two(cfg.batch // _data_ranks(shape, preset)):
+    stages = shape[0] if PRESETS[preset].stage else 1  # fewer micro-batches than stages: mostly bubble
+    for m in counts or [m for m in _powers_of_two(cfg.batch // _data_ranks(shape, preset)) if 2 * m > stages]:
         found.append(_try(cfg, preset, shape, m, remat, hardware, optimizer))
         if counts is None and _done(found, pipelined=PRESETS[preset].stage != ()):
             break

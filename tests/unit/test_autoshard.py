@@ -19,6 +19,7 @@ def test_mesh_shapes_cover_every_factorisation():
     assert mesh_shapes("dp", 6, CFG) == [(6,)]
     assert mesh_shapes("megatron", 6, CFG) == [(1, 6), (2, 3), (3, 2), (6, 1)]
     assert mesh_shapes("pipeline", 4, CFG) == [(2, 1, 2), (2, 2, 1)]  # stages dividing the 2 layers
+    assert mesh_shapes("pipeline_1f1b", 4, CFG) == mesh_shapes("pipeline", 4, CFG)  # stage x data x model
 
 
 def test_candidates_are_ranked_by_predicted_step(capsys):
