@@ -29,6 +29,7 @@ from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .models.lm import LMConfig
 from .optim import (SGD, Adafactor, AdamW, ConstantSchedule, CosineSchedule, DynamicLossScale, LinearSchedule,
                     Schedule, clip_by_global_norm, global_norm, nanogpt_schedule)
+from . import data  # noqa: F401  (sr.data: the bundled corpus)
 from .tokens import TokenLoader, prepare_corpus
 from .darray import DArray, device_put, from_local, scatter_from_root
 from .jit import jit

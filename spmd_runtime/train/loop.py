@@ -47,7 +47,7 @@ def evaluate(ts: TrainStep, local_state: dict, loader: TokenLoader, steps: int, 
 
 def fit(ts: TrainStep, loader: TokenLoader, steps: int, *, state: dict | None = None, seed: int = 0,
         eval_loader: TokenLoader | None = None, eval_every: int = 0, eval_steps: int = 1, checkpoint_every: int = 0,
-        directory=None, resume: bool = True, log_every: int = 1, log=print, comm=None) -> FitResult:
+        directory=None, resume: bool = True, log_every: int = 10, log=print, comm=None) -> FitResult:
     """Collective: train ``ts`` up to step ``steps`` on ``loader``'s batches (this rank's blocks).
 
     Starts from ``directory``'s checkpoint when there is one and ``resume`` (parameters, optimizer state, step and
