@@ -156,26 +156,46 @@ def corpus_dir(tmp_path_factory):
     return where
 
 
-def fit_simulated(ts, data, steps, directory=None, **kw):
-    """Every rank's fit on its own loader blocks; returns rank 0's result after checking every rank agrees."""
+def fit_simulated(ts, data, steps, directory=None, crash_after=None, **kw):
+    """Every rank's fit on its own loader blocks; returns rank 0's result after checking every rank agrees.
+    ``crash_after``: every rank's step raises after that many steps (the job dies there)."""
+    ts.eval_program()  # built once here, not by every simulated rank at once
+
     def body(comm):
         train, val = token_loaders(ts, data, comm.Get_rank())
-        r = fit(ts, train, steps, eval_loader=val, directory=directory, comm=comm, log=None, **kw)
+        step = ts if crash_after is None else Crashing(ts, crash_after)
+        r = fit(step, train, steps, eval_loader=val, directory=directory, comm=comm, log=None, **kw)
         return r.losses, r.evals, r.resumed_from
     results = run_simulated(ts.mesh.size, body)
     assert all(r == results[0] for r in results)
     return results[0]
 
 
+class Crashing:
+    """A TrainStep whose ``step_local`` raises after ``after`` steps."""
+    def __init__(self, ts, after):
+        self.ts, self.left = ts, after
+
+    def __getattr__(self, name):
+        return getattr(self.ts, name)
+
+    def step_local(self, *args, **kwargs):
+        if not self.left:
+            raise RuntimeError("the job dies here")
+        self.left -= 1
+        return self.ts.step_local(*args, **kwargs)
+
+
 def test_fit_resumed_from_its_checkpoint_gives_the_same_losses_to_the_bit(corpus_dir, tmp_path):
     ts = build_train_step(CFG, train_mesh((2, 2), "megatron"), "megatron", OPT)
-    straight, straight_evals, _ = fit_simulated(ts, corpus_dir, 7, eval_every=3, eval_steps=2)
+    straight, straight_evals, _ = fit_simulated(ts, corpus_dir, 6, eval_every=2, eval_steps=2)
     ckpt = str(tmp_path / "ckpt")
-    head, _, _ = fit_simulated(ts, corpus_dir, 5, ckpt, eval_every=3, eval_steps=2, checkpoint_every=2)
-    assert sr.checkpoint_info(ckpt)["step"] == 5  # every 2 steps, and after the last
-    tail, tail_evals, start = fit_simulated(ts, corpus_dir, 7, ckpt, eval_every=3, eval_steps=2)
-    assert start == 5 and head + tail == straight and tail_evals == straight_evals[1:]  # exact: == on floats
-    assert [s for s, _ in straight_evals] == [3, 6]
+    with pytest.raises(RuntimeError, match="the job dies here"):
+        fit_simulated(ts, corpus_dir, 6, ckpt, crash_after=3, eval_every=2, eval_steps=2, checkpoint_every=2)
+    assert sr.checkpoint_info(ckpt)["step"] == 2  # the last periodic one before the crash
+    tail, tail_evals, start = fit_simulated(ts, corpus_dir, 6, ckpt, eval_every=2, eval_steps=2)
+    assert start == 2 and tail == straight[2:] and tail_evals == straight_evals[1:]  # exact: == on floats
+    assert [s for s, _ in straight_evals] == [2, 4, 6] and sr.checkpoint_info(ckpt)["step"] == 6
 
 
 def test_fit_at_one_rank_equals_four_ranks_and_eval_is_the_steps_forward(corpus_dir):
@@ -211,3 +231,21 @@ def test_fit_and_step_local_errors_name_the_value(corpus_dir, tmp_path):
     ts.save(tmp_path / "plain", local, step=1)  # a TrainStep checkpoint without the loader's position
     with pytest.raises(ValueError, match="fit resumes from checkpoints that fit saved"):
         fit(ts, train, 3, directory=tmp_path / "plain")
+
+
+@pytest.mark.parametrize("preset, microbatches", [("seq", 1), ("pipeline_1f1b", 2)])
+def test_eval_loss_is_the_loss_the_step_reports_under_every_kind_of_preset(preset, microbatches):
+    """Sequence splits (each rank reads some columns) and both pipeline schedules (1F1B evaluates through the
+    GPipe loop): the forward-only program's loss is the train step's (which reports the loss before updating)."""
+    cfg = LMConfig(layers=2, d=16, heads=2, ffn=32, vocab=24, seq=8, batch=4, dtype="float64")
+    ts = build_train_step(cfg, train_mesh((2, 2), preset), preset, OPT, microbatches=microbatches)
+    rng = np.random.default_rng(0)
+    tokens, labels = rng.integers(0, 24, (4, 8)), rng.integers(0, 24, (4, 8))
+
+    def body(comm):
+        rows, cols = ts.batch_block(comm.Get_rank())
+        local, block = ts.shard_state(ts.init(0), comm.Get_rank()), (tokens[rows, cols], labels[rows, cols])
+        return ts.eval_loss(local, *block, comm=comm), ts.step_local(local, *block, comm=comm)[1]
+    want = ts.reference_step(ts.init(0), tokens, labels)[1]
+    for got in run_simulated(4, body):
+        np.testing.assert_allclose(got, (want, want), rtol=1e-12)
