@@ -55,8 +55,8 @@ def fit(ts: TrainStep, loader: TokenLoader, steps: int, *, state: dict | None = 
     ``eval_every`` steps the mean loss of ``eval_steps`` batches of ``eval_loader``; every ``checkpoint_every``
     steps, and after the last, a checkpoint in ``directory``. Rank 0 calls ``log`` with a line every
     ``log_every`` steps and after each evaluation (``log=None``: silent)."""
-    _check_fit(ts, loader, steps, eval_loader, eval_every, eval_steps, checkpoint_every, directory)
     rank = Runtime.of(comm).rank
+    _check_fit(ts, rank, loader, steps, eval_loader, eval_every, eval_steps, checkpoint_every, directory)
     say = log if log is not None and rank == 0 else (lambda line: None)
     result = FitResult()
     if resume and directory is not None and _has_checkpoint(directory):
@@ -103,7 +103,7 @@ def _has_checkpoint(directory) -> bool:
     return True
 
 
-def _check_fit(ts, loader, steps, eval_loader, eval_every, eval_steps, checkpoint_every, directory) -> None:
+def _check_fit(ts, rank, loader, steps, eval_loader, eval_every, eval_steps, checkpoint_every, directory) -> None:
     for name, value in (("steps", steps), ("eval_every", eval_every), ("eval_steps", eval_steps),
                         ("checkpoint_every", checkpoint_every)):
         if not isinstance(value, (int, np.integer)) or value < 0:
@@ -112,10 +112,16 @@ def _check_fit(ts, loader, steps, eval_loader, eval_every, eval_steps, checkpoin
         raise ValueError(f"fit eval_every={eval_every} needs an eval_loader (token_loaders makes one of val.bin)")
     if checkpoint_every and directory is None:
         raise ValueError(f"fit checkpoint_every={checkpoint_every} needs a directory to save into")
+    rows, cols = ts.batch_block(rank)
+    mine = (range(ts.cfg.batch)[rows], range(ts.cfg.seq)[cols])
     for what, ld in (("loader", loader), ("eval_loader", eval_loader)):
         if ld is not None and (ld.batch, ld.seq) != (ts.cfg.batch, ts.cfg.seq):
             raise ValueError(f"fit {what} must draw the step's (batch, seq) = {(ts.cfg.batch, ts.cfg.seq)}; got "
                              f"{(ld.batch, ld.seq)}")
+        if ld is not None and (ld.rows, ld.cols) != mine:
+            raise ValueError(f"fit {what} must read rank {rank}'s block of the batch, rows {rows.start}:{rows.stop} "
+                             f"and cols {cols.start}:{cols.stop} (token_loaders makes such loaders); got rows "
+                             f"{ld.rows.start}:{ld.rows.stop}, cols {ld.cols.start}:{ld.cols.stop}")
 
 
 __all__ = ["fit", "FitResult", "evaluate", "token_loaders"]

@@ -31,6 +31,17 @@ def cases():
     return out + [((N // 2, 2), "megatron")] if N % 2 == 0 else out
 
 
+_built: dict = {}
+
+
+def step_for(shape, preset, optimizer):
+    """The train step, built once per (mesh, preset, optimizer) for the module."""
+    key = (shape, preset, optimizer)
+    if key not in _built:
+        _built[key] = build_train_step_on_root(CFG, train_mesh(shape, preset), preset, optimizer)
+    return _built[key]
+
+
 def batch(seed):
     rng = np.random.default_rng(seed)
     return rng.integers(0, CFG.vocab, (CFG.batch, CFG.seq)), rng.integers(0, CFG.vocab, (CFG.batch, CFG.seq))
@@ -57,12 +68,11 @@ def _block(ts, tokens, labels):
 
 @pytest.mark.parametrize("shape, preset", cases(), ids=lambda v: str(v))
 def test_clipping_adds_one_reduction_and_matches_numpy(shape, preset):
-    mesh = train_mesh(shape, preset)
-    plain = build_train_step_on_root(CFG, mesh, preset, PLAIN)
+    plain = step_for(shape, preset, PLAIN)
     state, (tokens, labels) = plain.init(seed=2), batch(2)
     g = gradient(plain, state["params"], tokens, labels)
     norm = math.sqrt(sum(float(np.sum(x ** 2)) for x in g.values()))
-    clip = build_train_step_on_root(CFG, mesh, preset, SGD(lr=1.0, momentum=0.0, clip_norm=0.3 * norm))
+    clip = step_for(shape, preset, SGD(lr=1.0, momentum=0.0, clip_norm=0.3 * norm))
     added = Counter(c["kind"] for c in clip.program.comm_summary()) - Counter(
         c["kind"] for c in plain.program.comm_summary())
     got = step_and_gather(clip, state, [(tokens, labels)])
@@ -75,9 +85,8 @@ def test_clipping_adds_one_reduction_and_matches_numpy(shape, preset):
 
 def test_a_schedule_sets_each_update_of_the_partitioned_step():
     shape, preset = cases()[-1]
-    mesh = train_mesh(shape, preset)
-    plain = build_train_step_on_root(CFG, mesh, preset, PLAIN)
-    ts = build_train_step_on_root(CFG, mesh, preset, SGD(lr=LinearSchedule(0.5, 1, 3, 0.1, 0.2), momentum=0.0))
+    plain = step_for(shape, preset, PLAIN)
+    ts = step_for(shape, preset, SGD(lr=LinearSchedule(0.5, 1, 3, 0.1, 0.2), momentum=0.0))
     batches = [batch(10 + k) for k in range(3)]
     got = step_and_gather(ts, ts.init(seed=1), batches)
     params = plain.init(seed=1)["params"]

@@ -224,6 +224,10 @@ def test_fit_and_step_local_errors_name_the_value(corpus_dir, tmp_path):
     other = TokenLoader(corpus_dir / "train.bin", 2, 8, CFG.vocab)
     with pytest.raises(ValueError, match="loader must draw the step's \\(batch, seq\\) = \\(4, 8\\); got \\(2, 8\\)"):
         fit(ts, other, 3)
+    two = build_train_step(CFG, train_mesh((2,), "dp"), "dp", OPT)
+    with pytest.raises(ValueError, match="fit loader must read rank 0's block of the batch, rows 0:2 and cols 0:8 "
+                                         "\\(token_loaders makes such loaders\\); got rows 0:4, cols 0:8"):
+        fit(two, train, 3)
     local = ts.shard_state(ts.init(0), 0)
     with pytest.raises(sr.AgreedError, match="step_local tokens must have the shape of this rank's block 0:4, 0:8 "
                                              "of the batch, \\(4, 8\\); got \\(2, 8\\)"):
