@@ -84,7 +84,8 @@ def norm_groups(layout: Layout) -> list[list[str]]:
     optimizer's global gradient norm: one reduction per group (dp: one group of replicated gradients, none)."""
     groups: dict = {}
     for name, spec in layout.update.items():
-        axes = tuple(sorted(a for e in spec if e for a in ((e,) if isinstance(e, str) else e)))
+        axes = tuple(a for e in spec if e for a in ((e,) if isinstance(e, str) else e))  # in order: a partial
+        # sum over ("model", "data") is another pending sum than one over ("data", "model")
         groups.setdefault(axes, []).append(name)
     return list(groups.values())
 

@@ -134,8 +134,11 @@ def gradients():
 
 
 # preset -> the collectives clipping adds to its step on a 2 x 2 mesh: one all-reduce of the summed squares of the
-# split gradients (over the axes splitting them), none where every gradient is replicated
-CLIP_COLLECTIVES = {"dp": [], "fsdp": [("all_reduce", ("data", "model"))], "megatron": [("all_reduce", ("model",))]}
+# split gradients (over the axes splitting them), none where every gradient is replicated; one per group of
+# gradients split over the same axes in the same order where the layout has several (fsdp_megatron: 3)
+CLIP_COLLECTIVES = {"dp": [], "fsdp": [("all_reduce", ("data", "model"))], "megatron": [("all_reduce", ("model",))],
+                    "fsdp_megatron": [("all_reduce", ("data",)), ("all_reduce", ("data", "model")),
+                                      ("all_reduce", ("model", "data"))]}
 
 
 @pytest.mark.parametrize("preset", sorted(CLIP_COLLECTIVES))
