@@ -41,13 +41,22 @@ def data_dir():
         shutil.rmtree(where, ignore_errors=True)
 
 
+_built: dict = {}
+
+
+def step_for(shape, preset):
+    if (shape, preset) not in _built:  # built once for the module
+        _built[shape, preset] = build_train_step_on_root(CFG, train_mesh(shape, preset), preset, OPT)
+    return _built[shape, preset]
+
+
 def presets():
     return [((N,), "dp")] + ([((N // 2, 2), "megatron")] if N % 2 == 0 else [])
 
 
 @pytest.mark.parametrize("shape, preset", presets(), ids=lambda v: str(v))
 def test_each_rank_reads_its_rows_and_together_they_are_the_one_rank_batch(data_dir, shape, preset):
-    ts = build_train_step_on_root(CFG, train_mesh(shape, preset), preset, OPT)
+    ts = step_for(shape, preset)
     train, val = token_loaders(ts, data_dir, RANK, seed=4)
     rows, cols = ts.batch_block(RANK)
     mine = [(next(train), next(val)) for _ in range(3)]
@@ -68,8 +77,7 @@ def test_each_rank_reads_its_rows_and_together_they_are_the_one_rank_batch(data_
 
 
 def test_fit_follows_the_reference_step_on_the_global_batches(data_dir):
-    shape, preset = presets()[-1]
-    ts = build_train_step_on_root(CFG, train_mesh(shape, preset), preset, OPT)
+    ts = step_for(*presets()[-1])
     train, val = token_loaders(ts, data_dir, RANK)
     result = fit(ts, train, 4, eval_loader=val, eval_every=2, eval_steps=2, log=None)
     gathered = WORLD.gather((result.losses, result.evals))
