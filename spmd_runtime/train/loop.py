@@ -73,7 +73,8 @@ def fit(ts: TrainStep, loader: TokenLoader, steps: int, *, state: dict | None = 
     saved = result.step = result.resumed_from
     for i in range(result.resumed_from + 1, steps + 1):
         t0 = time.perf_counter()
-        state, loss = ts.step_local(state, *next(loader), comm=comm)
+        position = loader.position
+        state, loss = ts.step_local(state, *next(loader), comm=comm, position=position)
         result.losses.append((i, loss))
         result.step = i
         if log_every and (i % log_every == 0 or i == steps):

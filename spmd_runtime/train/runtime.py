@@ -188,12 +188,20 @@ class TrainStep:
                                                              f"{cols.start}:{cols.stop} of the batch")
         return error, [] if error else self._batch(tokens, labels)
 
-    def step_local(self, local_state: dict, tokens, labels, comm=None) -> tuple[dict, float]:
+    def step_local(self, local_state: dict, tokens, labels, comm=None, position: int | None = None,
+                   check_inputs: bool | None = None) -> tuple[dict, float]:
         """``step`` on this rank's blocks of the batch too (``batch_block(rank)``, as a ``TokenLoader`` reads
-        them): no rank holds the global batch. The ranks' blocks differ, so no digest is agreed on: the ranks
-        must draw from the same loader state (a checkpoint restores it)."""
-        error, batch = self._local_batch(tokens, labels, Runtime.of(comm).rank)
-        outs = run_local_checked(self.program, [*self._flat(local_state), *batch], comm=comm, error=error)
+        them): no rank holds the global batch. The ranks' blocks differ, so instead of the batch's digest the
+        ranks agree on ``position`` when given (the loader position the blocks come from; ``check_inputs`` as in
+        ``step``), in the run's preparation: a rank drawing another batch fails on every rank."""
+        rt = Runtime.of(comm)
+        error, batch = self._local_batch(tokens, labels, rt.rank)
+        promised = None
+        if position is not None and rt.checks_inputs(check_inputs):
+            promised = Promised("TrainStep.step_local needs every rank at the same loader position (each reads its "
+                                "block of that batch)", ["loader position"], digests([np.asarray(position, np.int64)]))
+        outs = run_local_checked(self.program, [*self._flat(local_state), *batch], comm=comm, error=error,
+                                 promised=promised)
         self._metrics(outs)
         return self._tree(outs[:len(self.state_names)]), float(outs[-1])
 

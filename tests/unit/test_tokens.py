@@ -22,6 +22,8 @@ from spmd_runtime.sharding import parse_spec
 from spmd_runtime.tokens import TokenLoader, prepare_corpus, read_meta, token_dtype, write_meta, write_tokens
 from spmd_runtime.train import build_train_step, fit, token_loaders, train_mesh
 
+from simulated import errors_on_every_rank
+
 
 def positions_file(tmp_path, n=500, vocab=1000, name="train.bin"):
     """A token file whose id at position k is k (n < vocab)."""
@@ -232,6 +234,12 @@ def test_fit_and_step_local_errors_name_the_value(corpus_dir, tmp_path):
     with pytest.raises(sr.AgreedError, match="step_local tokens must have the shape of this rank's block 0:4, 0:8 "
                                              "of the batch, \\(4, 8\\); got \\(2, 8\\)"):
         ts.step_local(local, *next(other))
+    two_train = [token_loaders(two, corpus_dir, r)[0] for r in range(2)]
+    two_train[1].position = 5  # rank 1 draws another batch
+    errors = errors_on_every_rank(2, lambda comm: fit(two, two_train[comm.Get_rank()], 3, comm=comm, log=None))
+    assert all("DifferentValuesError: TrainStep.step_local needs every rank at the same loader position (each reads "
+               "its block of that batch); got different contents for 'loader position': ranks [0] vs [1]" in e
+               for e in errors), errors
     ts.save(tmp_path / "plain", local, step=1)  # a TrainStep checkpoint without the loader's position
     with pytest.raises(ValueError, match="fit resumes from checkpoints that fit saved"):
         fit(ts, train, 3, directory=tmp_path / "plain")
