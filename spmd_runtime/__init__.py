@@ -27,7 +27,10 @@ from .ops.manual import (all_gather, all_to_all, axis_index, pbroadcast, pmax, p
 from .pipeline import pipeline
 from .checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .models.lm import LMConfig
-from .optim import SGD, Adafactor, AdamW, DynamicLossScale
+from .optim import (SGD, Adafactor, AdamW, ConstantSchedule, CosineSchedule, DynamicLossScale, LinearSchedule,
+                    Schedule, clip_by_global_norm, global_norm, nanogpt_schedule)
+from . import data  # noqa: F401  (sr.data: the bundled corpus)
+from .tokens import TokenLoader, prepare_corpus
 from .darray import DArray, device_put, from_local, scatter_from_root
 from .weights import checkpoint_to_safetensors, load_safetensors, safetensors_to_checkpoint, save_safetensors
 from .jit import jit
@@ -36,8 +39,8 @@ from . import eager  # noqa: F401  (binds the DArray operators: eager ops outsid
 from .visualize import visualize_sharding
 from . import profile
 from . import distributed
-from .train import (PRESETS, Plan, Preset, TrainStep, build_train_step, build_train_step_on_root, plan_train_step,
-                    train_mesh)
+from .train import (PRESETS, FitResult, Plan, Preset, TrainStep, build_train_step, build_train_step_on_root, fit,
+                    plan_train_step, token_loaders, train_mesh)
 
 from .exec import Runtime
 from .comm.agreement import AgreedError, DifferentValuesError
@@ -53,7 +56,9 @@ __all__ = ["config", "jit", "autoshard", "DArray", "device_put", "from_local", "
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "stop_gradient",
            "scan", "fori_loop", "while_loop", "cond", "remat", "shard_map", "psum", "pmax", "pmin", "all_gather",
            "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "pipeline_loss", "save_checkpoint", "load_checkpoint",
-           "checkpoint_info", "LMConfig", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "PRESETS", "Preset", "TrainStep", "Plan", "plan_train_step",
+           "checkpoint_info", "LMConfig", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "Schedule", "ConstantSchedule",
+           "LinearSchedule", "CosineSchedule", "nanogpt_schedule", "clip_by_global_norm", "global_norm", "TokenLoader",
+           "prepare_corpus", "fit", "FitResult", "token_loaders", "PRESETS", "Preset", "TrainStep", "Plan", "plan_train_step",
            "build_train_step", "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "DifferentValuesError",
            "load_safetensors", "save_safetensors", "safetensors_to_checkpoint", "checkpoint_to_safetensors",
            "__version__"]

@@ -14,7 +14,12 @@ weight-update sharding, split further. ``init_state`` of abstract parameters
 like jax's ``ShapeDtypeStruct``) is the tree of the slots' TensorSpecs: a plan
 allocates no state.
 
-Hyperparameters are Python floats baked into the graph as constants.
+Hyperparameters are Python floats baked into the graph as constants. A learning rate may instead be a
+``Schedule`` (``ConstantSchedule``, ``LinearSchedule``, ``CosineSchedule``: warm-up, then decay), a traced function
+of the optimizer's step counter evaluated inside the step: decided once, nothing per step in Python.
+``clip_norm`` (every optimizer) scales the gradients to at most that global L2 norm first (PyTorch's
+``clip_grad_norm_``); the squares are summed per group of gradients split over the same mesh axes (``groups``,
+which the training step takes from its layout), so the norm costs one reduction per group, not one per parameter.
 """
 from __future__ import annotations
 
@@ -73,10 +78,12 @@ class Optimizer:
     def _slots(self, shapes, dtype) -> list[StateSlot]:
         raise NotImplementedError
 
-    def update(self, params: dict, grads: dict, state: dict, matrices=None) -> tuple[dict, dict]:
+    def update(self, params: dict, grads: dict, state: dict, matrices=None, groups=None) -> tuple[dict, dict]:
         """Traced: (new params, new state) from the params, their gradients (same keys) and the state tree.
         ``matrices``: the names of the weight matrices (weight decay applies to them only); default: the
-        params with 2 or more dims (a caller whose params stack layers on a leading dim names them)."""
+        params with 2 or more dims (a caller whose params stack layers on a leading dim names them).
+        ``groups``: the parameter names grouped by the mesh axes splitting their gradients, for ``clip_norm``'s
+        global norm (``global_norm``); default one group."""
         raise NotImplementedError
 
     def loss_scale(self, state: dict):
@@ -98,6 +105,117 @@ def is_matrix(name: str, p, matrices) -> bool:
     return name in matrices if matrices is not None else p.ndim >= 2
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """A learning rate as a function of ``count``, the number of updates taken before this one (0 at the first,
+    as nanoGPT's ``iter_num`` and optax's ``count``): a linear warm-up from ``init`` to ``peak`` over ``warmup``
+    updates, then the subclass's decay from ``peak`` (at count ``warmup``) to ``end`` (at count ``total``, and
+    after it). Called on a traced 0-d count it returns the traced rate (inside the step)."""
+    peak: float
+    warmup: int = 0
+    total: int = 0
+    end: float = 0.0
+    init: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"{type(self).__name__} warmup must be an int >= 0; got {self.warmup!r}")
+        if self.decays and (not isinstance(self.total, int) or self.total <= self.warmup):
+            raise ValueError(f"{type(self).__name__} total must be an int > warmup={self.warmup} (the update at "
+                             f"which the decay ends); got total={self.total!r}")
+
+    decays = True
+
+    def __call__(self, count):
+        rate = self._decayed(count)
+        if not self.warmup:
+            return rate
+        warm = self.init + (self.peak - self.init) * (count * (1.0 / self.warmup))
+        return snp.where(count < float(self.warmup), warm, rate)
+
+    def _fraction(self, count):
+        """How far the decay has gone, in [0, 1]."""
+        return snp.clip((count - float(self.warmup)) * (1.0 / (self.total - self.warmup)), 0.0, 1.0)
+
+    def _decayed(self, count):
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ConstantSchedule(Schedule):
+    """``peak`` after the warm-up (``total`` and ``end`` unused)."""
+    decays = False
+
+    def _decayed(self, count):
+        return self.peak
+
+
+@dataclass(frozen=True)
+class LinearSchedule(Schedule):
+    """Linear decay from ``peak`` to ``end`` between counts ``warmup`` and ``total`` (optax's
+    ``warmup_linear`` shape: ``linear_schedule`` joined after a warm-up)."""
+
+    def _decayed(self, count):
+        return self.peak + (self.end - self.peak) * self._fraction(count)
+
+
+@dataclass(frozen=True)
+class CosineSchedule(Schedule):
+    """Half-cosine decay from ``peak`` to ``end`` between counts ``warmup`` and ``total``: optax's
+    ``warmup_cosine_decay_schedule(init, peak, warmup, total, end)``; nanoGPT's ``get_lr`` is
+    ``nanogpt_schedule``."""
+
+    def _decayed(self, count):
+        return self.end + (self.peak - self.end) * (0.5 * (1.0 + snp.cos(np.pi * self._fraction(count))))
+
+
+def nanogpt_schedule(learning_rate: float, warmup_iters: int, lr_decay_iters: int, min_lr: float) -> CosineSchedule:
+    """nanoGPT's ``get_lr(it)``: ``learning_rate * (it + 1) / (warmup_iters + 1)`` during the warm-up, which is a
+    linear warm-up from ``learning_rate / (warmup_iters + 1)``, then cosine to ``min_lr`` at ``lr_decay_iters``."""
+    return CosineSchedule(learning_rate, warmup_iters, lr_decay_iters, min_lr, learning_rate / (warmup_iters + 1))
+
+
+def learning_rate(lr, count, dtype):
+    """The rate for the update after ``count`` updates (traced): ``lr`` itself when it is a number."""
+    return lr(snp.astype(count, dtype)) if isinstance(lr, Schedule) else lr
+
+
+def global_norm(tree: dict, groups=None):
+    """Traced: the L2 norm of every leaf of the dict ``tree`` together. ``groups``: lists of its keys whose
+    leaves are split over the same mesh axes (every key in one of them); each group's squares are summed
+    before the groups are added, so a group of sharded leaves is completed by ONE reduction (the pending sums of
+    one group share their axes) and the norm costs one reduction per group. Default: one group, in order."""
+    groups = [list(tree)] if groups is None else groups
+    missing = set(tree) - {k for g in groups for k in g}
+    if missing:
+        raise ValueError(f"global_norm groups must hold every key of the tree; got {sorted(missing)} in none")
+    square = lambda x: x * x
+    sums = [_sum(snp.sum(square(snp.astype(tree[k], np.result_type(tree[k].dtype, np.float32)))) for k in group)
+            for group in groups if group]  # 16-bit gradients squared and summed in float32
+    return snp.sqrt(_sum(sums))
+
+
+def clip_by_global_norm(tree: dict, max_norm: float, groups=None) -> dict:
+    """Traced: ``tree`` scaled by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` its ``global_norm``:
+    PyTorch's ``clip_grad_norm_`` (nanoGPT's ``grad_clip``)."""
+    if not max_norm or max_norm < 0:
+        raise ValueError(f"clip_by_global_norm max_norm must be > 0; got {max_norm!r}")
+    coef = snp.minimum(max_norm / (global_norm(tree, groups) + 1e-6), 1.0)
+    return {k: g * snp.astype(coef, g.dtype) for k, g in tree.items()}
+
+
+def _sum(values):
+    values = list(values)
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total
+
+
+def _clipped(optimizer, grads: dict, groups) -> dict:
+    return clip_by_global_norm(grads, optimizer.clip_norm, groups) if optimizer.clip_norm else grads
+
+
 def _per_param(prefix: str, shapes, dtype) -> list[StateSlot]:
     return [StateSlot(f"{prefix}_{name}", tuple(shape), dtype, name, (prefix, name)) for name, shape in shapes.items()]
 
@@ -105,44 +223,58 @@ def _per_param(prefix: str, shapes, dtype) -> list[StateSlot]:
 @dataclass(frozen=True)
 class SGD(Optimizer):
     """SGD with (heavy-ball) momentum and optional L2 weight decay on matrices:
-    buf = momentum * buf + (g + wd * p);  p -= lr * buf."""
-    lr: float = 0.1
+    buf = momentum * buf + (g + wd * p);  p -= lr * buf. With a ``Schedule`` as ``lr`` the state also counts the
+    updates (``"step"``)."""
+    lr: float | Schedule = 0.1
     momentum: float = 0.9
     weight_decay: float = 0.0
+    clip_norm: float | None = None
 
     def _slots(self, shapes, dtype):
-        return _per_param("mom", shapes, dtype)
+        counter = [StateSlot("step", (), "float32", None)] if isinstance(self.lr, Schedule) else []
+        return counter + _per_param("mom", shapes, dtype)
 
-    def update(self, params, grads, state, matrices=None):
+    def update(self, params, grads, state, matrices=None, groups=None):
+        grads = _clipped(self, grads, groups)
+        counted = isinstance(self.lr, Schedule)
+        lr = learning_rate(self.lr, state["step"], next(iter(params.values())).dtype) if counted else self.lr
         new_params, new_bufs = {}, {}
         for name, p in params.items():
             g = grads[name]
             if self.weight_decay and is_matrix(name, p, matrices):
                 g = g + self.weight_decay * p
             new_bufs[name] = self.momentum * state["mom"][name] + g
-            new_params[name] = p - self.lr * new_bufs[name]
-        return new_params, {"mom": new_bufs}
+            new_params[name] = p - lr * new_bufs[name]
+        return new_params, {"mom": new_bufs, **({"step": state["step"] + 1.0} if counted else {})}
 
 
 @dataclass(frozen=True)
 class AdamW(Optimizer):
     """Adam with bias correction and decoupled weight decay (Loshchilov & Hutter) on matrices only
-    (LayerNorm gains and biases are not decayed). Optional linear learning-rate warm-up.
+    (LayerNorm gains and biases are not decayed). ``lr``: a number (with ``warmup``, a linear warm-up to it
+    over that many updates) or a ``Schedule``.
 
     State: ``{"step": float32 0-d counter of updates taken, "m": first moments, "v": second moments}``
     (the moments are dicts name -> array like the parameters)."""
-    lr: float = 1e-3
+    lr: float | Schedule = 1e-3
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.01
     warmup: int = 0
+    clip_norm: float | None = None
+
+    def __post_init__(self):
+        if self.warmup and isinstance(self.lr, Schedule):
+            raise ValueError(f"AdamW warmup applies to a constant lr; give the Schedule its warmup instead; got "
+                             f"warmup={self.warmup} with lr={self.lr}")
 
     def _slots(self, shapes, dtype):
         return [StateSlot("step", (), "float32", None)] + _per_param("m", shapes, dtype) + _per_param("v", shapes,
                                                                                                       dtype)
 
-    def update(self, params, grads, state, matrices=None):
+    def update(self, params, grads, state, matrices=None, groups=None):
+        grads = _clipped(self, grads, groups)
         t = state["step"] + 1.0
         tt = snp.astype(t, next(iter(params.values())).dtype)
         lr = self._lr(tt)
@@ -160,6 +292,8 @@ class AdamW(Optimizer):
         return new_params, {"step": t, "m": new_m, "v": new_v}
 
     def _lr(self, t):
+        if isinstance(self.lr, Schedule):
+            return self.lr(t - 1.0)  # t counts this update; a schedule takes the updates before it
         if not self.warmup:
             return self.lr
         return self.lr * snp.minimum(t * (1.0 / self.warmup), 1.0)
@@ -194,14 +328,14 @@ class DynamicLossScale(Optimizer):
     def loss_scale(self, state):
         return state["loss_scale"]
 
-    def update(self, params, grads, state, matrices=None):
+    def update(self, params, grads, state, matrices=None, groups=None):
         scale, good = state["loss_scale"], state["good_steps"]
         inv = 1.0 / scale
         grads = {n: g * snp.astype(inv, g.dtype) for n, g in grads.items()}
         # g * 0 is 0 for a finite g and NaN for inf/NaN: one sum per gradient flags any non-finite value.
         flags = [snp.sum(snp.astype(g, "float32") * 0.0) for g in grads.values()]
         finite = sum(flags[1:], flags[0]) == 0.0
-        new_params, new_inner = self.inner.update(params, grads, state["inner"], matrices)
+        new_params, new_inner = self.inner.update(params, grads, state["inner"], matrices, groups)
         keep = lambda new, old: snp.where(finite, new, old)
         new_params = pytree.tree_map(keep, new_params, params)
         new_inner = pytree.tree_map(keep, new_inner, state["inner"])
@@ -220,12 +354,13 @@ class Adafactor(Optimizer):
     its own moments, as Praxis does for repeated layers, or over the two largest, Mesh TF's rule), decay 1 - t^-``decay_rate``, updates clipped to RMS
     ``clipping_threshold``, a relative step size min(1e-2, 1/sqrt(t)) (``lr`` None) times the parameter's RMS
     (at least ``eps2``, ``multiply_by_parameter_scale``), no first moment (``beta1`` 0). With ``lr`` set it is
-    the step size before the parameter scale. ``weight_decay``: decoupled, lr * wd * p on matrices.
+    the step size before the parameter scale (a number or a ``Schedule``). ``weight_decay``: decoupled, lr * wd * p
+    on matrices.
 
     State: ``{"step", "vr": {name: row means}, "vc": {name: column means}, "v": {name: full second moment}}``
     (each parameter in "vr"/"vc" or in "v"), and ``"m"`` when ``beta1`` > 0. A factored slot keeps the
     parameter's dims but one (``StateSlot.dims``), so a preset lays it out like the parameter on those dims."""
-    lr: float | None = None
+    lr: float | Schedule | None = None
     beta1: float = 0.0
     decay_rate: float = 0.8
     eps1: float = 1e-30
@@ -235,6 +370,7 @@ class Adafactor(Optimizer):
     min_dim_size_to_factor: int = 128
     weight_decay: float = 0.0
     factor: str = "last"  # which two dims: "last" or "largest" (the same for a matrix)
+    clip_norm: float | None = None
 
     def __post_init__(self):
         if self.factor not in ("largest", "last"):
@@ -265,11 +401,13 @@ class Adafactor(Optimizer):
                 slots.append(StateSlot(f"v_{name}", tuple(shape), dtype, name, ("v", name)))
         return slots + (_per_param("m", shapes, dtype) if self.beta1 else [])
 
-    def update(self, params, grads, state, matrices=None):
+    def update(self, params, grads, state, matrices=None, groups=None):
+        grads = _clipped(self, grads, groups)
         t = state["step"] + 1.0
         tt = snp.astype(t, next(iter(params.values())).dtype)
         decay = 1.0 - snp.power(tt, -self.decay_rate)
-        step_size = snp.minimum(1.0 / snp.sqrt(tt), 1e-2) if self.lr is None else self.lr
+        step_size = snp.minimum(1.0 / snp.sqrt(tt), 1e-2) if self.lr is None else learning_rate(self.lr, tt - 1.0,
+                                                                                                 tt.dtype)
         new_params, new_state = {}, {"step": t, "vr": {}, "vc": {}, "v": {}, "m": {}}
         for name, p in params.items():
             g = grads[name]
@@ -310,4 +448,6 @@ def make_optimizer(name: str, **hyper) -> Optimizer:
     return OPTIMIZERS[name](**hyper)
 
 
-__all__ = ["Optimizer", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "StateSlot", "slot_tree", "is_abstract", "OPTIMIZERS", "make_optimizer"]
+__all__ = ["Optimizer", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "StateSlot", "slot_tree", "is_abstract",
+           "OPTIMIZERS", "make_optimizer", "Schedule", "ConstantSchedule", "LinearSchedule", "CosineSchedule",
+           "nanogpt_schedule", "learning_rate", "global_norm", "clip_by_global_norm"]

@@ -23,6 +23,8 @@ The package:
 - ``step``: the traced step (and the FSDP / pipeline ways to run the scanned layers, gradient accumulation);
 - ``runtime``: ``build_train_step``, ``TrainStep`` (run, gather, checkpoints, reports) and the MPI helpers
   that do rank 0's work while the other ranks sleep;
+- ``loop``: ``fit``, the training loop on a ``TokenLoader`` (logging, evaluation every N steps, periodic
+  checkpoints with the loader's position, exact resume), ``token_loaders``, ``evaluate``;
 - ``plan``: ``plan_train_step``, the step planned from shapes alone (nothing allocated, nothing run) with its
   per-rank figures (the ``python -m spmd_runtime plan`` verb).
 
@@ -33,8 +35,10 @@ from .layout import (MOE_ROLES, Layout, ParamLayout, make_layout, moe_activation
 from .presets import BOTH, PIPELINE_AXES, PRESETS, Preset, as_preset, check_experts, check_pipeline, train_mesh
 from .plan import Plan, instruction_count, plan_train_step
 from .runtime import TrainStep, build_train_step, build_train_step_on_root, check_batch, format_comm, run_on_root
-from .step import (TOKEN_DTYPE, accumulate, fsdp_layers, input_specs, metric_names, pipeline_layers, step_specs,
-                   train_step_fn)
+from .step import (TOKEN_DTYPE, accumulate, eval_loss_fn, fsdp_layers, input_specs, metric_names, norm_groups,
+                   pipeline_layers, step_specs, train_step_fn)
+from .loop import FitResult, evaluate, fit, token_loaders
 
 __all__ = ["Preset", "PRESETS", "TrainStep", "build_train_step", "build_train_step_on_root",
-           "run_on_root", "train_mesh", "param_spec", "update_spec", "param_layout", "ParamLayout", "format_comm", "Plan", "plan_train_step"]
+           "run_on_root", "train_mesh", "param_spec", "update_spec", "param_layout", "ParamLayout", "format_comm",
+           "Plan", "plan_train_step", "fit", "FitResult", "evaluate", "token_loaders"]

@@ -22,10 +22,11 @@ from ..optim import AdamW, DynamicLossScale, Optimizer, slot_tree
 from ..partition import partition
 from ..program import SPMDProgram
 from ..reference import evaluate
+from ..sharding import Sharding
 from ..trace import trace
 from .layout import Layout, make_layout, state_leaf_name
 from .presets import Preset, as_preset, check_experts, check_pipeline
-from .step import TOKEN_DTYPE, input_specs, metric_names, step_specs, train_step_fn
+from .step import TOKEN_DTYPE, eval_loss_fn, input_specs, metric_names, step_specs, train_step_fn
 
 
 def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
@@ -51,7 +52,7 @@ def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimize
     in_specs, out_specs = step_specs(graph, layout)
     state = [k for k, node in enumerate(graph.params) if not graph.name_of(node).startswith("batch.")] if donate else ()
     program = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs, donate=state)
-    return TrainStep(cfg, mesh, preset, optimizer, layout, graph, program)
+    return TrainStep(cfg, mesh, preset, optimizer, layout, graph, program, microbatches)
 
 
 def build_train_step_on_root(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
@@ -99,9 +100,11 @@ class TrainStep:
     layout: Layout
     graph: object  # the unpartitioned traced step (sr.evaluate runs it on global arrays)
     program: SPMDProgram
+    microbatches: int = 1
     state_names: list = field(init=False)
     param_names: list = field(init=False)
     metrics: dict = field(init=False, default_factory=dict)
+    _eval: SPMDProgram | None = field(init=False, default=None, repr=False)  # eval_program(), built on first use
 
     def __post_init__(self):
         self.param_names = list(param_shapes(self.cfg))
@@ -170,6 +173,57 @@ class TrainStep:
         self._metrics(outs)
         return self._tree(outs[:len(self.state_names)]), float(outs[-1])
 
+    def batch_block(self, rank: int) -> tuple[slice, slice]:
+        """(rows, cols): the block of the global (batch, seq) token batch that ``rank`` holds (a
+        ``TokenLoader``'s ``rows`` / ``cols``), the same for tokens and labels."""
+        tokens, labels = (io for name in ("batch.tokens", "batch.labels") for io in self._batch_ios if io.name == name)
+        assert tokens.sharding == labels.sharding, "the layout splits tokens and labels alike"
+        return tuple(tokens.sharding.block_slices(tokens.shape, self.mesh, rank))
+
+    def _local_batch(self, tokens, labels, rank: int):
+        """(error or None, the batch blocks in program order): this rank's blocks, checked like a global batch."""
+        rows, cols = self.batch_block(rank)
+        shape = (len(range(self.cfg.batch)[rows]), len(range(self.cfg.seq)[cols]))
+        error = check_batch(tokens, labels, self.cfg, shape, f"this rank's block {rows.start}:{rows.stop}, "
+                                                             f"{cols.start}:{cols.stop} of the batch")
+        return error, [] if error else self._batch(tokens, labels)
+
+    def step_local(self, local_state: dict, tokens, labels, comm=None, position: int | None = None,
+                   check_inputs: bool | None = None) -> tuple[dict, float]:
+        """``step`` on this rank's blocks of the batch too (``batch_block(rank)``, as a ``TokenLoader`` reads
+        them): no rank holds the global batch. The ranks' blocks differ, so instead of the batch's digest the
+        ranks agree on ``position`` when given (the loader position the blocks come from; ``check_inputs`` as in
+        ``step``), in the run's preparation: a rank drawing another batch fails on every rank."""
+        rt = Runtime.of(comm)
+        error, batch = self._local_batch(tokens, labels, rt.rank)
+        promised = None
+        if position is not None and rt.checks_inputs(check_inputs):
+            promised = Promised("TrainStep.step_local needs every rank at the same loader position (each reads its "
+                                "block of that batch)", ["loader position"], digests([np.asarray(position, np.int64)]))
+        outs = run_local_checked(self.program, [*self._flat(local_state), *batch], comm=comm, error=error,
+                                 promised=promised)
+        self._metrics(outs)
+        return self._tree(outs[:len(self.state_names)]), float(outs[-1])
+
+    def eval_program(self) -> SPMDProgram:
+        """The step's forward alone, ``loss(params, batch)`` (no gradient, no update), partitioned with the
+        step's layout; built on first use (on each rank: it is deterministic)."""
+        if self._eval is None:
+            params, _, batch = input_specs(self.cfg, self.optimizer)
+            graph = trace(eval_loss_fn(self.cfg, self.layout, self.microbatches), params, batch)
+            self._eval = partition(graph, self.mesh, in_specs=[self.layout.specs[n] for n in graph.param_names],
+                                   out_specs=[()])
+        return self._eval
+
+    def eval_loss(self, local_state: dict, tokens, labels, comm=None) -> float:
+        """The mean loss of the parameters in ``local_state`` on this rank's blocks of a batch (like
+        ``step_local``), without training."""
+        program, rt = self.eval_program(), Runtime.of(comm)
+        error, batch = self._local_batch(tokens, labels, rt.rank)
+        named = self.named(local_state)
+        params = [named[io.name] for io in program.inputs if not io.name.startswith("batch.")]
+        return float(run_local_checked(program, [*params, *batch], comm=comm, error=error)[0])
+
     def reference_step(self, state: dict, tokens, labels) -> tuple[dict, float]:
         """The same step, unpartitioned, on global arrays (``sr.evaluate`` of the traced graph)."""
         outs = evaluate(self.graph, *self._flat(state), *self._batch(tokens, labels))
@@ -186,13 +240,19 @@ class TrainStep:
         return self._tree(out)
 
     # ------------------------------------------------------------ checkpoints
-    def save(self, directory, local_state: dict, step: int | None = None, comm=None) -> None:
+    def save(self, directory, local_state: dict, step: int | None = None, comm=None, extra=None) -> None:
         """Collective: save this rank's blocks of the state (sharded, atomic; see ``checkpoint``), one tensor
-        per state leaf, named by its dotted path (``params.wq``, ``opt_state.m.wq``)."""
-        save_checkpoint(directory, self.named(local_state), self.program, comm=comm, step=step)
+        per state leaf, named by its dotted path (``params.wq``, ``opt_state.m.wq``). ``extra``: name -> a small
+        array the same on every rank (a data loader's position), saved replicated as ``extra.<name>`` in the same
+        atomic save (``load(..., extra=True)`` returns them)."""
+        extra = {f"{EXTRA}{k}": np.asarray(v) for k, v in (extra or {}).items()}
+        entries = {io.name: (io.shape, io.sharding) for io in self._state_ios}
+        entries.update((k, (v.shape, Sharding.replicated(v.ndim))) for k, v in extra.items())
+        save_checkpoint(directory, {**self.named(local_state), **extra}, entries, self.mesh, comm=comm, step=step)
 
-    def load(self, directory, comm=None, strict: bool = True) -> dict:
-        """Collective: this rank's blocks of a saved state, whatever mesh and preset saved it.
+    def load(self, directory, comm=None, strict: bool = True, extra: bool = False):
+        """Collective: this rank's blocks of a saved state, whatever mesh and preset saved it; with ``extra``,
+        ``(state, extra)``, the dict ``save(..., extra=...)`` saved with it ({} if none).
 
         The checkpoint must hold exactly this model's parameters and optimizer state at their shapes and dtypes
         (a checkpoint of another config fails, naming each mismatched tensor); ``strict=False`` loads the ones
@@ -201,15 +261,18 @@ class TrainStep:
         pytree (flat names: ``wq``, ``m_wq``, ``step``) load too, each tensor mapped to its leaf
         (``legacy_names``)."""
         stored = _stored_names(directory)
+        extras = {n: e for n, e in stored.items() if n.startswith(EXTRA)}
         legacy = self.legacy_names() if stored and not any(n in stored for n in self.state_names) else {}
         name = lambda n: legacy.get(n, n)
         ios = {name(io.name): io for io in self._state_ios}
         views = layer_views(self.cfg, ios)
+        expect = {n: (io.shape, io.dtype) for n, io in ios.items()}
+        expect.update((n, (e["shape"], e["dtype"])) for n, e in extras.items())
         blocks = load_checkpoint(directory, self.mesh, {n: io.sharding for n, io in ios.items()
                                                         if n in stored or n in views},
-                                 comm=comm, expect={n: (io.shape, io.dtype) for n, io in ios.items()},
-                                 strict=strict, views=views)
-        return self._tree([blocks.get(name(n)) for n in self.state_names])
+                                 comm=comm, expect=expect, strict=strict, views=views)
+        state = self._tree([blocks.get(name(n)) for n in self.state_names])
+        return (state, {n[len(EXTRA):]: blocks[n] for n in extras}) if extra else state
 
     def legacy_names(self) -> dict:
         """State leaf name -> the flat name checkpoints written before state trees gave it (``params.wq`` ->
@@ -246,21 +309,27 @@ class TrainStep:
         return list(groups.values())
 
 
-def _stored_names(directory) -> set:
-    """The tensor names of the checkpoint in ``directory`` (empty when it cannot be read: ``load_checkpoint``
-    then fails on every rank, saying why)."""
+EXTRA = "extra."  # the prefix of the values TrainStep.save(extra=...) keeps beside the state
+
+
+def _stored_names(directory) -> dict:
+    """The tensors of the checkpoint in ``directory`` by name (empty when it cannot be read:
+    ``load_checkpoint`` then fails on every rank, saying why)."""
     try:
-        return set(checkpoint_info(directory)["tensors"])
+        return dict(checkpoint_info(directory)["tensors"])
     except (OSError, ValueError, KeyError):
-        return set()
+        return {}
 
 
-def check_batch(tokens, labels, cfg: LMConfig) -> str | None:
+def check_batch(tokens, labels, cfg: LMConfig, shape=None, block: str = "") -> str | None:
     """Why a batch is unusable (None if it is fine): integer token ids and labels in [0, vocab), shape
-    (batch, seq). Checked on the host: the kernels would clip or cast them silently."""
+    (batch, seq) (or ``shape``, that of the ``block`` of it a rank holds). Checked on the host: the kernels
+    would clip or cast them silently."""
     for what, x in (("tokens", tokens), ("labels", labels)):
         x = np.asarray(x)
-        if x.shape != (cfg.batch, cfg.seq):
+        if shape is not None and x.shape != tuple(shape):
+            return f"TrainStep.step_local {what} must have the shape of {block}, {tuple(shape)}; got {x.shape}"
+        if shape is None and x.shape != (cfg.batch, cfg.seq):
             return f"TrainStep.step {what} must have shape (batch, seq) = {(cfg.batch, cfg.seq)}; got {x.shape}"
         if not np.issubdtype(x.dtype, np.integer):
             return f"TrainStep.step {what} must be integer token ids; got dtype {x.dtype}"

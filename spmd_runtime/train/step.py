@@ -34,20 +34,15 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
     ``metrics`` a dict of scalars ({} for a dense model)."""
     order = list(param_shapes(cfg))  # the model takes its weights in this order
     scaled = isinstance(optimizer, DynamicLossScale)
-    run_layers = (pipeline_layers(cfg, layout, microbatches) if layout.preset.stage
-                  else fsdp_layers(layout) if layout.preset.shard_params and cfg.scanned else None)
+    run_layers = _run_layers(cfg, layout, microbatches)
     # 1F1B: the head and loss run inside the pipeline loop, so the pipeline computes the whole loss
     pipelined_loss = pipeline_1f1b_loss(cfg, layout, microbatches) if layout.preset.schedule == "1f1b" else None
     # weight decay on matrices only, whether or not the layers are stacked on a leading dim
     matrices = {n for n, shape in param_shapes(cfg).items() if len(shape) - layout.roles[n].stacked >= 2}
+    groups = norm_groups(layout)
 
     def step(params, opt_state, batch):
-        # Mixed precision: the model runs on 16-bit copies, so activations, gradients and the collectives
-        # on them are 16-bit; FSDP gathers the (16-bit) copy of each sharded weight where it is used.
-        compute = {n: snp.astype(p, cfg.dtype) for n, p in params.items()}
-        if layout.preset.shard_params:  # stacked layer weights: gathered one layer at a time in the loop
-            compute = {n: p if layout.roles[n].stacked else layout.annotate(p, layout.use[n])
-                       for n, p in compute.items()}
+        compute = compute_weights(cfg, layout, params)
         scale = optimizer.loss_scale(opt_state)
 
         def loss_and_grads(compute, tokens, labels):
@@ -64,10 +59,47 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
             loss, metrics, grads = accumulate(loss_and_grads, compute, batch["tokens"], batch["labels"],
                                               microbatches)
         grads = {n: snp.astype(g, params[n].dtype) for n, g in grads.items()}  # reduced in 16 bits, updated in master
-        new_params, new_state = optimizer.update(params, grads, opt_state, matrices)
+        new_params, new_state = optimizer.update(params, grads, opt_state, matrices, groups)
         new_params = {n: layout.annotate(p, layout.update[n]) for n, p in new_params.items()}
         return new_params, layout.annotate_state(new_state), {k: metrics[k] for k in metric_names(cfg)}, loss
     return step
+
+
+def compute_weights(cfg: LMConfig, layout: Layout, params: dict) -> dict:
+    """The weights the model runs on. Mixed precision: 16-bit copies, so activations, gradients and the
+    collectives on them are 16-bit; FSDP gathers the (16-bit) copy of each sharded weight where it is used."""
+    compute = {n: snp.astype(p, cfg.dtype) for n, p in params.items()}
+    if layout.preset.shard_params:  # stacked layer weights: gathered one layer at a time in the loop
+        compute = {n: p if layout.roles[n].stacked else layout.annotate(p, layout.use[n]) for n, p in compute.items()}
+    return compute
+
+
+def _run_layers(cfg: LMConfig, layout: Layout, microbatches: int):
+    return (pipeline_layers(cfg, layout, microbatches) if layout.preset.stage
+            else fsdp_layers(layout) if layout.preset.shard_params and cfg.scanned else None)
+
+
+def norm_groups(layout: Layout) -> list[list[str]]:
+    """The parameter names grouped by the mesh axes splitting their gradients (``Layout.update``), for the
+    optimizer's global gradient norm: one reduction per group (dp: one group of replicated gradients, none)."""
+    groups: dict = {}
+    for name, spec in layout.update.items():
+        axes = tuple(a for e in spec if e for a in ((e,) if isinstance(e, str) else e))  # in order: a partial
+        # sum over ("model", "data") is another pending sum than one over ("data", "model")
+        groups.setdefault(axes, []).append(name)
+    return list(groups.values())
+
+
+def eval_loss_fn(cfg: LMConfig, layout: Layout, microbatches: int = 1):
+    """``loss(params, batch) -> mean loss``: the train step's forward alone (no gradient, no update), for
+    evaluation; the 1F1B preset evaluates through the GPipe loop (forward only, the same stages)."""
+    order, run_layers = list(param_shapes(cfg)), _run_layers(cfg, layout, microbatches)
+
+    def loss(params, batch):
+        compute = compute_weights(cfg, layout, params)
+        return lm_loss_and_metrics(cfg, [compute[n] for n in order], batch["tokens"], batch["labels"],
+                                   layout.activation, run_layers)[0]
+    return loss
 
 
 def fsdp_layers(layout: Layout):
