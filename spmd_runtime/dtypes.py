@@ -147,6 +147,9 @@ _CODES = {"b1": "bool", "u1": "uint8", "u2": "uint16", "u4": "uint32", "u8": "ui
           "i4": "int32", "i8": "int64", "bf": "bfloat16", "f2": "float16", "f4": "float32", "f8": "float64",
           "c8": "complex64", "c16": "complex128"}
 _WEAK = {bool: "b1", int: "i*", float: "f*", complex: "c*"}  # a Python bool is a strong bool, as in JAX
+# np.dtype -> its lattice node, looked up by the dtype itself: ``dt.name`` is computed in Python (~20 us), and
+# tracing asks for a result type on every operation
+_CODE_OF = {np.dtype(name): code for code, name in _CODES.items() if name != "bfloat16" or BFLOAT16 is not None}
 _DEFAULT = {False: {"i*": "i4", "f*": "f4", "c*": "c8"}, True: {"i*": "i8", "f*": "f8", "c*": "c16"}}
 _NARROW = {"i8": "i4", "u8": "u4", "f8": "f4", "c16": "c8"}  # a 64-bit type's 32-bit twin (x64 off)
 
@@ -182,7 +185,7 @@ def _code(x, x64: bool) -> tuple[str, bool]:
         dt, kept = np.asarray(x).dtype, False
     else:
         dt, kept = np.dtype(x.dtype), True
-    code = next((c for c, name in _CODES.items() if name == dt.name), None)
+    code = _CODE_OF.get(dt)
     if code is None:
         raise TypeError(f"type promotion knows {', '.join(sorted(set(_CODES.values())))} and Python scalars; "
                         f"got {dt} ({type(x).__name__})")
