@@ -3,9 +3,9 @@ from .lm import LMConfig, init_params, lm_logits, lm_loss, lm_loss_and_metrics, 
 from .moe import MoEConfig, moe_ffn, top2_gating
 from .roles import ParamRole
 from .transformer import BlockConfig, block_params, megatron_specs, transformer_block
-from . import llama
+from . import llama, resnet
 
 __all__ = ["BlockConfig", "block_params", "megatron_specs", "transformer_block", "LMConfig", "init_params",
            "lm_loss", "lm_loss_and_metrics", "lm_logits", "param_shapes", "param_roles", "ParamRole", "MoEConfig",
            "moe_ffn", "top2_gating"]
-__all__ += ["llama"]  # Llama 2 (llama2.c's model) on the public API: models.llama.ModelArgs, loss, ...
+__all__ += ["llama", "resnet"]  # the model zoo on the public API: Llama 2 (llama2.c), a BasicBlock ResNet
