@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -43,7 +44,11 @@ def parse_args(argv=None):
     ap.add_argument("--tied", action="store_true", help="keep llama2.c's tied output layer")
     ap.add_argument("--meshes", default="1:dp,2x2:megatron,4:megatron,2x2:fsdp",
                     help="comma-separated SHAPE:PRESET (shape like 4 or 2x2) to run ours on")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="then time forward + backward: this many interleaved rounds (torch, ours, torch, ...)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round (after one warm-up step)")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--time-only", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -57,6 +62,8 @@ def torch_half(a) -> None:
     sys.path.insert(0, os.path.abspath(a.llama2c))
     from model import ModelArgs, Transformer  # llama2.c's model.py
 
+    if a.time_only:
+        return torch_timing(a, torch, ModelArgs, Transformer)
     torch.manual_seed(a.seed)
     model = Transformer(ModelArgs(**config(a), dropout=0.0))
     if not a.tied:  # a matrix of its own, drawn as llama2.c draws every Linear
@@ -77,6 +84,30 @@ def torch_half(a) -> None:
     with open(os.path.join(a.workdir, "torch.json"), "w") as f:
         json.dump({"loss": model.last_loss.item(), "names": list(params), "torch": torch.__version__,
                    "flash": bool(model.layers[0].attention.flash)}, f)
+
+
+def torch_timing(a, torch, ModelArgs, Transformer) -> None:
+    """Seconds per forward + backward (min over ``steps``), printed as JSON: the weights saved by the first run."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    model = Transformer(ModelArgs(**config(a), dropout=0.0))
+    with open(os.path.join(a.workdir, "torch.json")) as f:
+        names = json.load(f)["names"]
+    if not a.tied:
+        model.output.weight = torch.nn.Parameter(torch.empty_like(model.output.weight))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.from_numpy(np.load(os.path.join(a.workdir, f"weight.{n}.npy"))))
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(names)
+    tokens = torch.from_numpy(np.load(os.path.join(a.workdir, "tokens.npy")).astype(np.int64))
+    targets = torch.from_numpy(np.load(os.path.join(a.workdir, "targets.npy")).astype(np.int64))
+    times = []
+    for _ in range(a.steps + 1):
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        model(tokens, targets)
+        model.last_loss.backward()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"seconds": min(times[1:])}))
 
 
 # ================================================================ our half
@@ -108,6 +139,25 @@ def ours_on_mesh(args, params, tokens, targets, shape, preset):
         logits, value, grads = f(params, tokens, targets)
         return np.asarray(logits), float(np.asarray(value)), {n: np.asarray(g) for n, g in grads.items()}
     return run_simulated(mesh.size, body)[0]
+
+
+def time_ours(args, params, tokens, targets, steps: int) -> float:
+    """Seconds per forward + backward at 1 rank (min over ``steps``, after a warm-up that compiles)."""
+    import spmd_runtime as sr
+    from spmd_runtime.models import llama
+    mesh = sr.Mesh((1,), ("data",))
+    f = sr.jit(sr.value_and_grad(lambda p, x, y: llama.loss(args, p, x, y)), mesh=mesh)
+    with mesh:
+        params = {n: sr.device_put(w, sr.P()) for n, w in params.items()}
+        tokens, targets = sr.device_put(tokens, sr.P()), sr.device_put(targets, sr.P())
+        times = []
+        for _ in range(steps + 1):
+            start = time.perf_counter()
+            value, grads = f(params, tokens, targets)
+            for g in grads.values():
+                g.local  # the step ran: every local block is there
+            times.append(time.perf_counter() - start)
+    return min(times[1:])
 
 
 def mesh_list(text: str):
@@ -154,6 +204,21 @@ def main(argv=None) -> int:
         print(f"  mesh {'x'.join(map(str, shape)):>4} {preset:<9} logits max|diff| {np.abs(logits - torch_logits).max():.2e}"
               f"   loss |diff| {abs(value - info['loss']):.2e}   grads max|diff| {gdiff:.2e} "
               f"(of max|grad| {np.abs(torch_grads[worst]).max():.2e}, {worst})")
+    if a.rounds:
+        print(f"  forward + backward at 1 rank, {os.environ.get('OMP_NUM_THREADS', '1')} thread(s), min of "
+              f"{a.steps} steps per round, interleaved rounds:")
+        ratios, torch_times, our_times = [], [], []
+        for r in range(a.rounds):
+            out = subprocess.run(cmd + ["--time-only", f"--steps={a.steps}"], check=True, env=env,
+                                 capture_output=True, text=True).stdout
+            torch_s = json.loads(out.strip().splitlines()[-1])["seconds"]
+            ours_s = time_ours(args, params, tokens, targets, a.steps)
+            ratios.append(ours_s / torch_s)
+            torch_times.append(torch_s)
+            our_times.append(ours_s)
+            print(f"    round {r + 1}: PyTorch {torch_s * 1e3:8.2f} ms   ours {ours_s * 1e3:8.2f} ms   "
+                  f"ours / PyTorch {ratios[-1]:.2f}")
+        print(f"    min ours / min PyTorch over the rounds: {min(our_times) / min(torch_times):.2f}")
     return 0
 
 
