@@ -1,6 +1,6 @@
 """models/llama.py (llama2.c's Transformer on the public API) against the NumPy Llama of tests/llama_reference.py:
 logits and loss, every gradient (directional central differences of the reference in float64, x64 on), at 1
-rank and on simulated 4-rank meshes under the dp, megatron and fsdp presets, with grouped kv heads
+rank and on simulated 4-rank meshes under the dp, megatron, fsdp, megatron_sp and seq presets, with grouped kv heads
 (n_kv_heads < n_heads) and head / kv-head / vocab counts the model axis does not divide; dropout masks applied
 where llama2.c applies them and the same on every mesh."""
 import numpy as np
@@ -19,7 +19,8 @@ from simulated import collectives, run_everywhere
 ARGS = llama.ModelArgs(dim=24, n_layers=2, n_heads=6, n_kv_heads=3, vocab_size=37, multiple_of=16,
                        max_seq_len=8)
 BATCH, SEQ = 4, 6
-MESHES = [("dp", (2, 2)), ("megatron", (2, 2)), ("megatron", (4,)), ("fsdp", (2, 2))]
+MESHES = [("dp", (2, 2)), ("megatron", (2, 2)), ("megatron", (4,)), ("fsdp", (2, 2)), ("megatron_sp", (2, 2)),
+          ("seq", (4,))]
 
 
 @pytest.fixture
@@ -119,8 +120,9 @@ def test_loss_and_every_gradient_on_four_ranks(x64, reference, one_rank, preset,
         np.testing.assert_allclose(np.asarray(g), np.asarray(one_rank[1][name]), rtol=1e-10, atol=1e-13, err_msg=name)
     wq = layout.param_specs()["layers.0.attention.wq.weight"]
     model_only = [c for c in collectives(layout.program) if c[1] == ("model",)]
-    assert bool(model_only) == (preset == "megatron")  # megatron's partial sums are all-reduced over "model"
-    assert wq == {"dp": (None, None), "megatron": (("model",), None), "fsdp": (("data", "model"), None)}[preset], wq
+    assert bool(model_only) == preset.startswith("megatron")  # megatron's partial sums are reduced over "model"
+    assert wq == {"dp": (None, None), "megatron": (("model",), None), "fsdp": (("data", "model"), None),
+                  "megatron_sp": (("model",), None), "seq": (None, None)}[preset], wq
 
 
 def test_dropout_masks_where_llama2c_applies_them_and_the_same_on_every_mesh(x64):
