@@ -118,6 +118,7 @@ def load(workdir: str, kind: str, names) -> dict:
 def ours_on_mesh(args, params, tokens, targets, shape, preset):
     """(logits, loss, grads) of our model on a simulated mesh under ``preset``: rank 0's, each rank having
     partitioned and run the same program on its blocks."""
+    # spmd_runtime is imported here, not at the top: the PyTorch half runs this file under a venv without it
     import spmd_runtime as sr
     from spmd_runtime.comm import run_simulated
     from spmd_runtime.models import llama
