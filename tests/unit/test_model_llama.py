@@ -142,7 +142,7 @@ def test_dropout_masks_where_llama2c_applies_them_and_the_same_on_every_mesh(x64
     directions = {n: rng.standard_normal(w.shape) for n, w in params.items()}
     derivatives = ref.directional_derivatives(args, params, tokens, targets, directions, dropout_masks=masks)
     losses = []
-    for preset, shape in [("dp", (1,)), ("dp", (2, 2)), ("megatron", (2, 2))]:
+    for preset, shape in [("dp", (1,)), ("dp", (2,)), ("dp", (2, 2)), ("megatron", (2, 2))]:  # 1, 2, 4 ranks
         value, grads, _ = loss_and_grads(args, train_mesh(shape, preset), preset, params, tokens, targets, key)
         check_against_reference(value, grads, (params, tokens, targets, want, directions, derivatives))
         losses.append(value)
