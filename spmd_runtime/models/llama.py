@@ -41,9 +41,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import lax
 from .. import nn as snn
 from .. import numpy as snp
 from .. import random as srandom
+from ..jit import jit
 from .roles import NORM, ParamRole
 
 # Sharding hints for PyTorch's [out, in] Linear layout: tensor parallelism splits a column-parallel weight's
@@ -214,14 +216,23 @@ def repeat_kv(x, n_rep: int):
     return expanded.reshape(bs, slen, n_kv_heads * n_rep, head_dim)
 
 
-def attention(args: ModelArgs, w: dict, x, freqs_cos, freqs_sin, dropout: Dropout, annotate=no_annotation):
-    """Causal grouped-query self-attention with RoPE of the normed residual ``x`` (batch, seq, dim)."""
+def project_qkv(args: ModelArgs, w: dict, x, freqs_cos, freqs_sin):
+    """Queries (batch, seq, n_heads, hd), keys and values (batch, seq, n_kv_heads, hd) of the normed ``x``,
+    queries and keys rotated (RoPE)."""
     bsz, seqlen, _ = x.shape
     hd = args.head_dim
     xq = linear(x, w["attention.wq.weight"]).reshape(bsz, seqlen, args.n_heads, hd)
     xk = linear(x, w["attention.wk.weight"]).reshape(bsz, seqlen, args.kv_heads, hd)
     xv = linear(x, w["attention.wv.weight"]).reshape(bsz, seqlen, args.kv_heads, hd)
     xq, xk = apply_rotary_emb(xq, xk, freqs_cos, freqs_sin)
+    return xq, xk, xv
+
+
+def attention(args: ModelArgs, w: dict, x, freqs_cos, freqs_sin, dropout: Dropout, annotate=no_annotation):
+    """Causal grouped-query self-attention with RoPE of the normed residual ``x`` (batch, seq, dim)."""
+    bsz, seqlen, _ = x.shape
+    hd = args.head_dim
+    xq, xk, xv = project_qkv(args, w, x, freqs_cos, freqs_sin)
     n_rep = args.n_heads // args.kv_heads
     xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
     xq, xk, xv = (snp.swapaxes(t, 1, 2) for t in (xq, xk, xv))  # heads as a batch dim: (bsz, heads, seq, hd)
@@ -293,6 +304,84 @@ def transformer(args: ModelArgs, params: dict, tokens, targets=None, key=None, a
     return linear(h[:, [-1], :], output_weight(args, params))  # the list [-1] keeps the time dim
 
 
+# ================================================================ generation with a KV cache
+def init_cache(args: ModelArgs, batch: int, dtype="float32") -> dict:
+    """Every layer's keys and values for up to max_seq_len positions: {"k", "v"}, each (n_layers, batch,
+    max_seq_len, n_kv_heads, head_dim), zeros."""
+    shape = (args.n_layers, batch, args.max_seq_len, args.kv_heads, args.head_dim)
+    return {"k": np.zeros(shape, dtype), "v": np.zeros(shape, dtype)}
+
+
+def decode(args: ModelArgs, params: dict, cache: dict, tokens, pos, annotate=no_annotation):
+    """(logits (batch, vocab) of the next token, the updated cache) after ``tokens`` (batch, t) at positions
+    pos .. pos + t - 1 (``pos`` an int or a traced 0-d int) attending to the cache's first pos positions and
+    themselves: the prompt at pos 0 (prefill), then one token at a time (decode), each shape one program.
+    The keys and values of the new positions are written into the cache (``lax.dynamic_update_slice``)."""
+    _bsz, t = tokens.shape
+    h = snn.embedding(params["tok_embeddings.weight"], tokens)
+    freqs_cos, freqs_sin = precompute_freqs_cis(args.head_dim, args.max_seq_len, dtype=h.dtype)
+    freqs_cos, freqs_sin = (lax.dynamic_slice_in_dim(f, pos, t) for f in (freqs_cos, freqs_sin))
+    # query t' (position pos + t') sees the cached keys at positions <= pos + t'
+    visible = snp.arange(args.max_seq_len)[None, :] <= pos + snp.arange(t)[:, None]
+    keys, values = cache["k"], cache["v"]
+    for i in range(args.n_layers):
+        prefix = f"layers.{i}."
+        layer = {n[len(prefix):]: w for n, w in params.items() if n.startswith(prefix)}
+        normed = rms_norm(h, layer["attention_norm.weight"], args.norm_eps)
+        xq, xk, xv = project_qkv(args, layer, normed, freqs_cos, freqs_sin)
+        keys = lax.dynamic_update_slice(keys, xk[None], (i, 0, pos, 0, 0))
+        values = lax.dynamic_update_slice(values, xv[None], (i, 0, pos, 0, 0))
+        n_rep = args.n_heads // args.kv_heads
+        ck, cv = repeat_kv(keys[i], n_rep), repeat_kv(values[i], n_rep)  # (batch, max_seq_len, n_heads, hd)
+        scores = snp.einsum("bqhd,bkhd->bhqk", xq, ck) / math.sqrt(args.head_dim)
+        probs = snn.softmax(snp.where(visible, scores, -snp.inf), axis=-1)
+        out = snp.einsum("bhqk,bkhd->bqhd", probs, cv).reshape(h.shape[0], t, -1)
+        h = h + linear(annotate(out, "hidden"), layer["attention.wo.weight"])
+        normed = rms_norm(h, layer["ffn_norm.weight"], args.norm_eps)
+        h = h + feed_forward(layer, normed, Dropout(None, 0.0), annotate)
+    h = rms_norm(h, params["norm.weight"], args.norm_eps)
+    return linear(h[:, -1, :], output_weight(args, params)), {"k": keys, "v": values}
+
+
+def sample(logits, key=None, temperature: float = 1.0, top_k: int | None = None):
+    """llama2.c's choice of the next token from (batch, vocab) logits: the argmax at temperature 0 (or
+    without a key), else a draw from softmax(logits / temperature) restricted to the ``top_k`` largest."""
+    if temperature == 0.0 or key is None:
+        return snp.argmax(logits, axis=-1).astype("int32")
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = snp.top_k(logits, min(top_k, logits.shape[-1]))
+        logits = snp.where(logits < v[:, [-1]], -snp.inf, logits)
+    return srandom.categorical(key, logits, axis=-1)
+
+
+def generate(args: ModelArgs, params: dict, idx, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, key=None, mesh=None):
+    """llama2.c's ``generate`` with a KV cache: ``idx`` (batch, t) int tokens followed by ``max_new_tokens``
+    more (a NumPy array), one decode step per token; token n is drawn with ``fold_in(key, n)`` (greedy at
+    temperature 0 or without a key). Runs under ``mesh`` (default: the context mesh) as two jit programs,
+    the prefill and the decode step."""
+    idx = np.asarray(idx, dtype=np.int32)
+    bsz, t = idx.shape
+    if t + max_new_tokens > args.max_seq_len:
+        raise ValueError(f"generate keeps at most max_seq_len={args.max_seq_len} tokens in its cache; got a "
+                         f"prompt of {t} and max_new_tokens={max_new_tokens}")
+    dtype = next(iter(params.values())).dtype
+
+    def step(params, cache, tokens, pos, key, n):
+        logits, cache = decode(args, params, cache, tokens, pos)
+        return sample(logits, None if key is None else srandom.fold_in(key, n), temperature, top_k), cache
+    step = jit(step, mesh=mesh)  # two programs: the prompt's shape (prefill) and one token's (decode)
+    out = [idx]
+    nxt, cache = step(params, init_cache(args, bsz, dtype), idx, np.int32(0), key, np.int32(0))
+    for n in range(max_new_tokens):
+        out.append(np.asarray(nxt).reshape(bsz, 1).astype(np.int32))
+        if n + 1 < max_new_tokens:
+            nxt, cache = step(params, cache, out[-1], np.int32(t + n), key, np.int32(n + 1))
+    return np.concatenate(out, axis=1)
+
+
 __all__ = ["ModelArgs", "param_shapes", "param_kind", "param_roles", "PARAM_ROLES", "init_params", "rms_norm",
            "precompute_freqs_cis", "apply_rotary_emb", "repeat_kv", "attention", "feed_forward",
-           "transformer_block", "hidden_states", "logits", "loss", "cross_entropy", "transformer"]
+           "transformer_block", "hidden_states", "logits", "loss", "cross_entropy", "transformer", "project_qkv",
+           "init_cache", "decode", "sample", "generate"]

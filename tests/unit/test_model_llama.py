@@ -2,13 +2,15 @@
 logits and loss, every gradient (directional central differences of the reference in float64, x64 on), at 1
 rank and on simulated 4-rank meshes under the dp, megatron, fsdp, megatron_sp and seq presets, with grouped kv heads
 (n_kv_heads < n_heads) and head / kv-head / vocab counts the model axis does not divide; dropout masks applied
-where llama2.c applies them and the same on every mesh."""
+where llama2.c applies them and the same on every mesh; generation with a KV cache (greedy and sampled) the
+same as llama2.c's generate re-running the NumPy model, at 1 rank and tensor-parallel on 4."""
 import numpy as np
 import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.random as srandom
 from spmd_runtime import pytree
+from spmd_runtime.comm import run_simulated
 from spmd_runtime.models import llama
 from spmd_runtime.train import model_layout, train_mesh
 
@@ -191,3 +193,41 @@ def test_too_long_a_sequence_is_refused():
     with pytest.raises(ValueError, match="at most max_seq_len=4 tokens per sequence; got 6"):
         sr.trace(lambda p, x: llama.logits(llama.ModelArgs(**{**ARGS.__dict__, "max_seq_len": 4}), p, x),
                  params, tokens)
+
+
+def greedy_reference(args, params, prompt, new):
+    """llama2.c's generate at temperature 0 on the NumPy model: the whole sequence re-run for every token."""
+    idx = prompt
+    for _ in range(new):
+        idx = np.concatenate([idx, ref.logits(args, params, idx)[:, -1].argmax(-1)[:, None]], axis=1)
+    return idx
+
+
+def test_generate_with_a_kv_cache_at_one_and_four_ranks(x64):
+    args = llama.ModelArgs(**{**ARGS.__dict__, "max_seq_len": 11})
+    params, tokens, _ = data(args)
+    prompt, new = tokens[:2, :4], 7
+    want = greedy_reference(args, params, prompt, new)
+    with train_mesh(1, "dp"):
+        np.testing.assert_array_equal(llama.generate(args, params, prompt, new, temperature=0.0), want)
+        sampled = llama.generate(args, params, prompt, new, temperature=0.8, top_k=4, key=srandom.key(5))
+        top1 = llama.generate(args, params, prompt, new, temperature=0.8, top_k=1, key=srandom.key(5))
+    np.testing.assert_array_equal(top1, want)  # top_k=1 leaves only the argmax to draw
+    assert (sampled[:, 4:] != want[:, 4:]).any() and (sampled[:, :4] == prompt).all()
+    mesh = train_mesh((2, 2), "megatron")  # tensor-parallel decode: the weights split as megatron trains them
+    specs = model_layout(mesh, "megatron", llama.param_shapes(args), llama.param_roles(args)).param_specs()
+
+    def body(comm):
+        local = {n: sr.device_put(w, sr.P(*specs[n]), mesh, comm=comm) for n, w in params.items()}
+        return (llama.generate(args, local, prompt, new, temperature=0.0, mesh=mesh),
+                llama.generate(args, local, prompt, new, temperature=0.8, top_k=4, key=srandom.key(5), mesh=mesh))
+    for greedy, drawn in run_simulated(mesh.size, body):
+        np.testing.assert_array_equal(greedy, want)
+        np.testing.assert_array_equal(drawn, sampled)  # the same draws on any mesh
+
+
+def test_generate_refuses_more_tokens_than_the_cache_holds():
+    params, tokens, _ = data()
+    with pytest.raises(ValueError, match="at most max_seq_len=8 tokens in its cache; got a prompt of 6 and "
+                                         "max_new_tokens=3"):
+        llama.generate(ARGS, params, tokens, 3)
