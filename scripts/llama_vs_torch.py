@@ -47,6 +47,9 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=0,
                     help="then time forward + backward: this many interleaved rounds (torch, ours, torch, ...)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round (after one warm-up step)")
+    ap.add_argument("--generate", type=int, default=16,
+                    help="greedy tokens to generate from the first half of each sequence (0: none): llama2.c's "
+                         "generate (no cache) against ours (KV cache), tokens and tokens/s")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--time-only", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -81,8 +84,15 @@ def torch_half(a) -> None:
     np.save(os.path.join(a.workdir, "tokens.npy"), tokens.numpy().astype(np.int32))
     np.save(os.path.join(a.workdir, "targets.npy"), targets.numpy().astype(np.int32))
     np.save(os.path.join(a.workdir, "logits.npy"), logits.detach().numpy())
+    loss, seconds = model.last_loss.item(), 0.0  # generate's forwards reset last_loss
+    if a.generate:
+        start = time.perf_counter()
+        with torch.no_grad():
+            generated = model.generate(tokens[:, :prompt_length(a)], a.generate, temperature=0.0)
+        seconds = time.perf_counter() - start
+        np.save(os.path.join(a.workdir, "generated.npy"), generated.numpy().astype(np.int32))
     with open(os.path.join(a.workdir, "torch.json"), "w") as f:
-        json.dump({"loss": model.last_loss.item(), "names": list(params), "torch": torch.__version__,
+        json.dump({"generate_seconds": seconds, "loss": loss, "names": list(params), "torch": torch.__version__,
                    "flash": bool(model.layers[0].attention.flash)}, f)
 
 
@@ -108,6 +118,11 @@ def torch_timing(a, torch, ModelArgs, Transformer) -> None:
         model.last_loss.backward()
         times.append(time.perf_counter() - start)
     print(json.dumps({"seconds": min(times[1:])}))
+
+
+def prompt_length(a) -> int:
+    """The prompt generation starts from: the first half of each sequence, leaving room for the new tokens."""
+    return max(1, min(a.max_seq_len // 2, a.max_seq_len - a.generate))
 
 
 # ================================================================ our half
@@ -178,7 +193,8 @@ def main(argv=None) -> int:
     os.makedirs(a.workdir, exist_ok=True)
     cmd = [a.torch_python, os.path.abspath(__file__), "--torch-only", "--workdir", a.workdir,
            "--llama2c", a.llama2c, "--batch", str(a.batch), "--seed", str(a.seed)] + \
-        [f"--{k.replace('_', '-')}={v}" for k, v in config(a).items()] + (["--tied"] if a.tied else [])
+        [f"--{k.replace('_', '-')}={v}" for k, v in config(a).items()] + (["--tied"] if a.tied else []) + \
+        [f"--generate={a.generate}"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.pop("PYTHONPATH", None)  # the torch venv needs nothing of ours
     subprocess.run(cmd, check=True, env=env)
@@ -202,9 +218,23 @@ def main(argv=None) -> int:
         logits, value, grads = ours_on_mesh(args, params, tokens, targets, shape, preset)
         worst = max(grads, key=lambda n: np.abs(grads[n] - torch_grads[n]).max())
         gdiff = np.abs(grads[worst] - torch_grads[worst]).max()
-        print(f"  mesh {'x'.join(map(str, shape)):>4} {preset:<9} logits max|diff| {np.abs(logits - torch_logits).max():.2e}"
+        print(f"  mesh {'x'.join(map(str, shape)):>4} {preset:<9} logits max|diff| "
+              f"{np.abs(logits - torch_logits).max():.2e}"
               f"   loss |diff| {abs(value - info['loss']):.2e}   grads max|diff| {gdiff:.2e} "
               f"(of max|grad| {np.abs(torch_grads[worst]).max():.2e}, {worst})")
+    if a.generate:
+        import spmd_runtime as sr
+        want = np.load(os.path.join(a.workdir, "generated.npy"))
+        with sr.Mesh((1,), ("data",)):
+            llama.generate(args, params, tokens[:, :prompt_length(a)], a.generate, temperature=0.0)  # compiles
+            start = time.perf_counter()
+            got = llama.generate(args, params, tokens[:, :prompt_length(a)], a.generate, temperature=0.0)
+            seconds = time.perf_counter() - start
+        new = a.batch * a.generate
+        print(f"  greedy generation of {a.generate} tokens x batch {a.batch} from {prompt_length(a)}-token prompts: "
+              f"{'the same tokens' if np.array_equal(got, want) else 'DIFFERENT tokens'} "
+              f"({int((got != want).sum())} differ); llama2.c generate (no cache) {new / info['generate_seconds']:.0f} "
+              f"tokens/s, ours (KV cache, 1 rank, compiled) {new / seconds:.0f} tokens/s")
     if a.rounds:
         print(f"  forward + backward at 1 rank, {os.environ.get('OMP_NUM_THREADS', '1')} thread(s), min of "
               f"{a.steps} steps per round, interleaved rounds:")

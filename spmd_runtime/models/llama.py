@@ -35,6 +35,7 @@ output layer; the norms are replicated. ``annotate(x, role)`` pins activations w
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -45,7 +46,10 @@ from .. import lax
 from .. import nn as snn
 from .. import numpy as snp
 from .. import random as srandom
+from ..darray import DArray, device_put
 from ..jit import jit
+from ..mesh import get_mesh
+from ..sharding import P
 from .roles import NORM, ParamRole
 
 # Sharding hints for PyTorch's [out, in] Linear layout: tensor parallelism splits a column-parallel weight's
@@ -367,11 +371,11 @@ def generate(args: ModelArgs, params: dict, idx, max_new_tokens: int, temperatur
         raise ValueError(f"generate keeps at most max_seq_len={args.max_seq_len} tokens in its cache; got a "
                          f"prompt of {t} and max_new_tokens={max_new_tokens}")
     dtype = next(iter(params.values())).dtype
-
-    def step(params, cache, tokens, pos, key, n):
-        logits, cache = decode(args, params, cache, tokens, pos)
-        return sample(logits, None if key is None else srandom.fold_in(key, n), temperature, top_k), cache
-    step = jit(step, mesh=mesh)  # two programs: the prompt's shape (prefill) and one token's (decode)
+    step = _generation_step(args, temperature, top_k, mesh)
+    mesh = mesh or get_mesh(required_by="llama.generate")
+    comm = next((w.comm for w in params.values() if isinstance(w, DArray)), None)
+    # weights placed once (replicated where they are NumPy), not copied and digested again at every token
+    params = {n: w if isinstance(w, DArray) else device_put(w, P(), mesh, comm=comm) for n, w in params.items()}
     out = [idx]
     nxt, cache = step(params, init_cache(args, bsz, dtype), idx, np.int32(0), key, np.int32(0))
     for n in range(max_new_tokens):
@@ -379,6 +383,17 @@ def generate(args: ModelArgs, params: dict, idx, max_new_tokens: int, temperatur
         if n + 1 < max_new_tokens:
             nxt, cache = step(params, cache, out[-1], np.int32(t + n), key, np.int32(n + 1))
     return np.concatenate(out, axis=1)
+
+
+
+@functools.lru_cache(maxsize=32)
+def _generation_step(args: ModelArgs, temperature: float, top_k, mesh):
+    """The jitted (prefill or decode) step of ``generate``: one per model and sampling choice, so its two
+    programs (the prompt's shape and one token's) compile once across calls."""
+    def step(params, cache, tokens, pos, key, n):
+        logits, cache = decode(args, params, cache, tokens, pos)
+        return sample(logits, None if key is None else srandom.fold_in(key, n), temperature, top_k), cache
+    return jit(step, mesh=mesh)
 
 
 __all__ = ["ModelArgs", "param_shapes", "param_kind", "param_roles", "PARAM_ROLES", "init_params", "rms_norm",
