@@ -255,7 +255,8 @@ def dropout(key, x, rate: float, deterministic: bool = False):
 
 
 def embedding(table, ids):
-    """Rows of ``table`` (V, D) for integer ``ids`` of any shape: (..., D) (ids outside [0, V) are clamped)."""
+    """Rows of ``table`` (V, D) for integer ``ids`` of any shape: (..., D); as ``jnp.take``'s default mode 'fill',
+    ids in [-V, 0) wrap and ids outside [-V, V) give NaN rows (nothing is clamped silently)."""
     return snp.take(table, ids, axis=0)
 
 

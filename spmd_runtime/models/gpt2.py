@@ -47,12 +47,8 @@ from ..darray import DArray, device_put
 from ..jit import jit
 from ..sharding import P
 from .lm import EMBEDDING, POSITIONAL
-from .roles import COLUMN_BIAS, NORM, ROW_BIAS, ParamRole
+from .roles import COLUMN_BIAS, LINEAR_COLUMN, LINEAR_ROW, NORM, ROW_BIAS, ParamRole
 
-# nn.Linear keeps its weight as [out, in]: tensor parallelism splits the out dim of a column-parallel layer
-# (heads, MLP hidden) and the in dim of a row-parallel one (its partial sums are then all-reduced)
-LINEAR_COLUMN = ParamRole("column-parallel weight [out, in]", tensor=0)
-LINEAR_ROW = ParamRole("row-parallel weight [out, in]", tensor=1)
 TIED = {"lm_head.weight": "transformer.wte.weight"}  # nanoGPT's state_dict holds the tied head under both names
 
 

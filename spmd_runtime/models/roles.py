@@ -48,5 +48,9 @@ ROW = ParamRole("row-parallel weight", tensor=0)  # (d_in, d_out): the input row
 NORM = ParamRole("norm")  # LayerNorm gain or bias: replicated
 COLUMN_BIAS = ParamRole("column-parallel bias", tensor=0)  # (d_out,): split like its weight's columns
 ROW_BIAS = ParamRole("row-parallel bias")  # (d_out,): added after the partial sums are reduced: replicated
+# PyTorch's nn.Linear keeps its weight as [out, in]: tensor parallelism splits the out dim of a column-parallel
+# layer (heads, MLP hidden) and the in dim of a row-parallel one (its partial sums are then all-reduced)
+LINEAR_COLUMN = ParamRole("column-parallel Linear [out, in]", tensor=0)
+LINEAR_ROW = ParamRole("row-parallel Linear [out, in]", tensor=1)
 
-__all__ = ["ParamRole", "COLUMN", "ROW", "NORM", "COLUMN_BIAS", "ROW_BIAS"]
+__all__ = ["ParamRole", "COLUMN", "ROW", "NORM", "COLUMN_BIAS", "ROW_BIAS", "LINEAR_COLUMN", "LINEAR_ROW"]

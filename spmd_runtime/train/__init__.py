@@ -30,8 +30,8 @@ The package:
 
 Optimizers (``optim``), checkpoints (``checkpoint``) and the pipeline (``pipeline``) are their own modules.
 """
-from .layout import (MOE_ROLES, Layout, ParamLayout, make_layout, moe_activation_spec, param_layout, param_spec,
-                     state_leaf_name, update_spec)
+from .layout import (MOE_ROLES, Layout, ParamLayout, make_layout, model_layout, moe_activation_spec, param_layout,
+                     param_spec, state_leaf_name, update_spec)
 from .presets import BOTH, PIPELINE_AXES, PRESETS, Preset, as_preset, check_experts, check_pipeline, train_mesh
 from .plan import Plan, instruction_count, plan_train_step
 from .runtime import TrainStep, build_train_step, build_train_step_on_root, check_batch, format_comm, run_on_root
@@ -40,5 +40,5 @@ from .step import (TOKEN_DTYPE, accumulate, eval_loss_fn, fsdp_layers, input_spe
 from .loop import FitResult, evaluate, fit, token_loaders
 
 __all__ = ["Preset", "PRESETS", "TrainStep", "build_train_step", "build_train_step_on_root",
-           "run_on_root", "train_mesh", "param_spec", "update_spec", "param_layout", "ParamLayout", "format_comm",
-           "Plan", "plan_train_step", "fit", "FitResult", "evaluate", "token_loaders"]
+           "run_on_root", "train_mesh", "param_spec", "update_spec", "param_layout", "ParamLayout", "model_layout",
+           "format_comm", "Plan", "plan_train_step", "fit", "FitResult", "evaluate", "token_loaders"]

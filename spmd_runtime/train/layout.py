@@ -13,7 +13,7 @@ from ..models.roles import ParamRole
 from ..optim import Optimizer
 from ..sharding import parse_spec
 from ..trace import mesh_split
-from .presets import Preset, check_experts
+from .presets import Preset, as_preset, check_experts
 
 
 def param_spec(role: ParamRole | str, shape, preset: Preset) -> tuple:
@@ -119,6 +119,17 @@ class Layout:
         return mesh_split(x, self.mesh, stage + (p.batch or None, seq or None, None),
                           grad_spec=stage + (p.batch or None, p.seq or None, None))
 
+    def param_specs(self) -> dict:
+        """Parameter name -> the spec of its input (FSDP: its update layout; ``used`` gathers it)."""
+        return {n: self.specs[f"params.{n}"] for n in self.use}
+
+    def used(self, params: dict) -> dict:
+        """The weights laid out where the model uses them: FSDP (``shard_params``) all-gathers each held block
+        to its use spec; other presets hold them so already."""
+        if not self.preset.shard_params:
+            return params
+        return {n: self.annotate(p, self.use[n]) for n, p in params.items()}
+
     def annotate_state(self, state: dict) -> dict:
         """The new optimizer state tree, each slot pinned to its input's spec (so the step iterates)."""
         paths, tree = pytree.flatten_with_path(state)
@@ -146,17 +157,26 @@ def moe_activation_spec(preset: Preset, role: str, ndim: int) -> tuple:
 
 def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
     check_experts(cfg, mesh, preset)
-    shapes, roles = param_shapes(cfg), param_roles(cfg)
+    shapes = param_shapes(cfg)
+    return model_layout(mesh, preset, shapes, param_roles(cfg), optimizer.state_layout(shapes, cfg.master_dtype))
+
+
+def model_layout(mesh: Mesh, preset, shapes: dict, roles: dict, slots=()) -> Layout:
+    """The layout of any model that declares its parameters' sharding roles (``models.lm.param_roles``,
+    ``models.gpt2`` / ``models.llama``'s ``param_roles``) under ``preset`` (a name or a Preset): each parameter's
+    specs (``param_layout``), the inputs' specs (``params.<name>``, ``batch.tokens`` / ``batch.labels``; the
+    optimizer state's for ``slots``, an optimizer's ``state_layout``) and the activation annotations
+    (``Layout.activation``, the ``annotate`` a model takes)."""
+    preset = as_preset(preset).on(mesh)
     params = param_layout(shapes, roles, mesh, preset)
     use, update = params.use, dict(params.update)
-    slots = optimizer.state_layout(shapes, cfg.master_dtype)
     specs = {f"params.{n}": params.held[n] for n in shapes}
     for slot in slots:
         specs[state_leaf_name(slot)] = slot_spec(slot, update)
     specs["batch.tokens"] = specs["batch.labels"] = (preset.batch or None, preset.seq or None)
     for name, spec in specs.items():
         parse_spec(spec, mesh, len(spec), name)  # fail early, naming the value
-    return Layout(mesh, preset, specs, update, use, slots, roles)
+    return Layout(mesh, preset, specs, update, use, list(slots), OrderedDict(roles))
 
 
 def slot_spec(slot, update: dict) -> tuple:
