@@ -455,12 +455,13 @@ def log_softmax(z):
     return shifted - snp.log(snp.sum(snp.exp(shifted), axis=-1, keepdims=True))
 
 
-def cross_entropy(logits, labels):
-    """Mean over tokens of -log p(label); labels picked by a one-hot compare (partitions over a vocab split)."""
+def cross_entropy(logits, labels, axis=None):
+    """Mean over tokens of -log p(label) (over ``axis`` of the token dims, all by default: e.g. per pipeline stage);
+    labels picked by a one-hot compare (partitions over a vocab split)."""
     picked = snp.sum(snp.where(snp.expand_dims(labels, -1) == snp.asarray(np.arange(logits.shape[-1],
                                                                                     dtype=labels.dtype)),
                                log_softmax(logits), 0.0), axis=-1)
-    return -snp.mean(picked)
+    return -snp.mean(picked, axis=axis)
 
 
 __all__ = ["LMConfig", "param_shapes", "param_kind", "param_role", "param_roles", "PARAM_ROLES", "is_stacked",

@@ -9,6 +9,8 @@ update. float16 steps use ``DynamicLossScale``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .. import dtypes
@@ -104,31 +106,42 @@ def _entering_pipeline(layout: Layout, x, microbatches: int):
 
 
 def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
-    """The ``pipeline_1f1b`` preset's loss ``(params dict, tokens, labels) -> mean loss``: the embedding, then
-    ``sr.pipeline_loss`` with the 1F1B schedule over the stage axis (stages of L/S layers as in
-    ``pipeline_layers``; each micro-batch's final LayerNorm, logits and cross-entropy run inside the loop on the
-    last stage's output, so its backward starts at once and a stage holds at most S micro-batches)."""
+    """The ``pipeline_1f1b`` preset's loss ``(params dict, tokens, labels) -> mean loss``: ``sr.pipeline_loss`` with
+    the 1F1B schedule over the stage axis (stages of L/S layers as in ``pipeline_layers``). Everything runs per
+    micro-batch inside the loop, so no whole-batch activation is held: the embedding as the micro-batch enters stage
+    0 (``input_fn``) and the final LayerNorm, logits and cross-entropy on each stage's output, of which the last
+    stage's counts (``head_over_stages``: no all-reduce of its output over the stages). The backward recomputes a
+    stage's layers without per-layer remat (the full recompute of Megatron: one forward more, its residuals held
+    only during that stage's backward)."""
     p, mesh, annotate = layout.preset, layout.mesh, layout.activation
     s, specs = mesh.axis_size(p.stage[0]), layout.layer_specs(layout.use)
     head_names = ("lnf_g", "lnf_b", "embed" if cfg.tied else "unembed")
+    whole = dataclasses.replace(cfg, remat="none")
 
-    def head_loss(head, y, labels):
-        h = layer_norm(y, head["lnf_g"], head["lnf_b"])
-        logits = annotate(snp.einsum("bsd,vd->bsv", h, head["embed"]) if cfg.tied else h @ head["unembed"], "logits")
+    def head_losses(head, ys, labels):  # ys [S, b, seq, d] -> the per-stage losses [S]
+        rows = lambda w: snp.broadcast_in_dim(w, (ys.shape[0],) + w.shape, (1,))
+        h = layer_norm(ys, rows(head["lnf_g"]), rows(head["lnf_b"]))
+        logits = snp.einsum("zbsd,vd->zbsv", h, head["embed"]) if cfg.tied else \
+            snp.einsum("zbsd,dv->zbsv", h, head["unembed"])
         return cross_entropy(snp.astype(logits, "float32") if dtypes.is_low_precision(logits.dtype) else logits,
-                             labels)
+                             labels, axis=(1, 2))
+
+    def inputs(table, tokens):  # tokens [S, b, seq] -> the embedded residual [S, b, seq, d]
+        positions = snp.einsum("zb,sd->zbsd", snp.ones(tokens.shape[:2], table["pos"].dtype), table["pos"])
+        return embed(cfg, table["embed"], tokens) + positions
 
     def loss(params, tokens, labels):
-        x = annotate(embed(cfg, params["embed"], tokens) + positional(params["pos"], tokens.shape[0]), "residual")
-        x = _entering_pipeline(layout, x, microbatches)
         stacked = {n[len(STACKED):]: w for n, w in params.items() if n.startswith(STACKED)}
         stage_specs = {k: (None,) + tuple(specs.get(k) or (None,) * (w.ndim - 1)) for k, w in stacked.items()}
-        block = lambda x, layer: dense_block(cfg, x, layer, annotate)
-        total = pipeline_loss(lambda ps, h: scan_layers(cfg, block, h, ps),
-                              {k: stages_of_layers(w, s) for k, w in stacked.items()}, micro_batches(x, microbatches),
-                              head_loss, {n: params[n] for n in head_names}, micro_batches(labels, microbatches),
-                              mesh=mesh, stage_axis=p.stage[0], stage_dim=1, param_specs=stage_specs,
-                              state_spec=(p.batch or None, p.seq or None, None))
+        block = lambda c: lambda x, layer: dense_block(c, x, layer, annotate)
+        total = pipeline_loss(lambda ps, h: scan_layers(cfg, block(cfg), h, ps),
+                              {k: stages_of_layers(w, s) for k, w in stacked.items()},
+                              micro_batches(tokens, microbatches), head_losses, {n: params[n] for n in head_names},
+                              micro_batches(labels, microbatches), mesh=mesh, stage_axis=p.stage[0], stage_dim=1,
+                              param_specs=stage_specs, state_spec=(p.batch or None, p.seq or None, None),
+                              input_fn=inputs, input_params={"embed": params["embed"], "pos": params["pos"]},
+                              recompute_fn=lambda ps, h: scan_layers(whole, block(whole), h, ps),
+                              head_over_stages=True)
         return total * (1.0 / microbatches)
     return loss
 
