@@ -32,6 +32,10 @@ longer grows with the rank count: the 1T row's 3072 ranks plan like the others).
     python scripts/bench_megatron_table.py --predict dgx-a100-80gb   # every row, and its predicted TFLOP/s
     python scripts/bench_megatron_table.py --rows 1.7B,18B --remat none
     python scripts/bench_megatron_table.py --rows 1T --schedule pipeline   # GPipe instead of 1F1B
+
+The tensor-parallel all-reduces per layer are those in the loops over a stage's layers, per layer and iteration
+(M micro-batches, or the M + S - 1 ticks of the pipeline loops); the embedding's and the head's (one each per
+micro-batch, on every stage in the vectorised pipeline) are printed beside them.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import spmd_runtime as sr  # noqa: E402
+from spmd_runtime.cost import collective_kind  # noqa: E402
 from spmd_runtime.optim import AdamW  # noqa: E402
 from spmd_runtime.train.plan import plan_train_step  # noqa: E402
 
@@ -126,10 +131,22 @@ def bucket(axes: tuple) -> str:
     return "stage" if "stage" in axes else ",".join(axes)
 
 
-def activation_all_reduces(program, nbytes: int) -> int:
-    """Executions per step of all-reduces over "model" of exactly ``nbytes`` (the local b s h activation)."""
-    return sum(c.get("trips", 1) for c in program.comm_summary()
-               if c["kind"] == "all_reduce" and c["axes"] == ("model",) and c["bytes_in"] == nbytes)
+def activation_all_reduces(program, nbytes: int, layers: int, trips: int = 1, in_layers: bool = False) -> tuple:
+    """Executions per step of all-reduces over "model" of exactly ``nbytes`` (the local b s h activation; a
+    start/done pair counts once): (those in the loops over the ``layers`` layers of a stage, the others: the
+    embedding's and the head's)."""
+    inside = outside = 0
+    sizes = {i.out: i.nbytes for i in program.instrs}
+    for ins in program.instrs:
+        if ins.op == "scan":
+            a = ins.attrs
+            more = activation_all_reduces(a["body"], nbytes, layers, trips * a["length"],
+                                          in_layers or a["length"] == layers)
+            inside, outside = inside + more[0], outside + more[1]
+        elif collective_kind(ins.op) == "all_reduce" and tuple(ins.attrs.get("axes", ())) == ("model",) \
+                and sizes.get(ins.args[0]) == nbytes:
+            inside, outside = (inside + trips, outside) if in_layers else (inside, outside + trips)
+    return inside, outside
 
 
 def plan_row(row, args) -> None:
@@ -153,7 +170,8 @@ def plan_row(row, args) -> None:
     held = mem["params"] + mem["opt_state"]
     item = 2  # bytes of a 16-bit activation
     iterations = f["M"] + p - 1 if p > 1 else f["M"]  # the pipeline loop runs M + S - 1 times
-    ars = activation_all_reduces(plan.step.program, MICRO * SEQ * h * item) / (l / p * iterations)
+    in_layers, rest = activation_all_reduces(plan.step.program, MICRO * SEQ * h * item, l // p)
+    ars = in_layers / (l / p * iterations)
     print(f"{head}  preset {preset}")
     print(f"  partition {plan.seconds:.2f} s ({plan.cpu_seconds:.2f} s CPU)   instructions {plan.instructions}")
     row_line = lambda what, ours, formula, unit=GIB, fmt="{:10.2f} GiB": (
@@ -162,6 +180,7 @@ def plan_row(row, args) -> None:
     print(row_line("params + optimizer state / rank", held, f["held"]))
     print(row_line("peak / rank", mem["peak"], f["peak"]))
     print(row_line("TP all-reduces of b*s*h per layer", ars, f["ar_per_layer"], 1, "{:10.2f}    "))
+    print(f"  {'  + outside the layers, per iteration':<34}{rest / iterations:10.2f}        (embedding, head)")
     for axis in ("model", "data", "stage"):
         print(row_line(f"wire bytes / step, {axis}", sum(v for k, v in wire.items() if bucket(tuple(k.split(",")))
                                                           == axis), f[axis]))

@@ -107,9 +107,14 @@ def pipeline_loss(stage_fn, stage_params, microbatches, loss_fn, head_params=Non
 
 
 def _with_gradients(loss, wrt, grads):
-    """``loss``'s value, whose derivative in each of ``wrt`` is its gradient in ``grads`` (computed by the loop)."""
-    out = stop_gradient(loss)
+    """``loss``'s value, whose derivative in each of ``wrt`` is its gradient in ``grads`` (computed by the loop).
+    A value in ``wrt`` twice (a tied embedding: the inputs' table and the head's) gets its gradients added first,
+    while they are still pending sums, so they are reduced once."""
+    summed: dict = {}
     for p, g in zip(wrt, grads):
+        summed[p.id] = (p, summed[p.id][1] + g) if p.id in summed else (p, g)
+    out = stop_gradient(loss)
+    for p, g in summed.values():
         out = out + snp.sum((p - stop_gradient(p)) * stop_gradient(g))  # value 0, derivative g
     return out
 
@@ -189,7 +194,8 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
                                                                          tuple(range(1, target.ndim + 1)))
             losses = fns.loss(pytree_unflatten(head_def, hs), y, targets_s)
             *dhs, dy = backward_from({losses.id: snp.astype(last, losses.dtype)}, hs + [y], start)
-            c["loss"] = c["loss"] + snp.where(last, snp.astype(losses, c["loss"].dtype), snp.zeros((), c["loss"].dtype))
+            # times the mask (linear, not a select): a loss partial over the batch axes stays pending
+            c["loss"] = c["loss"] + snp.astype(losses, c["loss"].dtype) * snp.astype(last, c["loss"].dtype)
         else:
             out = snp.reshape(last_stage(snp.expand_dims(y, 0)), y.shape[1:])
             l, (dhs, dy) = value_and_grad(lambda h, o: fns.loss(pytree_unflatten(head_def, h), o, target),
@@ -218,10 +224,12 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
             c["input_grads"] = [a + d for a, d in zip(c["input_grads"], d_ins)]
         return c, (dx if needs_dx else None)
 
-    def accumulators():
-        return {"grads": [snp.zeros(p.shape, p.dtype) for p in staged], "head_grads": [zeros_like(h) for h in head],
-                "input_grads": [zeros_like(q) for q in inputs],
-                "loss": snp.zeros((s,) if fns.over_stages else (), np.result_type(dtype, np.float32))}
+    def accumulators(with_head: bool):  # zeros a loop adds to (a carry it only passes on would not stay pending)
+        out = {"grads": [snp.zeros(p.shape, p.dtype) for p in staged], "input_grads": [zeros_like(q) for q in inputs]}
+        if with_head:
+            out.update(head_grads=[zeros_like(h) for h in head],
+                       loss=snp.zeros((s,) if fns.over_stages else (), np.result_type(dtype, np.float32)))
+        return out
 
     def steady(c, row):
         c = forward(dict(c), row)
@@ -236,17 +244,17 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
              "saved": slotted(snp.zeros((slots,) + like.shape, dtype))}
     if s > 1:
         carry = scan(lambda c, row: (forward(dict(c), row), None), carry, tables["warm"])[0]
-    carry, dx_steady = scan(steady, {**carry, "cot": state(snp.zeros(like.shape, dtype)), **accumulators()},
+    carry, dx_steady = scan(steady, {**carry, "cot": state(snp.zeros(like.shape, dtype)), **accumulators(True)},
                             tables["steady"])
     sums = [carry]
     dxs = [dx_steady]
     if s > 1:
-        done, dx_cool = scan(cool, {"cot": carry["cot"], "saved": carry["saved"], **accumulators()}, tables["cool"])
+        done, dx_cool = scan(cool, {"cot": carry["cot"], "saved": carry["saved"], **accumulators(False)},
+                             tables["cool"])
         sums.append(done)
         dxs.append(dx_cool)
-    total = lambda key: [sum(parts[1:], parts[0]) for parts in zip(*[c[key] for c in sums])]
-    loss = sum((c["loss"] for c in sums[1:]), sums[0]["loss"])
-    loss = snp.sum(loss) if fns.over_stages else loss
+    total = lambda key: [sum(parts[1:], parts[0]) for parts in zip(*[c[key] for c in sums if key in c])]
+    loss = snp.sum(carry["loss"]) if fns.over_stages else carry["loss"]
     grads = total("grads") + total("head_grads") + total("input_grads")
     if needs_dx:  # stage 0's input cotangents, micro-batch k at backward tick k + S - 1
         dx = snp.concatenate(dxs, 0) if len(dxs) > 1 else dxs[0]

@@ -415,18 +415,25 @@ def positional(pos, batch: int):
 
 
 def layer_norm(x, gain, bias, eps=1e-5):
-    """LayerNorm over the last dim of (batch, seq, d) ``x`` (or (stages, batch, seq, d) with a per-stage gain)."""
+    """LayerNorm over the last dim of (batch, seq, d) ``x`` (or (stages, batch, seq, d) with a per-stage gain, or
+    one gain for every stage: its gradient then one contraction over stages, batch and seq)."""
     mu = snp.mean(x, axis=-1, keepdims=True)
     centred = x - mu
     xhat = centred / snp.sqrt(snp.mean(centred * centred, axis=-1, keepdims=True) + eps)
     z = _staged(x)
-    return snp.einsum(f"{z}bsd,{z}d->{z}bsd", xhat, gain) + _broadcast_row(x, bias)
+    return snp.einsum(f"{z}bsd,{_staged_row(x, gain)}d->{z}bsd", xhat, gain) + _broadcast_row(x, bias)
 
 
 def _broadcast_row(x, row):
-    """The last-dim vector ``row`` (per stage with a leading stage dim) broadcast to ``x``'s shape (see above)."""
+    """The last-dim vector ``row`` (per stage with a leading stage dim, or one for every stage) broadcast to ``x``'s
+    shape (see above)."""
     z = _staged(x)
-    return snp.einsum(f"{z}bs,{z}d->{z}bsd", snp.ones(x.shape[:-1], x.dtype), row)
+    return snp.einsum(f"{z}bs,{_staged_row(x, row)}d->{z}bsd", snp.ones(x.shape[:-1], x.dtype), row)
+
+
+def _staged_row(x, row) -> str:
+    """The stage letter of a last-dim vector: "z" where both ``x`` and ``row`` have the stage dim."""
+    return _staged(x) if row.ndim == 2 else ""
 
 
 def attention(cfg: LMConfig, w: dict, a, annotate=no_annotation):

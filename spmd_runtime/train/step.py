@@ -119,8 +119,7 @@ def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
     whole = dataclasses.replace(cfg, remat="none")
 
     def head_losses(head, ys, labels):  # ys [S, b, seq, d] -> the per-stage losses [S]
-        rows = lambda w: snp.broadcast_in_dim(w, (ys.shape[0],) + w.shape, (1,))
-        h = layer_norm(ys, rows(head["lnf_g"]), rows(head["lnf_b"]))
+        h = layer_norm(ys, head["lnf_g"], head["lnf_b"])  # one gain for all stages: its gradient stays pending
         logits = snp.einsum("zbsd,vd->zbsv", h, head["embed"]) if cfg.tied else \
             snp.einsum("zbsd,dv->zbsv", h, head["unembed"])
         return cross_entropy(snp.astype(logits, "float32") if dtypes.is_low_precision(logits.dtype) else logits,

@@ -11,6 +11,9 @@ import spmd_runtime.numpy as snp
 from simulated import run_everywhere, train_simulated
 from spmd_runtime.optim import AdamW
 from spmd_runtime.pipeline import bubble_fraction, one_f_one_b_schedule
+from spmd_runtime.train.plan import plan_train_step
+
+from test_bench_megatron_table import MEGATRON_LM
 
 from pipeline_cases import B, D, loss_program, numpy_loss_and_grads, stages
 from test_pipeline import LM, lm_batches
@@ -213,3 +216,20 @@ def test_interleaved_loss_and_gradients_equal_gpipe_and_the_reference(shape, axe
 def test_interleaved_needs_whole_groups_of_micro_batches():
     with pytest.raises(ValueError, match="groups of the device count; got 3 micro-batches for 2 devices"):
         loss_program(sr.Mesh((2,), ("stage",)), "interleaved", 4, 3)
+
+
+def test_pipeline_1f1b_preset_holds_2s_minus_1_stage_inputs_and_nothing_of_the_whole_batch():
+    """The live-buffer bound of the preset's loops (stage=4, data=2), M = 4: the saved stage inputs are the one
+    carry of more than one micro-batch state per rank, 2 S - 1 of them, and the largest buffer of the loops; nothing
+    is stacked per tick (no input cotangents: the embedding's gradient is taken in the loop) and no value of the
+    whole batch's residual or logits exists."""
+    s, m, cfg = 4, 4, MEGATRON_LM
+    prog = plan_train_step(cfg, sr.Mesh((s, 2, 1), ("stage", "data", "model")), "pipeline_1f1b", AdamW(),
+                           microbatches=m).step.program
+    state = (cfg.batch // m // 2, cfg.seq, cfg.d)
+    held = micro_batch_buffers(prog, state)
+    assert max(n for _, n in held) == 2 * s - 1 and {role for role, _ in held} == {"carry"}
+    one = int(np.prod(state)) * 4
+    assert max(i.nbytes for ins in prog.instrs if ins.op == "scan" for i in ins.attrs["body"].instrs) == (2 * s - 1) * one
+    assert not [i for i in prog.instrs if tuple(i.global_shape) in ((cfg.batch, cfg.seq, cfg.d),
+                                                                    (cfg.batch, cfg.seq, cfg.vocab))]
