@@ -15,7 +15,8 @@ from spmd_runtime.train.plan import plan_train_step
 
 from test_bench_megatron_table import MEGATRON_LM
 
-from pipeline_cases import B, D, loss_program, numpy_loss_and_grads, stages
+from pipeline_cases import (B, D, input_loss_program, loss_program, numpy_input_loss_and_grads, numpy_loss_and_grads,
+                            stages)
 from test_pipeline import LM, lm_batches
 
 
@@ -233,3 +234,21 @@ def test_pipeline_1f1b_preset_holds_2s_minus_1_stage_inputs_and_nothing_of_the_w
     assert max(i.nbytes for ins in prog.instrs if ins.op == "scan" for i in ins.attrs["body"].instrs) == (2 * s - 1) * one
     assert not [i for i in prog.instrs if tuple(i.global_shape) in ((cfg.batch, cfg.seq, cfg.d),
                                                                     (cfg.batch, cfg.seq, cfg.vocab))]
+
+
+@pytest.mark.parametrize("schedule,shape,axes,s,m", [
+    ("1f1b", (4,), ("stage",), 4, 5), ("1f1b", (2, 2), ("stage", "data"), 2, 3), ("1f1b", (2,), ("stage",), 4, 2),
+    ("gpipe", (2, 2), ("stage", "data"), 2, 3), ("interleaved", (2,), ("stage",), 4, 2)], ids=str)
+def test_inputs_made_in_the_loop_and_the_head_over_stages_give_the_same_loss_and_gradients(schedule, shape, axes, s,
+                                                                                         m):
+    """``input_fn`` (the micro-batches made from raw inputs as they enter, its weight differentiated) and
+    ``head_over_stages`` (the head on every stage's output, the last stage's loss kept) on each schedule: the loss
+    and every gradient equal the NumPy ones, in the reference evaluator and on the simulated ranks."""
+    mesh = sr.Mesh(shape, axes)
+    graph, prog, args = input_loss_program(mesh, schedule, s, m)
+    want = numpy_input_loss_and_grads(*args)
+    for got, w in zip(sr.evaluate(graph, *args), want):
+        np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+    for outs in run_everywhere(prog, *args):
+        for got, w in zip(outs, want):
+            np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
