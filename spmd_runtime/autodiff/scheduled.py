@@ -15,7 +15,7 @@ with the head in between, S - 1 cool-down ticks of backwards only), so each stag
 (M + S - 1) backwards: Megatron's 1F1B work, bubble (S - 1) / (M + S - 1), and nothing computed twice or masked
 away beyond the bubble. Forward activations shift one stage on per forward tick, cotangents one stage back per
 backward tick (one collective_permute each); stage j keeps each saved input 2 (S - 1 - j) ticks, in a ring of
-2 S - 1 slots (O(S) micro-batches, not M). A backward with nothing to do gets a zero cotangent, so its gradients
+min(2 S - 1, M) slots (O(S) micro-batches, not M). A backward with nothing to do gets a zero cotangent, so its gradients
 are exactly zero and the accumulators are plain sums: their data-parallel partial sums stay pending through the
 loops and are reduced once per step (partition/pending_sums.py). The embedding (``input_fn``) and the head
 (``head_over_stages``) can run per micro-batch inside the loops, so nothing of the whole batch is held.
@@ -150,13 +150,14 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
     stage the head in between. Three loops: S - 1 warm-up ticks of forwards only, M ticks of both, S - 1 cool-down
     ticks of backwards only, so each stage computes (M + S - 1) (forward + backward), as Megatron's 1F1B does,
     and no forward or backward whose result is thrown away beyond the bubble. Stage j keeps its saved inputs
-    2 (S - 1 - j) ticks (a ring of 2 S - 1 slots). A backward with nothing to do runs on a zero cotangent (its
-    gradients exactly zero), so the gradients are plain sums ``acc + g``: partial sums stay pending over the
-    loops and are reduced once after them (partition/pending_sums.py). Returns (loss, gradients of the stage
-    parameters, the head's, the inputs' (``fns.input``) or the micro-batches' (floating ones without it))."""
+    2 (S - 1 - j) ticks (a ring of ``ring_slots`` = min(2 S - 1, M) slots). A backward with nothing to do runs on a
+    zero cotangent (its gradients exactly zero), so the gradients are plain sums ``acc + g``: partial sums stay
+    pending over the loops and are reduced once after them (partition/pending_sums.py). Returns (loss, gradients
+    of the stage parameters, the head's, the inputs' (``fns.input``) or the micro-batches' (floating ones without
+    it))."""
     (leaves, treedef), (head, head_def), (inputs, input_def) = params, head, inputs
     s, m = leaves[0].shape[stage_dim], microbatches.shape[0]
-    slots = 2 * s - 1
+    slots = ring_slots(m, s)
     split = lambda x: mesh_split(x, mesh, (axis,) + (UNCONSTRAINED,) * (x.ndim - 1))
     pin = lambda ps: [split_param(p, sp, mesh, axis, stage_dim) for p, sp in zip(ps, specs)]
     staged = pin(leaves)
@@ -168,7 +169,7 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
     like = stage_input(inputs, 0)  # its shape (dead code: the loop makes its own)
     rest = tuple(state_spec) if len(state_spec) == like.ndim - 1 else (UNCONSTRAINED,) * (like.ndim - 1)
     state = lambda x: mesh_split(x, mesh, (axis,) + rest)  # a stage input [S, ...] or its cotangent
-    slotted = lambda x: mesh_split(x, mesh, (None, axis) + rest)  # the saved inputs [2 S - 1, S, ...]
+    slotted = lambda x: mesh_split(x, mesh, (None, axis) + rest)  # the saved inputs [slots, S, ...]
     dtype = like.dtype
     rows = lambda flags, x: snp.broadcast_in_dim(flags, x.shape, (0,))
     zeros_like = lambda x: snp.zeros(x.shape, x.dtype)
@@ -179,8 +180,12 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
         ins = [capture(q) for q in inputs]
         x = snp.where(rows(first, like), stage_input(ins, row["mb"]), shift_stages(c["act"], 1))
         x = state(snp.where(rows(row["fwd_ok"], like), x, snp.zeros((), dtype)))
-        c["saved"] = slotted(snp.dynamic_update_slice(c["saved"], snp.expand_dims(x, 0),
-                                                      [row["slot"]] + [0] * x.ndim))
+        at = [row["slot"]] + [0] * x.ndim
+        if slots < 2 * s - 1:  # fewer slots than ticks a stage holds an input: an idle stage keeps its slot's value
+            kept = snp.reshape(snp.dynamic_slice(c["saved"], at, (1,) + x.shape), x.shape)
+            x_saved = state(snp.where(rows(row["fwd_ok"], like), x, kept))
+        c["saved"] = slotted(snp.dynamic_update_slice(c["saved"], snp.expand_dims(x_saved if slots < 2 * s - 1
+                                                                                   else x, 0), at))
         c["act"] = state(fns.stage(pytree_unflatten(treedef, [capture(p) for p in staged]), x))
         return c
 
@@ -281,13 +286,20 @@ def _pick(buf, onehot):
     return snp.einsum(f"ks{rest},ks->s{rest}", buf, snp.astype(onehot, buf.dtype))
 
 
+def ring_slots(m: int, s: int) -> int:
+    """The saved-input ring of the lockstep 1F1B loops: stage j holds an input 2 (S - 1 - j) ticks, so 2 S - 1 slots
+    (written at tick t mod 2 S - 1 on every stage), or M when there are fewer micro-batches (micro-batch k at
+    (k + j) mod M on stage j, stages without a forward keeping their slot)."""
+    return min(2 * s - 1, m)
+
+
 def _tick_tables(m: int, s: int) -> dict:
     """The lockstep loops' per-tick inputs (``_lockstep``), O(S) each: for a forward tick t, the micro-batch stage 0
     takes (``mb``, clamped), which stages run a real forward (``fwd_ok`` [S]) and the saved-input slot (``slot``,
-    t mod 2 S - 1: the same on every stage); for a backward tick, each stage's saved slot (``read`` [S]: stage j's
-    micro-batch t - 2 (S - 1) + j was saved 2 (S - 1 - j) ticks before), which stages run a real backward
+    t mod K, K = ``ring_slots``: the same on every stage); for a backward tick, each stage's saved slot (``read`` [S]:
+    stage j's micro-batch t - 2 (S - 1) + j was saved 2 (S - 1 - j) ticks before), which stages run a real backward
     (``bwd_ok``), stage 0's micro-batch (``bwd_mb``, clamped) and the head's (``head_mb``)."""
-    slots, j = 2 * s - 1, np.arange(s)
+    slots, j = ring_slots(m, s), np.arange(s)
 
     def ticks(lo, hi, fwd, bwd):
         t = np.arange(lo, hi)[:, None]

@@ -51,12 +51,12 @@ MEGATRON_LM = sr.LMConfig(layers=4, d=16, heads=4, ffn=32, vocab=24, seq=8, batc
                           bias=True)
 
 
-@pytest.mark.parametrize("shape,m", [((2, 2, 2), 4), ((2, 1, 2), 8), ((4, 1, 2), 4), ((4, 2, 1), 4)], ids=str)
+@pytest.mark.parametrize("shape,m", [((2, 2, 2), 4), ((4, 1, 2), 2), ((4, 1, 2), 4), ((4, 2, 1), 4)], ids=str)
 def test_pipeline_1f1b_preset_collectives_per_layer_and_one_gradient_reduction_per_step(shape, m):
     """Planned from shapes (Megatron's GPT: biases, tied embedding; full recompute), (stage, data, model):
     6 tensor-parallel all-reduces of the (b, s, h) activation per layer and tick in the layer loops (forward 2; the
-    backward's recompute 2 and its 2), over the M + S - 1 forward and backward ticks; beside them one for the
-    embedding per forward tick and one for the head's input gradient per steady tick; every data-parallel
+    backward's recompute 2 and its 2), over the M + S - 1 forward and backward ticks; beside them at most one for
+    the embedding per forward tick and one for the head's input gradient per steady tick; every data-parallel
     reduction after the loops, once per step: their bytes are the parameters' (the tied embedding's two gradients
     reduced as one) plus the loss. (M differs from the L / S layers of a stage: the counter tells the layer loops by
     their length.)"""
@@ -68,7 +68,7 @@ def test_pipeline_1f1b_preset_collectives_per_layer_and_one_gradient_reduction_p
     in_layers, rest = bench.activation_all_reduces(prog, activation, MEGATRON_LM.layers // s)
     ticks = m + s - 1
     assert in_layers == (6 * MEGATRON_LM.layers // s * ticks if t > 1 else 0)
-    assert rest == (ticks + m if t > 1 else 0)
+    assert rest <= (ticks + m if t > 1 else 0)  # the embedding may all-gather its (small) table instead
     reductions = [c for c in prog.comm_summary() if c["kind"] in ("all_reduce", "reduce_scatter")
                   and "data" in c["axes"]]
     assert not [c for c in reductions if c.get("trips")]

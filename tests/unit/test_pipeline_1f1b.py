@@ -1,8 +1,8 @@
 """The 1F1B pipeline schedule (PipeDream-flush) in ``sr.pipeline_loss``: its static table is a valid 1F1B order
 (every micro-batch once forward and once backward on every stage, after its inputs arrived, at most S held per
 stage, the bubble fraction (S - 1) / (M + S - 1)); its loss and every gradient equal GPipe's and the reference
-evaluator's on 4 and 8 simulated ranks; its lockstep loops hold at most 2 S - 1 micro-batches per stage where GPipe's
-stacks M + S - 1, and run each stage's forward and backward once per tick."""
+evaluator's on 4 and 8 simulated ranks; its lockstep loops hold at most min(2 S - 1, M) micro-batches per stage
+where GPipe's stacks M + S - 1, and run each stage's forward and backward once per tick."""
 import numpy as np
 import pytest
 
@@ -219,9 +219,10 @@ def test_interleaved_needs_whole_groups_of_micro_batches():
         loss_program(sr.Mesh((2,), ("stage",)), "interleaved", 4, 3)
 
 
-def test_pipeline_1f1b_preset_holds_2s_minus_1_stage_inputs_and_nothing_of_the_whole_batch():
+def test_pipeline_1f1b_preset_holds_min_2s_minus_1_m_stage_inputs_and_nothing_of_the_whole_batch():
     """The live-buffer bound of the preset's loops (stage=4, data=2), M = 4: the saved stage inputs are the one
-    carry of more than one micro-batch state per rank, 2 S - 1 of them, and the largest buffer of the loops; nothing
+    carry of more than one micro-batch state per rank, min(2 S - 1, M) of them (the ring of M slots when fewer
+    micro-batches than 2 S - 1), and the largest buffer of the loops; nothing
     is stacked per tick (no input cotangents: the embedding's gradient is taken in the loop) and no value of the
     whole batch's residual or logits exists."""
     s, m, cfg = 4, 4, MEGATRON_LM
@@ -229,9 +230,10 @@ def test_pipeline_1f1b_preset_holds_2s_minus_1_stage_inputs_and_nothing_of_the_w
                            microbatches=m).step.program
     state = (cfg.batch // m // 2, cfg.seq, cfg.d)
     held = micro_batch_buffers(prog, state)
-    assert max(n for _, n in held) == 2 * s - 1 and {role for role, _ in held} == {"carry"}
+    assert max(n for _, n in held) == min(2 * s - 1, m) and {role for role, _ in held} == {"carry"}
     one = int(np.prod(state)) * 4
-    assert max(i.nbytes for ins in prog.instrs if ins.op == "scan" for i in ins.attrs["body"].instrs) == (2 * s - 1) * one
+    assert max(i.nbytes for ins in prog.instrs if ins.op == "scan"
+               for i in ins.attrs["body"].instrs) == min(2 * s - 1, m) * one
     assert not [i for i in prog.instrs if tuple(i.global_shape) in ((cfg.batch, cfg.seq, cfg.d),
                                                                     (cfg.batch, cfg.seq, cfg.vocab))]
 
