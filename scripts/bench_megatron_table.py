@@ -32,6 +32,7 @@ longer grows with the rank count: the 1T row's 3072 ranks plan like the others).
     python scripts/bench_megatron_table.py --predict dgx-a100-80gb   # every row, and its predicted TFLOP/s
     python scripts/bench_megatron_table.py --rows 1.7B,18B --remat none
     python scripts/bench_megatron_table.py --rows 1T --schedule pipeline   # GPipe instead of 1F1B
+    python scripts/bench_megatron_table.py --donate   # parameters and optimizer state updated in place
 
 The tensor-parallel all-reduces per layer are those in the loops over a stage's layers, per layer and iteration
 (M micro-batches, or the M + S - 1 ticks of the pipeline loops); the embedding's and the head's (one each per
@@ -87,6 +88,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--schedule", default="pipeline_1f1b", choices=["pipeline_1f1b", "pipeline"],
                     help="the preset of the p > 1 rows: 1F1B (the paper's schedule, default) or GPipe")
+    ap.add_argument("--donate", action="store_true",
+                    help="the step updates parameters and optimizer state in place (build_train_step(donate=True), as "
+                         "Megatron's optimizer does): the peak holds one copy of them, not the old and the new")
     ap.add_argument("--predict", default=None, metavar="HARDWARE",
                     help="also predict each row's step on this hardware profile (e.g. dgx-a100-80gb: program.estimate)"
                          " and print its TFLOP/s per GPU by the paper's eq. 3 next to the published figure")
@@ -162,7 +166,7 @@ def plan_row(row, args) -> None:
     preset, mesh = (("megatron", sr.Mesh((d, t), ("data", "model"))) if p == 1 else
                     (args.schedule, sr.Mesh((p, d, t), ("stage", "data", "model"))))
     try:
-        plan = plan_train_step(cfg, mesh, preset, AdamW(), microbatches=f["M"])
+        plan = plan_train_step(cfg, mesh, preset, AdamW(), microbatches=f["M"], donate=args.donate)
     except Exception as e:  # a row the presets cannot express yet: say why, go on with the next
         print(f"{head}\n  not planned ({preset}): {type(e).__name__}: {str(e)[:400]}\n")
         return
