@@ -56,7 +56,7 @@ ONE_HOT = {"recv": "inbox", "inbox": "inbox", "recv_ct": "cotangent", "ct_b": "c
 
 def pipeline_loss(stage_fn, stage_params, microbatches, loss_fn, head_params=None, targets=None, *, mesh,
                   stage_axis="stage", schedule="1f1b", stage_dim=0, param_specs=None, state_spec=None, policy=None,
-                  input_fn=None, input_params=None, recompute_fn=None, head_over_stages=False):
+                  input_fn=None, input_params=None, recompute_fn=None, head_over_stages=False, layer_fn=None):
     """``sum_m loss_fn(head_params, y_m, targets[m])`` where ``y`` = the S pipelined stages of ``stage_fn`` (as in
     ``sr.pipeline``: ``stage_fn(stage_params, x)`` runs every stage at once on x [S, ...]) applied to
     ``microbatches`` [M, ...]. ``schedule``: "1f1b" (at most S micro-batches held per stage), "interleaved"
@@ -74,7 +74,10 @@ def pipeline_loss(stage_fn, stage_params, microbatches, loss_fn, head_params=Non
     live only during its backward). ``head_over_stages``: ``loss_fn(head_params, ys, targets)`` takes every stage's
     output at once (ys [S, ...], this micro-batch's targets on every stage) and returns the per-stage losses [S],
     of which the last stage's counts: the head runs on each stage's own output, no all-reduce of the last stage's
-    output over the stage axis."""
+    output over the stage axis. ``layer_fn(layer_params, x)`` (1F1B): ``stage_fn`` is the scan of it over the
+    leading layer dim of the stage parameters ([layers, S, ...], ``stage_dim=1``); the forward then saves each
+    layer's input and the backward recomputes layer by layer (Megatron's full recompute: one layer's activations
+    live at a time, the saved inputs ``layers`` times larger than the stage's input alone)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline_loss schedule must be one of {SCHEDULES}; got {schedule!r}")
     microbatches = snp.asarray(microbatches)
@@ -99,7 +102,10 @@ def pipeline_loss(stage_fn, stage_params, microbatches, loss_fn, head_params=Non
             targets, mesh, stage_axis, stage_dim, specs, state_spec, chunks)
         return _with_gradients(loss, leaves + head + [microbatches], grads + head_grads + [x_grad])
     inputs, input_def = pytree_flatten(input_params)
-    fns = _StageFns(stage_fn, recompute_fn or stage_fn, loss_fn, input_fn, head_over_stages)
+    if layer_fn is not None and stage_dim != 1:
+        raise ValueError(f"pipeline_loss with layer_fn takes stage parameters [layers, stages, ...] (stage_dim=1); "
+                         f"got stage_dim={stage_dim}")
+    fns = _StageFns(stage_fn, recompute_fn or stage_fn, loss_fn, input_fn, head_over_stages, layer_fn)
     loss, grads = _lockstep(fns, (frozen(leaves), treedef), stop_gradient(microbatches), (frozen(head), head_def),
                             targets, (frozen(inputs), input_def), mesh, stage_axis, stage_dim, specs, state_spec)
     wrt = leaves + head + inputs + ([microbatches] if len(grads) > len(leaves) + len(head) + len(inputs) else [])
@@ -142,6 +148,7 @@ class _StageFns:
     loss: object
     input: object
     over_stages: bool
+    layer: object = None  # layer_fn: the stage is the scan of it over dim 0 of the stage parameters
 
 
 def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stage_dim, specs, state_spec):
@@ -169,24 +176,33 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
     like = stage_input(inputs, 0)  # its shape (dead code: the loop makes its own)
     rest = tuple(state_spec) if len(state_spec) == like.ndim - 1 else (UNCONSTRAINED,) * (like.ndim - 1)
     state = lambda x: mesh_split(x, mesh, (axis,) + rest)  # a stage input [S, ...] or its cotangent
-    slotted = lambda x: mesh_split(x, mesh, (None, axis) + rest)  # the saved inputs [slots, S, ...]
+    lead = 1 if fns.layer is not None else 0  # dims before the stage dim in a saved unit ([layers, S, ...] or [S, ...])
+    layers = leaves[0].shape[0] if lead else None
+    unit = ((layers,) if lead else ()) + tuple(like.shape)
+    slotted = lambda x: mesh_split(x, mesh, (None,) * (1 + lead) + (axis,) + rest)  # the saved ring [slots, *unit]
     dtype = like.dtype
     rows = lambda flags, x: snp.broadcast_in_dim(flags, x.shape, (0,))
     zeros_like = lambda x: snp.zeros(x.shape, x.dtype)
     first, last = snp.arange(s) == 0, snp.arange(s) == s - 1
     needs_dx = fns.input is None and np.issubdtype(np.dtype(microbatches.dtype), np.floating)
 
+    at_stages = lambda flags, x: snp.broadcast_in_dim(flags, x.shape, (lead,))  # [S] flags over a saved unit
+
     def forward(c, row):
         ins = [capture(q) for q in inputs]
         x = snp.where(rows(first, like), stage_input(ins, row["mb"]), shift_stages(c["act"], 1))
         x = state(snp.where(rows(row["fwd_ok"], like), x, snp.zeros((), dtype)))
-        at = [row["slot"]] + [0] * x.ndim
+        ps = [capture(p) for p in staged]
+        if lead:  # each layer's input saved
+            y, saved = scan(lambda h, layer: (state(fns.layer(pytree_unflatten(treedef, layer), h)), h), x, ps)
+        else:
+            y, saved = fns.stage(pytree_unflatten(treedef, ps), x), x
+        at = [row["slot"]] + [0] * len(unit)
         if slots < 2 * s - 1:  # fewer slots than ticks a stage holds an input: an idle stage keeps its slot's value
-            kept = snp.reshape(snp.dynamic_slice(c["saved"], at, (1,) + x.shape), x.shape)
-            x_saved = state(snp.where(rows(row["fwd_ok"], like), x, kept))
-        c["saved"] = slotted(snp.dynamic_update_slice(c["saved"], snp.expand_dims(x_saved if slots < 2 * s - 1
-                                                                                   else x, 0), at))
-        c["act"] = state(fns.stage(pytree_unflatten(treedef, [capture(p) for p in staged]), x))
+            kept = snp.reshape(snp.dynamic_slice(c["saved"], at, (1,) + unit), unit)
+            saved = snp.where(at_stages(row["fwd_ok"], saved), saved, kept)
+        c["saved"] = slotted(snp.dynamic_update_slice(c["saved"], snp.expand_dims(saved, 0), at))
+        c["act"] = state(y)
         return c
 
     def head_step(c, row):  # the last stage's loss of its output and that output's cotangent
@@ -214,11 +230,15 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
         ps = [capture(p) for p in staged]
         moved = shift_stages(c["cot"], -1)
         ct = state(moved if head_ct is None else snp.where(rows(last, like), head_ct, moved))
-        x = state(snp.where(rows(row["bwd_ok"], like), _pick(c["saved"], _one_hot(row["read"], slots, s)),
-                            snp.zeros((), dtype)))
-        start = len(current_graph().nodes)
-        y = state(fns.recompute(pytree_unflatten(treedef, ps), x))
-        *dps, dx = backward_from({y.id: ct}, ps + [x], start)
+        saved = _pick(c["saved"], _one_hot(row["read"], slots, s), bool(lead))
+        saved = snp.where(at_stages(row["bwd_ok"], saved), saved, snp.zeros((), dtype))
+        if lead:
+            dx, dps = _layers_backward(fns.layer, treedef, ps, saved, ct, state)
+        else:
+            x = state(saved)
+            start = len(current_graph().nodes)
+            y = state(fns.recompute(pytree_unflatten(treedef, ps), x))
+            *dps, dx = backward_from({y.id: ct}, ps + [x], start)
         c["grads"] = [g + d for g, d in zip(c["grads"], pin(dps))]
         c["cot"] = state(dx)
         if inputs:
@@ -246,7 +266,7 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
 
     tables = _tick_tables(m, s)
     carry = {"act": state(snp.zeros(like.shape, dtype)),
-             "saved": slotted(snp.zeros((slots,) + like.shape, dtype))}
+             "saved": slotted(snp.zeros((slots,) + unit, dtype))}
     if s > 1:
         carry = scan(lambda c, row: (forward(dict(c), row), None), carry, tables["warm"])[0]
     carry, dx_steady = scan(steady, {**carry, "cot": state(snp.zeros(like.shape, dtype)), **accumulators(True)},
@@ -279,11 +299,26 @@ def _one_hot(index, size: int, s: int):
     return snp.broadcast_in_dim(snp.arange(size), (size, s), (0,)) == snp.broadcast_in_dim(index, (size, s), (1,))
 
 
-def _pick(buf, onehot):
-    """[K, S, ...] -> [S, ...]: each stage's slot of the one-hot [K, S], as a contraction with it (the stage dim a
-    batch dim: local), which reads the buffer once and makes no masked copy of it."""
-    rest = "abcdefghijlmnopqrtuvwxyz"[:buf.ndim - 2]
-    return snp.einsum(f"ks{rest},ks->s{rest}", buf, snp.astype(onehot, buf.dtype))
+def _pick(buf, onehot, layered: bool = False):
+    """[K, S, ...] (``layered``: [K, layers, S, ...]) -> [S, ...] ([layers, S, ...]): each stage's slot of the
+    one-hot [K, S], as a contraction with it (the stage dim a batch dim: local), which reads the buffer once and
+    makes no masked copy of it."""
+    lead = "l" if layered else ""
+    rest = "abcdefghijmnopqrtuvwxyz"[:buf.ndim - 2 - len(lead)]
+    return snp.einsum(f"k{lead}s{rest},ks->{lead}s{rest}", buf, snp.astype(onehot, buf.dtype))
+
+
+def _layers_backward(layer_fn, treedef, params, inputs, ct, state):
+    """The backward of a stage that scans ``layer_fn`` over its layers, from each layer's saved input (``inputs``
+    [layers, S, ...]): a reverse scan recomputing one layer at a time and taking its VJP. Returns (the stage input's
+    cotangent, the parameters' gradients [layers, S, ...])."""
+    def back(cot, xs):
+        layer, x = xs
+        start = len(current_graph().nodes)
+        y = state(layer_fn(pytree_unflatten(treedef, layer), x))
+        *d_layer, dx = backward_from({y.id: cot}, list(layer) + [x], start)
+        return state(dx), d_layer
+    return scan(back, ct, (list(params), inputs), reverse=True)
 
 
 def ring_slots(m: int, s: int) -> int:

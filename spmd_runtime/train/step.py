@@ -17,7 +17,7 @@ from .. import dtypes
 from .. import numpy as snp
 from .. import pytree
 from ..autodiff import value_and_grad
-from ..autodiff.scheduled import pipeline_loss
+from ..autodiff.scheduled import pipeline_loss, ring_slots
 from ..graph import TensorSpec
 from ..models.lm import (STACKED, LMConfig, cross_entropy, dense_block, embed, layer_norm, lm_loss_and_metrics,
                          param_shapes, pipelined_layers, positional, scan_layers)
@@ -110,9 +110,10 @@ def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
     the 1F1B schedule over the stage axis (stages of L/S layers as in ``pipeline_layers``). Everything runs per
     micro-batch inside the loop, so no whole-batch activation is held: the embedding as the micro-batch enters stage
     0 (``input_fn``) and the final LayerNorm, logits and cross-entropy on each stage's output, of which the last
-    stage's counts (``head_over_stages``: no all-reduce of its output over the stages). The backward recomputes a
-    stage's layers without per-layer remat (the full recompute of Megatron: one forward more, its residuals held
-    only during that stage's backward)."""
+    stage's counts (``head_over_stages``: no all-reduce of its output over the stages). Full recompute, one forward
+    more per micro-batch: each layer's input saved and the backward layer by layer (Megatron's) where that holds
+    less (``saves_layer_inputs``), else only the stage's input saved and the stage recomputed without per-layer
+    remat in its backward."""
     p, mesh, annotate = layout.preset, layout.mesh, layout.activation
     s, specs = mesh.axis_size(p.stage[0]), layout.layer_specs(layout.use)
     head_names = ("lnf_g", "lnf_b", "embed" if cfg.tied else "unembed")
@@ -133,6 +134,7 @@ def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
         stacked = {n[len(STACKED):]: w for n, w in params.items() if n.startswith(STACKED)}
         stage_specs = {k: (None,) + tuple(specs.get(k) or (None,) * (w.ndim - 1)) for k, w in stacked.items()}
         block = lambda c: lambda x, layer: dense_block(c, x, layer, annotate)
+        one_layer = lambda layer, h: dense_block(whole, h, layer, annotate)
         total = pipeline_loss(lambda ps, h: scan_layers(cfg, block(cfg), h, ps),
                               {k: stages_of_layers(w, s) for k, w in stacked.items()},
                               micro_batches(tokens, microbatches), head_losses, {n: params[n] for n in head_names},
@@ -140,9 +142,22 @@ def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
                               param_specs=stage_specs, state_spec=(p.batch or None, p.seq or None, None),
                               input_fn=inputs, input_params={"embed": params["embed"], "pos": params["pos"]},
                               recompute_fn=lambda ps, h: scan_layers(whole, block(whole), h, ps),
+                              layer_fn=one_layer if saves_layer_inputs(cfg, layout, microbatches) else None,
                               head_over_stages=True)
         return total * (1.0 / microbatches)
     return loss
+
+
+def saves_layer_inputs(cfg: LMConfig, layout: Layout, microbatches: int) -> bool:
+    """Whether the 1F1B stages save each layer's input (the backward then recomputes layer by layer) rather than
+    the stage's input alone (the backward recomputing the stage whole): the first holds ring x L/S residuals plus
+    one layer's activations, the second ring residuals plus L/S layers' activations, so it is smaller where the
+    ring (``ring_slots``: min(2 S - 1, M) micro-batches) is smaller than one layer's activations in residuals:
+    s b h (10 + 24/t + 5 a s/(h t)) bytes (Korthikanti et al. 2022) over the residual's 2 s b h."""
+    p = layout.preset
+    s, t = layout.mesh.axis_size(p.stage[0]), layout.mesh.axis_size(p.model) if p.model else 1
+    layer = (10 + 24 / t + 5 * cfg.heads * cfg.seq / (cfg.d * t)) / 2
+    return cfg.layers // s > 1 and ring_slots(microbatches, s) < layer
 
 
 def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):

@@ -15,8 +15,8 @@ from spmd_runtime.train.plan import plan_train_step
 
 from test_bench_megatron_table import MEGATRON_LM
 
-from pipeline_cases import (B, D, input_loss_program, loss_program, numpy_input_loss_and_grads, numpy_loss_and_grads,
-                            stages)
+from pipeline_cases import (B, D, input_loss_program, layered_loss_program, loss_program, numpy_input_loss_and_grads,
+                            numpy_layered_loss_and_grads, numpy_loss_and_grads, stages)
 from test_pipeline import LM, lm_batches
 
 
@@ -254,3 +254,24 @@ def test_inputs_made_in_the_loop_and_the_head_over_stages_give_the_same_loss_and
     for outs in run_everywhere(prog, *args):
         for got, w in zip(outs, want):
             np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,axes,s,m,layers,by_layer", [
+    ((4,), ("stage",), 4, 5, 3, True), ((2, 2), ("stage", "data"), 2, 3, 2, True), ((2,), ("stage",), 4, 2, 2, True),
+    ((4,), ("stage",), 4, 5, 3, False)], ids=str)
+def test_layer_by_layer_recompute_gives_the_same_loss_and_gradients(shape, axes, s, m, layers, by_layer):
+    """Stages of several layers: with ``layer_fn`` the 1F1B forward saves each layer's input and the backward
+    recomputes layer by layer (a reverse scan over the layers in the backward ticks), without it the stage is
+    recomputed from its saved input: the same loss and gradients as the layers in sequence (NumPy); the saved ring
+    holds min(2 S - 1, M) micro-batches' layer inputs, or stage inputs."""
+    mesh = sr.Mesh(shape, axes)
+    graph, prog, args = layered_loss_program(mesh, s, m, layers, layer_fn=by_layer)
+    want = numpy_layered_loss_and_grads(*args)
+    for got, w in zip(sr.evaluate(graph, *args), want):
+        np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+    for outs in run_everywhere(prog, *args):
+        for got, w in zip(outs, want):
+            np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+    local = (B // (mesh.axis_size("data") if "data" in axes else 1), D)
+    ring = max(n for role, n in micro_batch_buffers(prog, local) if role == "carry")  # states per rank
+    assert ring == min(2 * s - 1, m) * (layers if by_layer else 1) * (s // shape[0])
