@@ -275,3 +275,12 @@ def test_layer_by_layer_recompute_gives_the_same_loss_and_gradients(shape, axes,
     local = (B // (mesh.axis_size("data") if "data" in axes else 1), D)
     ring = max(n for role, n in micro_batch_buffers(prog, local) if role == "carry")  # states per rank
     assert ring == min(2 * s - 1, m) * (layers if by_layer else 1) * (s // shape[0])
+
+
+def test_layer_fn_needs_the_layer_dim_before_the_stage_dim():
+    mesh = sr.Mesh((2,), ("stage",))
+    with pytest.raises(ValueError, match="layer_fn takes stage parameters \\[layers, stages, ...\\] \\(stage_dim=1\\); "
+                                         "got stage_dim=0"):
+        sr.trace(lambda w, x: sr.pipeline_loss(stages, w, x, lambda h, y, t: snp.sum(y), mesh=mesh,
+                                               layer_fn=lambda w, x: x),
+                 sr.TensorSpec((2, D, D)), sr.TensorSpec((3, B, D)))
