@@ -249,12 +249,10 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
             c["input_grads"] = [a + d for a, d in zip(c["input_grads"], d_ins)]
         return c, (dx if needs_dx else None)
 
-    def accumulators(with_head: bool):  # zeros a loop adds to (a carry it only passes on would not stay pending)
-        out = {"grads": [snp.zeros(p.shape, p.dtype) for p in staged], "input_grads": [zeros_like(q) for q in inputs]}
-        if with_head:
-            out.update(head_grads=[zeros_like(h) for h in head],
-                       loss=snp.zeros((s,) if fns.over_stages else (), np.result_type(dtype, np.float32)))
-        return out
+    def accumulators():  # zeros the steady loop adds to (pending sums: partition/pending_sums.py)
+        return {"grads": [snp.zeros(p.shape, p.dtype) for p in staged], "input_grads": [zeros_like(q) for q in inputs],
+                "head_grads": [zeros_like(h) for h in head],
+                "loss": snp.zeros((s,) if fns.over_stages else (), np.result_type(dtype, np.float32))}
 
     def steady(c, row):
         c = forward(dict(c), row)
@@ -269,18 +267,15 @@ def _lockstep(fns, params, microbatches, head, targets, inputs, mesh, axis, stag
              "saved": slotted(snp.zeros((slots,) + unit, dtype))}
     if s > 1:
         carry = scan(lambda c, row: (forward(dict(c), row), None), carry, tables["warm"])[0]
-    carry, dx_steady = scan(steady, {**carry, "cot": state(snp.zeros(like.shape, dtype)), **accumulators(True)},
+    carry, dx_steady = scan(steady, {**carry, "cot": state(snp.zeros(like.shape, dtype)), **accumulators()},
                             tables["steady"])
-    sums = [carry]
-    dxs = [dx_steady]
-    if s > 1:
-        done, dx_cool = scan(cool, {"cot": carry["cot"], "saved": carry["saved"], **accumulators(False)},
-                             tables["cool"])
-        sums.append(done)
+    dxs, done = [dx_steady], carry
+    if s > 1:  # the cool-down adds to the steady loop's accumulators, still pending sums (pending_sums)
+        done, dx_cool = scan(cool, {"cot": carry["cot"], "saved": carry["saved"], "grads": carry["grads"],
+                                    "input_grads": carry["input_grads"]}, tables["cool"])
         dxs.append(dx_cool)
-    total = lambda key: [sum(parts[1:], parts[0]) for parts in zip(*[c[key] for c in sums if key in c])]
     loss = snp.sum(carry["loss"]) if fns.over_stages else carry["loss"]
-    grads = total("grads") + total("head_grads") + total("input_grads")
+    grads = done["grads"] + carry["head_grads"] + done["input_grads"]
     if needs_dx:  # stage 0's input cotangents, micro-batch k at backward tick k + S - 1
         dx = snp.concatenate(dxs, 0) if len(dxs) > 1 else dxs[0]
         firsts = snp.broadcast_in_dim(first, dx.shape, (1,))
