@@ -365,9 +365,6 @@ def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_de
     first, last = rows(snp.arange(s) == 0, like), rows(snp.arange(s) == s - 1, like)
     zero = snp.zeros((), dtype)
 
-    def pick(buf, onehot):  # [K, S, ...] -> [S, ...]: each device's slot of the one-hot [K, S]
-        return snp.sum(snp.where(rows(onehot, buf), buf, zero), axis=0)
-
     def put(buf, onehot, x):
         return slotted(snp.where(rows(onehot, buf), snp.broadcast_in_dim(x, buf.shape, tuple(range(1, buf.ndim))),
                                  buf))
@@ -382,23 +379,18 @@ def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_de
 
     sizes = {**{k: sched["sizes"][name] for k, name in ONE_HOT.items()}, "chunk": v, "bwd_chunk": v}
 
-    def one_hot(index, size):  # [S] slot indices (-1: none) -> [K, S] masks
-        size = max(size, 1)
-        return snp.broadcast_in_dim(snp.arange(size), (size, s), (0,)) == snp.broadcast_in_dim(index, (size, s), (1,))
-
     def step(carry, row):
         act, cot, inbox, saved, cts, grads, loss, head_grads, dx = carry
-        row = {k: one_hot(x, sizes[k]) if k in sizes else x for k, x in row.items()}
+        row = {k: _one_hot(x, sizes[k], s) if k in sizes else x for k, x in row.items()}
         ps = [capture(p) for p in params]
         inbox = put(inbox, row["recv"], around(act, 1))  # what ran forward on the device before, last slot
         cts = put(cts, row["recv_ct"], around(cot, -1))  # what ran backward on the device after
-        x0 = snp.reshape(snp.dynamic_slice(microbatches, [row["fresh_mb"]] + [0] * (len(shape) - 1),
-                                           (1,) + shape[1:]), shape[1:])
+        x0 = _row(microbatches, row["fresh_mb"])
         x_fwd = split(snp.where(rows(row["fresh"], first), snp.broadcast_in_dim(x0, shape, tuple(range(1, len(shape)))),
-                                pick(inbox, row["inbox"])))
+                                _pick(inbox, row["inbox"])))
         saved = put(saved, row["save_f"], x_fwd)
-        x = split(snp.where(rows(row["is_bwd"], first), pick(saved, row["save_b"]), x_fwd))
-        ct = split(pick(cts, row["ct_b"]))
+        x = split(snp.where(rows(row["is_bwd"], first), _pick(saved, row["save_b"]), x_fwd))
+        ct = split(_pick(cts, row["ct_b"]))
         chosen = [chunk_of(p, row["chunk"]) for p in ps] if v > 1 else ps
         start = len(current_graph().nodes)
         y = split(stage_fn(pytree_unflatten(treedef, chosen), x))
@@ -407,9 +399,7 @@ def _one_f_one_b(stage_fn, leaves, treedef, microbatches, loss_fn, head, head_de
         grads = pin([g + snp.where(rows(mask, g, stage_dim), snp.broadcast_in_dim(
             d, g.shape, tuple(k for k in range(g.ndim) if k != stage_dim)) if v > 1 else d,
             snp.zeros((), d.dtype)) for g, d in zip(grads, dps)])
-        target = None if targets is None else snp.reshape(
-            snp.dynamic_slice(targets, [row["head_mb"]] + [0] * (targets.ndim - 1), (1,) + targets.shape[1:]),
-            targets.shape[1:])
+        target = None if targets is None else _row(targets, row["head_mb"])
         hs = [capture(h) for h in head]
         out = snp.reshape(last_stage(snp.reshape(y, (1,) + shape)), shape[1:])  # the last device's output
         l, (dhs, dy) = value_and_grad(lambda h, out: loss_fn(pytree_unflatten(head_def, h), out, target),

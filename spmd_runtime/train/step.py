@@ -20,7 +20,7 @@ from ..autodiff import value_and_grad
 from ..autodiff.scheduled import pipeline_loss, ring_slots
 from ..graph import TensorSpec
 from ..models.lm import (STACKED, LMConfig, cross_entropy, dense_block, embed, layer_norm, lm_loss_and_metrics,
-                         param_shapes, pipelined_layers, positional, scan_layers)
+                         param_shapes, pipelined_layers, scan_layers)
 from ..ops.control import scan
 from ..optim import DynamicLossScale, Optimizer
 from ..pipeline import micro_batches, stages_of_layers
