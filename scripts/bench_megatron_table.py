@@ -32,6 +32,11 @@ longer grows with the rank count: the 1T row's 3072 ranks plan like the others).
     python scripts/bench_megatron_table.py --predict dgx-a100-80gb   # every row, and its predicted TFLOP/s
     python scripts/bench_megatron_table.py --rows 1.7B,18B --remat none
     python scripts/bench_megatron_table.py --rows 1T --schedule pipeline   # GPipe instead of 1F1B
+    python scripts/bench_megatron_table.py --donate   # parameters and optimizer state updated in place
+
+The tensor-parallel all-reduces per layer are those in the loops over a stage's layers, per layer and iteration
+(M micro-batches, or the M + S - 1 ticks of the pipeline loops); the embedding's and the head's (one each per
+micro-batch, on every stage in the vectorised pipeline) are printed beside them.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import spmd_runtime as sr  # noqa: E402
+from spmd_runtime.cost import collective_kind  # noqa: E402
 from spmd_runtime.optim import AdamW  # noqa: E402
 from spmd_runtime.train.plan import plan_train_step  # noqa: E402
 
@@ -84,6 +90,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--schedule", default="pipeline_1f1b", choices=["pipeline_1f1b", "pipeline"],
                     help="the preset of the p > 1 rows: 1F1B (the paper's schedule, default) or GPipe")
+    ap.add_argument("--donate", action="store_true",
+                    help="the step updates parameters and optimizer state in place (build_train_step(donate=True), as "
+                         "Megatron's optimizer does): the peak holds one copy of them, not the old and the new")
     ap.add_argument("--predict", default=None, metavar="HARDWARE",
                     help="also predict each row's step on this hardware profile (e.g. dgx-a100-80gb: program.estimate)"
                          " and print its TFLOP/s per GPU by the paper's eq. 3 next to the published figure")
@@ -128,10 +137,22 @@ def bucket(axes: tuple) -> str:
     return "stage" if "stage" in axes else ",".join(axes)
 
 
-def activation_all_reduces(program, nbytes: int) -> int:
-    """Executions per step of all-reduces over "model" of exactly ``nbytes`` (the local b s h activation)."""
-    return sum(c.get("trips", 1) for c in program.comm_summary()
-               if c["kind"] == "all_reduce" and c["axes"] == ("model",) and c["bytes_in"] == nbytes)
+def activation_all_reduces(program, nbytes: int, layers: int, trips: int = 1, in_layers: bool = False) -> tuple:
+    """Executions per step of all-reduces over "model" of exactly ``nbytes`` (the local b s h activation; a
+    start/done pair counts once): (those in the loops over the ``layers`` layers of a stage, the others: the
+    embedding's and the head's)."""
+    inside = outside = 0
+    sizes = {i.out: i.nbytes for i in program.instrs}
+    for ins in program.instrs:
+        if ins.op == "scan":
+            a = ins.attrs
+            more = activation_all_reduces(a["body"], nbytes, layers, trips * a["length"],
+                                          in_layers or a["length"] == layers)
+            inside, outside = inside + more[0], outside + more[1]
+        elif collective_kind(ins.op) == "all_reduce" and tuple(ins.attrs.get("axes", ())) == ("model",) \
+                and sizes.get(ins.args[0]) == nbytes:
+            inside, outside = (inside + trips, outside) if in_layers else (inside, outside + trips)
+    return inside, outside
 
 
 def plan_row(row, args) -> None:
@@ -147,7 +168,7 @@ def plan_row(row, args) -> None:
     preset, mesh = (("megatron", sr.Mesh((d, t), ("data", "model"))) if p == 1 else
                     (args.schedule, sr.Mesh((p, d, t), ("stage", "data", "model"))))
     try:
-        plan = plan_train_step(cfg, mesh, preset, AdamW(), microbatches=f["M"])
+        plan = plan_train_step(cfg, mesh, preset, AdamW(), microbatches=f["M"], donate=args.donate)
     except Exception as e:  # a row the presets cannot express yet: say why, go on with the next
         print(f"{head}\n  not planned ({preset}): {type(e).__name__}: {str(e)[:400]}\n")
         return
@@ -155,7 +176,8 @@ def plan_row(row, args) -> None:
     held = mem["params"] + mem["opt_state"]
     item = 2  # bytes of a 16-bit activation
     iterations = f["M"] + p - 1 if p > 1 else f["M"]  # the pipeline loop runs M + S - 1 times
-    ars = activation_all_reduces(plan.step.program, MICRO * SEQ * h * item) / (l / p * iterations)
+    in_layers, rest = activation_all_reduces(plan.step.program, MICRO * SEQ * h * item, l // p)
+    ars = in_layers / (l / p * iterations)
     print(f"{head}  preset {preset}")
     print(f"  partition {plan.seconds:.2f} s ({plan.cpu_seconds:.2f} s CPU)   instructions {plan.instructions}")
     row_line = lambda what, ours, formula, unit=GIB, fmt="{:10.2f} GiB": (
@@ -164,6 +186,7 @@ def plan_row(row, args) -> None:
     print(row_line("params + optimizer state / rank", held, f["held"]))
     print(row_line("peak / rank", mem["peak"], f["peak"]))
     print(row_line("TP all-reduces of b*s*h per layer", ars, f["ar_per_layer"], 1, "{:10.2f}    "))
+    print(f"  {'  + outside the layers, per iteration':<34}{rest / iterations:10.2f}        (embedding, head)")
     for axis in ("model", "data", "stage"):
         print(row_line(f"wire bytes / step, {axis}", sum(v for k, v in wire.items() if bucket(tuple(k.split(",")))
                                                           == axis), f[axis]))

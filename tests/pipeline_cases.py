@@ -51,3 +51,58 @@ def numpy_loss_and_grads(w, v, xs, ts):
             g = g @ w[s].T
         gx[m] = g
     return [loss, gw, gv, gx]
+
+
+def input_loss_program(mesh, schedule, s, m, rows=B, din=4):
+    """``loss_program`` with the micro-batches made inside the pipeline (``input_fn``: a linear map of [.., din] raw
+    inputs, differentiated in its weight) and the head on every stage's output at once (``head_over_stages``)."""
+    state_spec = ("data", None) if "data" in mesh.axis_names else None
+
+    def per_stage_head(v, ys, ts):  # ys [S, B, D], ts [S, B, H] -> [S]
+        return snp.sum((snp.einsum("zbd,dh->zbh", ys, v) - ts) ** 2, axis=(1, 2))
+
+    def f(w, v, e, raw, ts):
+        loss = lambda w, v, e: sr.pipeline_loss(stages, w, raw, per_stage_head, v, ts, mesh=mesh, schedule=schedule,
+                                                state_spec=state_spec, input_fn=lambda e, x: x @ e, input_params=e,
+                                                head_over_stages=True)
+        value, grads = sr.value_and_grad(loss, (0, 1, 2))(w, v, e)
+        return (value,) + grads
+    rng = np.random.default_rng(1)
+    args = [0.5 * rng.standard_normal((s, D, D)), rng.standard_normal((D, H)), rng.standard_normal((din, D)),
+            rng.standard_normal((m, rows, din)), rng.standard_normal((m, rows, H))]
+    graph = sr.trace(f, *args)
+    return graph, sr.partition(graph, mesh), args
+
+
+def numpy_input_loss_and_grads(w, v, e, raw, ts):
+    """``numpy_loss_and_grads`` of the micro-batches ``raw @ e``, and the gradient of ``e`` from theirs."""
+    loss, gw, gv, gx = numpy_loss_and_grads(w, v, raw @ e, ts)
+    return [loss, gw, gv, np.einsum("mbi,mbd->id", raw, gx)]
+
+
+def layered_loss_program(mesh, s, m, layers, rows=B, layer_fn=True):
+    """``loss_program`` (1F1B) with ``layers`` tanh layers per stage, stage parameters [layers, S, D, D]: the stage
+    the scan of one layer over them; ``layer_fn``: passed to ``pipeline_loss`` (saved layer inputs, the backward
+    layer by layer) or not (saved stage inputs, the stage recomputed)."""
+    state_spec = ("data", None) if "data" in mesh.axis_names else None
+    one = lambda w, x: snp.tanh(snp.einsum("sbd,sde->sbe", x, w))
+    stage = lambda w, x: sr.scan(lambda h, w_l: (one(w_l, h), None), x, w)[0]
+
+    def f(w, v, xs, ts):
+        loss = lambda w, v, xs: sr.pipeline_loss(stage, w, xs, head_loss, v, ts, mesh=mesh, stage_dim=1,
+                                                 state_spec=state_spec, layer_fn=one if layer_fn else None)
+        value, grads = sr.value_and_grad(loss, (0, 1, 2))(w, v, xs)
+        return (value,) + grads
+    rng = np.random.default_rng(2)
+    args = [0.5 * rng.standard_normal((layers, s, D, D)), rng.standard_normal((D, H)),
+            rng.standard_normal((m, rows, D)), rng.standard_normal((m, rows, H))]
+    graph = sr.trace(f, *args)
+    return graph, sr.partition(graph, mesh), args
+
+
+def numpy_layered_loss_and_grads(w, v, xs, ts):
+    """Stage j's layers l at global position j * layers + l."""
+    layers, s = w.shape[:2]
+    flat = np.transpose(w, (1, 0, 2, 3)).reshape(s * layers, D, D)
+    loss, gw, gv, gx = numpy_loss_and_grads(flat, v, xs, ts)
+    return [loss, np.transpose(gw.reshape(s, layers, D, D), (1, 0, 2, 3)), gv, gx]

@@ -415,18 +415,25 @@ def positional(pos, batch: int):
 
 
 def layer_norm(x, gain, bias, eps=1e-5):
-    """LayerNorm over the last dim of (batch, seq, d) ``x`` (or (stages, batch, seq, d) with a per-stage gain)."""
+    """LayerNorm over the last dim of (batch, seq, d) ``x`` (or (stages, batch, seq, d) with a per-stage gain, or
+    one gain for every stage: its gradient then one contraction over stages, batch and seq)."""
     mu = snp.mean(x, axis=-1, keepdims=True)
     centred = x - mu
     xhat = centred / snp.sqrt(snp.mean(centred * centred, axis=-1, keepdims=True) + eps)
     z = _staged(x)
-    return snp.einsum(f"{z}bsd,{z}d->{z}bsd", xhat, gain) + _broadcast_row(x, bias)
+    return snp.einsum(f"{z}bsd,{_staged_row(x, gain)}d->{z}bsd", xhat, gain) + _broadcast_row(x, bias)
 
 
 def _broadcast_row(x, row):
-    """The last-dim vector ``row`` (per stage with a leading stage dim) broadcast to ``x``'s shape (see above)."""
+    """The last-dim vector ``row`` (per stage with a leading stage dim, or one for every stage) broadcast to ``x``'s
+    shape (see above)."""
     z = _staged(x)
-    return snp.einsum(f"{z}bs,{z}d->{z}bsd", snp.ones(x.shape[:-1], x.dtype), row)
+    return snp.einsum(f"{z}bs,{_staged_row(x, row)}d->{z}bsd", snp.ones(x.shape[:-1], x.dtype), row)
+
+
+def _staged_row(x, row) -> str:
+    """The stage letter of a last-dim vector: "z" where both ``x`` and ``row`` have the stage dim."""
+    return _staged(x) if row.ndim == 2 else ""
 
 
 def attention(cfg: LMConfig, w: dict, a, annotate=no_annotation):
@@ -455,12 +462,13 @@ def log_softmax(z):
     return shifted - snp.log(snp.sum(snp.exp(shifted), axis=-1, keepdims=True))
 
 
-def cross_entropy(logits, labels):
-    """Mean over tokens of -log p(label); labels picked by a one-hot compare (partitions over a vocab split)."""
+def cross_entropy(logits, labels, axis=None):
+    """Mean over tokens of -log p(label) (over ``axis`` of the token dims, all by default: e.g. per pipeline stage);
+    labels picked by a one-hot compare (partitions over a vocab split)."""
     picked = snp.sum(snp.where(snp.expand_dims(labels, -1) == snp.asarray(np.arange(logits.shape[-1],
                                                                                     dtype=labels.dtype)),
                                log_softmax(logits), 0.0), axis=-1)
-    return -snp.mean(picked)
+    return -snp.mean(picked, axis=axis)
 
 
 __all__ = ["LMConfig", "param_shapes", "param_kind", "param_role", "param_roles", "PARAM_ROLES", "is_stacked",

@@ -39,7 +39,7 @@ from .partitioner import (LocalValue, assign_buffers, buffer_roots, donated_prog
                           partition, user_shardings)
 from .scan_prefetch import pipelined_body, prefetch_enabled
 from .schedule import overlap_budget
-from .pending_sums import is_zeros
+from .pending_sums import holds_pending_sum, is_zeros
 from .propagation import legalize, merge, propagate
 
 
@@ -210,7 +210,10 @@ def partition_scan(ctx, node):
     sh, specs = ag.bodies[body], a["results"]
     carry = [_or_replicated(s, spec) for s, spec in zip(ag.result.parts[:nc], specs)]
     inner = carry + [sh[p] for p in body.params[nc:]]
-    args = [ctx.reshard(ctx.value(i), s) for i, s in zip(node.inputs[:nc], carry)]
+    # initial carries that are pending sums (an accumulator of an earlier loop): kept pending if the body accumulates
+    init_pending = {k for k in range(nc) if holds_pending_sum(ctx.value(node.inputs[k]).sharding)}
+    args = [None if k in init_pending else ctx.reshard(ctx.value(i), s)
+            for k, (i, s) in enumerate(zip(node.inputs[:nc], carry))]
     for i, s, p in zip(node.inputs[nc:nc + nx], inner[nc:nc + nx], body.params[nc:nc + nx]):
         x = ctx.value(i)
         if x.sharding.dims[0]:
@@ -224,13 +227,20 @@ def partition_scan(ctx, node):
         body = extract(body, body.params, body.outputs[:nc] + [body.outputs[k] for k in kept], keep_inputs=True)[0]
     ys = [_strip(ag.result.parts[k]) for k in kept]
     waiting = ctx.pending_results.get(node.id, ())
-    pending = [k for k in range(nc) if is_zeros(ctx.graph, node.inputs[k])] + \
+    pending = [k for k in range(nc) if is_zeros(ctx.graph, node.inputs[k]) or k in init_pending] + \
         [nc + p for p, k in enumerate(kept) if k in waiting]
     program = partition_body(ctx, node, body, inner, carry + ys, "scan body", pending)
-    for k in range(nc):  # accumulators kept pending (pending_sums): start from zero summands
+    unmatched = {k for k in init_pending  # the body carries the sum in another layout: completed before the loop
+                 if program.inputs[k].sharding not in (carry[k], ctx.value(node.inputs[k]).sharding)}
+    if unmatched:
+        pending = [k for k in pending if k not in unmatched]
+        program = partition_body(ctx, node, body, inner, carry + ys, "scan body", pending)
+    for k in range(nc):  # accumulators kept pending (pending_sums): start from zero summands, or the pending init
         if program.inputs[k].sharding != carry[k]:
             carry[k] = program.inputs[k].sharding
-            args[k] = _zeros(ctx, program.inputs[k])
+            args[k] = ctx.value(node.inputs[k]) if k in init_pending else _zeros(ctx, program.inputs[k])
+        elif k in init_pending:
+            args[k] = ctx.reshard(ctx.value(node.inputs[k]), carry[k])
     attrs = {"body": program, "length": a["length"], "reverse": a["reverse"], "num_carry": nc, "num_xs": nx}
     args, m = _prefetching(ctx, attrs, args) if prefetch_enabled() and a["length"] > 1 else (args, 0)
     program = attrs["body"] = _carries_in_place(attrs["body"], attrs["num_carry"])

@@ -24,7 +24,7 @@ gradient from the scanned layers' backward pass): ``waiting_chains``.
 from __future__ import annotations
 
 from ..graph import Graph
-from ..ops.control import LOOP_OUT
+from ..ops.control import LOOP_OUT, SCAN
 from ..ops.core import ADD, BROADCAST_IN_DIM, CONSTANT, MESH_SPLIT, CONVERT, DIV, MUL, NEG, SUB, TRANSPOSE
 from ..sharding import Sharding
 
@@ -95,16 +95,26 @@ def pending_layout(op: str, attrs: dict, operands: list) -> Sharding | None:
 
 def deferrable(graph: Graph, live: set) -> set[int]:
     """The values whose pending sums may wait for their user: those used once (a graph output counts as a use),
-    by a ``TAKES_OVER`` op. Used once, a pending sum joins at most one other, so completions never multiply:
-    each pending result stands for one or more completions it replaces."""
+    by a ``TAKES_OVER`` op or as the initial value of a scan carry its body accumulates into (``accumulates_into``:
+    gradients summed over one loop, then another). Used once, a pending sum joins at most one other, so
+    completions never multiply: each pending result stands for one or more completions it replaces."""
     uses: dict[int, int] = dict.fromkeys(graph.outputs, 1)
     taker: dict[int, bool] = {}
     for node in graph.nodes:
         if node.id in live:
-            for i in node.inputs:
+            for k, i in enumerate(node.inputs):
                 uses[i] = uses.get(i, 0) + 1
-                taker[i] = node.op in TAKES_OVER
+                taker[i] = node.op in TAKES_OVER or accumulates_into(node, k)
     return {v for v, n in uses.items() if n == 1 and taker.get(v)}
+
+
+def accumulates_into(node, position: int) -> bool:
+    """Whether input ``position`` of ``node`` is a scan carry its body adds a value to each iteration (output k =
+    input k + g, ``accumulated``): a pending sum given there can stay pending through the loop."""
+    if node.op != SCAN.name or position >= node.attrs["num_carry"]:
+        return False
+    body = node.attrs["body"]
+    return bool(accumulated(body, [position], use_counts(body)))
 
 
 def use_counts(graph: Graph) -> dict[int, int]:

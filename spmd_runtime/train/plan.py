@@ -71,11 +71,12 @@ class Plan:
 
 
 def plan_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
-                    microbatches: int = 1) -> Plan:
+                    microbatches: int = 1, donate: bool = False) -> Plan:
     """``build_train_step`` from abstract inputs (it allocates no parameter or state slot), timed, with its
-    per-rank figures."""
+    per-rank figures; ``donate``: the step updates parameters and optimizer state in place (as
+    ``build_train_step``'s), so its peak holds one copy of them."""
     start, cpu = time.perf_counter(), time.process_time()
-    step = build_train_step(cfg, mesh, preset, optimizer, microbatches)
+    step = build_train_step(cfg, mesh, preset, optimizer, microbatches, donate)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     return Plan(step, seconds, instruction_count(step.program), step.memory_report(), step.comm_summary(),
                 microbatches, cpu)

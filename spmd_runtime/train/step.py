@@ -9,16 +9,18 @@ update. float16 steps use ``DynamicLossScale``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .. import dtypes
 from .. import numpy as snp
 from .. import pytree
 from ..autodiff import value_and_grad
-from ..autodiff.scheduled import pipeline_loss
+from ..autodiff.scheduled import pipeline_loss, ring_slots
 from ..graph import TensorSpec
 from ..models.lm import (STACKED, LMConfig, cross_entropy, dense_block, embed, layer_norm, lm_loss_and_metrics,
-                         param_shapes, pipelined_layers, positional, scan_layers)
+                         param_shapes, pipelined_layers, scan_layers)
 from ..ops.control import scan
 from ..optim import DynamicLossScale, Optimizer
 from ..pipeline import micro_batches, stages_of_layers
@@ -136,33 +138,58 @@ def _entering_pipeline(layout: Layout, x, microbatches: int):
 
 
 def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
-    """The ``pipeline_1f1b`` preset's loss ``(params dict, tokens, labels) -> mean loss``: the embedding, then
-    ``sr.pipeline_loss`` with the 1F1B schedule over the stage axis (stages of L/S layers as in
-    ``pipeline_layers``; each micro-batch's final LayerNorm, logits and cross-entropy run inside the loop on the
-    last stage's output, so its backward starts at once and a stage holds at most S micro-batches)."""
+    """The ``pipeline_1f1b`` preset's loss ``(params dict, tokens, labels) -> mean loss``: ``sr.pipeline_loss`` with
+    the 1F1B schedule over the stage axis (stages of L/S layers as in ``pipeline_layers``). Everything runs per
+    micro-batch inside the loop, so no whole-batch activation is held: the embedding as the micro-batch enters stage
+    0 (``input_fn``) and the final LayerNorm, logits and cross-entropy on each stage's output, of which the last
+    stage's counts (``head_over_stages``: no all-reduce of its output over the stages). Full recompute, one forward
+    more per micro-batch: each layer's input saved and the backward layer by layer (Megatron's) where that holds
+    less (``saves_layer_inputs``), else only the stage's input saved and the stage recomputed without per-layer
+    remat in its backward."""
     p, mesh, annotate = layout.preset, layout.mesh, layout.activation
     s, specs = mesh.axis_size(p.stage[0]), layout.layer_specs(layout.use)
     head_names = ("lnf_g", "lnf_b", "embed" if cfg.tied else "unembed")
+    whole = dataclasses.replace(cfg, remat="none")
 
-    def head_loss(head, y, labels):
-        h = layer_norm(y, head["lnf_g"], head["lnf_b"])
-        logits = annotate(snp.einsum("bsd,vd->bsv", h, head["embed"]) if cfg.tied else h @ head["unembed"], "logits")
+    def head_losses(head, ys, labels):  # ys [S, b, seq, d] -> the per-stage losses [S]
+        h = layer_norm(ys, head["lnf_g"], head["lnf_b"])  # one gain for all stages: its gradient stays pending
+        logits = snp.einsum("zbsd,vd->zbsv", h, head["embed"]) if cfg.tied else \
+            snp.einsum("zbsd,dv->zbsv", h, head["unembed"])
         return cross_entropy(snp.astype(logits, "float32") if dtypes.is_low_precision(logits.dtype) else logits,
-                             labels)
+                             labels, axis=(1, 2))
+
+    def inputs(table, tokens):  # tokens [S, b, seq] -> the embedded residual [S, b, seq, d]
+        positions = snp.einsum("zb,sd->zbsd", snp.ones(tokens.shape[:2], table["pos"].dtype), table["pos"])
+        return embed(cfg, table["embed"], tokens) + positions
 
     def loss(params, tokens, labels):
-        x = annotate(embed(cfg, params["embed"], tokens) + positional(params["pos"], tokens.shape[0]), "residual")
-        x = _entering_pipeline(layout, x, microbatches)
         stacked = {n[len(STACKED):]: w for n, w in params.items() if n.startswith(STACKED)}
         stage_specs = {k: (None,) + tuple(specs.get(k) or (None,) * (w.ndim - 1)) for k, w in stacked.items()}
-        block = lambda x, layer: dense_block(cfg, x, layer, annotate)
-        total = pipeline_loss(lambda ps, h: scan_layers(cfg, block, h, ps),
-                              {k: stages_of_layers(w, s) for k, w in stacked.items()}, micro_batches(x, microbatches),
-                              head_loss, {n: params[n] for n in head_names}, micro_batches(labels, microbatches),
-                              mesh=mesh, stage_axis=p.stage[0], stage_dim=1, param_specs=stage_specs,
-                              state_spec=(p.batch or None, p.seq or None, None))
+        block = lambda c: lambda x, layer: dense_block(c, x, layer, annotate)
+        one_layer = lambda layer, h: dense_block(whole, h, layer, annotate)
+        total = pipeline_loss(lambda ps, h: scan_layers(cfg, block(cfg), h, ps),
+                              {k: stages_of_layers(w, s) for k, w in stacked.items()},
+                              micro_batches(tokens, microbatches), head_losses, {n: params[n] for n in head_names},
+                              micro_batches(labels, microbatches), mesh=mesh, stage_axis=p.stage[0], stage_dim=1,
+                              param_specs=stage_specs, state_spec=(p.batch or None, p.seq or None, None),
+                              input_fn=inputs, input_params={"embed": params["embed"], "pos": params["pos"]},
+                              recompute_fn=lambda ps, h: scan_layers(whole, block(whole), h, ps),
+                              layer_fn=one_layer if saves_layer_inputs(cfg, layout, microbatches) else None,
+                              head_over_stages=True)
         return total * (1.0 / microbatches)
     return loss
+
+
+def saves_layer_inputs(cfg: LMConfig, layout: Layout, microbatches: int) -> bool:
+    """Whether the 1F1B stages save each layer's input (the backward then recomputes layer by layer) rather than
+    the stage's input alone (the backward recomputing the stage whole): the first holds ring x L/S residuals plus
+    one layer's activations, the second ring residuals plus L/S layers' activations, so it is smaller where the
+    ring (``ring_slots``: min(2 S - 1, M) micro-batches) is smaller than one layer's activations in residuals:
+    s b h (10 + 24/t + 5 a s/(h t)) bytes (Korthikanti et al. 2022) over the residual's 2 s b h."""
+    p = layout.preset
+    s, t = layout.mesh.axis_size(p.stage[0]), layout.mesh.axis_size(p.model) if p.model else 1
+    layer = (10 + 24 / t + 5 * cfg.heads * cfg.seq / (cfg.d * t)) / 2
+    return cfg.layers // s > 1 and ring_slots(microbatches, s) < layer
 
 
 def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):

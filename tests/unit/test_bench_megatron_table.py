@@ -7,6 +7,7 @@ import pytest
 
 import spmd_runtime as sr
 from spmd_runtime.train.plan import plan_train_step
+from spmd_runtime.train.step import saves_layer_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 spec = importlib.util.spec_from_file_location("bench_megatron_table",
@@ -45,3 +46,35 @@ def test_a_row_prints_ours_next_to_the_formulas(capsys):
     assert bench.main(["--rows", "1T", "--max-ranks", "32"]) == 0
     assert "skipped: 3072 ranks > --max-ranks 32" in capsys.readouterr().out
     assert bench.main(["--rows", "2T"]) == 2
+
+
+MEGATRON_LM = sr.LMConfig(layers=4, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, remat="full", tied=True,
+                          bias=True)
+
+
+@pytest.mark.parametrize("shape,m", [((2, 2, 2), 4), ((4, 1, 2), 2), ((4, 1, 2), 4), ((4, 2, 1), 4)], ids=str)
+def test_pipeline_1f1b_preset_collectives_per_layer_and_one_gradient_reduction_per_step(shape, m):
+    """Planned from shapes (Megatron's GPT: biases, tied embedding; full recompute), (stage, data, model):
+    6 tensor-parallel all-reduces of the (b, s, h) activation per layer and tick in the layer loops (forward 2; the
+    backward's recompute 2 and its 2; 5 where the stages save each layer's input and recompute layer by layer),
+    over the M + S - 1 forward and backward ticks; beside them at most one for
+    the embedding per forward tick and one for the head's input gradient per steady tick; every data-parallel
+    reduction after the loops, once per step: their bytes are the parameters' (the tied embedding's two gradients
+    reduced as one) plus the loss. (M differs from the L / S layers of a stage: the counter tells the layer loops by
+    their length.)"""
+    s, data, t = shape
+    plan = plan_train_step(MEGATRON_LM, sr.Mesh(shape, ("stage", "data", "model")), "pipeline_1f1b", sr.AdamW(),
+                           microbatches=m)
+    prog = plan.step.program
+    activation = MEGATRON_LM.batch // m // data * MEGATRON_LM.seq * MEGATRON_LM.d * 4
+    in_layers, rest = bench.activation_all_reduces(prog, activation, MEGATRON_LM.layers // s)
+    ticks = m + s - 1
+    # saving each layer's input, the backward's recompute of a layer skips its last all-reduce (nothing reads it)
+    per_layer = 5 if saves_layer_inputs(MEGATRON_LM, plan.step.layout, m) else 6
+    assert in_layers == (per_layer * MEGATRON_LM.layers // s * ticks if t > 1 else 0)
+    assert rest <= (ticks + m if t > 1 else 0)  # the embedding may all-gather its (small) table instead
+    reductions = [c for c in prog.comm_summary() if c["kind"] in ("all_reduce", "reduce_scatter")
+                  and "data" in c["axes"]]
+    assert not [c for c in reductions if c.get("trips")]
+    if data > 1:
+        assert sum(c["bytes_in"] for c in reductions) == plan.memory["params"] + 4

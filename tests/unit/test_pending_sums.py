@@ -159,6 +159,33 @@ def test_an_accumulator_starting_at_zero_completes_its_sum_once_after_the_loop(m
             np.testing.assert_allclose(outs[0], want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("mesh_,out_spec,kind", [(M4, None, "all_reduce"), (M3, None, "all_reduce"),
+                                                 (M4, ROWS, "reduce_scatter")], ids=["4", "3-uneven", "4-reduce-scatter"])
+def test_a_pending_sum_carried_from_one_accumulating_loop_into_the_next_completes_once_after_it(mesh_, out_spec,
+                                                                                                 kind):
+    """Two loops adding partial products (the 1F1B steady and cool-down loops' gradients): the second starts from
+    the first's pending result, and the sum completes once, after the second; a second loop that does not
+    accumulate (it scales its carry) gets the first's sum completed before it."""
+    rng = np.random.default_rng(4)
+    xs, ys, w = rng.standard_normal((5, 4, 8)), rng.standard_normal((3, 4, 8)), rng.standard_normal((8, 6))
+    for accumulating, trips in ((True, 1), (False, None)):
+        def f(xs, ys, w):
+            first = accumulated_products(True)(xs, w)
+            body = (lambda acc, y: (acc + y @ w, None)) if accumulating else (lambda acc, y: (acc * 0.5, None))
+            return sr.scan(body, first, ys)[0]
+        graph = sr.trace(f, xs, ys, w)
+        program = sr.partition(graph, mesh_, in_specs=[(None, None, "x"), (None, None, "x"), ROWS],
+                               out_specs=None if out_spec is None else [out_spec])
+        summary = [(c["kind"], c["axes"], c.get("trips", 1)) for c in program.comm_summary()]
+        if accumulating:
+            assert summary == [(kind, ("x",), 1)], str(program)
+        else:  # completed between the loops, then carried final
+            assert [c for c in summary if c[2] != 1] == [] and len(summary) == 1
+        want = sr.evaluate(graph, xs, ys, w)[0]
+        for outs in run_everywhere(program, xs, ys, w):
+            np.testing.assert_allclose(outs[0], want, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------- the training step
 CFG = LMConfig(layers=3, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=16, dtype="float64")
 

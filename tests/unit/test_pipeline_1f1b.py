@@ -1,8 +1,8 @@
 """The 1F1B pipeline schedule (PipeDream-flush) in ``sr.pipeline_loss``: its static table is a valid 1F1B order
 (every micro-batch once forward and once backward on every stage, after its inputs arrived, at most S held per
 stage, the bubble fraction (S - 1) / (M + S - 1)); its loss and every gradient equal GPipe's and the reference
-evaluator's on 4 and 8 simulated ranks; its loop holds at most S micro-batches per stage where GPipe's stacks
-M + S - 1."""
+evaluator's on 4 and 8 simulated ranks; its lockstep loops hold at most min(2 S - 1, M) micro-batches per stage
+where GPipe's stacks M + S - 1, and run each stage's forward and backward once per tick."""
 import numpy as np
 import pytest
 
@@ -11,8 +11,12 @@ import spmd_runtime.numpy as snp
 from simulated import run_everywhere, train_simulated
 from spmd_runtime.optim import AdamW
 from spmd_runtime.pipeline import bubble_fraction, one_f_one_b_schedule
+from spmd_runtime.train.plan import plan_train_step
 
-from pipeline_cases import B, D, loss_program, numpy_loss_and_grads, stages
+from test_bench_megatron_table import MEGATRON_LM
+
+from pipeline_cases import (B, D, input_loss_program, layered_loss_program, loss_program, numpy_input_loss_and_grads,
+                            numpy_layered_loss_and_grads, numpy_loss_and_grads, stages)
 from test_pipeline import LM, lm_batches
 
 
@@ -129,26 +133,37 @@ def micro_batch_buffers(prog, mb_shape) -> list:
     return out
 
 
-def test_one_f_one_b_holds_at_most_s_micro_batches_per_stage_where_gpipe_holds_m_plus_s_minus_1():
-    """S = 4 stages, M = 12 micro-batches on 4 ranks: the 1F1B loop stacks nothing; its saved stage inputs and
-    waiting activations ([S, S, B, D] carries) hold S micro-batches per rank, and its one larger carry is the
-    collector of the M input cotangents (as large as the input micro-batches themselves). GPipe's forward loop
-    stacks M + S - 1 states per rank for its backward."""
+def test_one_f_one_b_holds_at_most_2s_minus_1_micro_batches_per_stage_where_gpipe_holds_m_plus_s_minus_1():
+    """S = 4 stages, M = 12 micro-batches on 4 ranks: the lockstep 1F1B loops (S - 1 warm-up ticks, M steady, S - 1
+    cool-down) stack nothing but the input cotangents; their saved stage inputs ([2 S - 1, S, B, D] carries) hold
+    2 S - 1 micro-batches per rank (stage j keeps each 2 (S - 1 - j) ticks), the shifting forward and backward
+    states one each. GPipe's forward loop stacks M + S - 1 states per rank for its backward."""
     s, m = 4, 12
     mesh = sr.Mesh((s,), ("stage",))
     _, one_f, _ = loss_program(mesh, "1f1b", s, m)
     _, gpipe, _ = loss_program(mesh, "gpipe", s, m)
-    held = sorted(micro_batch_buffers(one_f, (B, D)), key=lambda r: r[1])
-    assert {role for role, _ in held} == {"carry"}
-    # in flight forward and back, one waiting activation, one waiting cotangent, S saved stage inputs, and the
-    # input cotangents (+1 spare row)
-    assert [n for _, n in held] == [1, 1, 1, 1, s, m + 1]
+    held = micro_batch_buffers(one_f, (B, D))
+    assert max(n for role, n in held if role == "carry") == 2 * s - 1
+    assert sum(n for role, n in held if role == "ys") == m + s - 1  # stage 0's input cotangents, steady + cool
     assert max(n for role, n in micro_batch_buffers(gpipe, (B, D)) if role == "ys") >= m + s - 1
-    # the 1F1B loop moves one activation forward and one cotangent back per slot, each one stage's state
-    loop = next(i for i in one_f.instrs if i.op == "scan")
-    assert loop.attrs["length"] == 2 * (m + s - 1)
+    loops = [i for i in one_f.instrs if i.op == "scan"]
+    assert [i.attrs["length"] for i in loops] == [s - 1, m, s - 1]
+    # one activation forward per forward tick, one cotangent back per backward tick, each one stage's state
     permutes = [c for c in one_f.comm_summary() if c["kind"] == "collective_permute"]
-    assert [(c["trips"], c["bytes_in"]) for c in permutes] == [(2 * (m + s - 1), B * D * 8)] * 2
+    assert sum(c["trips"] for c in permutes) == 2 * (m + s - 1)
+    assert {c["bytes_in"] for c in permutes} == {B * D * 8}
+
+
+def test_one_f_one_b_runs_each_stage_forward_and_backward_once_per_tick_never_masked_twice():
+    """The work of each tick is its slot's: per stage M + S - 1 forwards (one einsum each) and
+    M + S - 1 backwards (the saved input picked by a one-hot contraction, the recomputed forward and its two VJP
+    einsums), the head's three einsums on the M steady ticks: the 1F1B table's 2 (M + S - 1) slots each running a
+    forward AND a VJP on every stage would run 2 (M + S - 1) (1 + 3) stage einsums."""
+    s, m = 4, 6
+    _, prog, _ = loss_program(sr.Mesh((s,), ("stage",)), "1f1b", s, m)
+    count = lambda op: sum(i.attrs["length"] * sum(b.op == op for b in i.attrs["body"].instrs)
+                           for i in prog.instrs if i.op == "scan")
+    assert count("einsum") == (m + s - 1) * (1 + 1 + 3) + 3 * m
 
 
 def test_pipeline_loss_rejects_an_unknown_schedule():
@@ -162,8 +177,8 @@ def test_pipeline_loss_rejects_an_unknown_schedule():
 @pytest.mark.parametrize("shape,microbatches", [((2, 2, 2), 2), ((4, 2), 4)], ids=["2x2x2", "4x2"])
 def test_pipeline_1f1b_preset_trains_like_the_gpipe_preset(shape, microbatches):
     """The LM on 8 simulated ranks: three steps of ``pipeline_1f1b`` give the ``pipeline`` (GPipe) preset's losses,
-    parameters and optimizer state; its loop runs 2 (M + S - 1) slots with one activation and one cotangent shift
-    each."""
+    parameters and optimizer state; its loops shift one activation on per forward tick and one cotangent back per
+    backward tick, M + S - 1 of each."""
     steps = {p: sr.build_train_step(LM, sr.train_mesh(shape, p), p, AdamW(lr=1e-2), microbatches=microbatches)
              for p in ("pipeline", "pipeline_1f1b")}
     state, data = steps["pipeline"].init(0), lm_batches(1) * 3
@@ -176,7 +191,7 @@ def test_pipeline_1f1b_preset_trains_like_the_gpipe_preset(shape, microbatches):
         np.testing.assert_allclose(one_f[name], want, rtol=1e-9, atol=1e-12, err_msg=name)
     s = shape[0]
     permutes = [c for c in steps["pipeline_1f1b"].program.comm_summary() if c["kind"] == "collective_permute"]
-    assert [c["trips"] for c in permutes] == [2 * (microbatches + s - 1)] * 2
+    assert sum(c["trips"] for c in permutes) == 2 * (microbatches + s - 1)
 
 
 @pytest.mark.parametrize("shape,axes,stages_,m,rows", [
@@ -202,3 +217,70 @@ def test_interleaved_loss_and_gradients_equal_gpipe_and_the_reference(shape, axe
 def test_interleaved_needs_whole_groups_of_micro_batches():
     with pytest.raises(ValueError, match="groups of the device count; got 3 micro-batches for 2 devices"):
         loss_program(sr.Mesh((2,), ("stage",)), "interleaved", 4, 3)
+
+
+def test_pipeline_1f1b_preset_holds_min_2s_minus_1_m_stage_inputs_and_nothing_of_the_whole_batch():
+    """The live-buffer bound of the preset's loops (stage=4, data=2), M = 4: the saved stage inputs are the one
+    carry of more than one micro-batch state per rank, min(2 S - 1, M) of them (the ring of M slots when fewer
+    micro-batches than 2 S - 1), and the largest buffer of the loops; nothing
+    is stacked per tick (no input cotangents: the embedding's gradient is taken in the loop) and no value of the
+    whole batch's residual or logits exists."""
+    s, m, cfg = 4, 4, MEGATRON_LM
+    prog = plan_train_step(cfg, sr.Mesh((s, 2, 1), ("stage", "data", "model")), "pipeline_1f1b", AdamW(),
+                           microbatches=m).step.program
+    state = (cfg.batch // m // 2, cfg.seq, cfg.d)
+    held = micro_batch_buffers(prog, state)
+    assert max(n for _, n in held) == min(2 * s - 1, m) and {role for role, _ in held} == {"carry"}
+    one = int(np.prod(state)) * 4
+    assert max(i.nbytes for ins in prog.instrs if ins.op == "scan"
+               for i in ins.attrs["body"].instrs) == min(2 * s - 1, m) * one
+    assert not [i for i in prog.instrs if tuple(i.global_shape) in ((cfg.batch, cfg.seq, cfg.d),
+                                                                    (cfg.batch, cfg.seq, cfg.vocab))]
+
+
+@pytest.mark.parametrize("schedule,shape,axes,s,m", [
+    ("1f1b", (4,), ("stage",), 4, 5), ("1f1b", (2, 2), ("stage", "data"), 2, 3), ("1f1b", (2,), ("stage",), 4, 2),
+    ("gpipe", (2, 2), ("stage", "data"), 2, 3), ("interleaved", (2,), ("stage",), 4, 2)], ids=str)
+def test_inputs_made_in_the_loop_and_the_head_over_stages_give_the_same_loss_and_gradients(schedule, shape, axes, s,
+                                                                                         m):
+    """``input_fn`` (the micro-batches made from raw inputs as they enter, its weight differentiated) and
+    ``head_over_stages`` (the head on every stage's output, the last stage's loss kept) on each schedule: the loss
+    and every gradient equal the NumPy ones, in the reference evaluator and on the simulated ranks."""
+    mesh = sr.Mesh(shape, axes)
+    graph, prog, args = input_loss_program(mesh, schedule, s, m)
+    want = numpy_input_loss_and_grads(*args)
+    for got, w in zip(sr.evaluate(graph, *args), want):
+        np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+    for outs in run_everywhere(prog, *args):
+        for got, w in zip(outs, want):
+            np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,axes,s,m,layers,by_layer", [
+    ((4,), ("stage",), 4, 5, 3, True), ((2, 2), ("stage", "data"), 2, 3, 2, True), ((2,), ("stage",), 4, 2, 2, True),
+    ((4,), ("stage",), 4, 5, 3, False)], ids=str)
+def test_layer_by_layer_recompute_gives_the_same_loss_and_gradients(shape, axes, s, m, layers, by_layer):
+    """Stages of several layers: with ``layer_fn`` the 1F1B forward saves each layer's input and the backward
+    recomputes layer by layer (a reverse scan over the layers in the backward ticks), without it the stage is
+    recomputed from its saved input: the same loss and gradients as the layers in sequence (NumPy); the saved ring
+    holds min(2 S - 1, M) micro-batches' layer inputs, or stage inputs."""
+    mesh = sr.Mesh(shape, axes)
+    graph, prog, args = layered_loss_program(mesh, s, m, layers, layer_fn=by_layer)
+    want = numpy_layered_loss_and_grads(*args)
+    for got, w in zip(sr.evaluate(graph, *args), want):
+        np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+    for outs in run_everywhere(prog, *args):
+        for got, w in zip(outs, want):
+            np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+    local = (B // (mesh.axis_size("data") if "data" in axes else 1), D)
+    ring = max(n for role, n in micro_batch_buffers(prog, local) if role == "carry")  # states per rank
+    assert ring == min(2 * s - 1, m) * (layers if by_layer else 1) * (s // shape[0])
+
+
+def test_layer_fn_needs_the_layer_dim_before_the_stage_dim():
+    mesh = sr.Mesh((2,), ("stage",))
+    with pytest.raises(ValueError, match="layer_fn takes stage parameters \\[layers, stages, ...\\] \\(stage_dim=1\\); "
+                                         "got stage_dim=0"):
+        sr.trace(lambda w, x: sr.pipeline_loss(stages, w, x, lambda h, y, t: snp.sum(y), mesh=mesh,
+                                               layer_fn=lambda w, x: x),
+                 sr.TensorSpec((2, D, D)), sr.TensorSpec((3, B, D)))

@@ -92,18 +92,25 @@ def test_pipeline_buffers_script_prints_the_listing(capsys):
 
 @pytest.mark.parametrize("preset", ["pipeline", "pipeline_1f1b"])
 def test_embedding_and_head_split_over_the_stages_not_repeated_on_each(preset):
-    """(stage=2, data=2, model=2), 2 micro-batches of 4 rows: outside the pipeline loop the batch rows are split
-    over (data, stage), so the embedding, the logits and the loss of the whole batch are computed once, not once
-    per stage; the pipeline's output reaches that layout by an all_to_all over the stages, never an all-reduce of
-    the whole batch's residual over them."""
+    """(stage=2, data=2, model=2), 2 micro-batches of 4 rows. GPipe: outside the pipeline loop the batch rows are
+    split over (data, stage), so the embedding, the logits and the loss of the whole batch are computed once, not
+    once per stage; the pipeline's output reaches that layout by an all_to_all over the stages, never an all-reduce
+    of the whole batch's residual over them. 1F1B: the embedding and the head run per micro-batch in the loops, each
+    stage on its own micro-batch, so no whole-batch residual or logits exist and nothing of a residual's size is
+    all-reduced over the stages."""
     from test_pipeline import LM
     ts = lm_step((2, 2, 2), 2) if preset == "pipeline" else \
         sr.build_train_step(LM, sr.train_mesh((2, 2, 2), preset), preset, sr.AdamW(lr=1e-2), microbatches=2)
     whole = [i for i in ts.program.instrs if tuple(i.global_shape) in ((LM.batch, LM.seq, LM.vocab),
                                                                       (LM.batch, LM.seq, LM.d))]
-    if preset == "pipeline":  # the whole batch's logits and residual exist only outside the loop
-        assert whole and all(i.shape[0] == LM.batch // 4 for i in whole), [(i.op, i.shape) for i in whole]
     residual = LM.batch * LM.seq * LM.d * 8 // 2  # the whole batch's residual on one data shard
+    if preset == "pipeline_1f1b":  # embedding and head per micro-batch inside the loops: no whole-batch value,
+        assert not whole, [(i.op, i.shape) for i in whole]  # no stage all-reduce of any micro-batch's residual
+        assert not [c for c in ts.program.comm_summary() if c["kind"] == "all_reduce" and "stage" in c["axes"]
+                    and c["bytes_in"] >= residual // 2]
+        return
+    # the whole batch's logits and residual exist only outside the loop
+    assert whole and all(i.shape[0] == LM.batch // 4 for i in whole), [(i.op, i.shape) for i in whole]
     outside = [c for c in ts.program.comm_summary() if not c.get("trips")]
     assert not [c for c in outside if c["kind"] == "all_reduce" and c["axes"] == ("stage",)
                 and c["bytes_in"] >= residual]
