@@ -18,6 +18,7 @@ partitioning: halo exchange) in ``partition/rules/windows.py``, the VJPs in ``au
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -28,7 +29,7 @@ from ..trace import Tensor, emit
 from . import core
 from .core import reduction
 
-__all__ = ["conv", "conv_general_dilated", "reduce_window", "cumsum"]
+__all__ = ["conv", "conv_general_dilated", "reduce_window", "cumsum"]  # window_select / _scatter: the VJP's
 
 CONV = define("conv")
 REDUCE_WINDOW = define("reduce_window")
@@ -36,6 +37,10 @@ CUMSUM = define("cumsum")
 WINDOW_EDGE = define("window_edge", "program")  # a range of one dim: the edge sent to a neighbour
 HALO_WINDOW = define("halo_window", "program")  # the window a shard reads from its block and halos
 CUMSUM_CARRY = define("cumsum_carry", "program")  # a block's cumsum plus the totals of the blocks before
+# max / min pooling's gradient (XLA's SelectAndScatter in two ops, each with its own halo exchange): the tap each
+# window routes its cotangent to, then the cotangents scattered to those taps
+WINDOW_SELECT = define("window_select")
+WINDOW_SCATTER = define("window_scatter", fresh=True)
 
 
 REDUCE_WINDOW_KINDS = ("max", "min", "sum", "avg")
@@ -113,6 +118,24 @@ def cumsum(x, axis=None, dtype=None) -> Tensor:
     return emit(CUMSUM, [x], {"axis": int(axis) % x.ndim}, x.shape, dtype)
 
 
+def window_select(x, y, window, strides, padding) -> Tensor:
+    """int32, shaped like ``y`` (a max or min reduce_window of x): the first tap (row-major in the window) of
+    each window that is in bounds and equals the window's result, -1 where none is (a NaN result, a window of
+    padding only). Emitted by the reduce_window VJP; padding is NaN, so it never equals a result."""
+    if np.dtype(x.dtype).kind != "f":
+        raise ValueError(f"window_select routes float gradients; got x of dtype {x.dtype}")
+    attrs = {"window": tuple(window), "strides": tuple(strides), "padding": tuple(tuple(p) for p in padding)}
+    return emit(WINDOW_SELECT, [x, y], attrs, y.shape, "int32")
+
+
+def window_scatter(g, taps, window, strides, padding, shape) -> Tensor:
+    """The transpose of reading tap ``taps[o]`` of window o: an array of ``shape`` where every element sums the
+    ``g[o]`` of the windows whose chosen tap it is (taps -1 route nothing). Emitted by the reduce_window VJP."""
+    attrs = {"window": tuple(window), "strides": tuple(strides), "low": tuple(int(p[0]) for p in padding),
+             "shape": tuple(shape)}
+    return emit(WINDOW_SCATTER, [g, taps], attrs, tuple(shape), g.dtype)
+
+
 def out_size(n, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilation=1) -> int:
     """Number of window positions along one dim (XLA's ``ConvolutionDimensionNumbers`` arithmetic)."""
     lo, hi = padding
@@ -154,7 +177,34 @@ def _padding(padding, sizes, window, strides, lhs_dil, rhs_dil, what) -> tuple[t
 # ================================================================ kernels
 @opdef.kernel(CONV)
 def conv_kernel(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
-    """im2col through a strided view, then one batched matmul (BLAS) over the feature groups."""
+    method = conv_method(lhs.shape, rhs.shape, strides, padding, lhs_dilation, rhs_dilation)
+    return method(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups)
+
+
+# Fewer output positions than this per image: one GEMM over all rows (N * positions) beats one per image.
+# Measured on this machine (1 thread, float32): a 3x3 conv 16 -> 16 on 32 x 16 x 16 x 16 takes 2.24 ms as rows,
+# 0.90 ms per image; on 32 x 64 x 4 x 4 (16 positions) both ~0.85 ms; the kernel-gradient convs (9 positions,
+# a long contraction) are GEMMs with 9 columns per image, far better as rows.
+MIN_POSITIONS_PER_IMAGE = 32
+
+
+def conv_method(lhs_shape, rhs_shape, strides, padding, lhs_dilation, rhs_dilation):
+    """The conv kernel for these shapes, chosen once: exec binds it per instruction (exec/rules/windows.py).
+
+    - a transposed conv (an lhs dilation, stride 1: the input gradient of a strided conv) scatters one GEMM's
+      products tap by tap (col2im) instead of convolving the zeros the dilation inserts;
+    - otherwise im2col through a strided view and a GEMM per image (many output positions: the result comes out
+      in (N, O, *positions) order, no transpose) or one GEMM over every image's rows (few positions)."""
+    if any(d > 1 for d in lhs_dilation) and all(s == 1 for s in strides):
+        return conv_col2im
+    positions = math.prod(out_size(*dim) for dim in zip(lhs_shape[2:], rhs_shape[2:], strides, padding, lhs_dilation,
+                                                        rhs_dilation))
+    return conv_per_image if positions >= MIN_POSITIONS_PER_IMAGE else conv_rows
+
+
+def conv_rows(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
+    """im2col through a strided view, then one batched matmul (BLAS) over the feature groups: rows are
+    (image, position), columns (feature, tap)."""
     nsp, (n, c), o = lhs.ndim - 2, lhs.shape[:2], rhs.shape[0]
     x = _dilate_and_pad(xp, lhs, 2, lhs_dilation, padding, 0)
     view = _window_view(xp, x, 2, rhs.shape[2:], strides, rhs_dilation)  # (N, C, *out, *window)
@@ -168,12 +218,102 @@ def conv_kernel(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, grou
     return y.transpose((1, 0, 2 + nsp) + tuple(range(2, 2 + nsp))).reshape((n, o) + out)
 
 
+def conv_per_image(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
+    """im2col through a strided view laid out (N, groups, features x taps, positions), then per image and group
+    the weights (O / G, C / G x taps) times its columns: the products land in (N, O, *positions) order."""
+    nsp, (n, c), o = lhs.ndim - 2, lhs.shape[:2], rhs.shape[0]
+    x = _dilate_and_pad(xp, lhs, 2, lhs_dilation, padding, 0)
+    view = _window_view(xp, x, 2, rhs.shape[2:], strides, rhs_dilation)  # (N, C, *out, *window)
+    out = view.shape[2:2 + nsp]
+    sp, win = tuple(range(2, 2 + nsp)), tuple(range(2 + nsp, 2 + 2 * nsp))
+    cols = view.transpose((0, 1) + win + sp).reshape(n, groups, -1, math.prod(out))
+    weights = rhs.reshape(groups, o // groups, -1)
+    return xp.matmul(weights, cols).reshape((n, o) + out)
+
+
+def conv_col2im(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
+    """A stride-1 conv of an lhs-dilated input: input element q meets tap t at output q * D + low - t * R, so
+    one GEMM gives every (output feature, tap) product of every input element and each tap's products are added
+    into the output at a strided slice (no zeros convolved: D^d times fewer products than im2col)."""
+    nsp, (n, c), (o, cg) = lhs.ndim - 2, lhs.shape[:2], rhs.shape[:2]
+    window, inputs = rhs.shape[2:], lhs.shape[2:]
+    og, taps = o // groups, math.prod(window)
+    out = tuple(out_size(q, w, 1, p, d, r) for q, w, p, d, r in zip(inputs, window, padding, lhs_dilation,
+                                                                    rhs_dilation))
+    weights = rhs.reshape(groups, og, cg, taps).transpose(0, 1, 3, 2).reshape(groups, og * taps, cg)
+    products = xp.matmul(weights, lhs.reshape(n, groups, cg, -1)).reshape((n, o, taps) + inputs)
+    y = xp.zeros((n, o) + out, dtype=products.dtype)
+    for t, tap in enumerate(itertools.product(*map(range, window))):
+        # input element i meets tap t at output i * d + low - t * r
+        spans = [_affine_span(q, m, d, p[0] - t * r) for t, q, m, p, d, r in zip(tap, inputs, out, padding,
+                                                                                 lhs_dilation, rhs_dilation)]
+        if all(spans):
+            y[(Ellipsis,) + tuple(s[1] for s in spans)] += products[(slice(None), slice(None), t)
+                                                                    + tuple(s[0] for s in spans)]
+    return y
+
+
+def _affine_span(count, size, step, offset):
+    """(source slice, target slice) along one dim: the sources q in [0, count) whose target q * step + offset
+    lies in [0, size), and those targets; None when there are none."""
+    first = max(0, -(offset // step))  # ceil(-offset / step)
+    last = min(count - 1, (size - 1 - offset) // step)
+    if last < first:
+        return None
+    start = first * step + offset
+    return slice(first, last + 1), slice(start, start + (last - first) * step + 1, step)
+
+
+# Windows of at most this many taps reduce tap by tap (one ufunc pass over the output per tap); NumPy's
+# reduction over the trailing window axes of a strided view is ~10x slower there (3x3 max-pool of
+# 32 x 16 x 32 x 32 float32: 14 ms against ~1 ms); big windows (a global pool) reduce the view at once.
+MAX_TAPS_ONE_BY_ONE = 64
+_TAP_UFUNCS = {"max": "maximum", "min": "minimum", "sum": "add"}
+
+
 @opdef.kernel(REDUCE_WINDOW)
 def reduce_window_kernel(xp, x, kind, window, strides, padding):
     ones = (1,) * x.ndim
     padded = _dilate_and_pad(xp, x, 0, ones, padding, core.reduce_identity(kind, x.dtype))
     view = _window_view(xp, padded, 0, window, strides, ones)
-    return reduction(xp, kind)(view, axis=tuple(range(x.ndim, 2 * x.ndim))).astype(x.dtype, copy=False)
+    if kind not in _TAP_UFUNCS or math.prod(window) > MAX_TAPS_ONE_BY_ONE:
+        return reduction(xp, kind)(view, axis=tuple(range(x.ndim, 2 * x.ndim))).astype(x.dtype, copy=False)
+    combine, taps = getattr(xp, _TAP_UFUNCS[kind]), list(itertools.product(*map(range, window)))
+    out = xp.array(view[(Ellipsis,) + taps[0]], dtype=x.dtype)
+    for tap in taps[1:]:
+        combine(out, view[(Ellipsis,) + tap], out=out)
+    return out
+
+
+@opdef.kernel(WINDOW_SELECT)
+def window_select_kernel(xp, x, y, window, strides, padding):
+    """Tap by tap in row-major order: the first in-bounds tap equal to the result (padding is NaN: never equal)."""
+    ones = (1,) * x.ndim
+    view = _window_view(xp, _dilate_and_pad(xp, x, 0, ones, padding, np.nan), 0, window, strides, ones)
+    out = xp.full(y.shape, -1, dtype=np.int32)
+    for t, tap in enumerate(itertools.product(*map(range, window))):
+        hit = view[(Ellipsis,) + tap] == y
+        hit &= out < 0
+        out[hit] = t
+    return out
+
+
+@opdef.kernel(WINDOW_SCATTER)
+def window_scatter_kernel(xp, g, taps, *index, window, strides, low, shape, low_step=None, index_dims=()):
+    """Tap by tap: the cotangents of the windows that chose tap t added at the elements that tap reads. Output
+    position q's tap t reads element q * stride + t - low; a partitioned shard's low grows by ``low_step`` per
+    shard along each of ``index_dims`` (its shard index operand), see partition/rules/windows.py."""
+    low = list(low)
+    for d, i in zip(index_dims, index):
+        low[d] += low_step[d] * int(i)
+    out = xp.zeros(shape, dtype=g.dtype)
+    zero = xp.zeros((), dtype=g.dtype)
+    for t, tap in enumerate(itertools.product(*map(range, window))):
+        spans = [_affine_span(m, n, s, t - lo) for t, m, n, s, lo in zip(tap, g.shape, shape, strides, low)]
+        if all(spans):
+            src = tuple(sp[0] for sp in spans)
+            out[tuple(sp[1] for sp in spans)] += xp.where(taps[src] == t, g[src], zero)
+    return out
 
 
 @opdef.kernel(CUMSUM)
