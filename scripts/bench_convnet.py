@@ -12,7 +12,8 @@ forward + backward + SGD with momentum 0.9. Both sides start from the same weigh
 .npz the PyTorch side, scripts/torch_convnet.py, reads under ``--torch-python``, default
 /tmp/torchvenv/bin/python: torch is no dependency of spmd_runtime) and run the same number of steps, so the
 first and last losses must agree to float32 rounding. Each round prints the fastest of ``--steps`` timed
-steps; the summary takes the minimum over rounds of each side and their ratio. The machine may be shared: read
+steps, in wall time and in process CPU time (less sensitive to a loaded machine); the summary takes the
+minimum over rounds of each side and their ratios. The machine may be shared: read
 every round.
 """
 from __future__ import annotations
@@ -105,15 +106,16 @@ def make_step(strides, lr):
 
 
 def ours(step, params, state, x, y, warmup, steps):
-    """(first loss, last loss, fastest step s) over warmup + steps steps from ``params``."""
-    times, first = [], None
+    """(first loss, last loss, fastest step s, fastest step's CPU s) over warmup + steps steps from ``params``."""
+    times, cpu, first = [], [], None
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         params, state, loss = step(params, state, x, y)
         loss = float(np.asarray(loss))
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         first = loss if first is None else first
-    return first, loss, min(times[warmup:])
+    return first, loss, min(times[warmup:]), min(cpu[warmup:])
 
 
 def torch_round(python, npz, warmup, steps, lr):
@@ -121,7 +123,7 @@ def torch_round(python, npz, warmup, steps, lr):
            str(steps), "--lr", str(lr)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    return r["first_loss"], r["last_loss"], r["min_step_s"]
+    return r["first_loss"], r["last_loss"], r["min_step_s"], r["min_cpu_s"]
 
 
 def profile(step, params, state, x, y, reps=5):
@@ -180,14 +182,17 @@ def main():
         for r in range(args.rounds):
             a = ours(step, params, state, x, y, args.warmup, args.steps)
             b = torch_round(args.torch_python, npz, args.warmup, args.steps, args.lr)
-            mine.append(a[2])
-            theirs.append(b[2])
-            print(f"round {r}: ours {a[2] * 1e3:8.2f} ms   torch {b[2] * 1e3:8.2f} ms   "
+            mine.append(a[2:])
+            theirs.append(b[2:])
+            print(f"round {r}: ours {a[2] * 1e3:8.2f} ms (cpu {a[3] * 1e3:7.2f})   torch {b[2] * 1e3:8.2f} ms "
+                  f"(cpu {b[3] * 1e3:7.2f})   "
                   f"(losses first {a[0]:.6f} / {b[0]:.6f}, after {args.warmup + args.steps} steps {a[1]:.6f} / "
                   f"{b[1]:.6f})", flush=True)
-    print(f"min over {args.rounds} rounds: ours {min(mine) * 1e3:.2f} ms, torch {min(theirs) * 1e3:.2f} ms, "
-          f"ratio ours / torch {min(mine) / min(theirs):.2f}  (batch {args.batch}, {args.size}x{args.size}, "
-          f"1 thread each; loadavg {os.getloadavg()[0]:.1f})")
+    (wall, cpu), (twall, tcpu) = (np.min(mine, axis=0), np.min(theirs, axis=0))
+    print(f"min over {args.rounds} rounds: ours {wall * 1e3:.2f} ms, torch {twall * 1e3:.2f} ms, ratio ours / torch "
+          f"{wall / twall:.2f}; CPU time per step ours {cpu * 1e3:.2f} ms, torch {tcpu * 1e3:.2f} ms, ratio "
+          f"{cpu / tcpu:.2f}  (batch {args.batch}, {args.size}x{args.size}, 1 thread each; loadavg "
+          f"{os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":
