@@ -268,7 +268,7 @@ def _affine_span(count, size, step, offset):
 # reduction over the trailing window axes of a strided view is ~10x slower there (3x3 max-pool of
 # 32 x 16 x 32 x 32 float32: 14 ms against ~1 ms); big windows (a global pool) reduce the view at once.
 MAX_TAPS_ONE_BY_ONE = 64
-_TAP_UFUNCS = {"max": "maximum", "min": "minimum", "sum": "add"}
+_TAP_UFUNCS = {"max": core.MAXIMUM.ufunc, "min": core.MINIMUM.ufunc, "sum": core.ADD.ufunc}
 
 
 @opdef.kernel(REDUCE_WINDOW)
@@ -279,7 +279,7 @@ def reduce_window_kernel(xp, x, kind, window, strides, padding):
     if kind not in _TAP_UFUNCS or math.prod(window) > MAX_TAPS_ONE_BY_ONE:
         return reduction(xp, kind)(view, axis=tuple(range(x.ndim, 2 * x.ndim))).astype(x.dtype, copy=False)
     combine, taps = getattr(xp, _TAP_UFUNCS[kind]), list(itertools.product(*map(range, window)))
-    out = xp.array(view[(Ellipsis,) + taps[0]], dtype=x.dtype)
+    out = view[(Ellipsis,) + taps[0]].astype(x.dtype)  # a copy: the taps accumulate into it
     for tap in taps[1:]:
         combine(out, view[(Ellipsis,) + tap], out=out)
     return out
