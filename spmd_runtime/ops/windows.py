@@ -12,6 +12,15 @@ Global semantics are XLA's (``ConvGeneralDilated``, ``ReduceWindow``) and NumPy'
   'max', +inf for 'min', 0 for 'sum'. 'avg' is the window sum divided by the full window size,
   padding included (XLA's ``avg_pool`` default, ``count_include_pad=True`` in PyTorch terms).
 - ``cumsum(x, axis)``: NumPy's, including ``axis=None`` (flattened) and its dtype promotion.
+- ``window_select(x, y, ...)`` / ``window_scatter(g, taps, ...)``: max / min pooling's gradient (XLA's
+  SelectAndScatter as two ops, emitted by the reduce_window VJP): each window's first in-bounds tap equal to its
+  result, then the window cotangents added at those taps.
+
+Kernels run at BLAS speed where there is a product: a conv is im2col (one strided view, one copy) and GEMMs laid
+out per image or over all rows, or, for a transposed conv (lhs dilation, stride 1: the input gradient of a strided
+conv), one GEMM whose products are added tap by tap (col2im); ``conv_method`` picks one from the shapes, once per
+instruction when a program is bound (``exec/rules/windows.py``). Small windows reduce, select and scatter tap by
+tap with whole-array ufuncs.
 
 Their rules live in the layers that own them: propagation and partitioning (GSPMD section 3, spatial
 partitioning: halo exchange) in ``partition/rules/windows.py``, the VJPs in ``autodiff/rules/windows.py``.

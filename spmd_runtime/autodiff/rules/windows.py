@@ -168,7 +168,8 @@ def window_select_transpose(g, taps, attrs, shape):
     count = math.prod(pool.window)
     one_hot = core.asarray(np.eye(count, dtype=g.dtype).reshape((count, 1) + pool.window))
     read = pool.windows(pool.to_conv(g), one_hot)  # (N, taps, *out)
-    chosen = pool.to_conv(taps) == core.asarray(np.arange(count, dtype=np.int32).reshape((1, count) + (1,) * len(pool.window)))
+    tap_index = np.arange(count, dtype=np.int32).reshape((1, count) + (1,) * len(pool.window))
+    chosen = pool.to_conv(taps) == core.asarray(tap_index)
     return pool.from_conv(core.sum(core.where(chosen, read, 0.0), axis=1, keepdims=True), taps.shape)
 
 

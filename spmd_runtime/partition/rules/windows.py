@@ -17,6 +17,10 @@ Partitioning (GSPMD section 3, spatial partitioning):
 - conv: batch and output-feature splits are local; an input-feature split on both operands gives
   partial sums (like einsum's contracting dims); with feature groups the feature dims may be split
   together, whole groups per shard. Candidates are ranked by bytes moved, then local work.
+- window_select reads its windows as reduce_window does (NaN as the halo fill: never a window's result);
+  window_scatter, x-shaped from result-shaped operands, gets by a halo exchange the cotangents and chosen taps
+  of every window that reaches its block (``scatter_plan``) and scatters them locally with an offset that
+  grows with the shard index.
 - cumsum along a split dim: local cumsum of the masked block, all-gather of the k block totals (one
   element per shard along the dim), then each shard adds the sum of the totals before it.
 """
@@ -360,9 +364,7 @@ def _reduce_window(ctx, node):
                                    plan=(plans, refused if cand == x.sharding else {})))
     best = choose(candidates)
     need, (plans, refused) = best.result, best.plan
-    for d, (axes, why) in refused.items():
-        ctx.notes.append(f"{node.op} %{node.id}: dim {d} split over {axes} cannot be computed locally with a "
-                         f"halo exchange ({why}); that dim is resharded to replicated")
+    _note_refused(ctx, node, refused)
     fill = np.nan if extra else core.reduce_identity(node.attrs["kind"], node.dtype)
     value, pads = ctx.reshard(x, need), list(node.attrs["padding"])
     for d, plan in plans.items():
@@ -418,9 +420,7 @@ def _window_scatter(ctx, node):
                                    plan=(plans, refused if cand == target else {})))
     best = choose(candidates)
     need, (plans, refused) = best.result, best.plan
-    for d, (axes, why) in refused.items():
-        ctx.notes.append(f"{node.op} %{node.id}: dim {d} split over {axes} cannot be computed locally with a "
-                         f"halo exchange ({why}); that dim is resharded to replicated")
+    _note_refused(ctx, node, refused)
     gv, tv = ctx.reshard(g, need), ctx.reshard(taps, need)
     low, step, index = list(a["low"]), [0] * len(node.shape), []
     for d, plan in plans.items():
@@ -432,6 +432,12 @@ def _window_scatter(ctx, node):
     attrs = {**a, "low": tuple(low), "shape": tuple(need.local_shape(node.shape, ctx.mesh))}
     attrs.update({"low_step": tuple(step), "index_dims": tuple(plans)} if plans else {})
     return ctx.emit_like(node, WINDOW_SCATTER, [gv, tv, *index], attrs, need)
+
+
+def _note_refused(ctx, node, refused):
+    for d, (axes, why) in refused.items():
+        ctx.notes.append(f"{node.op} %{node.id}: dim {d} split over {axes} cannot be computed locally with a "
+                         f"halo exchange ({why}); that dim is resharded to replicated")
 
 
 def _window_layout(ctx, node, shape, cand: Sharding):
