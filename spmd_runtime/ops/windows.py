@@ -312,21 +312,25 @@ def window_select_kernel(xp, x, y, window, strides, padding):
 
 @opdef.kernel(WINDOW_SCATTER)
 def window_scatter_kernel(xp, g, taps, *index, window, strides, low, shape, low_step=None, index_dims=()):
-    """Tap by tap: the cotangents of the windows that chose tap t added at the elements that tap reads. Output
-    position q's tap t reads element q * stride + t - low; a partitioned shard's low grows by ``low_step`` per
-    shard along each of ``index_dims`` (its shard index operand), see partition/rules/windows.py."""
+    """Output position q's tap t reads element q * stride + t - low: every window's cotangent is added there by one
+    bincount over the span all windows cover (taps -1 add nothing), then that span is cut to ``shape`` (~1.7x
+    faster than a strided add per tap). A partitioned shard's low grows by ``low_step`` per shard along each of
+    ``index_dims`` (its shard index operand), see partition/rules/windows.py."""
     low = list(low)
     for d, i in zip(index_dims, index):
         low[d] += low_step[d] * int(i)
-    out, routed = xp.zeros(shape, dtype=g.dtype), xp.empty(g.shape, dtype=g.dtype)
-    for t, tap in enumerate(itertools.product(*map(range, window))):
-        spans = [_affine_span(m, n, s, k - lo) for k, m, n, s, lo in zip(tap, g.shape, shape, strides, low)]
-        if all(spans):
-            src = tuple(sp[0] for sp in spans)
-            part = routed[src]
-            xp.multiply(g[src], taps[src] == t, out=part)
-            out[tuple(sp[1] for sp in spans)] += part
-    return out
+    span = tuple((m - 1) * s + w for m, s, w in zip(g.shape, strides, window))  # q * stride + t for all q, t
+    step = [math.prod(span[d + 1:]) for d in range(len(span))]
+    where = xp.zeros(g.shape, dtype=np.int64)  # flat position in the span of each window's tap 0
+    for d, (m, s) in enumerate(zip(g.shape, strides)):
+        along = (1,) * d + (m,) + (1,) * (g.ndim - d - 1)
+        where = where + (xp.arange(m, dtype=np.int64) * (s * step[d])).reshape(along)
+    offsets = [sum(t * e for t, e in zip(tap, step)) for tap in itertools.product(*map(range, window))]
+    where += xp.asarray(offsets + [0], dtype=np.int64)[taps]  # tap -1 takes the trailing 0, with weight 0
+    weights = xp.where(taps >= 0, g, xp.zeros((), dtype=g.dtype))
+    sums = xp.bincount(where.reshape(-1), weights=weights.reshape(-1), minlength=math.prod(span)).reshape(span)
+    cut = tuple((-lo, n - e + lo) for lo, n, e in zip(low, shape, span))  # element j sits at span position j + low
+    return _dilate_and_pad(xp, sums, 0, (1,) * g.ndim, cut, 0).astype(g.dtype)
 
 
 @opdef.kernel(CUMSUM)
