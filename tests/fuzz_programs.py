@@ -6,7 +6,8 @@ Programs chain random ops of the op set (elementwise, broadcasting, reductions,
 transpose, reshape, einsum with fresh operands, where, casts, take, cumsum, arg-reductions,
 logsumexp, pooling, 1-d conv, slicing, flip, pad, concatenate, dynamic_slice, roll, slices of split dims, erf /
 erfc / random noise / dropout, and
-on split dims: roll, wide windows, unaligned reshapes, the kernel-gradient conv, interior pad, dynamic updates)
+on split dims: roll, wide windows, unaligned reshapes, the kernel-gradient conv, interior pad, dynamic updates,
+max / min pooling gradients)
 with random mesh_split
 annotations; meshes have 1 to 8 devices, 1-d and 2-d, sometimes reordered; sizes are
 often uneven. Values are kept bounded (tanh squashing) so float64 tolerances stay tight.
@@ -353,7 +354,7 @@ class _Builder:
     def split_family(self, t):
         """One of the ops below on a dim annotated split (one slot of the op list, so the mix stays as it was)."""
         ops = [self.split_roll, self.split_pool, self.split_reshape, self.split_kernel_grad, self.split_interior_pad,
-               self.split_update]
+               self.split_update, self.split_pool_grad]
         return ops[self.rng.integers(len(ops))](t)
 
     def split_roll(self, t):
@@ -380,6 +381,23 @@ class _Builder:
         kind = ["max", "sum", "avg"][self.rng.integers(3)]
         x = sr.mesh_split(t, self.mesh, self.split_spec(t.ndim, d))
         return snp.tanh(snp.reduce_window(x, kind, window, strides, padding))
+
+    def split_pool_grad(self, t):
+        """The gradient of a max or min pool along a split dim (window_select, window_scatter: halo exchanges of
+        the input, then of the cotangents and chosen taps), window up to 5, maybe strided past it."""
+        if t.ndim == 0:
+            return None
+        d = int(self.rng.integers(t.ndim))
+        k, stride = int(self.rng.integers(2, 6)), int(self.rng.integers(1, 4))
+        low, high = (int(v) for v in self.rng.integers(0, k, size=2))
+        if t.shape[d] + low + high - k < 0:
+            return None
+        window = tuple(k if e == d else 1 for e in range(t.ndim))
+        strides = tuple(stride if e == d else 1 for e in range(t.ndim))
+        padding = tuple((low, high) if e == d else (0, 0) for e in range(t.ndim))
+        kind, spec = "max" if self.rng.random() < 0.5 else "min", self.split_spec(t.ndim, d)
+        grad = sr.grad(lambda a: snp.sum(snp.reduce_window(a, kind, window, strides, padding) ** 2))
+        return sr.mesh_split(snp.tanh(grad(sr.mesh_split(t, self.mesh, spec))), self.mesh, spec)
 
     def split_reshape(self, t):
         """Merge a split dim with the next one (or split a split dim in two), the result split on its major

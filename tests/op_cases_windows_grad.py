@@ -145,6 +145,13 @@ CASES = [
          ((H,), ((None, None, "A", "B"),))),
     Case("grad_maxpool2d_stride1", _pool_grad("max", (1, 1, 3, 2), (1, 1, 1, 1), "VALID"), ((2, 2, 10, 7),),
          ((H,), (NH,))),
+    # the scatter's halo spans two shards (window 7 over 13 rows on 8: blocks of 2): multi-hop exchanges
+    Case("grad_maxpool_wide", _pool_grad("max", (1, 1, 7, 1), (1, 1, 1, 1), ((0, 0), (0, 0), (3, 3), (0, 0))),
+         ((2, 1, 13, 3),), ((H,), (NH,))),
+    # stride past the window: rows in no window get nothing; asymmetric padding
+    Case("grad_minpool_gaps", _pool_grad("min", (1, 1, 2, 2), (1, 1, 3, 2), ((0, 0), (0, 0), (1, 1), (0, 1))),
+         ((2, 2, 11, 5),),
+         ((H,), ((None, "A", "B", None),))),
     Case("grad_avgpool2d", _pool_grad("avg", (1, 1, 2, 2), (1, 1, 2, 2), "VALID"), ((2, 2, 13, 7),),
          ((H,), (NH,))),
     Case("grad_sum_window_1d", _pool_grad("sum", (4, 1), (1, 1), ((2, 1), (0, 0))), ((13, 5),),

@@ -12,12 +12,22 @@ Global semantics are XLA's (``ConvGeneralDilated``, ``ReduceWindow``) and NumPy'
   'max', +inf for 'min', 0 for 'sum'. 'avg' is the window sum divided by the full window size,
   padding included (XLA's ``avg_pool`` default, ``count_include_pad=True`` in PyTorch terms).
 - ``cumsum(x, axis)``: NumPy's, including ``axis=None`` (flattened) and its dtype promotion.
+- ``window_select(x, y, ...)`` / ``window_scatter(g, taps, ...)``: max / min pooling's gradient (XLA's
+  SelectAndScatter as two ops, emitted by the reduce_window VJP): each window's first in-bounds tap equal to its
+  result, then the window cotangents added at those taps.
+
+Kernels run at BLAS speed where there is a product: a conv is im2col (one strided view, one copy) and GEMMs laid
+out per image or over all rows, or, for a transposed conv (lhs dilation, stride 1: the input gradient of a strided
+conv), one GEMM whose products are added tap by tap (col2im); ``conv_method`` picks one from the shapes, once per
+instruction when a program is bound (``exec/rules/windows.py``). Small windows reduce, select and scatter tap by
+tap with whole-array ufuncs.
 
 Their rules live in the layers that own them: propagation and partitioning (GSPMD section 3, spatial
 partitioning: halo exchange) in ``partition/rules/windows.py``, the VJPs in ``autodiff/rules/windows.py``.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -28,7 +38,7 @@ from ..trace import Tensor, emit
 from . import core
 from .core import reduction
 
-__all__ = ["conv", "conv_general_dilated", "reduce_window", "cumsum"]
+__all__ = ["conv", "conv_general_dilated", "reduce_window", "cumsum"]  # window_select / _scatter: the VJP's
 
 CONV = define("conv")
 REDUCE_WINDOW = define("reduce_window")
@@ -36,6 +46,10 @@ CUMSUM = define("cumsum")
 WINDOW_EDGE = define("window_edge", "program")  # a range of one dim: the edge sent to a neighbour
 HALO_WINDOW = define("halo_window", "program")  # the window a shard reads from its block and halos
 CUMSUM_CARRY = define("cumsum_carry", "program")  # a block's cumsum plus the totals of the blocks before
+# max / min pooling's gradient (XLA's SelectAndScatter in two ops, each with its own halo exchange): the tap each
+# window routes its cotangent to, then the cotangents scattered to those taps
+WINDOW_SELECT = define("window_select")
+WINDOW_SCATTER = define("window_scatter", fresh=True)
 
 
 REDUCE_WINDOW_KINDS = ("max", "min", "sum", "avg")
@@ -113,6 +127,24 @@ def cumsum(x, axis=None, dtype=None) -> Tensor:
     return emit(CUMSUM, [x], {"axis": int(axis) % x.ndim}, x.shape, dtype)
 
 
+def window_select(x, y, window, strides, padding) -> Tensor:
+    """int32, shaped like ``y`` (a max or min reduce_window of x): the first tap (row-major in the window) of
+    each window that is in bounds and equals the window's result, -1 where none is (a NaN result, a window of
+    padding only). Emitted by the reduce_window VJP; padding is NaN, so it never equals a result."""
+    if np.dtype(x.dtype).kind != "f":
+        raise ValueError(f"window_select routes float gradients; got x of dtype {x.dtype}")
+    attrs = {"window": tuple(window), "strides": tuple(strides), "padding": tuple(tuple(p) for p in padding)}
+    return emit(WINDOW_SELECT, [x, y], attrs, y.shape, "int32")
+
+
+def window_scatter(g, taps, window, strides, padding, shape) -> Tensor:
+    """The transpose of reading tap ``taps[o]`` of window o: an array of ``shape`` where every element sums the
+    ``g[o]`` of the windows whose chosen tap it is (taps -1 route nothing). Emitted by the reduce_window VJP."""
+    attrs = {"window": tuple(window), "strides": tuple(strides), "low": tuple(int(p[0]) for p in padding),
+             "shape": tuple(shape)}
+    return emit(WINDOW_SCATTER, [g, taps], attrs, tuple(shape), g.dtype)
+
+
 def out_size(n, window, stride=1, padding=(0, 0), lhs_dilation=1, rhs_dilation=1) -> int:
     """Number of window positions along one dim (XLA's ``ConvolutionDimensionNumbers`` arithmetic)."""
     lo, hi = padding
@@ -154,7 +186,34 @@ def _padding(padding, sizes, window, strides, lhs_dil, rhs_dil, what) -> tuple[t
 # ================================================================ kernels
 @opdef.kernel(CONV)
 def conv_kernel(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
-    """im2col through a strided view, then one batched matmul (BLAS) over the feature groups."""
+    method = conv_method(lhs.shape, rhs.shape, strides, padding, lhs_dilation, rhs_dilation)
+    return method(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups)
+
+
+# Fewer output positions than this per image: one GEMM over all rows (N * positions) beats one per image.
+# Measured on this machine (1 thread, float32): a 3x3 conv 16 -> 16 on 32 x 16 x 16 x 16 takes 2.24 ms as rows,
+# 0.90 ms per image; on 32 x 64 x 4 x 4 (16 positions) both ~0.85 ms; the kernel-gradient convs (9 positions,
+# a long contraction) are GEMMs with 9 columns per image, far better as rows.
+MIN_POSITIONS_PER_IMAGE = 32
+
+
+def conv_method(lhs_shape, rhs_shape, strides, padding, lhs_dilation, rhs_dilation):
+    """The conv kernel for these shapes, chosen once: exec binds it per instruction (exec/rules/windows.py).
+
+    - a transposed conv (an lhs dilation, stride 1: the input gradient of a strided conv) scatters one GEMM's
+      products tap by tap (col2im) instead of convolving the zeros the dilation inserts;
+    - otherwise im2col through a strided view and a GEMM per image (many output positions: the result comes out
+      in (N, O, *positions) order, no transpose) or one GEMM over every image's rows (few positions)."""
+    if any(d > 1 for d in lhs_dilation) and all(s == 1 for s in strides):
+        return conv_col2im
+    positions = math.prod(out_size(*dim) for dim in zip(lhs_shape[2:], rhs_shape[2:], strides, padding, lhs_dilation,
+                                                        rhs_dilation))
+    return conv_per_image if positions >= MIN_POSITIONS_PER_IMAGE else conv_rows
+
+
+def conv_rows(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
+    """im2col through a strided view, then one batched matmul (BLAS) over the feature groups: rows are
+    (image, position), columns (feature, tap)."""
     nsp, (n, c), o = lhs.ndim - 2, lhs.shape[:2], rhs.shape[0]
     x = _dilate_and_pad(xp, lhs, 2, lhs_dilation, padding, 0)
     view = _window_view(xp, x, 2, rhs.shape[2:], strides, rhs_dilation)  # (N, C, *out, *window)
@@ -168,12 +227,110 @@ def conv_kernel(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, grou
     return y.transpose((1, 0, 2 + nsp) + tuple(range(2, 2 + nsp))).reshape((n, o) + out)
 
 
+def conv_per_image(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
+    """im2col through a strided view laid out (N, groups, features x taps, positions), then per image and group
+    the weights (O / G, C / G x taps) times its columns: the products land in (N, O, *positions) order."""
+    nsp, (n, c), o = lhs.ndim - 2, lhs.shape[:2], rhs.shape[0]
+    x = _dilate_and_pad(xp, lhs, 2, lhs_dilation, padding, 0)
+    view = _window_view(xp, x, 2, rhs.shape[2:], strides, rhs_dilation)  # (N, C, *out, *window)
+    out = view.shape[2:2 + nsp]
+    sp, win = tuple(range(2, 2 + nsp)), tuple(range(2 + nsp, 2 + 2 * nsp))
+    cols = view.transpose((0, 1) + win + sp).reshape(n, groups, -1, math.prod(out))
+    weights = rhs.reshape(groups, o // groups, -1)
+    return xp.matmul(weights, cols).reshape((n, o) + out)
+
+
+def conv_col2im(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
+    """A stride-1 conv of an lhs-dilated input: input element q meets tap t at output q * D + low - t * R, so
+    one GEMM gives every (output feature, tap) product of every input element and each tap's products are added
+    into the output at a strided slice (no zeros convolved: D^d times fewer products than im2col)."""
+    nsp, (n, c), (o, cg) = lhs.ndim - 2, lhs.shape[:2], rhs.shape[:2]
+    window, inputs = rhs.shape[2:], lhs.shape[2:]
+    og, taps = o // groups, math.prod(window)
+    out = tuple(out_size(q, w, 1, p, d, r) for q, w, p, d, r in zip(inputs, window, padding, lhs_dilation,
+                                                                    rhs_dilation))
+    weights = rhs.reshape(groups, og, cg, taps).transpose(0, 1, 3, 2).reshape(groups, og * taps, cg)
+    products = xp.matmul(weights, lhs.reshape(n, groups, cg, -1)).reshape((n, o, taps) + inputs)
+    y = xp.zeros((n, o) + out, dtype=products.dtype)
+    for t, tap in enumerate(itertools.product(*map(range, window))):
+        # input element i meets tap t at output i * d + low - t * r
+        spans = [_affine_span(q, m, d, p[0] - t * r) for t, q, m, p, d, r in zip(tap, inputs, out, padding,
+                                                                                 lhs_dilation, rhs_dilation)]
+        if all(spans):
+            y[(Ellipsis,) + tuple(s[1] for s in spans)] += products[(slice(None), slice(None), t)
+                                                                    + tuple(s[0] for s in spans)]
+    return y
+
+
+def _affine_span(count, size, step, offset):
+    """(source slice, target slice) along one dim: the sources q in [0, count) whose target q * step + offset
+    lies in [0, size), and those targets; None when there are none."""
+    first = max(0, -(offset // step))  # ceil(-offset / step)
+    last = min(count - 1, (size - 1 - offset) // step)
+    if last < first:
+        return None
+    start = first * step + offset
+    return slice(first, last + 1), slice(start, start + (last - first) * step + 1, step)
+
+
+# Windows of at most this many taps reduce tap by tap (one ufunc pass over the output per tap); NumPy's
+# reduction over the trailing window axes of a strided view is ~10x slower there (3x3 max-pool of
+# 32 x 16 x 32 x 32 float32: 14 ms against ~1 ms); big windows (a global pool) reduce the view at once.
+MAX_TAPS_ONE_BY_ONE = 64
+_TAP_UFUNCS = {"max": core.MAXIMUM.ufunc, "min": core.MINIMUM.ufunc, "sum": core.ADD.ufunc}
+
+
 @opdef.kernel(REDUCE_WINDOW)
 def reduce_window_kernel(xp, x, kind, window, strides, padding):
     ones = (1,) * x.ndim
     padded = _dilate_and_pad(xp, x, 0, ones, padding, core.reduce_identity(kind, x.dtype))
     view = _window_view(xp, padded, 0, window, strides, ones)
-    return reduction(xp, kind)(view, axis=tuple(range(x.ndim, 2 * x.ndim))).astype(x.dtype, copy=False)
+    if kind not in _TAP_UFUNCS or math.prod(window) > MAX_TAPS_ONE_BY_ONE:
+        return reduction(xp, kind)(view, axis=tuple(range(x.ndim, 2 * x.ndim))).astype(x.dtype, copy=False)
+    combine, taps = getattr(xp, _TAP_UFUNCS[kind]), list(itertools.product(*map(range, window)))
+    out = view[(Ellipsis,) + taps[0]].astype(x.dtype)  # a copy: the taps accumulate into it
+    for tap in taps[1:]:
+        combine(out, view[(Ellipsis,) + tap], out=out)
+    return out
+
+
+@opdef.kernel(WINDOW_SELECT)
+def window_select_kernel(xp, x, y, window, strides, padding):
+    """The first in-bounds tap equal to the result (padding is NaN: never equal), tap by tap: each hit scores
+    taps - t, the highest score is the first hit (elementwise passes only: a boolean-mask assignment per tap is
+    ~4x slower)."""
+    ones, taps = (1,) * x.ndim, list(itertools.product(*map(range, window)))
+    view = _window_view(xp, _dilate_and_pad(xp, x, 0, ones, padding, np.nan), 0, window, strides, ones)
+    count = len(taps)
+    dtype = np.uint8 if count < 255 else np.int32
+    best, hit, score = xp.zeros(y.shape, dtype), xp.empty(y.shape, np.bool_), xp.empty(y.shape, dtype)
+    for t, tap in enumerate(taps):
+        xp.equal(view[(Ellipsis,) + tap], y, out=hit)
+        xp.maximum(best, xp.multiply(hit, dtype(count - t), out=score), out=best)
+    return xp.where(best == 0, np.int32(-1), np.int32(count) - best.astype(np.int32))
+
+
+@opdef.kernel(WINDOW_SCATTER)
+def window_scatter_kernel(xp, g, taps, *index, window, strides, low, shape, low_step=None, index_dims=()):
+    """Output position q's tap t reads element q * stride + t - low: every window's cotangent is added there by one
+    bincount over the span all windows cover (taps -1 add nothing), then that span is cut to ``shape`` (~1.7x
+    faster than a strided add per tap). A partitioned shard's low grows by ``low_step`` per shard along each of
+    ``index_dims`` (its shard index operand), see partition/rules/windows.py."""
+    low = list(low)
+    for d, i in zip(index_dims, index):
+        low[d] += low_step[d] * int(i)
+    span = tuple((m - 1) * s + w for m, s, w in zip(g.shape, strides, window))  # q * stride + t for all q, t
+    step = [math.prod(span[d + 1:]) for d in range(len(span))]
+    where = xp.zeros(g.shape, dtype=np.int64)  # flat position in the span of each window's tap 0
+    for d, (m, s) in enumerate(zip(g.shape, strides)):
+        along = (1,) * d + (m,) + (1,) * (g.ndim - d - 1)
+        where = where + (xp.arange(m, dtype=np.int64) * (s * step[d])).reshape(along)
+    offsets = [sum(t * e for t, e in zip(tap, step)) for tap in itertools.product(*map(range, window))]
+    where += xp.asarray(offsets + [0], dtype=np.int64)[taps]  # tap -1 takes the trailing 0, with weight 0
+    weights = xp.where(taps >= 0, g, xp.zeros((), dtype=g.dtype))
+    sums = xp.bincount(where.reshape(-1), weights=weights.reshape(-1), minlength=math.prod(span)).reshape(span)
+    cut = tuple((-lo, n - e + lo) for lo, n, e in zip(low, shape, span))  # element j sits at span position j + low
+    return _dilate_and_pad(xp, sums, 0, (1,) * g.ndim, cut, 0).astype(g.dtype)
 
 
 @opdef.kernel(CUMSUM)
@@ -189,9 +346,12 @@ def _dilate_and_pad(xp, x, first, dilation, padding, fill):
         spread = xp.zeros(shape, x.dtype)
         spread[(slice(None),) * first + tuple(slice(None, None, d) for d in dilation)] = x
         x = spread
-    if any(lo > 0 or hi > 0 for lo, hi in padding):
-        widths = [(0, 0)] * first + [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
-        x = xp.pad(x, widths, constant_values=fill)
+    if any(lo > 0 or hi > 0 for lo, hi in padding):  # a filled array and one copy: xp.pad is ~3x slower
+        widths = [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
+        padded = xp.full(x.shape[:first] + tuple(n + lo + hi for n, (lo, hi) in zip(x.shape[first:], widths)), fill,
+                         dtype=x.dtype)
+        padded[(slice(None),) * first + tuple(slice(lo, lo + n) for n, (lo, _) in zip(x.shape[first:], widths))] = x
+        x = padded
     if any(lo < 0 or hi < 0 for lo, hi in padding):
         x = x[(slice(None),) * first + tuple(slice(max(-lo, 0), n - max(-hi, 0))
                                              for n, (lo, hi) in zip(x.shape[first:], padding))]

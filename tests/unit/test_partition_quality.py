@@ -200,7 +200,9 @@ def test_roll_matches_numpy():
 @pytest.mark.parametrize("name,fn,shapes,mesh,in_specs,out_spec,expected,wire", WIDE_HALO,
                          ids=[t[0] for t in WIDE_HALO])
 def test_wide_halo_by_multi_hop_permutes(name, fn, shapes, mesh, in_specs, out_spec, expected, wire):
-    check(fn, shapes, mesh, in_specs, out_spec, expected, wire)
+    # an lhs-dilated conv runs as col2im on the whole input (the reference) but as im2col on each shard's window,
+    # cut already dilated: the same products, added in another order
+    check(fn, shapes, mesh, in_specs, out_spec, expected, wire, tol=1e-12 if "lhs_dilated" in name else 0.0)
 
 
 @pytest.mark.parametrize("name,fn,shapes,mesh,in_specs,out_spec,expected,wire", KERNEL_GRAD,

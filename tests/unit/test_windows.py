@@ -9,6 +9,7 @@ import pytest
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.opdef import OPS
+from spmd_runtime.ops import windows
 from spmd_runtime.ops.windows import out_size
 from spmd_runtime.partition.rules.windows import halo_plan, shift_pairs
 from spmd_runtime.cost import collective_kind
@@ -47,6 +48,30 @@ def test_conv_matches_loops(lhs_shape, rhs_shape, kwargs):
     x, k = rng.standard_normal(lhs_shape), rng.standard_normal(rhs_shape)
     graph = sr.trace(lambda a, b: snp.conv(a, b, **kwargs), x, k)
     np.testing.assert_allclose(sr.evaluate(graph, x, k)[0], loop_conv(x, k, **kwargs), rtol=1e-12, atol=1e-12)
+
+
+TRANSPOSED_CONFIGS = [  # lhs dilation, stride 1: the input gradients of strided convs (col2im applies)
+    ((2, 3, 5, 4), (4, 3, 3, 3), dict(padding=((2, 2), (1, 2)), lhs_dilation=(2, 2))),
+    ((1, 2, 6), (3, 2, 4), dict(padding=((-1, 3),), lhs_dilation=3, rhs_dilation=2)),
+    ((2, 4, 3, 5), (6, 2, 2, 3), dict(padding=((1, 0), (0, -1)), lhs_dilation=(2, 3), feature_group_count=2)),
+]
+
+
+@pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", CONV_CONFIGS + TRANSPOSED_CONFIGS, ids=lambda v: str(v))
+def test_every_conv_method_matches_loops(lhs_shape, rhs_shape, kwargs):
+    """The kernels the binder picks from (im2col over rows or per image, col2im for transposed convs), each
+    forced, against the loops: the choice is by speed only."""
+    rng = np.random.default_rng(0)
+    x, k = rng.standard_normal(lhs_shape), rng.standard_normal(rhs_shape)
+    attrs = sr.trace(lambda a, b: snp.conv(a, b, **kwargs), x, k).nodes[-1].attrs
+    want = loop_conv(x, k, **kwargs)
+    methods = [windows.conv_rows, windows.conv_per_image]
+    if all(s == 1 for s in attrs["strides"]) and any(d > 1 for d in attrs["lhs_dilation"]):
+        methods.append(windows.conv_col2im)
+    assert windows.conv_method(x.shape, k.shape, attrs["strides"], attrs["padding"], attrs["lhs_dilation"],
+                               attrs["rhs_dilation"]) in methods
+    for method in methods:
+        np.testing.assert_allclose(method(np, x, k, **attrs), want, rtol=1e-12, atol=1e-12, err_msg=method.__name__)
 
 
 @pytest.mark.parametrize("kind", ["max", "min", "sum", "avg"])

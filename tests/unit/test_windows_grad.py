@@ -146,6 +146,15 @@ def test_infinities_are_chosen_and_padding_never_is():
     np.testing.assert_array_equal(pool_grad(x, "min", (3,), 1, "SAME", g), [11.0, 100.0, 0.0, 0.0, 11000.0])
 
 
+def test_pooling_gradient_of_a_gradient_matches_finite_differences():
+    """window_scatter's own VJP (the cotangents read back at the chosen taps): the gradient of sum(pool(x)^2)
+    is scatter(2 pool(x)), linear in the pooled values, so it has a second derivative (distinct values: no ties)."""
+    x = np.random.default_rng(8).permutation(2 * 9 * 8).reshape(2, 9, 8) / 10.0
+    args = ("max", (1, 3, 2), (1, 2, 1), ((0, 0), (1, 1), (0, 1)))
+    grad = sr.grad(lambda a: snp.sum(snp.reduce_window(a, *args) ** 2))
+    assert_matches_finite_differences(lambda a: grad(a) * (1.0 + a), x)
+
+
 def test_windows_of_padding_only_route_nothing():
     x = np.array([2.0, 5.0])
     got = pool_grad(x, "max", (2,), 1, ((3, 0),), np.array([1.0, 10.0, 100.0, 1000.0]))
@@ -218,6 +227,24 @@ def test_pooling_gradient_on_split_rows_is_a_halo_exchange(height):
     program = sr.partition(graph, mesh, in_specs=[rows], out_specs=[rows])
     kinds = {(c["kind"], c["axes"]) for c in program.comm_summary()}
     assert kinds == {("collective_permute", ("x",))}, program.comm_summary()
+    assert not program.notes, program.notes
+    assert_all_ranks(program, [x], sr.evaluate(graph, x))
+
+
+@pytest.mark.parametrize("ranks", [6, 8])
+@pytest.mark.parametrize("window,stride,rows", [(7, 1, 13), (2, 3, 26)])
+def test_max_pool_gradient_halos_span_shards_or_skip_rows(ranks, window, stride, rows):
+    """window_select and window_scatter on rows split 6 or 8 ways: a window of 7 over blocks of 2 or 3 rows needs
+    halos from two shards away (one collective-permute per hop); stride 3 past a window of 2 leaves rows in no
+    window (26 rows: at least 8 outputs, so the pooled rows split too). Neighbour exchanges only, nothing
+    replicated (no notes)."""
+    mesh = sr.Mesh((ranks,), ("x",))
+    x = np.random.default_rng(9).standard_normal((2, 1, rows, 3))
+    pool = ("max", (1, 1, window, 1), (1, 1, stride, 1), ((0, 0), (0, 0), (window // 2, window // 2), (0, 0)))
+    graph = sr.trace(sr.grad(lambda a: snp.sum(snp.reduce_window(a, *pool) ** 2)), x)
+    rows = (None, None, "x", None)
+    program = sr.partition(graph, mesh, in_specs=[rows], out_specs=[rows])
+    assert {c["kind"] for c in program.comm_summary()} == {"collective_permute"}, program.comm_summary()
     assert not program.notes, program.notes
     assert_all_ranks(program, [x], sr.evaluate(graph, x))
 

@@ -20,9 +20,10 @@ reverse, transpose, reshape, select), so a gradient graph partitions like any ot
   window order, that holds the window's result, as XLA's SelectAndScatter with a ``>=`` (``<=``)
   select does (JAX's gradient of max pooling): ties inside a window never split the cotangent, and
   padding is never chosen (a window of padding only, or whose result is NaN, routes nothing). An
-  element chosen by several overlapping windows collects all their cotangents. A conv with a one-hot
-  kernel lays every window's taps out along the feature dim (exactly), equality with the result and
-  a cumsum over the taps pick the first hit, and the transposed conv scatters the cotangents back.
+  element chosen by several overlapping windows collects all their cotangents. Two ops of their own
+  (``window_select``: each window's chosen tap, from x and the result; ``window_scatter``: the cotangents
+  added at those taps), each a tap-by-tap kernel and a halo exchange where a windowed dim is split; the
+  scatter's own VJP (second order) reads the taps through a one-hot conv.
 - cumsum: the reverse cumulative sum, ``flip(cumsum(flip(g)))``.
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ import numpy as np
 
 from ...ops import core
 from ...ops.slicing import flip
-from ...ops.windows import CONV, CUMSUM, REDUCE_WINDOW, conv, cumsum
+from ...ops.windows import (CONV, CUMSUM, REDUCE_WINDOW, WINDOW_SCATTER, WINDOW_SELECT, conv, cumsum, window_scatter,
+                            window_select)
 from .table import vjp
 
 
@@ -107,7 +109,8 @@ def _reduce_window_vjp(node, g, ops, y):
         return [g]
     if attrs["kind"] == "sum":
         return [lambda: window_sum_transpose(g, pool, x.shape)]
-    return [lambda: route_to_first_chosen(g, x, y, pool)]
+    w, st, p = attrs["window"], attrs["strides"], attrs["padding"]
+    return [lambda: window_scatter(g, window_select(x, y, w, st, p), w, st, p, x.shape)]
 
 
 @dataclass(frozen=True)
@@ -153,23 +156,31 @@ def window_sum_transpose(g, pool: PoolAsConv, shape):
     return pool.from_conv(conv_lhs_cotangent(pool.to_conv(g), ones, pool.attrs, pool.lhs_shape), shape)
 
 
-def route_to_first_chosen(g, x, y, pool: PoolAsConv):
-    """Max / min pooling's input cotangent: every window's cotangent lands on its first (row-major)
-    in-bounds tap equal to the window's result. A conv with a one-hot kernel lays each window's taps
-    along the feature dim (exact: one product by 1, the others by 0), a cumsum over the taps finds
-    the first hit, and the transposed conv scatters the routed cotangents back."""
-    taps = math.prod(pool.window)
-    one_hot = core.asarray(np.eye(taps, dtype=x.dtype).reshape((taps, 1) + pool.window))
-    xc = pool.to_conv(x)
-    # 0 * inf is NaN, so infinities travel as codes: 1 finite, 2 +inf, 3 -inf, 0 NaN or padding (never chosen)
-    code = core.astype(core.where(xc == np.inf, 2.0, core.where(xc == -np.inf, 3.0, core.where(xc == xc, 1.0, 0.0))),
-                      x.dtype)
-    codes, values = pool.windows(code, one_hot), pool.windows(core.where(code == 1.0, xc, 0.0), one_hot)
-    values = core.where(codes == 2.0, np.inf, core.where(codes == 3.0, -np.inf, values))
-    hit = (codes != 0.0) & (values == pool.to_conv(y))  # (N, taps, *out)
-    first = hit & (cumsum(core.astype(hit, "int64"), axis=1) == 1)
-    routed = core.where(first, pool.to_conv(g), 0.0)
-    return pool.from_conv(conv_lhs_cotangent(routed, one_hot, pool.attrs, pool.lhs_shape), x.shape)
+def window_select_transpose(g, taps, attrs, shape):
+    """The cotangent of window_scatter's g: window o gets the cotangent at the element its tap ``taps[o]`` reads
+    (0 where it chose none). A conv with a one-hot kernel lays each window's taps along the feature dim
+    (exactly: one product by 1, the others by 0); the chosen one is picked by its index."""
+    window, strides, low = attrs["window"], attrs["strides"], attrs["low"]
+    padding = tuple((lo, (m - 1) * s + w - n - lo) for lo, m, s, w, n in zip(low, taps.shape, strides, window, shape))
+    pool = PoolAsConv.of({"window": window, "strides": strides, "padding": padding}, shape)
+    if pool is None:
+        return core.where(taps == 0, g, 0.0)
+    count = math.prod(pool.window)
+    one_hot = core.asarray(np.eye(count, dtype=g.dtype).reshape((count, 1) + pool.window))
+    read = pool.windows(pool.to_conv(g), one_hot)  # (N, taps, *out)
+    tap_index = np.arange(count, dtype=np.int32).reshape((1, count) + (1,) * len(pool.window))
+    chosen = pool.to_conv(taps) == core.asarray(tap_index)
+    return pool.from_conv(core.sum(core.where(chosen, read, 0.0), axis=1, keepdims=True), taps.shape)
+
+
+@vjp(WINDOW_SCATTER)
+def _window_scatter_vjp(node, g, ops, y):
+    return [lambda: window_select_transpose(g, ops[1], node.attrs, node.shape), None]
+
+
+@vjp(WINDOW_SELECT)
+def _window_select_vjp(node, g, ops, y):
+    return [None, None]  # tap indices: no gradient
 
 
 # ================================================================ cumsum

@@ -17,6 +17,10 @@ Partitioning (GSPMD section 3, spatial partitioning):
 - conv: batch and output-feature splits are local; an input-feature split on both operands gives
   partial sums (like einsum's contracting dims); with feature groups the feature dims may be split
   together, whole groups per shard. Candidates are ranked by bytes moved, then local work.
+- window_select reads its windows as reduce_window does (NaN as the halo fill: never a window's result);
+  window_scatter, x-shaped from result-shaped operands, gets by a halo exchange the cotangents and chosen taps
+  of every window that reaches its block (``scatter_plan``) and scatters them locally with an offset that
+  grows with the shard index.
 - cumsum along a split dim: local cumsum of the masked block, all-gather of the k block totals (one
   element per shard along the dim), then each shard adds the sum of the totals before it.
 """
@@ -28,11 +32,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...opdef import BROADCAST_LEVEL, DOT_LEVEL
+from ...opdef import BROADCAST_LEVEL, DOT_LEVEL, lookup
 from ...ops import core
 from ...ops.slicing import CONCATENATE
 from ...ops.spmd import ALL_GATHER, COLLECTIVE_PERMUTE, block_pairs
-from ...ops.windows import CONV, CUMSUM, CUMSUM_CARRY, HALO_WINDOW, REDUCE_WINDOW, WINDOW_EDGE, out_size
+from ...ops.windows import (CONV, CUMSUM, CUMSUM_CARRY, HALO_WINDOW, REDUCE_WINDOW, WINDOW_EDGE, WINDOW_SCATTER,
+                            WINDOW_SELECT, out_size)
 from ...sharding import Sharding, block_size
 from ..propagation import combine
 from ..resharding import plan_cost
@@ -153,11 +158,11 @@ def _halo_bytes(plan: HaloPlan, local_shape, dim, dtype) -> float:
 
 
 # ================================================================ propagation
-@propagation(REDUCE_WINDOW, CUMSUM, level=BROADCAST_LEVEL)
+@propagation(REDUCE_WINDOW, CUMSUM, WINDOW_SELECT, WINDOW_SCATTER, level=BROADCAST_LEVEL)
 def _windowed_like_elementwise():
-    """Every dim keeps its split (legalised to the result's sizes)."""
-    forward = lambda node, ins, g, mesh: ins[0]
-    backward = lambda node, out, ins, g, mesh: [out]
+    """Every dim keeps its split (legalised to the result's sizes); every operand has the result's rank."""
+    forward = lambda node, ins, g, mesh: combine(list(ins))
+    backward = lambda node, out, ins, g, mesh: [out] * len(ins)
     return forward, backward
 
 
@@ -339,32 +344,100 @@ def _emit_conv(ctx, node, lhs, rhs, lay: _Layout, split):
     return ctx.emit_like(node, CONV, [a, b], attrs, lay.result)
 
 
-@partition(REDUCE_WINDOW)
+@partition(REDUCE_WINDOW, WINDOW_SELECT)
 def _reduce_window(ctx, node):
     """Split dims keep their split where a halo plan exists (else they are replicated, noted); of the
-    operand's and the result's layouts, the one moving fewer bytes (then doing less work) wins."""
-    x, target = ctx.value(node.inputs[0]), ctx.sharding(node.id)
+    operand's and the result's layouts, the one moving fewer bytes (then doing less work) wins. window_select
+    (max pooling's gradient: the chosen tap of each window) reads its windows alike, with NaN as padding (never
+    equal to a result), and takes the result-shaped pooled values in the result's layout."""
+    x, extra, target = ctx.value(node.inputs[0]), [ctx.value(v) for v in node.inputs[1:]], ctx.sharding(node.id)
     candidates = []
     for cand in dict.fromkeys((x.sharding, target)):
         need, plans, refused = _window_layout(ctx, node, x.shape, cand)
         local = need.local_shape(x.shape, ctx.mesh)
         moved = ctx.cost(x, need) + plan_cost(need, target, node.shape, node.dtype, ctx.mesh)
-        moved += sum(_halo_bytes(p, local, d, node.dtype) for d, p in plans.items())
+        moved += sum(ctx.cost(v, need) for v in extra)
+        moved += sum(_halo_bytes(p, local, d, x.dtype) for d, p in plans.items())
         # the window work is the same whatever the split: ties go to less local output, then fewer changes
         work, changes = math.prod(need.local_shape(node.shape, ctx.mesh)), (need != x.sharding) + (need != target)
-        candidates.append(Strategy(moved, operands=(need,), result=need, tiebreak=(work, changes),
+        candidates.append(Strategy(moved, operands=(need,) * (1 + len(extra)), result=need, tiebreak=(work, changes),
                                    plan=(plans, refused if cand == x.sharding else {})))
     best = choose(candidates)
     need, (plans, refused) = best.result, best.plan
-    for d, (axes, why) in refused.items():
-        ctx.notes.append(f"reduce_window %{node.id}: dim {d} split over {axes} cannot be computed locally with a "
-                         f"halo exchange ({why}); that dim is resharded to replicated")
-    fill = core.reduce_identity(node.attrs["kind"], node.dtype)
+    _note_refused(ctx, node, refused)
+    fill = np.nan if extra else core.reduce_identity(node.attrs["kind"], node.dtype)
     value, pads = ctx.reshard(x, need), list(node.attrs["padding"])
     for d, plan in plans.items():
         value = extend_with_halo(ctx, value, d, need.dims[d], plan, fill)
         pads[d] = plan.pad
-    return ctx.emit_like(node, REDUCE_WINDOW, [value], {**node.attrs, "padding": tuple(pads)}, need)
+    operands = [value] + [ctx.reshard(v, need) for v in extra]
+    return ctx.emit_like(node, lookup(node.op), operands, {**node.attrs, "padding": tuple(pads)}, need)
+
+
+def scatter_plan(n, m, k, window, stride, low) -> HaloPlan | str:
+    """How shard i of an x dim of size n (blocks of c) gets the window_scatter contributions of its elements:
+    the outputs o (m of them, blocks of co) whose taps reach [i*c, i*c + c), o * stride + t - low for t in
+    [0, window), come from its own output block and ``left`` / ``right`` outputs of its neighbours' (a halo
+    exchange of the cotangents and the taps; entries past the global outputs hold the fill and route nothing).
+    The local scatter then runs with low = low + left * stride + i * (c - co * stride)."""
+    c, co = block_size(n, k), block_size(m, k)
+    left = right = 0
+    for i in range(k):
+        if i * c >= n:
+            break
+        first = max(0, -((i * c + low - window + 1) // -stride))  # ceil((i*c + low - window + 1) / stride)
+        last = min(m - 1, (min((i + 1) * c, n) - 1 + low) // stride)
+        if first <= last:
+            left, right = max(left, i * co - first), max(right, last - (i + 1) * co + 1)
+    if max(left, right) > (k - 1) * co:
+        return f"the halo ({left} left, {right} right) is wider than the other {k - 1} shards ({co} each)"
+    return HaloPlan(co, c, left, right, 0, 0, left + co + right, (0, 0))
+
+
+@partition(WINDOW_SCATTER)
+def _window_scatter(ctx, node):
+    """Split x dims keep their split where a scatter plan exists (else replicated, noted): every shard gathers
+    the cotangents and taps of the windows that reach its block by a halo exchange, then scatters locally."""
+    g, taps, target = ctx.value(node.inputs[0]), ctx.value(node.inputs[1]), ctx.sharding(node.id)
+    a, candidates = node.attrs, []
+    for cand in dict.fromkeys((target, g.sharding)):
+        dims, plans, refused = [], {}, {}
+        for d, axes in enumerate(cand.dims):
+            k = ctx.mesh.axis_size(axes)
+            if k > 1 and (a["window"][d], a["strides"][d], a["low"][d]) != (1, 1, 0):
+                plan = scatter_plan(node.shape[d], g.shape[d], k, a["window"][d], a["strides"][d], a["low"][d])
+                if isinstance(plan, str):
+                    refused[d], axes = (axes, plan), ()
+                else:
+                    plans[d] = plan
+            dims.append(axes)
+        need = Sharding(tuple(dims))
+        local = need.local_shape(g.shape, ctx.mesh)
+        moved = ctx.cost(g, need) + ctx.cost(taps, need) + plan_cost(need, target, node.shape, node.dtype, ctx.mesh)
+        moved += sum(_halo_bytes(p, local, d, g.dtype) + _halo_bytes(p, local, d, taps.dtype) for d, p in plans.items())
+        changes = (need != g.sharding) + (need != target)
+        candidates.append(Strategy(moved, operands=(need, need), result=need, tiebreak=changes,
+                                   plan=(plans, refused if cand == target else {})))
+    best = choose(candidates)
+    need, (plans, refused) = best.result, best.plan
+    _note_refused(ctx, node, refused)
+    gv, tv = ctx.reshard(g, need), ctx.reshard(taps, need)
+    low, step, index = list(a["low"]), [0] * len(node.shape), []
+    for d, plan in plans.items():
+        gv = extend_with_halo(ctx, gv, d, need.dims[d], plan, 0)
+        tv = extend_with_halo(ctx, tv, d, need.dims[d], plan, -1)
+        low[d] += plan.left * a["strides"][d]
+        step[d] = plan.out_block - plan.block * a["strides"][d]
+        index.append(ctx.shard_index(need.dims[d]))
+    attrs = {**a, "low": tuple(low), "shape": tuple(need.local_shape(node.shape, ctx.mesh))}
+    attrs.update({"low_step": tuple(step), "index_dims": tuple(plans)} if plans else {})
+    return ctx.emit_like(node, WINDOW_SCATTER, [gv, tv, *index], attrs, need)
+
+
+def _note_refused(ctx, node, refused):
+    for d, (axes, why) in refused.items():
+        ctx.notes.append(f"{node.op} %{node.id}: dim {d} split over {axes} cannot be computed locally with a "
+                         f"halo exchange ({why}); that dim is resharded to replicated")
 
 
 def _window_layout(ctx, node, shape, cand: Sharding):
