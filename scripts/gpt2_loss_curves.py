@@ -11,7 +11,7 @@ The data is a token stream of a fixed random Markov chain (each token has a few 
 falls well below log(vocab)); step s trains on rows drawn at seeded offsets, written once as .npy files that both
 sides read, as are the weights (our ``init_params``, one .npy per nanoGPT name; the torch side loads them with
 ``load_state_dict``). Our runs go through ``mpiexec -n R`` (``bench_gpt2.build_step``: jit of forward, backward
-and AdamW, params and state donated), one BLAS thread per rank; torch runs with ``--torch-threads``. Exit status
+and AdamW, params and state donated), one BLAS thread per rank; torch runs with ``--torch-threads`` (1). Exit status
 1 when a difference exceeds its tolerance (``--torch-tol``, ``--ranks-tol``).
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nanogpt", default="/work/scratch/nanogpt", help="directory with nanoGPT's model.py")
     p.add_argument("--torch-python", default="/tmp/torchvenv/bin/python")
-    p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--torch-threads", type=int, default=1, help="(only numbers are compared: 1 is fastest on a "
+                                                                 "loaded machine)")
     p.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"))
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--d", type=int, default=96)
