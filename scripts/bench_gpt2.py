@@ -3,7 +3,7 @@ thread per rank) at 1, 2 and 4 ranks under dp, fsdp and megatron, side by side w
 PyTorch eager (``--torch-threads`` threads, its ``configure_optimizers`` AdamW) on the same config. Rounds are
 interleaved (every one of our layouts, then torch; again; ...), every round printed, the min of each, the ratio
 ours / torch; model FLOPs (6 N T plus attention's 12 L d T per token, nanoGPT's ``estimate_mfu`` count) as a
-fraction of a two-core float32 GEMM peak measured here with NumPy matmul; memory per rank (max RSS, and the
+fraction of a two-core float32 GEMM peak measured here with NumPy matmul (every round, the best kept); memory per rank (max RSS, and the
 program's peak of live local buffers) next to params + gradients + AdamW state + activations computed from the
 config and the layout.
 
@@ -278,6 +278,10 @@ def main(argv=None) -> int:
     torch_runs = []
     with tempfile.TemporaryDirectory() as folder:
         for rnd in range(args.rounds):
+            if rnd:  # the peak is measured every round too: on a loaded machine the first one may be low
+                peak = [max(peak[0], gemm_peak(2)), max(peak[1], 2 * gemm_peak(1))]
+                print(f"round {rnd + 1}: GEMM peak so far {peak[0] / 1e9:.1f} GFLOP/s (2 threads), "
+                      f"{peak[1] / 1e9:.1f} (2 x one thread)", flush=True)
             for r in runs:
                 ours[r].append(run_ours(args, *r, folder))
                 got = ours[r][-1]
