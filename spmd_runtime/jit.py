@@ -23,6 +23,7 @@ from . import pytree
 from .comm.agreement import (AgreedError, DifferentValuesError, agree, capture, check_same, digests, plain_data_error,
                              ranks_by_value)
 from .darray import DArray
+from .dtypes import config
 from .exec.runner import SKIP, Runtime, communicator, program_difference, run_local, settings_difference, shard
 from .graph import TensorSpec
 from .mesh import Mesh, get_mesh
@@ -40,7 +41,7 @@ def jit(fn=None, *, mesh: Mesh | None = None, in_specs=None, out_specs=None, sta
     arguments (a tuple, one entry per non-static argument) / of the result;
     ``None`` leaves it to propagation (a DArray argument keeps its own
     sharding). ``static_argnums``: positions passed to ``fn`` as Python values
-    (part of the cache key). ``profile``: a directory; each call writes one
+    (part of the cache key, as is the x64 switch). ``profile``: a directory; each call writes one
     Chrome trace per rank there (see ``spmd_runtime.profile``).
     ``donate_argnums``: positions of arguments whose buffers the program may overwrite (JAX's): a DArray
     argument's local blocks are then consumed by the call (do not use it afterwards); a NumPy argument's
@@ -121,7 +122,8 @@ class Jitted:
             refused = plain_data_error(x, pytree.keystr(path, "args"), f"jit({self.__name__})")
             if refused:
                 raise TypeError(refused)
-        key = (tree, _static_key(static), mesh,
+        # the x64 switch changes what tracing makes of the same inputs (sum of int32 is int64 with it), so it keys
+        key = (tree, _static_key(static), mesh, config.enable_x64,
                tuple((tuple(x.shape), np.dtype(x.dtype).name, x.sharding if isinstance(x, DArray) else None)
                      for x in leaves))
         program = self._cache.get(key)

@@ -23,14 +23,18 @@ training presets turn roles into specs for any model that states them::
     from spmd_runtime.train import PRESETS, param_layout
     preset = PRESETS["megatron"].on(mesh)
     layout = param_layout(param_shapes(cfg), param_roles(cfg), mesh, preset)
-    params = {n: sr.device_put(w, sr.P(*layout.held[n]), mesh) for n, w in params.items()}
+    params = {n: sr.device_put(w, sr.P(*layout.held[n]), mesh) for n, w in layout.hold(params).items()}
 
-``layout.held`` is how each parameter lives between steps, ``layout.use`` how the model uses it (they differ
+``layout.hold`` views each c_attn weight (3d, d) as (3, d, d) and bias (3d,) as (3, d) (``QKV``: q, k and v
+blocks, each split over heads; free, the same bytes) and ``layout.release`` reshapes back to the state dict's;
+every other parameter is held in its state-dict shape. ``layout.held`` is how each parameter lives between steps, ``layout.use`` how the model uses it (they differ
 under fsdp: ``sr.mesh_split(w, mesh, layout.use[n], grad_spec=layout.held[n])`` gathers the weight where it is
 used and reduce-scatters its gradient), and the batch goes on ``preset.batch``. A user model states its hints
 the same way: a dict name -> ``ParamRole`` (``LINEAR_COLUMN`` / ``LINEAR_ROW`` for [out, in] weights, the
 shared ``COLUMN`` / ``ROW`` for [in, out] ones). Everything in between (activations, the KV cache) follows by
-propagation: megatron's head split comes from the fused ``c_attn`` weight viewed as (3, heads, head dim, d).
+propagation: megatron's head split comes from the fused ``c_attn`` weight viewed as (3, heads, head dim, d), a
+local reshape of its held (3, d, d) split within the blocks, so a training step moves no c_attn weight.
+AdamW's weight decay goes on ``decayed(cfg)`` (pass ``matrices=``: a held c_attn bias has 2 dims).
 """
 from __future__ import annotations
 
@@ -49,6 +53,10 @@ from ..sharding import P
 from .lm import EMBEDDING, POSITIONAL
 from .roles import COLUMN_BIAS, LINEAR_COLUMN, LINEAR_ROW, NORM, ROW_BIAS, ParamRole
 
+# c_attn fuses q, k and v: its out dim is 3 blocks of heads, held as (3, d, ...) and split within the blocks, so
+# each rank holds its heads' q, k and v and attention's (3, heads, head size, d) view of it is a local reshape
+QKV = ParamRole("fused q, k, v column-parallel weight [3 out, in]", tensor=0, blocks=3)
+QKV_BIAS = ParamRole("fused q, k, v column-parallel bias [3 out]", tensor=0, blocks=3)
 TIED = {"lm_head.weight": "transformer.wte.weight"}  # nanoGPT's state_dict holds the tied head under both names
 
 
@@ -105,8 +113,8 @@ def param_shapes(cfg: GPTConfig) -> "OrderedDict[str, tuple[int, ...]]":
 
 def param_role(name: str) -> ParamRole:
     """The sharding role of nanoGPT parameter ``name``: the vocab of the (tied) embedding, the heads of c_attn
-    and the hidden dim of c_fc (column-parallel) and the inputs of both c_proj (row-parallel) split by tensor
-    parallelism; positions and LayerNorms replicated."""
+    (within each of its q, k, v blocks) and the hidden dim of c_fc (column-parallel) and the inputs of both
+    c_proj (row-parallel) split by tensor parallelism; positions and LayerNorms replicated."""
     if name == "transformer.wte.weight":
         return EMBEDDING
     if name == "transformer.wpe.weight":
@@ -114,7 +122,9 @@ def param_role(name: str) -> ParamRole:
     module, kind = name.rsplit(".", 1)
     if module.endswith(("ln_1", "ln_2", "ln_f")):
         return NORM
-    column = module.endswith(("c_attn", "c_fc"))
+    if module.endswith("c_attn"):
+        return QKV if kind == "weight" else QKV_BIAS
+    column = module.endswith("c_fc")
     if kind == "weight":
         return LINEAR_COLUMN if column else LINEAR_ROW
     return COLUMN_BIAS if column else ROW_BIAS
@@ -123,6 +133,12 @@ def param_role(name: str) -> ParamRole:
 def param_roles(cfg: GPTConfig) -> "OrderedDict[str, ParamRole]":
     """name -> sharding role of every parameter, in ``param_shapes`` order."""
     return OrderedDict((n, param_role(n)) for n in param_shapes(cfg))
+
+
+def decayed(cfg: GPTConfig) -> set:
+    """The parameters AdamW decays (nanoGPT's ``configure_optimizers``: those of 2 or more dims in its state
+    dict; pass as ``update(..., matrices=)``, as a held c_attn bias (3, d) has 2 dims)."""
+    return {n for n, shape in param_shapes(cfg).items() if len(shape) >= 2}
 
 
 def init_params(cfg: GPTConfig, seed: int = 0, dtype="float32") -> dict:
@@ -155,9 +171,9 @@ def _dropout(cfg: GPTConfig, key, x, train: bool):
 
 
 def attention(cfg: GPTConfig, p: dict, prefix: str, x, key=None, train=False, cache=None, pos=0):
-    """Causal self-attention of ``x`` (b, t, d). The fused c_attn weight (3d, d) is viewed as (3, heads, head
-    size, d), so q, k and v come out head-major and a head split of that view (tensor parallelism) keeps the
-    attention local. ``cache``: this layer's {"k", "v"} (b, block_size, heads, head size); x holds positions
+    """Causal self-attention of ``x`` (b, t, d). The fused c_attn weight (3d, d), or its held view (3, d, d)
+    (``QKV``), is viewed as (3, heads, head size, d), so q, k and v come out head-major and a head split of that
+    view (tensor parallelism) keeps the attention local. ``cache``: this layer's {"k", "v"} (b, block_size, heads, head size); x holds positions
     pos .. pos + t - 1 (``pos`` an int, or a traced int32 with t == 1), written into it functionally. Returns
     (y, the new cache or None)."""
     b, t, d = x.shape
@@ -316,16 +332,20 @@ def _jitted(fn, n_layer: int, batch: tuple, heads: tuple):
 
 def _head_axes(params: dict, batch: tuple) -> tuple:
     """The mesh axes splitting the heads where the model uses them: those splitting the out dim of the first
-    c_attn weight (a DArray laid out by megatron's roles), less the batch's."""
+    c_attn weight (a DArray: the fused (3d, d) or a view with its heads on dim 1), less the batch's."""
     w = params["transformer.h.0.attn.c_attn.weight"]
-    return tuple(a for a in w.sharding.dims[0] if a not in batch) if isinstance(w, DArray) else ()
+    if not isinstance(w, DArray):
+        return ()
+    return tuple(a for a in w.sharding.dims[0 if w.ndim == 2 else 1] if a not in batch)
 
 
 def _head_major(cfg: GPTConfig, params: dict, heads: tuple) -> dict:
     """``params`` with each c_attn weight (3d, d) and bias (3d,) laid out once as the (3, heads, head size, ...)
-    view attention takes, split over ``heads``: megatron's contiguous split of 3d is not a head split, so decode
-    steps would otherwise reshard every c_attn weight for every token. ``attention`` takes either shape."""
-    fused = [n for n in params if n.endswith(("attn.c_attn.weight", "attn.c_attn.bias"))]
+    view attention takes, split over ``heads``: a contiguous split of 3d is not a head split, so decode steps
+    would otherwise reshard every c_attn weight for every token (megatron's layout holds the (3, d, ...) view,
+    split within the blocks: kept as it is). ``attention`` takes any of these shapes."""
+    fused = [n for n in params if n.endswith("attn.c_attn.weight") and params[n].ndim == 2 or
+             n.endswith("attn.c_attn.bias") and params[n].ndim == 1]  # not views already split over heads
     if not heads or not fused:
         return params
     key = ("head-major", cfg, heads)
@@ -378,6 +398,6 @@ def generate(cfg: GPTConfig, params: dict, idx, max_new_tokens: int, temperature
     return np.concatenate([idx] + [np.asarray(x).astype("int32")[:, None] for x in tokens], axis=1)
 
 
-__all__ = ["GPTConfig", "LINEAR_COLUMN", "LINEAR_ROW", "TIED", "param_shapes", "param_role", "param_roles",
-           "init_params", "linear", "attention", "mlp", "block", "hidden_states", "lm_head", "logits", "forward",
+__all__ = ["GPTConfig", "LINEAR_COLUMN", "LINEAR_ROW", "QKV", "QKV_BIAS", "TIED", "param_shapes", "param_role",
+           "param_roles", "decayed", "init_params", "linear", "attention", "mlp", "block", "hidden_states", "lm_head", "logits", "forward",
            "loss", "empty_cache", "sample", "prefill", "decode_step", "sample_uncached", "generate"]

@@ -18,29 +18,54 @@ class ParamRole:
     """What a parameter is (``kind``: "column-parallel weight", "embedding", ...) and which of its dims a
     sharding may split: ``tensor`` the dim tensor parallelism splits, ``experts`` the expert dim (None: no
     such dim), both counted in ONE layer's parameter. ``stacked``: the parameter holds every layer's on a
-    leading layer dim (scanned layers), so those dims come one later."""
+    leading layer dim (scanned layers), so those dims come one later. ``blocks`` > 1: the tensor dim is that
+    many equal blocks side by side (q, k and v fused in one weight), each split on its own; the parameter is
+    then held as the row-major view with that dim n as (blocks, n / blocks) (``held_shape``: the same bytes,
+    a free reshape), whose second dim tensor parallelism splits, so each rank holds its heads of every block
+    (a contiguous split of the fused dim would not line up with them)."""
     kind: str
     tensor: int | None = None
     experts: int | None = None
     stacked: bool = False
+    blocks: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.blocks, int) or self.blocks < 1 or (self.blocks > 1 and self.tensor is None):
+            raise ValueError(f"ParamRole blocks is an int >= 1 and needs a tensor dim when > 1; got "
+                             f"blocks={self.blocks!r}, tensor={self.tensor!r}")
+
+    def held_shape(self, shape) -> tuple:
+        """The shape a parameter of declared ``shape`` is held in: ``shape`` itself, or with the blocked tensor
+        dim n viewed as (blocks, n / blocks)."""
+        shape = tuple(shape)
+        if self.blocks == 1:
+            return shape
+        dim = self.tensor + int(self.stacked)
+        if shape[dim] % self.blocks:
+            raise ValueError(f"a {self.kind} holds {self.blocks} equal blocks on dim {dim}; got shape {shape}")
+        return shape[:dim] + (self.blocks, shape[dim] // self.blocks) + shape[dim + 1:]
 
     def stack(self) -> "ParamRole":
         """This role for the parameter of every layer stacked on a leading layer dim."""
         return dataclasses.replace(self, stacked=True)
 
     def spec(self, ndim: int, tensor=None, experts=None, layers=None) -> tuple:
-        """The spec of an ``ndim``-d parameter in this role: ``tensor`` on its tensor dim, ``layers`` on its
-        layer dim, ``experts`` on its expert dim (mesh axes; a falsy one leaves its dim alone); every other
-        dim replicated."""
+        """The spec of an ``ndim``-d parameter in this role (``ndim`` of its ``held_shape``): ``tensor`` on its
+        tensor dim (of a blocked one, on the dim within the blocks), ``layers`` on its layer dim, ``experts`` on
+        its expert dim (mesh axes; a falsy one leaves its dim alone); every other dim replicated."""
         spec = [None] * ndim
-        lead = int(self.stacked)
         if tensor and self.tensor is not None:
-            spec[self.tensor + lead] = tensor  # stacked layers: after the layer dim
+            spec[self._held_dim(self.tensor)] = tensor
         if layers and self.stacked:
             spec[0] = layers  # pipeline: rank j holds the layers of stage j
         if experts and self.experts is not None:
-            spec[self.experts + lead] = experts
+            spec[self._held_dim(self.experts)] = experts
         return tuple(spec)
+
+    def _held_dim(self, dim: int) -> int:
+        """Where one layer's dim ``dim`` lies in the held parameter: after the layer dim of stacked layers, and one
+        later from a blocked tensor dim on (its block dim comes first)."""
+        return dim + int(self.stacked) + int(self.blocks > 1 and dim >= self.tensor)
 
 
 COLUMN = ParamRole("column-parallel weight", tensor=1)  # (d_in, d_out): the output columns (heads, MLP hidden)

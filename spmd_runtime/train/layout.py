@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import pytree
 from ..mesh import Mesh
 from ..models.lm import LMConfig, param_kind, param_role, param_roles, param_shapes
@@ -20,9 +22,9 @@ def param_spec(role: ParamRole | str, shape, preset: Preset) -> tuple:
     """Megatron splits a weight's head / hidden / vocab dim (its role's tensor dim) over the model axes, the
     pipeline the layer dim of stacked layers over the stage axes, expert weights their expert dim over the
     expert axes; all else is replicated. ``role``: the parameter's sharding role, or an LM parameter's name
-    (its ``models.lm.param_role``)."""
+    (its ``models.lm.param_role``). ``shape``: the declared one; the spec is of its ``role.held_shape``."""
     role = param_role(role) if isinstance(role, str) else role
-    return role.spec(len(shape), tensor=preset.model, layers=preset.stage, experts=preset.experts)
+    return role.spec(len(role.held_shape(shape)), tensor=preset.model, layers=preset.stage, experts=preset.experts)
 
 
 def update_spec(shape, spec, axes, mesh: Mesh, first_dim: int = 0) -> tuple:
@@ -46,29 +48,44 @@ def update_spec(shape, spec, axes, mesh: Mesh, first_dim: int = 0) -> tuple:
 class ParamLayout:
     """Per-parameter specs of a model under a preset: ``held`` between steps (the step's inputs and outputs),
     ``use`` where the model uses the weight, ``update`` of its gradient, optimizer state and update. They differ
-    only where the preset shards the update (wus) or the weights themselves (fsdp: held == update)."""
+    only where the preset shards the update (wus) or the weights themselves (fsdp: held == update). Every spec
+    is of the parameter's ``held_shapes`` entry, its declared shape (``shapes``, a state dict's) but for a
+    blocked role's view (``ParamRole.blocks``): ``hold`` / ``release`` go between the two."""
     held: dict
     use: dict
     update: dict
+    shapes: dict
+    held_shapes: dict
 
     def __repr__(self):
         return f"ParamLayout({len(self.held)} parameters)"
+
+    def hold(self, arrays: dict) -> dict:
+        """NumPy arrays of the declared shapes (a state dict's) as the held ones: row-major views, no copy."""
+        return {n: np.reshape(w, self.held_shapes[n]) for n, w in arrays.items()}
+
+    def release(self, arrays: dict) -> dict:
+        """Held arrays (NumPy or DArrays, gathered) back in the declared shapes, to save as a state dict."""
+        return {n: np.reshape(np.asarray(w), self.shapes[n]) for n, w in arrays.items()}
 
 
 def param_layout(shapes: dict, roles: dict, mesh: Mesh, preset: Preset) -> ParamLayout:
     """The specs of every parameter of ANY model that declares its parameters' sharding roles (``shapes`` and
     ``roles``: name -> shape, name -> ``ParamRole``; the built-in LM's ``param_roles``, ``models.gpt2``'s, a
     user's): the preset's axes on the dims each role splits (``param_spec``), the update further split over
-    ``preset.update`` (``update_spec``, never on a stacked layer dim)."""
+    ``preset.update`` (``update_spec``, never on a stacked layer dim). A blocked role's parameter is held as
+    its view (``ParamRole.held_shape``; ``ParamLayout.hold`` makes it of a state dict's array)."""
     missing = [n for n in shapes if n not in roles]
     if missing:
         raise ValueError(f"param_layout needs a sharding role for every parameter; got none for {missing[:3]} "
                          f"(give each a models.roles.ParamRole)")
     preset = preset.on(mesh)
+    held_shapes = OrderedDict((n, roles[n].held_shape(s)) for n, s in shapes.items())
     use = OrderedDict((n, param_spec(roles[n], s, preset)) for n, s in shapes.items())
     update = OrderedDict((n, update_spec(s, use[n], preset.update, mesh, first_dim=int(roles[n].stacked)))
-                         for n, s in shapes.items())
-    return ParamLayout(update if preset.shard_params else use, use, update)
+                         for n, s in held_shapes.items())
+    return ParamLayout(update if preset.shard_params else use, use, update,
+                       OrderedDict((n, tuple(s)) for n, s in shapes.items()), held_shapes)
 
 
 @dataclass

@@ -48,6 +48,22 @@ def test_jit_cache_hits_and_misses():
             np.testing.assert_allclose(h, reference(params, x)["h"], rtol=1e-5)
 
 
+def test_the_x64_switch_keys_the_cache():
+    # int32's sum is int32 without x64 and int64 with it, and the mean float32 / float64: a program traced
+    # with the switch off must not serve a call made with it on (nor the other way round)
+    f = sr.jit(lambda x: (snp.sum(x), snp.mean(x)), mesh=sr.Mesh((1,), ("data",)))
+    x = np.arange(6, dtype="int32")
+    got = []
+    try:
+        for x64 in (False, True, False):
+            sr.config.update("enable_x64", x64)
+            got.append(tuple(np.asarray(o).dtype.name for o in f(x)))
+    finally:
+        sr.config.update("enable_x64", False)
+    assert got == [("int32", "float32"), ("int64", "float64"), ("int32", "float32")], got
+    assert f.cache_info() == {"hits": 1, "misses": 2, "size": 2}
+
+
 def test_jit_returns_darrays_in_the_output_structure_and_lower_gives_the_program():
     rng = np.random.default_rng(1)
     params, x = make(rng)

@@ -11,6 +11,7 @@ import spmd_runtime as sr
 import spmd_runtime.random as srandom
 from spmd_runtime.comm import run_simulated
 from spmd_runtime.models import gpt2
+from spmd_runtime.models.roles import ParamRole
 from spmd_runtime.train import PRESETS, param_layout, train_mesh
 
 # vocab 62 splits unevenly over 4 ranks (megatron splits the tied embedding's vocab)
@@ -51,9 +52,10 @@ def on_mesh(preset_name, shape, fn, params, *batch):
         return {n: w if layout.use[n] == layout.held[n] else
                 sr.mesh_split(w, mesh, layout.use[n], grad_spec=layout.held[n]) for n, w in p.items()}
     specs = ({n: sr.P(*layout.held[n]) for n in params},) + tuple(sr.P(preset.batch or None) for _ in batch)
+    held = layout.hold(params)  # c_attn as its (3, d, ...) view, split over heads within the q, k, v blocks
 
     def body(comm):
-        out = sr.jit(lambda p, *b: fn(used(p), *b), mesh=mesh, in_specs=specs, comm=comm)(params, *batch)
+        out = sr.jit(lambda p, *b: fn(used(p), *b), mesh=mesh, in_specs=specs, comm=comm)(held, *batch)
         return sr.pytree.tree_map(np.asarray, out)
     results = run_simulated(mesh.size, body)
     for got in results[1:]:
@@ -92,7 +94,9 @@ def test_megatron_splits_heads_hidden_and_vocab_by_role():
     h, M = "transformer.h.1.", ("model",)
     assert layout.held["transformer.wte.weight"] == (M, None)
     assert layout.held["transformer.wpe.weight"] == (None, None)
-    assert layout.held[h + "attn.c_attn.weight"] == (M, None) and layout.held[h + "attn.c_attn.bias"] == (M,)
+    # c_attn's q, k and v blocks each split over heads: held as (3, d, d) and (3, d), split within the blocks
+    assert layout.held[h + "attn.c_attn.weight"] == (None, M, None) and layout.held[h + "attn.c_attn.bias"] == (None, M)
+    assert layout.held_shapes[h + "attn.c_attn.weight"] == (3, 16, 16) and layout.shapes[h + "attn.c_attn.bias"] == (48,)
     assert layout.held[h + "mlp.c_fc.weight"] == (M, None)
     assert layout.held[h + "attn.c_proj.weight"] == (None, M) and layout.held[h + "mlp.c_proj.bias"] == (None,)
     assert layout.held[h + "ln_2.weight"] == (None,)
@@ -147,7 +151,8 @@ def test_every_gradient_equals_numpy_finite_differences(cfg, preset, shape, x64)
     assert value.dtype == np.float64 and set(grads) == set(params)
     np.testing.assert_allclose(value, ref.loss(cfg, params, idx, targets), rtol=1e-12)
     for name, g in grads.items():
-        assert g.shape == params[name].shape
+        assert g.shape == gpt2.param_role(name).held_shape(params[name].shape)
+        g = np.reshape(g, params[name].shape)
         np.testing.assert_allclose(np.vdot(g, directions[name]), want[name], rtol=1e-6, atol=1e-9, err_msg=name)
 
 
@@ -177,7 +182,7 @@ def test_dropout_masks_are_the_same_on_every_mesh_and_sharding(preset, shape):
 def _placed(preset_name, shape, params, comm):
     mesh = train_mesh(shape, preset_name)
     layout = param_layout(gpt2.param_shapes(CFG), gpt2.param_roles(CFG), mesh, PRESETS[preset_name])
-    return {n: sr.device_put(w, sr.P(*layout.held[n]), mesh, comm=comm) for n, w in params.items()}
+    return {n: sr.device_put(w, sr.P(*layout.held[n]), mesh, comm=comm) for n, w in layout.hold(params).items()}
 
 
 @pytest.mark.parametrize("preset, shape", [("dp", (1,)), ("dp", (4,)), ("megatron", (2, 2))])
@@ -226,3 +231,49 @@ def test_a_too_long_input_names_block_size():
     params, idx = _perturbed(CFG), np.zeros((1, 13), "int32")
     with pytest.raises(ValueError, match="block_size=12"):
         on_mesh("dp", (1,), lambda p, i: gpt2.forward(CFG, p, i), params, idx)
+
+
+# ================================================================ megatron's step moves no c_attn weight
+def _megatron_step_collectives(n_layer):
+    """The collectives (kind, axes) of a megatron training step (forward, backward, AdamW) at 4 ranks."""
+    cfg = gpt2.GPTConfig(block_size=12, vocab_size=64, n_layer=n_layer, n_head=4, n_embd=16)
+    mesh = train_mesh((4,), "megatron")
+    layout = param_layout(gpt2.param_shapes(cfg), gpt2.param_roles(cfg), mesh, PRESETS["megatron"])
+    params = layout.hold(gpt2.init_params(cfg))
+    opt = sr.AdamW(lr=1e-3, weight_decay=0.1)
+    idx = np.zeros((4, 8), "int32")
+
+    def step(p, s, i, t):
+        value, grads = sr.value_and_grad(lambda q: gpt2.loss(cfg, q, i, t))(p)
+        return opt.update(p, grads, s, matrices=gpt2.decayed(cfg)) + (value,)
+    held = {n: sr.P(*layout.held[n]) for n in params}
+    state = {"step": sr.P(), "m": held, "v": held}
+    lowered = sr.jit(step, mesh=mesh, in_specs=(held, state, sr.P(), sr.P()), out_specs=(held, state, sr.P())).lower(
+        params, opt.init_state(params), idx, idx)
+    return [(c["kind"], c["axes"]) for c in lowered.comm_summary()]
+
+
+def test_megatron_step_has_only_megatrons_all_reduces_per_layer():
+    one, two = _megatron_step_collectives(1), _megatron_step_collectives(2)
+    assert set(one) == set(two) == {("all_reduce", ("model",))}, set(two)  # no all_to_all(v) reshuffling c_attn
+    assert len(two) - len(one) == 4  # per layer: attention's and the MLP's row-parallel sums, forward and backward
+
+
+def test_blocked_role_holds_a_view_split_within_its_blocks():
+    assert gpt2.QKV.held_shape((48, 16)) == (3, 16, 16) and gpt2.QKV_BIAS.held_shape((48,)) == (3, 16)
+    assert gpt2.QKV.spec(3, tensor=("model",)) == (None, ("model",), None)
+    stacked = gpt2.QKV.stack()
+    assert stacked.held_shape((2, 48, 16)) == (2, 3, 16, 16)
+    assert stacked.spec(4, tensor="model", layers="stage") == ("stage", None, "model", None)
+    with pytest.raises(ValueError, match="3 equal blocks on dim 0; got shape"):
+        gpt2.QKV.held_shape((47, 16))
+    with pytest.raises(ValueError, match="needs a tensor dim"):
+        ParamRole("x", blocks=3)
+    layout = param_layout(gpt2.param_shapes(CFG), gpt2.param_roles(CFG), train_mesh((4,), "megatron"),
+                          PRESETS["megatron"])
+    params = gpt2.init_params(CFG)
+    held = layout.hold(params)
+    w = "transformer.h.0.attn.c_attn.weight"
+    assert held[w].shape == (3, 16, 16) and np.shares_memory(held[w], params[w])  # a view: no copy
+    back = layout.release(held)
+    assert all(back[n].shape == params[n].shape and np.array_equal(back[n], params[n]) for n in params)
