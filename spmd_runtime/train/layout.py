@@ -146,10 +146,16 @@ def moe_activation_spec(preset: Preset, role: str, ndim: int) -> tuple:
 
 def make_layout(cfg: LMConfig, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
     check_experts(cfg, mesh, preset)
-    shapes, roles = param_shapes(cfg), param_roles(cfg)
+    return layout_of(param_shapes(cfg), param_roles(cfg), cfg.master_dtype, mesh, preset, optimizer)
+
+
+def layout_of(shapes: dict, roles: dict, dtype, mesh: Mesh, preset: Preset, optimizer: Optimizer) -> Layout:
+    """The layout of any model's step: its parameters (name -> shape, name -> ``ParamRole``, held in ``dtype``)
+    by ``param_layout``, the optimizer's state slots like their parameters' updates, the (batch, seq) tokens
+    and labels on the preset's batch and sequence axes."""
     params = param_layout(shapes, roles, mesh, preset)
     use, update = params.use, dict(params.update)
-    slots = optimizer.state_layout(shapes, cfg.master_dtype)
+    slots = optimizer.state_layout(shapes, dtype)
     specs = {f"params.{n}": params.held[n] for n in shapes}
     for slot in slots:
         specs[state_leaf_name(slot)] = slot_spec(slot, update)
