@@ -115,7 +115,8 @@ def _sleep_until_every_rank_arrives(comm, what: str) -> None:
 # ---------------------------------------------------------------- running it
 @dataclass
 class TrainStep:
-    """A partitioned training step. Its state is the pytree ``{"params": {name: weight}, "opt_state": the
+    """A partitioned training step, of the built-in LM (``cfg`` an ``LMConfig``) or of any ``Model`` (``cfg`` the
+    Model: its loss, parameter specs and roles; ``is_model``). Its state is the pytree ``{"params": {name: weight}, "opt_state": the
     optimizer's state tree}``: global (``init``, ``gather``, ``reference_step``) or this rank's TRUE blocks
     (``shard_state``, ``step``, ``load``). ``state_names`` are the state's dotted leaf names in program order
     (``params.wq``, ``opt_state.m.wq``), the names of the program's inputs and of checkpoint tensors.
