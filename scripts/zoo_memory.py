@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--presets", default="dp,fsdp,megatron")
-    ap.add_argument("--box-gib", type=float, default=24.0)
+    ap.add_argument("--box-gib", type=float, default=23.0)
     args = ap.parse_args()
     print("| model | ranks | preset | params / rank | AdamW state / rank | peak / rank | box total | fits |")
     print("|---|---|---|---|---|---|---|---|")
