@@ -99,6 +99,13 @@ def test_fit_with_dropout_resumed_from_its_checkpoint_gives_the_same_losses_to_t
     tail, tail_evals, start = fit_simulated(ts, corpus_dir, 5, ckpt, eval_every=2)
     assert start == 2 and tail == straight[2:] and tail_evals == straight_evals[1:]  # exact: == on floats
     assert sorted(sr.checkpoint_info(ckpt)["tensors"])[:2] == ["extra.loader.position", "extra.loader.seed"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        other = build_train_step(gpt2_model(cfg, dropout_seed=0), train_mesh((2, 2), "megatron"), "megatron", OPT)
+    saved = run_simulated(2, lambda comm: ts.gather(ts.load(ckpt, comm=comm), comm=comm))[0]
+    moved = run_simulated(4, lambda comm: other.gather(other.load(ckpt, comm=comm), comm=comm))[0]
+    for name, value in ts.named(saved).items():  # the checkpoint loads onto another mesh and preset as it is
+        np.testing.assert_array_equal(other.named(moved)[name], value, err_msg=name)
 
 
 def test_a_plan_from_abstract_specs_allocates_nothing_and_counts_each_ranks_share():
