@@ -82,6 +82,12 @@ def test_gradient_accumulation_equals_the_whole_batch(one_rank):
     np.testing.assert_allclose(losses(gpt2_model(), (2,), "dp", microbatches=2), one_rank, rtol=2e-6)
 
 
+def test_dropout_with_accumulation_draws_each_micro_batchs_masks_alike_on_any_mesh():
+    cfg = gpt2.GPTConfig(**{**CFG.__dict__, "dropout": 0.2})
+    one = losses(gpt2_model(cfg, dropout_seed=3), (1,), "dp", microbatches=2)
+    np.testing.assert_allclose(losses(gpt2_model(cfg, dropout_seed=3), (2,), "fsdp", microbatches=2), one, rtol=2e-6)
+
+
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
     where = tmp_path_factory.mktemp("corpus")
