@@ -39,7 +39,7 @@ from . import eager  # noqa: F401  (binds the DArray operators: eager ops outsid
 from .visualize import visualize_sharding
 from . import profile
 from . import distributed
-from .train import (PRESETS, FitResult, Plan, Preset, TrainStep, build_train_step, build_train_step_on_root, fit,
+from .train import (PRESETS, FitResult, Model, Plan, Preset, TrainStep, build_train_step, build_train_step_on_root, fit,
                     plan_train_step, token_loaders, train_mesh)
 
 from .exec import Runtime
@@ -58,7 +58,7 @@ __all__ = ["config", "jit", "autoshard", "DArray", "device_put", "from_local", "
            "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "pipeline_loss", "save_checkpoint", "load_checkpoint",
            "checkpoint_info", "LMConfig", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "Schedule", "ConstantSchedule",
            "LinearSchedule", "CosineSchedule", "nanogpt_schedule", "clip_by_global_norm", "global_norm", "TokenLoader",
-           "prepare_corpus", "fit", "FitResult", "token_loaders", "PRESETS", "Preset", "TrainStep", "Plan", "plan_train_step",
+           "prepare_corpus", "Model", "fit", "FitResult", "token_loaders", "PRESETS", "Preset", "TrainStep", "Plan", "plan_train_step",
            "build_train_step", "build_train_step_on_root", "train_mesh", "Runtime", "AgreedError", "DifferentValuesError",
            "load_safetensors", "save_safetensors", "safetensors_to_checkpoint", "checkpoint_to_safetensors",
            "__version__"]

@@ -70,7 +70,7 @@ class Plan:
         return (stages - 1) / (self.microbatches + stages - 1)
 
 
-def plan_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
+def plan_train_step(cfg: "LMConfig | Model", mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
                     microbatches: int = 1, donate: bool = False) -> Plan:
     """``build_train_step`` from abstract inputs (it allocates no parameter or state slot), timed, with its
     per-rank figures; ``donate``: the step updates parameters and optimizer state in place (as
@@ -83,7 +83,9 @@ def plan_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer
 
 
 def _config(cfg: LMConfig) -> str:
-    """``cfg`` by the fields that differ from their defaults (the full repr is long)."""
+    """``cfg`` by the fields that differ from their defaults (the full repr is long); a Model by its repr."""
+    if not isinstance(cfg, LMConfig):
+        return repr(cfg)
     changed = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
                if getattr(cfg, f.name) != f.default]
     return f"LMConfig({', '.join(changed)})"

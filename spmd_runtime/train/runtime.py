@@ -26,12 +26,15 @@ from ..sharding import Sharding
 from ..trace import trace
 from .layout import Layout, make_layout, state_leaf_name
 from .presets import Preset, as_preset, check_experts, check_pipeline
+from .model import (Model, check_model_optimizer, check_model_preset, model_eval_fn, layout_for, model_input_specs,
+                    model_step_fn)
 from .step import TOKEN_DTYPE, eval_loss_fn, input_specs, metric_names, step_specs, train_step_fn
 
 
-def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
+def build_train_step(cfg: "LMConfig | Model", mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
                      microbatches: int = 1, donate: bool = False) -> "TrainStep":
-    """Trace and partition one training step of ``cfg`` over ``mesh`` with ``preset`` (name or Preset);
+    """Trace and partition one training step of ``cfg`` (the built-in LM's ``LMConfig``, or any ``Model``:
+    a loss, its parameters' specs and sharding roles) over ``mesh`` with ``preset`` (name or Preset);
     ``microbatches`` > 1 accumulates gradients over that many slices of the batch (one optimizer update);
     with the ``pipeline`` preset they are the pipeline's micro-batches. ``donate``: the step updates the
     parameters and optimizer state in place (``partition(donate=...)``, JAX's ``donate_argnums``): no new
@@ -39,6 +42,8 @@ def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimize
     if not isinstance(microbatches, int) or microbatches < 1 or cfg.batch % microbatches:
         raise ValueError(f"microbatches must be a positive int dividing the batch; got microbatches="
                          f"{microbatches!r} for batch={cfg.batch}")
+    if isinstance(cfg, Model):
+        return _build_model_step(cfg, mesh, as_preset(preset).on(mesh), optimizer or AdamW(), microbatches, donate)
     if microbatches > 1 and cfg.moe_every:
         raise ValueError(f"gradient accumulation supports dense models (it returns no MoE metrics); got "
                          f"microbatches={microbatches} with moe_every={cfg.moe_every}")
@@ -49,22 +54,44 @@ def build_train_step(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimize
     preset = as_preset(preset).on(mesh)
     layout = make_layout(cfg, mesh, preset, optimizer)
     graph = trace(train_step_fn(cfg, optimizer, layout, microbatches), *input_specs(cfg, optimizer))
+    return _partitioned(cfg, mesh, preset, optimizer, layout, graph, microbatches, donate)
+
+
+def _build_model_step(model: Model, mesh: Mesh, preset: Preset, optimizer: Optimizer, microbatches: int,
+                      donate: bool) -> "TrainStep":
+    check_model_preset(model, preset)
+    check_model_optimizer(model, optimizer)
+    layout = layout_for(model, mesh, preset, optimizer)
+    graph = trace(model_step_fn(model, optimizer, layout, microbatches), *model_input_specs(model, optimizer))
+    return _partitioned(model, mesh, preset, optimizer, layout, graph, microbatches, donate)
+
+
+def _partitioned(cfg, mesh, preset, optimizer, layout, graph, microbatches, donate) -> "TrainStep":
     in_specs, out_specs = step_specs(graph, layout)
     state = [k for k, node in enumerate(graph.params) if not graph.name_of(node).startswith("batch.")] if donate else ()
     program = partition(graph, mesh, in_specs=in_specs, out_specs=out_specs, donate=state)
     return TrainStep(cfg, mesh, preset, optimizer, layout, graph, program, microbatches)
 
 
-def build_train_step_on_root(cfg: LMConfig, mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
+def build_train_step_on_root(cfg: "LMConfig | Model", mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
                              comm=None, microbatches: int = 1, donate: bool = False) -> "TrainStep":
     """Collective: rank 0 traces and partitions, every rank receives the same TrainStep (each rank would
     otherwise repeat the same deterministic work, N times over on shared cores)."""
     comm = world(comm)
-    check_experts(cfg, mesh, as_preset(preset).on(mesh))  # on every rank, before rank 0 goes off alone
-    check_pipeline(cfg, mesh, as_preset(preset), microbatches)
-    step = run_on_root(comm, lambda: build_train_step(cfg, mesh, preset, optimizer, microbatches, donate),
-                       "tracing and partitioning the training step on rank 0")
-    return comm.bcast(step, root=0)
+    if isinstance(cfg, Model):  # on every rank, before rank 0 goes off alone
+        check_model_preset(cfg, as_preset(preset).on(mesh))
+    else:
+        check_experts(cfg, mesh, as_preset(preset).on(mesh))
+        check_pipeline(cfg, mesh, as_preset(preset), microbatches)
+    def build():
+        step = build_train_step(cfg, mesh, preset, optimizer, microbatches, donate)
+        if isinstance(cfg, Model):
+            step.cfg = None  # a Model's functions need not pickle: every rank has the model and puts it back
+        return step
+    step = comm.bcast(run_on_root(comm, build, "tracing and partitioning the training step on rank 0"), root=0)
+    if isinstance(cfg, Model):
+        step.cfg = cfg
+    return step
 
 
 def run_on_root(comm, fn, what: str = "the work done on rank 0"):
@@ -88,12 +115,13 @@ def _sleep_until_every_rank_arrives(comm, what: str) -> None:
 # ---------------------------------------------------------------- running it
 @dataclass
 class TrainStep:
-    """A partitioned training step. Its state is the pytree ``{"params": {name: weight}, "opt_state": the
+    """A partitioned training step, of the built-in LM (``cfg`` an ``LMConfig``) or of any ``Model`` (``cfg`` the
+    Model: its loss, parameter specs and roles; ``is_model``). Its state is the pytree ``{"params": {name: weight}, "opt_state": the
     optimizer's state tree}``: global (``init``, ``gather``, ``reference_step``) or this rank's TRUE blocks
     (``shard_state``, ``step``, ``load``). ``state_names`` are the state's dotted leaf names in program order
     (``params.wq``, ``opt_state.m.wq``), the names of the program's inputs and of checkpoint tensors.
     ``metrics`` holds the last step's extra scalars (MoE: 'aux_loss', 'dropped_fraction')."""
-    cfg: LMConfig
+    cfg: "LMConfig | Model"
     mesh: Mesh
     preset: Preset
     optimizer: Optimizer
@@ -107,7 +135,7 @@ class TrainStep:
     _eval: SPMDProgram | None = field(init=False, default=None, repr=False)  # eval_program(), built on first use
 
     def __post_init__(self):
-        self.param_names = list(param_shapes(self.cfg))
+        self.param_names = list(self.cfg.param_shapes() if self.is_model else param_shapes(self.cfg))
         self.state_names = [io.name for io in self.program.inputs if not io.name.startswith("batch.")]
         self._state_ios = self.program.inputs[:len(self.state_names)]
         self._batch_ios = self.program.inputs[len(self.state_names):]
@@ -116,8 +144,13 @@ class TrainStep:
         order, self._state_tree = pytree.flatten(names)
         self._order = [order.index(n) for n in self.state_names]  # program order -> tree leaf order
 
+    @property
+    def is_model(self) -> bool:
+        """A ``Model``'s step (not the built-in LM's)."""
+        return isinstance(self.cfg, Model)
+
     def _metrics(self, outs) -> dict:
-        names = metric_names(self.cfg)
+        names = () if self.is_model else metric_names(self.cfg)
         self.metrics = {k: float(v) for k, v in zip(names, outs[len(outs) - 1 - len(names):-1])}
         return self.metrics
 
@@ -139,7 +172,10 @@ class TrainStep:
 
     def init(self, seed: int = 0) -> dict:
         """Global initial state: parameters from ``seed`` (the same on every mesh) and fresh optimizer state."""
-        params = dict(init_params(self.cfg, seed))
+        if self.is_model and self.cfg.init is None:
+            raise ValueError(f"TrainStep.init needs the Model's init (seed -> params); got {self.cfg!r} without one "
+                             f"(or pass fit a state)")
+        params = dict(self.cfg.held_params(self.cfg.init(seed)) if self.is_model else init_params(self.cfg, seed))
         return {"params": params, "opt_state": self.optimizer.init_state(params)}
 
     def shard_state(self, state: dict, rank: int) -> dict:
@@ -209,8 +245,13 @@ class TrainStep:
         """The step's forward alone, ``loss(params, batch)`` (no gradient, no update), partitioned with the
         step's layout; built on first use (on each rank: it is deterministic)."""
         if self._eval is None:
-            params, _, batch = input_specs(self.cfg, self.optimizer)
-            graph = trace(eval_loss_fn(self.cfg, self.layout, self.microbatches), params, batch)
+            if self.is_model:
+                params, _, batch = model_input_specs(self.cfg, self.optimizer)
+                loss = model_eval_fn(self.cfg, self.layout)
+            else:
+                params, _, batch = input_specs(self.cfg, self.optimizer)
+                loss = eval_loss_fn(self.cfg, self.layout, self.microbatches)
+            graph = trace(loss, params, batch)
             self._eval = partition(graph, self.mesh, in_specs=[self.layout.specs[n] for n in graph.param_names],
                                    out_specs=[()])
         return self._eval
@@ -265,7 +306,7 @@ class TrainStep:
         legacy = self.legacy_names() if stored and not any(n in stored for n in self.state_names) else {}
         name = lambda n: legacy.get(n, n)
         ios = {name(io.name): io for io in self._state_ios}
-        views = layer_views(self.cfg, ios)
+        views = {} if self.is_model else layer_views(self.cfg, ios)
         expect = {n: (io.shape, io.dtype) for n, io in ios.items()}
         expect.update((n, (e["shape"], e["dtype"])) for n, e in extras.items())
         blocks = load_checkpoint(directory, self.mesh, {n: io.sharding for n, io in ios.items()

@@ -16,6 +16,7 @@ import numpy as np
 from .. import dtypes
 from .. import numpy as snp
 from .. import pytree
+from .. import random as srandom
 from ..autodiff import value_and_grad
 from ..autodiff.scheduled import pipeline_loss, ring_slots
 from ..graph import TensorSpec
@@ -35,35 +36,51 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
     a dict name -> weight, ``opt_state`` the optimizer's state tree, ``batch`` ``{"tokens", "labels"}``,
     ``metrics`` a dict of scalars ({} for a dense model)."""
     order = list(param_shapes(cfg))  # the model takes its weights in this order
-    scaled = isinstance(optimizer, DynamicLossScale)
     run_layers = _run_layers(cfg, layout, microbatches)
     # 1F1B: the head and loss run inside the pipeline loop, so the pipeline computes the whole loss
     pipelined_loss = pipeline_1f1b_loss(cfg, layout, microbatches) if layout.preset.schedule == "1f1b" else None
+
+    def loss_fn(ps, tokens, labels, key=None):
+        if pipelined_loss:
+            return pipelined_loss(ps, tokens, labels), {}
+        return lm_loss_and_metrics(cfg, [ps[n] for n in order], tokens, labels, layout.activation, run_layers)
+    # the pipeline and FSDP's scanned layers take the micro-batches themselves
+    return update_step_fn(loss_fn, lambda params: compute_weights(cfg, layout, params), optimizer, layout,
+                          param_shapes(cfg), 1 if run_layers else microbatches, metric_names(cfg))
+
+
+def update_step_fn(loss_fn, compute_fn, optimizer: Optimizer, layout: Layout, shapes: dict, microbatches: int,
+                   metrics_kept=(), key_of_step=None):
+    """The traced step of ANY model: ``loss_fn(compute weights, tokens, labels, key) -> (loss, metrics)``
+    differentiated (its weights from ``compute_fn(params)``), the gradients annotated with their update specs
+    and accumulated over ``microbatches`` slices of the batch, then the optimizer's update. ``key_of_step``:
+    ``opt_state -> the step's random key`` (None: the loss draws no random numbers, key None)."""
+    scaled = isinstance(optimizer, DynamicLossScale)
     # weight decay on matrices only, whether or not the layers are stacked on a leading dim
-    matrices = {n for n, shape in param_shapes(cfg).items() if len(shape) - layout.roles[n].stacked >= 2}
+    matrices = {n for n, shape in shapes.items() if len(shape) - layout.roles[n].stacked >= 2}
     groups = norm_groups(layout)
 
     def step(params, opt_state, batch):
-        compute = compute_weights(cfg, layout, params)
+        compute = compute_fn(params)
         scale = optimizer.loss_scale(opt_state)
+        key = None if key_of_step is None else key_of_step(opt_state)
 
-        def loss_and_grads(compute, tokens, labels):
-            def loss_fn(ps):
-                loss, metrics = (pipelined_loss(ps, tokens, labels), {}) if pipelined_loss else \
-                    lm_loss_and_metrics(cfg, [ps[n] for n in order], tokens, labels, layout.activation, run_layers)
+        def loss_and_grads(compute, tokens, labels, key=None):
+            def scaled_loss(ps):
+                loss, metrics = loss_fn(ps, tokens, labels, key)
                 return (loss * scale, metrics) if scaled else (loss, metrics)
-            (loss, metrics), grads = value_and_grad(loss_fn, has_aux=True)(compute)
+            (loss, metrics), grads = value_and_grad(scaled_loss, has_aux=True)(compute)
             loss = loss / scale if scaled else loss
             return loss, metrics, {n: layout.annotate(g, layout.update[n]) for n, g in grads.items()}
-        if microbatches == 1 or run_layers:
-            loss, metrics, grads = loss_and_grads(compute, batch["tokens"], batch["labels"])
+        if microbatches == 1:
+            loss, metrics, grads = loss_and_grads(compute, batch["tokens"], batch["labels"], key)
         else:
             loss, metrics, grads = accumulate(loss_and_grads, compute, batch["tokens"], batch["labels"],
-                                              microbatches)
+                                              microbatches, key)
         grads = {n: snp.astype(g, params[n].dtype) for n, g in grads.items()}  # reduced in 16 bits, updated in master
         new_params, new_state = optimizer.update(params, grads, opt_state, matrices, groups)
         new_params = {n: layout.annotate(p, layout.update[n]) for n, p in new_params.items()}
-        return new_params, layout.annotate_state(new_state), {k: metrics[k] for k in metric_names(cfg)}, loss
+        return new_params, layout.annotate_state(new_state), {k: metrics[k] for k in metrics_kept}, loss
     return step
 
 
@@ -192,10 +209,10 @@ def saves_layer_inputs(cfg: LMConfig, layout: Layout, microbatches: int) -> bool
     return cfg.layers // s > 1 and ring_slots(microbatches, s) < layer
 
 
-def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):
+def accumulate(loss_and_grads, params, tokens, labels, microbatches: int, key=None):
     """Gradient accumulation: ONE scan over ``microbatches`` slices of the batch (rows m, m + M, ... form
     micro-batch m, so a batch split stays local), summing loss and gradients; returns their means, equal to
-    the loss and gradients of the whole batch."""
+    the loss and gradients of the whole batch. ``key``: micro-batch m draws with ``split(key, M)[m]``."""
     batch, seq = tokens.shape
     split = lambda t: snp.transpose(snp.reshape(t, (batch // microbatches, microbatches, seq)), (1, 0, 2))
 
@@ -204,7 +221,8 @@ def accumulate(loss_and_grads, params, tokens, labels, microbatches: int):
         return (acc[0] + snp.astype(loss, acc[0].dtype), {n: a + grads[n] for n, a in acc[1].items()}), None
     dtype = np.result_type(next(iter(params.values())).dtype, np.float32)
     init = (snp.zeros((), dtype), {n: snp.zeros(p.shape, p.dtype) for n, p in params.items()})
-    (loss, grads), _ = scan(body, init, (split(tokens), split(labels)))
+    keys = () if key is None else (srandom.split(key, microbatches),)
+    (loss, grads), _ = scan(body, init, (split(tokens), split(labels), *keys))
     return loss * (1.0 / microbatches), {}, {n: g * (1.0 / microbatches) for n, g in grads.items()}
 
 

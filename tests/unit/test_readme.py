@@ -32,6 +32,9 @@ PY_FRAGMENTS = {
     "def rnn(h, ws, b):": "uses the reader's x, w, h, ws; tests/unit/test_loops.py runs scan/fori_loop/while_loop/cond",
     "def matmul_reduce_scatter(a, b):                     # inside any traced, auto-partitioned function":
         "uses the reader's mesh; tests/unit/test_shard_map.py runs it (reduce_scatter_matmul)",
+    "from spmd_runtime.models import gpt2":
+        "continues the block above (opt, rank, the data dir); tests/unit/test_train_model.py and "
+        "tests/mpi/test_train_model_mpi.py train GPT-2 as a Model, scripts/demo_gpt2.py runs fit on it",
     "import spmd_runtime as sr                                      # under mpiexec: every rank runs this":
         "200 steps (minutes): tests/mpi/test_tokens_mpi.py and tests/unit/test_tokens.py run fit on prepare_corpus's "
         "files, tests/faults/test_resume.py kills and resumes it",

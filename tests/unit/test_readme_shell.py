@@ -2,9 +2,10 @@
 (PROGRAM.json, in.npz, IN_DIR, ...) made here and small settings (2 ranks where the README says 8).
 
 Lines that cannot run in the suite, and why (``NOT_RUN``; test_readme.py checks that every block is covered):
-- ``scripts/demo.sh``: the full demo is three 8-rank jobs of minutes; ``test_demo_train_runs_small`` runs its
-  training script at 2 ranks with a tiny model instead (the demo's other parts: demo_transformer is the
-  quick-start layer, the MoE run is tests/unit/test_moe.py).
+- ``scripts/demo.sh``: the full demo is three 8-rank jobs of minutes and a 2-rank GPT-2 one;
+  ``test_demo_train_runs_small`` runs its training script at 2 ranks with a tiny model instead (the demo's other
+  parts: demo_transformer is the quick-start layer, the MoE run is tests/unit/test_moe.py), and
+  ``test_demo_gpt2_runs_small`` its GPT-2 script small.
 - ``scripts/test.sh``: it is the suite this test runs in (CI runs it).
 - ``module load``, ``python3 -m venv``, the two ``pip install`` lines: a site MPI, a fresh venv and the
   network; the block's last line (which MPI mpi4py uses) runs.
@@ -109,3 +110,16 @@ def test_demo_train_runs_small(tmp_path):
             f"--out {tmp_path}", tmp_path, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "-> OK" in r.stdout and "sample (temperature" in r.stdout
+
+
+def test_demo_gpt2_runs_small(tmp_path):
+    """scripts/demo.sh's GPT-2 job (the model zoo through train.Model and fit) at small settings: token files, fit
+    with evaluation and checkpoints, greedy decoding; run twice, the second resumes from the checkpoint."""
+    command = (f"mpiexec -n 2 python {ROOT}/scripts/demo_gpt2.py --mesh 1,2 --steps 4 --eval-every 2 --eval-steps 1 "
+               f"--checkpoint-every 2 --layers 1 --heads 2 --d 16 --seq 16 --batch 4 --new-tokens 3 --out {tmp_path}")
+    r = run(command, tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "-> OK" in r.stdout and "greedy decode with a KV cache (3 tokens" in r.stdout, r.stdout[-2000:]
+    again = run(command.replace("--steps 4", "--steps 5"), tmp_path, timeout=300)
+    assert again.returncode == 0 and "resumed from" in again.stdout and "fit: steps 5..5" in again.stdout, \
+        again.stdout[-2000:] + again.stderr[-2000:]
