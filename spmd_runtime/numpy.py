@@ -38,10 +38,12 @@ from .ops.manipulation import (array_split, atleast_1d, atleast_2d, atleast_3d, 
 from .ops.reductions import (all, any, average, count_nonzero, cumprod, cumulative_prod, cumulative_sum, nanmax,
     nanmean, nanmin, nanprod, nansum, prod, ptp, std)
 from .ops.sorting import argsort, argwhere, flatnonzero, nonzero, searchsorted, sort, take_along_axis, unique
+from .dtypes import can_cast, isdtype, result_type
 from numpy import (bool_, complex64, complex128, dtype, e, finfo, float16, float32, float64, iinfo, inf, int8,
     int16, int32, int64, nan, newaxis, pi, uint8, uint16, uint32, uint64)
 
 bool = bool_  # noqa: A001  (the Array API's name of the boolean dtype)
+concat = concatenate  # the Array API's name
 
 
 __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "multiply", "divide", "true_divide",
@@ -62,7 +64,8 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
     "prod", "ptp", "std", "argsort", "searchsorted", "sort", "take_along_axis", "nonzero", "flatnonzero",
     "argwhere", "unique", "bool_", "complex64",
     "complex128", "dtype", "e", "finfo", "float16", "float32", "float64", "iinfo", "inf", "int8", "int16",
-    "int32", "int64", "nan", "newaxis", "pi", "uint8", "uint16", "uint32", "uint64", "bool"] + \
+    "int32", "int64", "nan", "newaxis", "pi", "uint8", "uint16", "uint32", "uint64", "bool", "concat", "can_cast",
+    "isdtype", "result_type"] + \
     ["sin", "cos", "tan", "arcsin", "arccos", "arctan", "arctan2", "sinh", "cosh", "arcsinh", "arccosh",
             "arctanh", "asin", "acos", "atan", "atan2", "asinh", "acosh", "atanh", "log1p", "expm1", "log2", "log10",
             "exp2", "logaddexp", "sigmoid", "reciprocal", "rsqrt", "cbrt", "floor", "ceil", "round", "around",
@@ -75,4 +78,4 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
 
 
 # snp calls on DArrays, or outside any trace, run eagerly (spmd_runtime/dispatch.py, eager.py)
-dispatch.wrap_functions(globals(), __all__, keep=("broadcast_shapes",))
+dispatch.wrap_functions(globals(), __all__, keep=("broadcast_shapes", "can_cast", "isdtype", "result_type"))
