@@ -31,6 +31,7 @@ from .ops.top_k import top_k
 from .ops.windows import conv, conv_general_dilated, cumsum, reduce_window
 
 # ---- non-elementwise coverage (issue 28): creation, manipulation, sorting, reductions, linalg, constants
+from . import numpy_fft as fft
 from . import numpy_linalg as linalg
 from .ops.creation import (asarray, empty, empty_like, eye, full_like, identity, linspace, logspace, meshgrid,
     ones_like, tri, tril, triu, zeros_like)
@@ -78,7 +79,7 @@ __all__ = ["asarray", "array", "zeros", "ones", "full", "add", "subtract", "mult
     "argwhere", "unique", "bool_", "complex64",
     "complex128", "dtype", "e", "finfo", "float16", "float32", "float64", "iinfo", "inf", "int8", "int16",
     "int32", "int64", "nan", "newaxis", "pi", "uint8", "uint16", "uint32", "uint64", "bool", "concat", "can_cast",
-    "isdtype", "result_type", "unique_all", "unique_counts", "unique_inverse", "unique_values", "from_dlpack"] + \
+    "isdtype", "result_type", "unique_all", "unique_counts", "unique_inverse", "unique_values", "from_dlpack", "fft"] + \
     ["sin", "cos", "tan", "arcsin", "arccos", "arctan", "arctan2", "sinh", "cosh", "arcsinh", "arccosh",
             "arctanh", "asin", "acos", "atan", "atan2", "asinh", "acosh", "atanh", "log1p", "expm1", "log2", "log10",
             "exp2", "logaddexp", "sigmoid", "reciprocal", "rsqrt", "cbrt", "floor", "ceil", "round", "around",
