@@ -139,11 +139,26 @@ def _element_starts(x, key):
     return np.array([k % n for k, n in zip(ints, x.shape)], np.int32)
 
 
+def _masks_as_indices(key):
+    """``key`` with each boolean DArray mask (of rank >= 1) replaced by the integer index arrays of its true
+    entries (``snp.nonzero``, its length counted by a first program): ``x[mask]`` has a data-dependent shape,
+    which an eager call can know (JAX's eager boolean indexing) and a traced one cannot."""
+    parts = key if isinstance(key, tuple) else (key,)
+    if not any(isinstance(k, DArray) and k.dtype == np.bool_ and k.ndim for k in parts):
+        return key
+    out = []
+    for k in parts:
+        out.extend(snp.nonzero(k) if isinstance(k, DArray) and k.dtype == np.bool_ and k.ndim else (k,))
+    return tuple(out)
+
+
 def _getitem(self, key):
     """Integer indices (element access, the most repeated eager call) go in as data, so reading every element
-    of an array compiles one program; any other key is static (one program per key)."""
+    of an array compiles one program; any other key is static (one program per key), DArrays in it data."""
     starts = _element_starts(self, key)
-    return apply(_GETITEM, self, key) if starts is None else apply(_element, self, starts)
+    if starts is not None:
+        return apply(_element, self, starts)
+    return apply(_GETITEM, self, _masks_as_indices(key))
 
 
 def _set(x, key, value):
@@ -176,7 +191,7 @@ def _setitem(self, key, value):
     if starts is not None and data is not None:
         updated = apply(_set_element, self, starts, data)
     else:
-        updated = apply(_set, self, key, value)
+        updated = apply(_set, self, _masks_as_indices(key), value)
     if updated.sharding != self.sharding:
         updated = device_put(updated, self.spec, self.mesh)
     self.local = updated.local
@@ -211,6 +226,7 @@ def bind_darray_operators():
     DArray.__spmd_function__ = staticmethod(spmd_function)
     for convert in (float, int, bool, complex):
         setattr(DArray, f"__{convert.__name__}__", _scalar(convert))
+    DArray.__index__ = _scalar(operator.index)  # a 0-d integer DArray as a Python int (x[i] with i a DArray, range(n))
     DArray.__array_namespace__ = lambda self, api_version=None: snp  # the Array API's way to find functions
     DArray.device = property(lambda self: self.mesh)  # a DArray lives on its whole mesh
     DArray.to_device = _to_device

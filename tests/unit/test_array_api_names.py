@@ -105,3 +105,21 @@ def test_real_and_conj_pass_the_gradient():
     x = np.random.default_rng(0).standard_normal(5)
     (g,) = sr.evaluate(sr.trace(grad(lambda a: snp.sum(snp.real(a) * 2.0 + snp.conj(a) + snp.imag(a))), x), x)
     np.testing.assert_allclose(g, np.full(5, 3.0))
+
+
+def test_eager_boolean_masks_index_and_assign(mesh1):
+    a = np.arange(12.0).reshape(3, 4)
+    x, mask = sr.device_put(a), sr.device_put(a % 3 == 0)
+    np.testing.assert_array_equal(np.asarray(x[mask]), a[a % 3 == 0])
+    np.testing.assert_array_equal(np.asarray(x[sr.device_put(np.array([True, False, True]))]), a[[0, 2]])
+    x[mask] = -1.0
+    a[a % 3 == 0] = -1.0
+    np.testing.assert_array_equal(np.asarray(x), a)
+    assert np.asarray(sr.device_put(np.zeros(0))[sr.device_put(np.zeros(0, bool))]).shape == (0,)
+
+
+def test_a_0d_integer_darray_is_an_index(mesh1):
+    import operator
+    assert operator.index(sr.device_put(np.asarray(3, np.uint8))) == 3 and list(range(sr.device_put(np.int64(2))))
+    with pytest.raises(TypeError):
+        operator.index(sr.device_put(np.asarray(1.5)))
