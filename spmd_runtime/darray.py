@@ -76,6 +76,19 @@ class DArray:
         out = to_host(self.gather())
         return out if dtype is None else out.astype(dtype)
 
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """The global value as a DLPack capsule (the Array API's interchange; collective, as ``gather()``: a split
+        DArray is gathered on every rank, so every rank must export it)."""
+        asked = {"stream": stream, "max_version": max_version, "dl_device": dl_device, "copy": copy}
+        value = self.gather()
+        if not getattr(getattr(value, "flags", None), "writeable", True):  # a read-only block: older DLPack
+            value = value.copy()  # consumers cannot be told, so they get a copy
+        return value.__dlpack__(**{k: v for k, v in asked.items() if v is not None})
+
+    def __dlpack_device__(self):
+        """(device type, id) of this rank's block: DLPack's CPU (1, 0) for host memory."""
+        return self.local.__dlpack_device__()
+
     def block_slices(self, rank: int | None = None) -> tuple[slice, ...]:
         """The global index of ``rank``'s block (default: this rank)."""
         if rank is None:

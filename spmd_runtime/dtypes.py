@@ -253,6 +253,23 @@ def finfo(dt):
     return ml_dtypes.finfo(dt) if is_bfloat16(dt) else np.finfo(dt)
 
 
+def _dtype_of(x) -> np.dtype:
+    """A dtype named on its own, or an array's (a traced tensor's, a DArray's, a NumPy one's)."""
+    return np.dtype(x if isinstance(x, (np.dtype, type, str)) else x.dtype)
+
+
+def can_cast(from_, to, /) -> bool:
+    """The Array API's ``can_cast`` (jax.numpy's): whether ``from_`` (a dtype or an array) casts to ``to`` without
+    losing values (NumPy's "safe" casting)."""
+    return bool(np.can_cast(_dtype_of(from_), np.dtype(to), casting="safe"))
+
+
+def isdtype(dtype, kind) -> bool:
+    """The Array API's ``isdtype``: whether ``dtype`` is of ``kind`` (a dtype, a kind name such as "integral" or
+    "real floating", or a tuple of them)."""
+    return bool(np.isdtype(np.dtype(dtype), kind))
+
+
 def check_backend(xp, dt) -> None:
     """Refuse a dtype the array module ``xp`` cannot hold (CuPy has no bfloat16)."""
     if is_bfloat16(dt) and is_cupy(xp):
@@ -263,4 +280,4 @@ def check_backend(xp, dt) -> None:
 __all__ = ["FLOAT16", "BFLOAT16", "LOW_PRECISION", "ACCUMULATE", "FLOATING", "COLLECTIVE_DTYPES", "dtype",
            "is_floating", "is_low_precision", "result_type", "sum_dtype", "config", "Config", "LATTICE", "join",
            "default_float", "default_int", "canonical", "X64_ENV", "collective_refusal", "finfo",
-           "check_backend"]
+           "check_backend", "can_cast", "isdtype"]

@@ -88,7 +88,12 @@ def _name(fn) -> str:
 def spmd_function(fn, args, kwargs):
     """The ``__spmd_function__`` protocol: ``spmd_runtime.numpy`` hands here a call with a DArray operand, or
     any call made outside a trace (``snp.zeros(3)`` or ``snp.exp(np_array)``: a replicated DArray on the
-    context mesh, as ``jnp`` outside ``jax.jit`` gives a ``jax.Array``)."""
+    context mesh, as ``jnp`` outside ``jax.jit`` gives a ``jax.Array``). A function of data-dependent length
+    (``nonzero``, ``unique_values`` ...: ``ops.sorting.data_dependent``) called without ``size=`` gets it from a
+    first program that counts (JAX's eager ``jnp.nonzero``; under ``jit`` the size stays required)."""
+    count = getattr(fn, "eager_size", None)
+    if count is not None and kwargs.get("size") is None:
+        kwargs = dict(kwargs, size=int(apply(count, *args, **kwargs)))
     return apply(fn, *args, **kwargs)
 
 
@@ -122,28 +127,71 @@ def _element(x, starts):
     return window.reshape(x.shape[n:])
 
 
+def _element_starts(x, key):
+    """The starts of ``x[key]`` as data when ``key`` is integers only (one per leading dim, in bounds), else None."""
+    ints = key if isinstance(key, tuple) else (key,)
+    if not (ints and len(ints) <= x.ndim and all(isinstance(k, (int, np.integer)) and not isinstance(k, bool)
+                                                 for k in ints)):
+        return None
+    for dim, (k, n) in enumerate(zip(ints, x.shape)):
+        if not -n <= k < n:
+            raise IndexError(f"index {k} is out of bounds for axis {dim} with size {n}")
+    return np.array([k % n for k, n in zip(ints, x.shape)], np.int32)
+
+
+def _masks_as_indices(key):
+    """``key`` with each boolean DArray mask (of rank >= 1) replaced by the integer index arrays of its true
+    entries (``snp.nonzero``, its length counted by a first program): ``x[mask]`` has a data-dependent shape,
+    which an eager call can know (JAX's eager boolean indexing) and a traced one cannot."""
+    parts = key if isinstance(key, tuple) else (key,)
+    if not any(isinstance(k, DArray) and k.dtype == np.bool_ and k.ndim for k in parts):
+        return key
+    out = []
+    for k in parts:
+        out.extend(snp.nonzero(k) if isinstance(k, DArray) and k.dtype == np.bool_ and k.ndim else (k,))
+    return tuple(out)
+
+
 def _getitem(self, key):
     """Integer indices (element access, the most repeated eager call) go in as data, so reading every element
-    of an array compiles one program; any other key is static (one program per key)."""
-    ints = key if isinstance(key, tuple) else (key,)
-    if ints and len(ints) <= self.ndim and all(isinstance(k, (int, np.integer)) and not isinstance(k, bool)
-                                               for k in ints):
-        for dim, (k, n) in enumerate(zip(ints, self.shape)):
-            if not -n <= k < n:
-                raise IndexError(f"index {k} is out of bounds for axis {dim} with size {n}")
-        starts = np.array([k % n for k, n in zip(ints, self.shape)], np.int32)
+    of an array compiles one program; any other key is static (one program per key), DArrays in it data."""
+    starts = _element_starts(self, key)
+    if starts is not None:
         return apply(_element, self, starts)
-    return apply(_GETITEM, self, key)
+    return apply(_GETITEM, self, _masks_as_indices(key))
 
 
 def _set(x, key, value):
     return x.at[key].set(value)
 
 
+def _set_element(x, starts, value):
+    """``x[i, j, ...] = value`` with the indices and the value traced: one program for every index and value."""
+    n = starts.shape[0]
+    window = snp.broadcast_to(value, x.shape[n:]).reshape([1] * n + list(x.shape[n:]))
+    return snp.dynamic_update_slice(x, window, [starts[k] for k in range(n)] + [0] * (x.ndim - n))
+
+
+def _as_data(value, dtype):
+    """A Python number as a 0-d array of ``dtype`` (what ``x.at[...].set`` casts it to), so that it is data, not
+    part of the program's key; None when it is no Python number or does not fit the dtype."""
+    if type(value) not in (bool, int, float, complex):
+        return None
+    try:
+        return np.asarray(value, dtype)
+    except (OverflowError, TypeError, ValueError):
+        return None
+
+
 def _setitem(self, key, value):
     """``x[key] = value`` (the Array API's arrays are mutable; JAX's are not: there it is ``x.at[key].set``): this
-    DArray's block becomes that of ``x.at[key].set(value)``, resharded to this DArray's layout if it moved."""
-    updated = apply(_set, self, key, value)
+    DArray's block becomes that of ``x.at[key].set(value)``, resharded to this DArray's layout if it moved. Integer
+    indices with a Python number (how arrays are filled element by element) go in as data: one program."""
+    starts, data = _element_starts(self, key), _as_data(value, self.dtype)
+    if starts is not None and data is not None:
+        updated = apply(_set_element, self, starts, data)
+    else:
+        updated = apply(_set, self, _masks_as_indices(key), value)
     if updated.sharding != self.sharding:
         updated = device_put(updated, self.spec, self.mesh)
     self.local = updated.local
@@ -178,6 +226,7 @@ def bind_darray_operators():
     DArray.__spmd_function__ = staticmethod(spmd_function)
     for convert in (float, int, bool, complex):
         setattr(DArray, f"__{convert.__name__}__", _scalar(convert))
+    DArray.__index__ = _scalar(operator.index)  # a 0-d integer DArray as a Python int (x[i] with i a DArray, range(n))
     DArray.__array_namespace__ = lambda self, api_version=None: snp  # the Array API's way to find functions
     DArray.device = property(lambda self: self.mesh)  # a DArray lives on its whole mesh
     DArray.to_device = _to_device

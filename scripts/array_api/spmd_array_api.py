@@ -60,10 +60,10 @@ class _Info:
         return {"boolean indexing": False, "data-dependent shapes": False, "max dimensions": 64}
 
     def default_device(self):
-        return "mesh"
+        return MESH  # what a DArray's ``.device`` is
 
     def devices(self):
-        return ["mesh"]
+        return [MESH]
 
     def default_dtypes(self, *, device=None):
         return {"real floating": float64, "complex floating": complex128, "integral": int64, "indexing": int64}

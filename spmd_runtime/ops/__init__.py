@@ -12,7 +12,7 @@ package defines every op and binds the ``Tensor`` operators to the functions her
 import sys
 
 from ..trace import Tensor
-from . import core, einsum, gather, indexing, random, slicing, sorting, special, spmd, top_k, windows  # noqa: F401  (each defines its records)
+from . import core, decompositions, einsum, fft, gather, indexing, random, slicing, sorting, special, spmd, top_k, windows  # noqa: F401  (each defines its records)
 from . import linalg, manipulation, reductions  # noqa: F401,E402  (compositions of the families above: no records)
 from . import control  # noqa: F401,E402  (scan / while / cond: ops with a body; last, it uses the others)
 from . import manual  # noqa: F401,E402  (shard_map regions and their explicit collectives: they use control)

@@ -19,6 +19,7 @@ import numpy as np
 from .. import opdef
 from ..dtypes import ACCUMULATE, default_float, finfo, is_floating, is_low_precision, result_type, sum_dtype
 from ..graph import MESH_SPLIT, PARAMETER
+from ..mesh import Mesh
 from ..opdef import define
 from ..trace import Tensor, current_graph, emit
 
@@ -103,17 +104,29 @@ def stop_gradient(x) -> Tensor:
     return emit(STOP_GRADIENT, [x], {}, x.shape, x.dtype)
 
 
-def full(shape, fill_value, dtype="float32") -> Tensor:
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+def full(shape, fill_value, dtype=None, *, device=None) -> Tensor:
+    """``fill_value`` everywhere; its own dtype when ``dtype`` is None (JAX's: a Python float is the default float
+    type, a Python int the default int). ``device``: the Array API's, see ``check_device``."""
+    check_device(device, "full")
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     return broadcast_to(asarray(fill_value, dtype=dtype), shape)
 
 
-def zeros(shape, dtype="float32") -> Tensor:
-    return full(shape, 0, dtype)
+def zeros(shape, dtype=None, *, device=None) -> Tensor:
+    """Zeros of ``dtype`` (default: float32, float64 with x64, as jax.numpy's)."""
+    return full(shape, 0, default_float() if dtype is None else dtype, device=device)
 
 
-def ones(shape, dtype="float32") -> Tensor:
-    return full(shape, 1, dtype)
+def ones(shape, dtype=None, *, device=None) -> Tensor:
+    return full(shape, 1, default_float() if dtype is None else dtype, device=device)
+
+
+def check_device(device, what: str) -> None:
+    """The Array API's ``device=``: a traced tensor has no device of its own (its placement is the partitioner's),
+    so only None, "cpu" or a mesh (an eager DArray's ``.device``) are taken."""
+    if device is not None and not isinstance(device, Mesh) and device != "cpu":
+        raise ValueError(f"{what}: a traced tensor's placement is the partitioner's (shard it with mesh_split or "
+                         f"in_specs); device= must be None, 'cpu' or a mesh; got device={device!r}")
 
 
 # ---------------------------------------------------------------- elementwise
@@ -399,7 +412,9 @@ def where(cond, a, b) -> Tensor:
     return emit(SELECT, [cond, a, b], {}, shape, dtype)
 
 
-def astype(x, dtype) -> Tensor:
+def astype(x, dtype, /, *, copy=True, device=None) -> Tensor:
+    """``x`` as ``dtype`` (``copy`` is moot: tensors are immutable, the result is the same value either way)."""
+    check_device(device, "astype")
     x, dtype = asarray(x), np.dtype(dtype)
     if x.dtype == dtype:
         return x
@@ -431,9 +446,11 @@ def broadcast_in_dim(x, shape, dims) -> Tensor:
     return emit(BROADCAST_IN_DIM, [x], {"shape": shape, "dims": dims}, shape, x.dtype)
 
 
-def reshape(x, *shape) -> Tensor:
+def reshape(x, /, shape, *more, copy=None) -> Tensor:
+    """``x`` in ``shape`` (one -1 inferred); ``x.reshape(2, 3)`` also takes the sizes one by one. ``copy`` is moot
+    (tensors are immutable)."""
     x = asarray(x)
-    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+    shape = (shape,) + more if more or isinstance(shape, (int, np.integer)) else tuple(shape)
     if shape.count(-1) == 1:
         known = math.prod(s for s in shape if s != -1)
         shape = tuple(x.size // known if s == -1 else s for s in shape)

@@ -2,14 +2,15 @@
 
 No op of its own: constants are broadcast scalars, ``eye`` / ``tri`` / ``tril`` / ``triu`` compare two
 iotas (each shard computes its own block of the mask, the global array never exists), ``linspace`` /
-``logspace`` scale an iota, ``meshgrid`` broadcasts. Default dtype float32 (as ``zeros``, and JAX without
-x64); ``*_like`` keep the operand's dtype. ``device=`` is accepted for the Array API and must be None or
-"cpu" (a traced tensor has no device: its placement is the partitioner's).
+``logspace`` scale an iota, ``meshgrid`` broadcasts. Default dtype float32 (float64 with x64, as jax.numpy's); ``*_like`` keep the
+operand's dtype. ``device=`` is accepted for the Array API and must be None, "cpu" or a mesh (a traced tensor
+has no device: its placement is the partitioner's).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ..dtypes import default_float
 from ..trace import Tensor
 from . import core
 from .slicing import broadcasted_iota
@@ -17,13 +18,9 @@ from .slicing import broadcasted_iota
 __all__ = ["asarray", "empty", "empty_like", "zeros_like", "ones_like", "full_like", "eye", "identity", "tri",
            "tril", "triu", "linspace", "logspace", "meshgrid"]
 
-DEFAULT_FLOAT = "float32"
 
 
-def _no_device(device, what: str) -> None:
-    if device not in (None, "cpu"):
-        raise ValueError(f"{what}: a traced tensor's placement is the partitioner's (shard it with mesh_split or "
-                         f"in_specs); device= must be None; got device={device!r}")
+_no_device = core.check_device
 
 
 def asarray(obj, dtype=None, *, copy=None, device=None) -> Tensor:
@@ -37,14 +34,19 @@ def asarray(obj, dtype=None, *, copy=None, device=None) -> Tensor:
     return core.asarray(obj, dtype)
 
 
+def _float(dtype) -> np.dtype:
+    """``dtype``, or the default float type (float32; float64 with x64, as jax.numpy's) for None."""
+    return default_float() if dtype is None else np.dtype(dtype)
+
+
 def _shape(shape) -> tuple[int, ...]:
     return (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
 
 
-def empty(shape, dtype=DEFAULT_FLOAT, *, device=None) -> Tensor:
+def empty(shape, dtype=None, *, device=None) -> Tensor:
     """Zeros: a traced program has no uninitialised memory to hand out."""
     _no_device(device, "empty")
-    return core.zeros(_shape(shape), dtype)
+    return core.zeros(_shape(shape), _float(dtype))
 
 
 def full_like(a, fill_value, dtype=None, shape=None, *, device=None) -> Tensor:
@@ -78,24 +80,24 @@ def _below_diagonal(n: int, m: int, k: int) -> Tensor:
     return core.less_equal(cols, rows + k)
 
 
-def eye(N, M=None, k=0, dtype=DEFAULT_FLOAT, *, device=None) -> Tensor:
+def eye(N, M=None, k=0, dtype=None, *, device=None) -> Tensor:
     """Ones on the ``k``-th diagonal of an ``N`` x ``M`` matrix."""
     _no_device(device, "eye")
     n = _static_int(N, "eye's N")
     m, k = n if M is None else _static_int(M, "eye's M"), _static_int(k, "eye's k")
     rows, cols = broadcasted_iota("int64", (n, m), 0), broadcasted_iota("int64", (n, m), 1)
-    return core.astype(core.equal(cols, rows + k), dtype)
+    return core.astype(core.equal(cols, rows + k), _float(dtype))
 
 
-def identity(n, dtype=DEFAULT_FLOAT) -> Tensor:
+def identity(n, dtype=None) -> Tensor:
     return eye(n, dtype=dtype)
 
 
-def tri(N, M=None, k=0, dtype=DEFAULT_FLOAT) -> Tensor:
+def tri(N, M=None, k=0, dtype=None) -> Tensor:
     """Ones at and below the ``k``-th diagonal."""
     n = _static_int(N, "tri's N")
     m = n if M is None else _static_int(M, "tri's M")
-    return core.astype(_below_diagonal(n, m, _static_int(k, "tri's k")), dtype)
+    return core.astype(_below_diagonal(n, m, _static_int(k, "tri's k")), _float(dtype))
 
 
 def _triangle(x, k, lower: bool, what: str) -> Tensor:
@@ -129,8 +131,8 @@ def linspace(start, stop, num=50, endpoint=True, retstep=False, dtype=None, axis
     if num < 0:
         raise ValueError(f"linspace needs num >= 0; got num={num}")
     traced = [v.dtype for v in (start, stop) if isinstance(v, Tensor)]
-    computed = np.result_type(*traced) if traced else np.dtype(DEFAULT_FLOAT if dtype is None else dtype)
-    computed = computed if computed.kind in "fc" else np.dtype(DEFAULT_FLOAT)
+    computed = np.result_type(*traced) if traced else np.dtype(_float(dtype))
+    computed = computed if computed.kind in "fc" else default_float()
     start, stop = (core.astype(core.asarray(v), computed) for v in (start, stop))
     bounds = np.broadcast_shapes(start.shape, stop.shape)
     div = num - 1 if endpoint else num

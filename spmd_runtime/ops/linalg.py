@@ -15,14 +15,16 @@ import numpy as np
 from ..trace import Tensor
 from . import core
 from .core import normalize_axis
+from .creation import eye
+from .decompositions import inv, svdvals
 from .einsum import einsum, matmul
-from .slicing import broadcasted_iota, slice_in_dim
+from .slicing import broadcasted_iota, concatenate, slice_in_dim
 
 __all__ = ["outer", "inner", "tensordot", "vdot", "vecdot", "diagonal", "trace", "matrix_transpose", "matmul",
-           "vector_norm", "matrix_norm", "norm"]
+           "vector_norm", "matrix_norm", "norm", "cross", "matrix_power", "matrix_rank"]
 
 VECTOR_ORDS = "2, 1, inf, -inf, 0 or any other number"
-MATRIX_ORDS = ("fro", 1, -1, np.inf, -np.inf)  # 2, -2 and 'nuc' need singular values (no SVD here)
+MATRIX_ORDS = ("fro", "nuc", 1, -1, 2, -2, np.inf, -np.inf)
 
 
 def outer(a, b) -> Tensor:
@@ -140,14 +142,18 @@ def _matrix_norm(x, axes, keepdims, ord) -> Tensor:
     rows, cols = (normalize_axis(i, a.ndim) for i in axes)
     if ord in ("fro", None):
         return core.sqrt(core.sum(core.multiply(a, a), (rows, cols), keepdims))
+    if ord in (2, -2, "nuc") and not isinstance(ord, bool):  # from the singular values of the (rows, cols) planes
+        x = core._float(core.asarray(x))  # the singular values of x itself (|x| has others)
+        s = svdvals(core.transpose(x, [i for i in range(x.ndim) if i not in (rows, cols)] + [rows, cols]))
+        out = core.sum(s, -1) if ord == "nuc" else (core.max if ord == 2 else core.min)(s, -1)
+        return core.expand_dims(out, (rows, cols)) if keepdims else out
     if ord in (1, -1, np.inf, -np.inf) and not isinstance(ord, bool):
         summed, across = (rows, cols) if ord in (1, -1) else (cols, rows)
         sums = core.sum(a, summed, keepdims=True)
         pick = core.max if ord > 0 else core.min
         out = pick(sums, across, keepdims=True)
         return out if keepdims else core.squeeze(out, (rows, cols))
-    raise ValueError(f"matrix_norm's ord must be one of {MATRIX_ORDS} (2, -2 and 'nuc' need singular values, "
-                     f"which spmd_runtime does not compute); got ord={ord!r}")
+    raise ValueError(f"matrix_norm's ord must be one of {MATRIX_ORDS}; got ord={ord!r}")
 
 
 def norm(x, ord=None, axis=None, keepdims=False) -> Tensor:
@@ -166,3 +172,48 @@ def norm(x, ord=None, axis=None, keepdims=False) -> Tensor:
     if len(axes) == 2:
         return _matrix_norm(x, axes, keepdims, "fro" if ord is None else ord)
     raise ValueError(f"norm takes one axis (a vector norm) or two (a matrix norm); got axis={axis!r}")
+
+
+# ---------------------------------------------------------------- the rest of the Array API's linalg
+def cross(x1, x2, /, *, axis=-1) -> Tensor:
+    """The cross product of 3-vectors along ``axis`` of the broadcast operands."""
+    (a, b), _, shape = core._operands(x1, x2)
+    axis = normalize_axis(axis, len(shape)) if shape else 0
+    if not shape or shape[axis] != 3:
+        raise ValueError(f"cross needs size 3 along axis {axis}; got broadcast shape {shape}")
+    part = lambda t, i: slice_in_dim(t, i, i + 1, axis=axis)  # noqa: E731
+    return concatenate([part(a, (i + 1) % 3) * part(b, (i + 2) % 3) - part(a, (i + 2) % 3) * part(b, (i + 1) % 3)
+                        for i in range(3)], axis=axis)
+
+
+def matrix_power(x, n, /) -> Tensor:
+    """``x`` multiplied by itself ``n`` times (a static int; the identity for 0, powers of ``inv(x)`` below 0), by
+    repeated squaring."""
+    x = core.asarray(x)
+    if isinstance(n, Tensor) or not isinstance(n, (int, np.integer)) or isinstance(n, bool):
+        raise ValueError(f"matrix_power takes a static int n; got n={n!r}")
+    if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
+        raise ValueError(f"matrix_power takes a stack of square matrices; got shape {x.shape}")
+    n = int(n)
+    if n < 0:
+        x, n = inv(x), -n
+    out = core.broadcast_to(eye(x.shape[-1], dtype=x.dtype), x.shape) if n == 0 else None
+    while n:
+        if n & 1:
+            out = x if out is None else matmul(out, x)
+        n >>= 1
+        if n:
+            x = matmul(x, x)
+    return out
+
+
+def matrix_rank(x, /, *, rtol=None) -> Tensor:
+    """The number of singular values of each matrix above ``rtol`` times the largest (default rtol: max(M, N) times
+    the dtype's eps; an array of rtol broadcasts against the stack)."""
+    s = svdvals(x)
+    if rtol is None:
+        rtol = max(core.asarray(x).shape[-2:]) * float(np.finfo(s.dtype).eps)
+    elif isinstance(rtol, Tensor) and rtol.ndim:
+        rtol = core.expand_dims(rtol, -1)
+    tol = core.multiply(core.max(s, -1, keepdims=True), rtol)
+    return core.sum(core.greater(s, tol), -1, dtype="int64")

@@ -213,8 +213,9 @@ def iota(dtype, size) -> Tensor:
     return _iota((int(size),), 0, dtype, 0, 1)
 
 
-def arange(start, stop=None, step=1, dtype=None) -> Tensor:
+def arange(start, /, stop=None, step=1, *, dtype=None, device=None) -> Tensor:
     """NumPy arange with static bounds. Each shard computes its own block (the global array never exists)."""
+    core.check_device(device, "arange")
     if stop is None:
         start, stop = 0, start
     if any(isinstance(v, Tensor) for v in (start, stop, step)) or step == 0:

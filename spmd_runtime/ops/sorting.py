@@ -16,6 +16,8 @@ the VJPs (``autodiff/rules/sorting.py``): sort's values take the cotangent back 
 """
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 
 from .. import opdef
@@ -24,10 +26,16 @@ from ..trace import Tensor, emit
 from . import core
 from .core import normalize_axis
 from .slicing import broadcasted_iota, concatenate, slice_in_dim, stack
+from .windows import cumsum
 
-__all__ = ["sort", "argsort", "take_along_axis", "searchsorted", "nonzero", "flatnonzero", "argwhere", "unique"]
+__all__ = ["sort", "argsort", "take_along_axis", "searchsorted", "nonzero", "flatnonzero", "argwhere", "unique",
+           "unique_values", "unique_counts", "unique_inverse", "unique_all", "UniqueAllResult", "UniqueCountsResult",
+           "UniqueInverseResult"]
 
 SORT = define("sort")
+UniqueAllResult = namedtuple("UniqueAllResult", ["values", "indices", "inverse_indices", "counts"])
+UniqueCountsResult = namedtuple("UniqueCountsResult", ["values", "counts"])
+UniqueInverseResult = namedtuple("UniqueInverseResult", ["values", "inverse_indices"])
 TAKE_ALONG_AXIS = define("take_along_axis")
 OUTPUTS = ("values", "indices")
 INDEX_DTYPE = "int64"  # as argmax / NumPy's intp
@@ -146,10 +154,29 @@ def nonzero(a, *, size=None, fill_value=None) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
+def data_dependent(count):
+    """Mark a function of static ``size=`` whose eager call (on DArrays, outside a trace) may leave it None:
+    ``count(*args, **kwargs)`` (traced, a 0-d int) gives the size, computed by a first program (JAX's eager
+    ``jnp.nonzero`` needs no size either). Under a trace ``size=`` stays required."""
+    def mark(fn):
+        fn.eager_size = count
+        return fn
+    return mark
+
+
+def _count_nonzero(a, **kwargs) -> Tensor:
+    return core.sum(core.not_equal(core.asarray(a), 0), dtype=INDEX_DTYPE)
+
+
+nonzero = data_dependent(_count_nonzero)(nonzero)
+
+
+@data_dependent(_count_nonzero)
 def flatnonzero(a, *, size=None, fill_value=None) -> Tensor:
     return nonzero(core.reshape(core.asarray(a), -1), size=size, fill_value=fill_value)[0]
 
 
+@data_dependent(_count_nonzero)
 def argwhere(a, *, size=None, fill_value=None) -> Tensor:
     """``(size, ndim)`` coordinates of the nonzero entries (``nonzero`` stacked as columns)."""
     x = core.asarray(a)
@@ -182,6 +209,75 @@ def unique(ar, return_counts=False, axis=None, *, equal_nan=True, size=None, fil
         return values
     starts = core.where(real, picked, n)  # padding starts at n: a count is the next start minus its own
     return values, core.subtract(slice_in_dim(starts, 1, size + 1), head(starts))
+
+
+# ---------------------------------------------------------------- the Array API's unique_* (NaNs all distinct)
+def _runs(x, size: int):
+    """(sorted flat x, the stable order that sorts it, where each run of equal values starts, the positions of the
+    first ``size + 1`` run starts, whether each is real) of ``x``; NaNs compare unequal, so each is a run."""
+    flat = core.reshape(core.asarray(x), -1)
+    order = argsort(flat, stable=True)
+    s = take_along_axis(flat, order, 0)
+    n = s.shape[0]
+    first = concatenate([core.ones((1,), "bool"), core.not_equal(slice_in_dim(s, 1, n), slice_in_dim(s, 0, n - 1))])
+    picked, real = _first_true(first, size + 1)
+    return s, order, first, picked, real
+
+
+def _count_runs(x, **kwargs) -> Tensor:
+    flat = core.reshape(core.asarray(x), -1)
+    n = flat.shape[0]
+    if n == 0:
+        return core.zeros((), INDEX_DTYPE)
+    s = sort(flat)
+    return core.sum(core.not_equal(slice_in_dim(s, 1, n), slice_in_dim(s, 0, n - 1)), dtype=INDEX_DTYPE) + 1
+
+
+def _unique(x, size, want):
+    """The parts of ``unique_all`` in ``want``, each ``size`` long (``inverse_indices``: x's shape)."""
+    x = core.asarray(x)
+    size = _static_size(size, "unique_" + want[-1])
+    if x.size == 0:
+        empty = core.zeros((0,), x.dtype)
+        parts = {"values": empty, "indices": core.zeros((0,), INDEX_DTYPE), "counts": core.zeros((0,), INDEX_DTYPE),
+                 "inverse_indices": core.zeros(x.shape, INDEX_DTYPE)}
+        return [parts[w] for w in want]
+    s, order, first, picked, real = _runs(x, size)
+    n = s.shape[0]
+    head = lambda t: slice_in_dim(t, 0, size)  # noqa: E731
+    at = head(picked)
+    parts = {"values": lambda: take_along_axis(s, at, 0, mode="clip"),
+             "indices": lambda: take_along_axis(order, at, 0, mode="clip"),
+             "counts": lambda: (lambda starts: core.subtract(slice_in_dim(starts, 1, size + 1), head(starts)))(
+                 core.where(real, picked, n)),
+             "inverse_indices": lambda: core.reshape(take_along_axis(
+                 cumsum(first, dtype=INDEX_DTYPE) - 1, argsort(order, stable=True), 0), x.shape)}
+    return [parts[w]() for w in want]
+
+
+@data_dependent(_count_runs)
+def unique_values(x, /, *, size=None):
+    """The Array API's ``unique_values``: the sorted distinct values of the flattened ``x`` (each NaN distinct);
+    ``size`` (static) is their number, given under a trace."""
+    return _unique(x, size, ["values"])[0]
+
+
+@data_dependent(_count_runs)
+def unique_counts(x, /, *, size=None) -> UniqueCountsResult:
+    return UniqueCountsResult(*_unique(x, size, ["values", "counts"]))
+
+
+@data_dependent(_count_runs)
+def unique_inverse(x, /, *, size=None) -> UniqueInverseResult:
+    """The distinct values and, for each entry of ``x``, the position of its value among them (x's shape)."""
+    return UniqueInverseResult(*_unique(x, size, ["values", "inverse_indices"]))
+
+
+@data_dependent(_count_runs)
+def unique_all(x, /, *, size=None) -> UniqueAllResult:
+    """The distinct values, the first position of each in the flattened ``x``, each entry's value position and
+    each value's count."""
+    return UniqueAllResult(*_unique(x, size, ["values", "indices", "inverse_indices", "counts"]))
 
 
 def _fill_value(dtype):

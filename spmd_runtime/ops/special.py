@@ -34,12 +34,17 @@ from ..opdef import define
 from ..trace import Tensor
 from . import core
 
-__all__ = ["erf", "erfc", "erfinv"]
+__all__ = ["erf", "erfc", "erfinv", "real", "imag", "conj", "conjugate"]
 
 ERF = define("erf", fresh=True)
 ERFC = define("erfc", fresh=True)
 ERF_INV = define("erf_inv", fresh=True)
-SPECIAL = (ERF, ERFC, ERF_INV)
+# The parts of complex numbers (the Array API's ``real`` / ``imag`` / ``conj``): pointwise too, so the same rules;
+# ``real`` and ``imag`` of a complex dtype are of its component dtype, of a real one its own (imag: zeros).
+REAL = define("real", fresh=True)
+IMAG = define("imag", fresh=True)
+CONJ = define("conj", fresh=True)
+SPECIAL = (ERF, ERFC, ERF_INV, REAL, IMAG, CONJ)
 
 
 # ================================================================ traced API
@@ -58,7 +63,35 @@ def erfinv(x) -> Tensor:
     return core._unary(ERF_INV, core._float(core.asarray(x)))
 
 
+def _component(dtype) -> np.dtype:
+    return np.dtype(dtype).type(0).real.dtype
+
+
+def real(x) -> Tensor:
+    """The real part of each entry (complex64 -> float32; a real array is its own real part)."""
+    x = core.asarray(x)
+    return core._unary(REAL, x, _component(x.dtype))
+
+
+def imag(x) -> Tensor:
+    """The imaginary part of each entry (complex64 -> float32; zeros for a real array)."""
+    x = core.asarray(x)
+    return core._unary(IMAG, x, _component(x.dtype))
+
+
+def conj(x) -> Tensor:
+    """The complex conjugate of each entry (a real array is its own)."""
+    return core._unary(CONJ, core.asarray(x))
+
+
+conjugate = conj
+
+
 # ================================================================ kernels
+opdef.kernel(REAL)(lambda xp, x: xp.real(x).copy())
+opdef.kernel(IMAG)(lambda xp, x: xp.imag(x).copy() if x.dtype.kind == "c" else xp.zeros_like(x))
+opdef.kernel(CONJ)(lambda xp, x: xp.conj(x))
+
 # Cody's coefficients (lowest degree last in each numerator / denominator below, as CALERF's loops use them)
 _A = (3.16112374387056560e00, 1.13864154151050156e02, 3.77485237685302021e02, 3.20937758913846947e03,
       1.85777706184603153e-1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from ...ops.core import exp
-from ...ops.special import ERF, ERF_INV, ERFC, TWO_OVER_SQRT_PI
+from ...ops.special import CONJ, ERF, ERF_INV, ERFC, IMAG, REAL, TWO_OVER_SQRT_PI, conj
 from .table import vjp
 
 
@@ -22,3 +22,14 @@ def _erfc_vjp(node, g, ops, y):
 def _erf_inv_vjp(node, g, ops, y):
     """d erfinv(u)/du = sqrt(pi)/2 exp(erfinv(u)^2), from the result (as JAX)."""
     return [g * (0.5 * math.sqrt(math.pi) * exp(y * y))]
+
+
+@vjp(REAL, CONJ)
+def _real_conj_vjp(node, g, ops, y):
+    """Real operands (the autodiff is real): real(x) = conj(x) = x, the cotangent passes (conjugated)."""
+    return [conj(g)]
+
+
+@vjp(IMAG)
+def _imag_vjp(node, g, ops, y):
+    return [None]  # of a real operand: zeros, a constant
