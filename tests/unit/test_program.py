@@ -6,6 +6,7 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
+from spmd_runtime.program_check import ProgramError, check_program
 
 MESH = sr.Mesh((2, 4), ("data", "model"))
 
@@ -95,6 +96,20 @@ def test_a_carried_buffer_updated_slot_by_slot_is_written_in_place_and_computes_
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     np.testing.assert_array_equal(ring, before)  # the caller's array is never written (the loop's own copy)
+
+
+def test_a_saved_program_keeps_its_in_place_update_and_refuses_a_bad_one(tmp_path):
+    program, f = ring_program()
+    program.save(tmp_path / "ring.json")
+    loaded = sr.load_program(tmp_path / "ring.json")
+    assert loaded.hash == program.hash and "dynamic_update_slice(%" in str(loaded) and "!, %" in str(loaded)
+    body = next(i for i in loaded.instrs if i.op == "scan").attrs["body"]
+    k = next(k for k, i in enumerate(body.instrs) if i.op == "dynamic_update_slice")
+    check_program(body)
+    dus = body.instrs[k]  # its result larger than the buffer it is written into
+    body.instrs[k] = dus.copy(shape=(dus.shape[0] + 1,) + dus.shape[1:])
+    with pytest.raises(ProgramError, match="dynamic_update_slice rule"):
+        check_program(body)
 
 
 def test_save_load_roundtrip_keeps_hash_and_text(tmp_path):
