@@ -8,7 +8,8 @@ each NEXT TO its hand formula and the ratio ours / formula:
 
 - parameters: Megatron's eq. 2, P = 12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h)); held per rank: fp32 master
   weights + Adam's m and v = 12 bytes x P / (t p) (the embedding counted once, as eq. 2 does);
-- peak: 16 bytes x P / (t p) (the held 12, plus the 16-bit weight copies and gradients) + activations
+- peak: 16 bytes x P / (t p) (the held 12, plus the 16-bit weight copies and gradients; one copy of each, as
+  Megatron's optimizer updates in place: the script plans the step with donation unless ``--no-donate``) + activations
   (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"): with full
   recompute 2 s b h bytes per layer (each layer's input), for the l/p layers of a stage and min(p, M) micro-batches
   in flight (1F1B), plus one layer's recomputed activations s b h (10 + 24/t + 5 a s/(h t)); without recompute
@@ -32,7 +33,7 @@ longer grows with the rank count: the 1T row's 3072 ranks plan like the others).
     python scripts/bench_megatron_table.py --predict dgx-a100-80gb   # every row, and its predicted TFLOP/s
     python scripts/bench_megatron_table.py --rows 1.7B,18B --remat none
     python scripts/bench_megatron_table.py --rows 1T --schedule pipeline   # GPipe instead of 1F1B
-    python scripts/bench_megatron_table.py --donate   # parameters and optimizer state updated in place
+    python scripts/bench_megatron_table.py --no-donate   # new parameters and optimizer state beside the old
 
 The tensor-parallel all-reduces per layer are those in the loops over a stage's layers, per layer and iteration
 (M micro-batches, or the M + S - 1 ticks of the pipeline loops); the embedding's and the head's (one each per
@@ -90,9 +91,11 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--schedule", default="pipeline_1f1b", choices=["pipeline_1f1b", "pipeline"],
                     help="the preset of the p > 1 rows: 1F1B (the paper's schedule, default) or GPipe")
-    ap.add_argument("--donate", action="store_true",
-                    help="the step updates parameters and optimizer state in place (build_train_step(donate=True), as "
-                         "Megatron's optimizer does): the peak holds one copy of them, not the old and the new")
+    ap.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,
+                    help="the step updates parameters and optimizer state in place (build_train_step(donate=True)), "
+                         "the default: Megatron's optimizer updates its fp32 master weights and Adam's moments in "
+                         "place, so the formula's 16 bytes per parameter hold one copy of them; --no-donate writes "
+                         "the new ones beside the old (the peak then holds both)")
     ap.add_argument("--predict", default=None, metavar="HARDWARE",
                     help="also predict each row's step on this hardware profile (e.g. dgx-a100-80gb: program.estimate)"
                          " and print its TFLOP/s per GPU by the paper's eq. 3 next to the published figure")

@@ -14,7 +14,7 @@ import hmac
 import io
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -64,6 +64,23 @@ class Instr:
         copy = object.__new__(Instr)
         copy.__dict__.update(self.__dict__, **changes)
         return copy
+
+
+@dataclass(frozen=True)
+class LiveBuffer:
+    """One buffer live at a program's peak (``SPMDProgram.peak_breakdown``): its bytes, the loops it is inside
+    (``where``: "%12 scan > " for a body of the scan at slot 12; "" at top level), what made it (an input or an
+    instruction), its local type, the user's name if any, and ``origin``: the slot whose buffer it is (a result
+    written in place into an operand keeps the operand's)."""
+    nbytes: int
+    where: str
+    what: str
+    type: str
+    name: str = ""
+    origin: int = -1
+
+    def __repr__(self):
+        return f"{self.nbytes / 2 ** 30:.3f} GiB  {self.where}{self.what} {self.type} {self.name}".rstrip()
 
 
 @dataclass
@@ -158,6 +175,50 @@ class SPMDProgram:
                 peak = max(peak, cur)
             cur -= sum(live.pop(s, 0) for s in ins.free)
         return peak
+
+    def peak_breakdown(self, top: int | None = None) -> list["LiveBuffer"]:
+        """What is live where ``peak_bytes`` peaks, biggest first (the first ``top``; all when None): the inputs
+        held, the live results, and, when the peak is inside a loop, the loop body's live buffers (``where``
+        names the loop) and the ys it stacks. Their bytes sum to ``peak_bytes()`` (a body's inputs are its
+        loop's operands, counted once, outside). Walks ``peak_bytes``'s accounting a second time and stops
+        where it first reaches the peak."""
+        found = self._live_at(self.peak_bytes(), "")
+        return sorted(found, key=lambda b: -b.nbytes)[:top]
+
+    def _live_at(self, target: int, where: str) -> list["LiveBuffer"]:
+        """The live buffers where the walk of ``peak_bytes`` first totals ``target`` bytes."""
+        sizes = {i.slot: n for i, n in zip(self.inputs, self.input_bytes())}
+        donated = {self.inputs[k].slot for k in self.donated}
+        live = {s: n for s, n in sizes.items() if s in donated}
+        cur = sum(sizes.values())
+        by_slot = {i.slot: LiveBuffer(n, where, f"input {i.name}", _ty(i.dtype, i.sharding.local_shape(i.shape, self.mesh)),
+                                      origin=i.slot) for i, n in zip(self.inputs, self.input_bytes())}
+        held = lambda: [by_slot[s] for s in sizes if s not in donated] + [
+            replace(by_slot[s], nbytes=n) for s, n in live.items()]
+        if cur >= target:
+            return held()
+        for ins in self.instrs:
+            for body in _bodies(ins):
+                inner = body.peak_bytes() - sum(body.input_bytes())
+                if cur + inner + _stacked_bytes(ins) >= target:
+                    inside = f"{where}%{ins.out} {ins.op} > "
+                    own = {i.slot for i in body.inputs}
+                    found = [b for b in body._live_at(body.peak_bytes(), inside) if b.where != inside or b.origin not in own]
+                    rest = inner - sum(b.nbytes for b in found)  # negative: inputs the body freed before its peak
+                    extra = [LiveBuffer(_stacked_bytes(ins), inside, "stacked ys", "")] if _stacked_bytes(ins) else []
+                    extra += [LiveBuffer(rest, inside, "body inputs freed before its peak", "")] if rest else []
+                    return held() + found + extra
+            if ins.op != PARAMETER.name:
+                reused = ins.donate >= 0 and ins.args[ins.donate] in live
+                live[ins.out] = live.pop(ins.args[ins.donate]) if reused else ins.nbytes
+                origin = by_slot[ins.args[ins.donate]].origin if reused else ins.out  # a reused input stays one
+                by_slot[ins.out] = LiveBuffer(live[ins.out], where, f"%{ins.out} {ins.op}", _ty(ins.dtype, ins.shape),
+                                              self.names.get(ins.out, ""), origin)
+                cur += 0 if reused else ins.nbytes
+                if cur >= target:
+                    return held()
+            cur -= sum(live.pop(s, 0) for s in ins.free)
+        raise AssertionError(f"peak walk never reached {target} bytes")  # peak_bytes and _live_at disagree
 
     # ------------------------------------------------------------ listing
     @property

@@ -31,7 +31,7 @@ from .ops.core import (BROADCAST_IN_DIM, CONSTANT, CONVERT, REDUCE, REDUCE_KINDS
                        TRANSPOSE, reduction)  # noqa: F401  (reduction: re-exported)
 from .ops.einsum import EINSUM
 from .ops.gather import SCATTER_KINDS
-from .ops.slicing import CONCATENATE, REVERSE, SLICE
+from .ops.slicing import CONCATENATE, DYNAMIC_UPDATE_SLICE, REVERSE, SLICE
 from .ops.spmd import RESIZE
 from .ops.windows import WINDOW_EDGE
 from .ops.spmd import FUSED_REDUCE, FUSION, MASK_PADDING, ROTATED_CONCAT, SHARD_INDEX, SHARD_SLICE
@@ -638,6 +638,22 @@ def _reverse(ins, operands, program):
     return tuple(operands[0].shape), operands[0].dtype
 
 
+def _dynamic_update_slice(ins, operands, program):
+    """x's shape and dtype; the update of x's rank and dtype, no larger than x on any dim (the kernel writes it
+    in place into a donated x), one 0-d start per dim."""
+    if len(operands) < 2:
+        raise ProgramError(f"a dynamic_update_slice takes x, the update and one start per dim; got {len(operands)} operand(s)")
+    x, update, starts = operands[0], operands[1], operands[2:]
+    if len(update.shape) != len(x.shape) or any(u > n for u, n in zip(update.shape, x.shape)) \
+            or np.dtype(parse_dtype(update.dtype)) != np.dtype(parse_dtype(x.dtype)):
+        raise ProgramError(f"a dynamic_update_slice's update must be of x's rank and dtype and fit in it: x "
+                           f"{_ty(x)}; got update {_ty(update)}")
+    if len(starts) != len(x.shape) or any(tuple(st.shape) != () for st in starts):
+        raise ProgramError(f"a dynamic_update_slice takes one 0-d start per dim of x {_ty(x)}; got "
+                           f"{[_ty(st) for st in starts]}")
+    return tuple(x.shape), x.dtype
+
+
 def _concatenate(ins, operands, program):
     if not operands:
         raise ProgramError("a concatenate takes at least one operand; got none")
@@ -656,7 +672,7 @@ RESULT_RULES = {PARAMETER.name: _parameter, CONSTANT.name: _constant, SELECT.nam
                 SHARD_SLICE.name: _shard_slice, ROTATED_CONCAT.name: _rotated_concat, SHARD_INDEX.name: _shard_index,
                 MASK_PADDING.name: _mask_padding, FUSION.name: _fusion, FUSED_REDUCE.name: _fused_reduce,
                 WINDOW_EDGE.name: _window_edge, RESIZE.name: _resize, SLICE.name: _slice, REVERSE.name: _reverse,
-                CONCATENATE.name: _concatenate}
+                CONCATENATE.name: _concatenate, DYNAMIC_UPDATE_SLICE.name: _dynamic_update_slice}
 
 
 __all__ = ["check_program", "derives", "ProgramError", "REDUCE_KINDS", "reduction"]

@@ -40,7 +40,8 @@ CONCATENATE = define("concatenate")
 REVERSE = define("reverse")
 IOTA = define("iota")
 DYNAMIC_SLICE = define("dynamic_slice")
-DYNAMIC_UPDATE_SLICE = define("dynamic_update_slice")
+# fresh (its kernel copies), in place where its operand dies: a loop's buffer updated slot by slot (a saved ring)
+DYNAMIC_UPDATE_SLICE = define("dynamic_update_slice", fresh=True, in_place=True)
 OWNED_SLICE = define("owned_slice", "program")  # the result entries a shard's block holds, zeros elsewhere
 OWNED_DYNAMIC_SLICE = define("owned_dynamic_slice", "program")
 OWNED_DYNAMIC_UPDATE_SLICE = define("owned_dynamic_update_slice", "program")
@@ -406,9 +407,13 @@ def dynamic_slice_kernel(xp, x, *starts, sizes):
 
 @opdef.kernel(DYNAMIC_UPDATE_SLICE)
 def dynamic_update_slice_kernel(xp, x, update, *starts):
-    out = x.copy()
-    out[tuple(slice(s, s + m) for s, m in zip(clamp_starts(starts, x.shape, update.shape), update.shape))] = update
-    return out
+    return dynamic_update_slice_into(xp, x.copy(), update, *starts)
+
+
+def dynamic_update_slice_into(xp, x, update, *starts):
+    """``dynamic_update_slice`` written into ``x``'s own buffer (its donated, dying operand)."""
+    x[tuple(slice(s, s + m) for s, m in zip(clamp_starts(starts, x.shape, update.shape), update.shape))] = update
+    return x
 
 
 def clamp_starts(starts, shape, sizes) -> list[int]:

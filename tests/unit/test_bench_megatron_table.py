@@ -48,6 +48,13 @@ def test_a_row_prints_ours_next_to_the_formulas(capsys):
     assert bench.main(["--rows", "2T"]) == 2
 
 
+def test_rows_are_planned_with_in_place_updates_unless_told_not_to():
+    """The peak formula's 16 bytes per parameter hold one copy of the weights and Adam's state (Megatron updates
+    them in place), so the script donates them by default."""
+    assert bench.parse_args([]).donate is True
+    assert bench.parse_args(["--no-donate"]).donate is False and bench.parse_args(["--donate"]).donate is True
+
+
 MEGATRON_LM = sr.LMConfig(layers=4, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, remat="full", tied=True,
                           bias=True)
 

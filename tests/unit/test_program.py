@@ -6,6 +6,7 @@ import pytest
 
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
+from spmd_runtime.program_check import ProgramError, check_program
 
 MESH = sr.Mesh((2, 4), ("data", "model"))
 
@@ -43,6 +44,72 @@ def test_buffers_are_freed_after_last_use():
     assert program.peak_bytes() == 1280 + 128 + 256
     # donated inputs die at their last use: x and w1 at the first einsum, before the partial exists
     assert mlp_program(donate=(0, 1, 2)).peak_bytes() == 1280 + 128
+
+
+def test_peak_breakdown_lists_what_is_live_at_the_peak():
+    # the peak of test_buffers_are_freed_after_last_use: the three inputs, the tanh'd einsum, the partial
+    found = mlp_program().peak_breakdown()
+    assert [b.nbytes for b in found] == [512, 512, 256, 256, 128]
+    assert {b.what for b in found if b.what.startswith("input")} == {"input x", "input w1", "input w2"}
+    assert "float32[4,8]" in [b.type for b in found] and all(b.where == "" for b in found)
+    assert [b.nbytes for b in mlp_program().peak_breakdown(top=2)] == [512, 512]
+    # donated inputs die at their last use: the breakdown still sums to the peak
+    assert sum(b.nbytes for b in mlp_program(donate=(0, 1, 2)).peak_breakdown()) == 1280 + 128
+
+
+def ring_program():
+    """A scan that writes each step's row into a carried buffer (a saved-input ring) and stacks its sums; its
+peak is inside the loop (a [64, 64] temporary)."""
+    def f(ring, xs):
+        def body(buf, x_i):
+            row, i = x_i
+            square = snp.tanh(snp.expand_dims(row, 1) * snp.expand_dims(row, 0))  # [64, 64]: the loop's peak
+            y = snp.sum(square, axis=0)
+            return snp.dynamic_update_slice(buf, snp.expand_dims(y, 0), [i, 0]), snp.sum(y)
+        return sr.scan(body, ring, (xs, snp.arange(4)))
+    graph = sr.trace(f, sr.TensorSpec((4, 64), "float32"), sr.TensorSpec((4, 64), "float32"))
+    return sr.partition(graph, sr.Mesh((1,), ("x",)), in_specs=[(None, None), (None, None)]), f
+
+
+def test_peak_breakdown_inside_a_loop_sums_to_the_peak_and_names_the_loop():
+    program, _ = ring_program()
+    found = program.peak_breakdown()
+    assert sum(b.nbytes for b in found) == program.peak_bytes()
+    inside = [b for b in found if b.where]
+    assert inside and all(" scan > " in b.where for b in inside)
+    assert any(b.what == "stacked ys" and b.nbytes == 4 * 4 for b in inside)  # 4 float32 sums
+
+
+def test_a_carried_buffer_updated_slot_by_slot_is_written_in_place_and_computes_the_same():
+    program, f = ring_program()
+    (scan_ins,) = [i for i in program.instrs if i.op == "scan"]
+    body = scan_ins.attrs["body"]
+    (dus,) = [i for i in body.instrs if i.op == "dynamic_update_slice"]
+    assert dus.donate == 0 and 0 in body.written_inputs  # into the carry's own buffer, not a copy of it
+    # the body holds no second ring: its peak beyond its inputs is below one ring (4 x 64 float32)
+    assert body.peak_bytes() - sum(body.input_bytes()) < 4 * 64 * 4 + 64 * 64 * 4
+    rng = np.random.default_rng(0)
+    ring, xs = rng.standard_normal((4, 64)).astype(np.float32), rng.standard_normal((4, 64)).astype(np.float32)
+    before = ring.copy()
+    got = sr.run(program, ring, xs)
+    want = sr.evaluate(sr.trace(f, ring, xs), ring, xs)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    np.testing.assert_array_equal(ring, before)  # the caller's array is never written (the loop's own copy)
+
+
+def test_a_saved_program_keeps_its_in_place_update_and_refuses_a_bad_one(tmp_path):
+    program, f = ring_program()
+    program.save(tmp_path / "ring.json")
+    loaded = sr.load_program(tmp_path / "ring.json")
+    assert loaded.hash == program.hash and "dynamic_update_slice(%" in str(loaded) and "!, %" in str(loaded)
+    body = next(i for i in loaded.instrs if i.op == "scan").attrs["body"]
+    k = next(k for k, i in enumerate(body.instrs) if i.op == "dynamic_update_slice")
+    check_program(body)
+    dus = body.instrs[k]  # its result larger than the buffer it is written into
+    body.instrs[k] = dus.copy(shape=(dus.shape[0] + 1,) + dus.shape[1:])
+    with pytest.raises(ProgramError, match="dynamic_update_slice rule"):
+        check_program(body)
 
 
 def test_save_load_roundtrip_keeps_hash_and_text(tmp_path):
