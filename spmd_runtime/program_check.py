@@ -27,6 +27,8 @@ from .collective_kinds import BY_DONE, BY_START, KINDS, WORLD
 from .cost import group_size
 from .dtypes import LOW_PRECISION, dtype as parse_dtype
 from .graph import PARAMETER
+from .ops.decompositions import ROUTINES as MATRIX_ROUTINES
+from .ops.fft import ONE_D as FFT_ONE_D, N_D as FFT_N_D
 from .ops.core import (BROADCAST_IN_DIM, CONSTANT, CONVERT, REDUCE, REDUCE_KINDS, RESHAPE, SELECT, STOP_GRADIENT,
                        TRANSPOSE, reduction)  # noqa: F401  (reduction: re-exported)
 from .ops.einsum import EINSUM
@@ -37,7 +39,10 @@ from .ops.windows import WINDOW_EDGE
 from .ops.spmd import FUSED_REDUCE, FUSION, MASK_PADDING, ROTATED_CONCAT, SHARD_INDEX, SHARD_SLICE
 
 STRING_ATTRIBUTES = {"output": frozenset({"values", "indices"}),  # top_k: which of its two results
-                     "combine": frozenset(SCATTER_KINDS), "mode": frozenset({"clip", "wrap"}),  # scatter, take
+                     "combine": frozenset(SCATTER_KINDS), "mode": frozenset({"clip", "wrap", "reduced", "complete"}),
+                     # scatter, take; qr's: which Q and R
+                     "fn": frozenset(MATRIX_ROUTINES) | frozenset(FFT_ONE_D) | frozenset(FFT_N_D),  # linalg, fft
+                     "norm": frozenset({"backward", "ortho", "forward"}),  # fft's scaling
                      **{name: frozenset(allowed) for kind in KINDS.values() for name, allowed in kind.strings}}
 BODY_ATTRIBUTES = ("body", "cond", "branches")  # control instructions (ops/control.py) hold programs
 EINSUM_SPEC = re.compile(r"^[A-Za-z]*(,[A-Za-z]*)*->[A-Za-z]*$")

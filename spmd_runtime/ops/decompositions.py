@@ -45,7 +45,7 @@ def _matrices(x, what: str, square: bool = True) -> Tensor:
 
 
 def _emit(fn: str, operands, shape, dtype, output: int = 0, **attrs) -> Tensor:
-    return emit(MATRIX_FUNCTION, list(operands), {"fn": fn, "output": output, **attrs}, tuple(shape), np.dtype(dtype))
+    return emit(MATRIX_FUNCTION, list(operands), {"fn": fn, "part": output, **attrs}, tuple(shape), np.dtype(dtype))
 
 
 def _real(dtype) -> np.dtype:
@@ -173,6 +173,9 @@ ROUTINES = tuple(_ROUTINES)
 
 
 @opdef.kernel(MATRIX_FUNCTION)
-def _matrix_function_kernel(xp, *operands, fn, output, **attrs):
-    out = _ROUTINES[fn](xp, *operands, **attrs)
-    return out[output] if isinstance(out, tuple) else out
+def _matrix_function_kernel(xp, *operands, fn, part, upper=None, mode=None, full_matrices=None, rtol=None,
+                            vector=None):
+    """The routines' keywords named one by one (a program file's attributes are checked against them)."""
+    given = {"upper": upper, "mode": mode, "full_matrices": full_matrices, "rtol": rtol, "vector": vector}
+    out = _ROUTINES[fn](xp, *operands, **{k: v for k, v in given.items() if v is not None})
+    return out[part] if isinstance(out, tuple) else out

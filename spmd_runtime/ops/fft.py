@@ -27,6 +27,7 @@ __all__ = ["fft", "ifft", "fftn", "ifftn", "rfft", "irfft", "rfftn", "irfftn", "
 FFT = define("fourier_transform")  # not "fft": that is also a function (and a namespace) name
 NORMS = ("backward", "ortho", "forward")
 ONE_D = ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft")
+N_D = ("fftn", "ifftn", "rfftn", "irfftn")
 HALF_IN = ("irfft", "hfft", "irfftn")  # take a half spectrum: the last axis grows to n (default 2 * (m - 1))
 HALF_OUT = ("rfft", "ihfft", "rfftn")  # make one of real input: the last axis shrinks to n // 2 + 1
 REAL_OUT = ("irfft", "hfft", "irfftn")
@@ -62,7 +63,7 @@ def _transform(fn: str, x, s, axes, norm) -> Tensor:
         raise ValueError(f"fft.{fn} transforms real input (its spectrum is Hermitian); got {x.dtype} (use fft.fft)")
     real = _component(x.dtype)
     dtype = real if fn in REAL_OUT else _complex(real)
-    return emit(FFT, [x], {"fn": fn, "s": tuple(lengths), "axes": axes, "norm": norm}, tuple(shape), dtype)
+    return emit(FFT, [x], {"fn": fn, "s": tuple(lengths), "dims": axes, "norm": norm}, tuple(shape), dtype)
 
 
 def _component(dtype) -> np.dtype:
@@ -133,7 +134,8 @@ def ifftshift(x, /, *, axes=None) -> Tensor:
 
 # ================================================================ kernel
 @opdef.kernel(FFT)
-def _fft_kernel(xp, x, fn, s, axes, norm):
+def _fft_kernel(xp, x, fn, s, dims, norm):  # "dims", not "axes": a program's "axes" name mesh axes
+    axes = dims
     routine = getattr(xp.fft, fn)  # fn comes from a program: one of the names above
     if fn not in ONE_D + ("fftn", "ifftn", "rfftn", "irfftn"):
         raise ValueError(f"unknown transform {fn!r}")

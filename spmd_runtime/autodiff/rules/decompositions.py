@@ -29,7 +29,7 @@ def _det_vjp(node, g, ops, y):
 
 
 def _slogdet_vjp(node, g, ops, y):
-    return [None] if node.attrs["output"] == 0 else [lambda: _scaled(g, _t(inv(ops[0])))]
+    return [None] if node.attrs["part"] == 0 else [lambda: _scaled(g, _t(inv(ops[0])))]
 
 
 def _solve_vjp(node, g, ops, y):

@@ -20,14 +20,14 @@ def whole_on(s: Sharding, axes) -> Sharding:
 @propagation(FFT, level=BROADCAST_LEVEL)
 def _fft_propagation():
     def fwd(node, ins, g, mesh):
-        return None if ins[0] is None else whole_on(ins[0], node.attrs["axes"])
+        return None if ins[0] is None else whole_on(ins[0], node.attrs["dims"])
 
     def bwd(node, out, ins, g, mesh):
-        return [whole_on(out, node.attrs["axes"])]
+        return [whole_on(out, node.attrs["dims"])]
     return fwd, bwd
 
 
 @partition(FFT)
 def _fft_partition(ctx, node):
-    layout = whole_on(ctx.sharding(node.id), node.attrs["axes"])
+    layout = whole_on(ctx.sharding(node.id), node.attrs["dims"])
     return ctx.emit_like(node, FFT, [ctx.reshard(ctx.value(node.inputs[0]), layout)], node.attrs, layout)
