@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -46,9 +47,11 @@ def run_suite(namespace: str, suite: Path, args, report: Path, target: str = "ar
                f'if [ "$PMI_RANK" != 0 ]; then exec "$@" --junitxml=/dev/null >/dev/null 2>&1; else exec "$@"; fi',
                "rank"] + cmd
     print(f"$ ({namespace}) {' '.join(cmd)}", flush=True)
+    start = time.perf_counter()
     try:
         subprocess.run(cmd, cwd=suite, env=env, stdout=subprocess.DEVNULL if not args.verbose else None, check=False,
                        timeout=args.file_budget)
+        print(f"  ({namespace}) {target}: {time.perf_counter() - start:.0f} s", flush=True)
     except subprocess.TimeoutExpired:
         print(f"  ({namespace}) {target}: past --file-budget {args.file_budget} s, not counted", flush=True)
 
