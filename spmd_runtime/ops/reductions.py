@@ -26,12 +26,12 @@ prod, var = core.prod, core.var
 
 def any(x, axis=None, keepdims=False) -> Tensor:  # noqa: A001  (NumPy's name)
     """Whether any entry is true: the max of bools (partial ones combine by a logical-or all-reduce)."""
-    return core.max(core.astype(x, "bool"), axis, keepdims)
+    return core.reduce("max", core.astype(x, "bool"), axis, keepdims)  # empty: False
 
 
 def all(x, axis=None, keepdims=False) -> Tensor:  # noqa: A001  (NumPy's name)
     """Whether every entry is true: the min of bools (partial ones combine by a logical-and all-reduce)."""
-    return core.min(core.astype(x, "bool"), axis, keepdims)
+    return core.reduce("min", core.astype(x, "bool"), axis, keepdims)  # empty: True
 
 
 def std(x, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correction=None) -> Tensor:
