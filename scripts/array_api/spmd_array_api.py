@@ -15,6 +15,8 @@ The draws come from a generator seeded by the test's name (``$PYTEST_CURRENT_TES
 ``$SPMD_ARRAY_API_SEED``: every rank runs the same examples in the same order, so every rank draws the same
 dims, and a test run alone (``-k``) lays its inputs out as in the whole run. ``SPMD_ARRAY_API_SHARDED=0``
 keeps everything replicated.
+
+The ranks must also take the same examples: ``spmd_suite_plugin.py`` keeps hypothesis off the clock at N ranks.
 Data-type defaults follow NumPy's (float64 / int64): the suite runs with JAX's x64 switch on (``sr.config``).
 """
 from __future__ import annotations
@@ -99,6 +101,7 @@ def _drawn_laid_out(strategy, data):
 
 
 hypothesis_array_api.ArrayStrategy.do_draw = _drawn_laid_out
+
 
 
 class _Info:
