@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--files", nargs="+", default=None, help="test files of the suite (default: every one), each run "
                     "on its own so one slow file costs only itself")
     ap.add_argument("--file-budget", type=int, default=1800, help="seconds per test file and namespace")
+    ap.add_argument("--logs", type=Path, help="a directory to keep the per-test outcome logs in (default: none kept)")
     args = ap.parse_args()
     if not (args.suite / "array-api" / "spec").is_dir():
         sys.exit(f"--suite must be a checkout of data-apis/array-api-tests with its array-api submodule "
@@ -126,11 +127,15 @@ def main() -> None:
     results = {}
     files = args.files or sorted(p.name for p in (args.suite / "array_api_tests").glob("test_*.py"))
     with tempfile.TemporaryDirectory(prefix="array_api_") as tmp:
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+        tmp = args.logs or tmp
         for name, namespace in (("spmd", "spmd_array_api"), ("numpy", "numpy")):
             if args.only in (None, name):
                 results[name] = collections.defaultdict(collections.Counter)
                 for f in files:
                     log = Path(tmp) / f"{name}-{f}.log"
+                    log.unlink(missing_ok=True)
                     run_suite(namespace, args.suite.resolve(), args, log, f"array_api_tests/{f}")
                     for where, counts in by_file(log).items():
                         results[name][where] += counts

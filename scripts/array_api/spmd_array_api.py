@@ -8,8 +8,8 @@ laid out on a drawn dim), and the namespace metadata the suite reads (``__array_
 ``__array_namespace_info__``, dtype objects).
 
 At ``mpiexec -n N`` every input array the suite draws is split over the N ranks on a drawn dim: hypothesis
-builds each one flat (``asarray`` of a list) and reshapes it (``ArrayStrategy.do_draw``), so the layout is
-chosen after that, on the array of the test's shape (``_drawn_laid_out``). Any dim may be drawn, sizes below
+builds each one flat and reshapes it (``ArrayStrategy.do_draw``); here it does so on the host with NumPy, and
+the layout is chosen after that, on the array of the test's shape (``_drawn_laid_out``). Any dim may be drawn, sizes below
 N included (some ranks then hold empty blocks: the uneven case) and size 0; a 0-d array stays replicated.
 The draws come from a generator seeded by the test's name (``$PYTEST_CURRENT_TEST``) and the seed
 ``$SPMD_ARRAY_API_SEED``: every rank runs the same examples in the same order, so every rank draws the same
@@ -21,8 +21,8 @@ Data-type defaults follow NumPy's (float64 / int64): the suite runs with JAX's x
 """
 from __future__ import annotations
 
-import contextlib
 import os
+import sys
 import zlib
 
 import numpy as np
@@ -53,7 +53,7 @@ def __getattr__(name):
 
 class _Draws:
     """The split dims: a generator seeded by (SEED, the current test's name), reseeded when the test changes."""
-    test, rng, building = None, None, False
+    test, rng = None, None
 
     @classmethod
     def dim(cls, ndim: int) -> int:
@@ -63,41 +63,39 @@ class _Draws:
         return int(cls.rng.integers(ndim))
 
 
-def laid_out(x):
-    """``x`` (host data or a DArray) split over the world on a drawn dim; 0-d (or unsharded runs): replicated."""
-    if not SHARDED or x.ndim == 0:
-        return x if isinstance(x, sr.DArray) and x.sharding.is_replicated else sr.device_put(x, sr.P(), MESH)
-    return sr.device_put(x, sr.P(*([None] * _Draws.dim(x.ndim)), "x"), MESH)
+def laid_out(host: np.ndarray) -> sr.DArray:
+    """``host`` split over the world on a drawn dim; 0-d (or unsharded runs): replicated."""
+    spec = sr.P(*([None] * _Draws.dim(host.ndim)), "x") if SHARDED and host.ndim else sr.P()
+    return sr.device_put(host, spec, MESH)
 
 
 def asarray(obj, /, *, dtype=None, device=None, copy=None):
-    """Python data or an array as a DArray (a DArray stays as it is, cast where ``dtype`` asks). While hypothesis
-    builds an input (flat, then reshaped) it stays replicated: the input is laid out once it has its shape."""
+    """Python data or an array as a DArray. A DArray stays as it is unless ``dtype`` asks for a cast or ``copy``
+    for a copy (its own block: ``x[i] = v`` on either leaves the other as it was); ``copy=False`` refuses a cast."""
     if isinstance(obj, sr.DArray):
-        return obj if dtype is None or np.dtype(dtype) == obj.dtype else snp.astype(obj, dtype)
-    host = np.asarray(obj, dtype=dtype)
-    return sr.device_put(host, sr.P(), MESH) if _Draws.building else laid_out(host)
-
-
-@contextlib.contextmanager
-def _building():
-    _Draws.building = True
-    try:
-        yield
-    finally:
-        _Draws.building = False
+        if dtype is not None and np.dtype(dtype) != obj.dtype:
+            if copy is False:
+                raise ValueError(f"asarray(copy=False) cannot cast without a copy; got a DArray of {obj.dtype} and "
+                                 f"dtype={np.dtype(dtype)}")
+            return snp.astype(obj, dtype)
+        return sr.DArray(obj.local.copy(), obj.shape, obj.dtype, obj.mesh, obj.sharding, obj.comm) if copy else obj
+    return laid_out(np.asarray(obj, dtype=dtype))
 
 
 _drawn = hypothesis_array_api.ArrayStrategy.do_draw
 
 
 def _drawn_laid_out(strategy, data):
-    """hypothesis's array, built replicated, then laid out on a drawn dim (arrays of other namespaces: as drawn)."""
+    """hypothesis's array of this namespace, built on the host by NumPy (flat, its elements read back, reshaped:
+    the harness's own steps, not the tests'), then laid out once on a drawn dim of its shape."""
     if strategy.xp.__name__ != __name__:
         return _drawn(strategy, data)
-    with _building():
-        x = _drawn(strategy, data)
-    return laid_out(x)
+    strategy.xp = np
+    try:
+        host = _drawn(strategy, data)
+    finally:
+        strategy.xp = sys.modules[__name__]
+    return laid_out(host)
 
 
 hypothesis_array_api.ArrayStrategy.do_draw = _drawn_laid_out
