@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util.dtlib import to_numpy_dtype
 
 from spmd_runtime.comm import jobguard, watchdog
 from spmd_runtime.comm.agreement import AgreedError, agree  # noqa: F401  (AgreedError: re-exported, its old home)
@@ -35,6 +36,20 @@ _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "prod": MPI.LAND}
 _BOOL = np.dtype(np.bool_)
 
 
+def _nan_propagating(ufunc):
+    """An MPI op computing ``ufunc`` (np.maximum / np.minimum): NaN wins, as in NumPy's max / min. MPI's MAX / MIN
+    compare, so a NaN is kept or dropped by the reduction order, which differs between ranks: ranks got different
+    maxima (NaN on some, a number on others)."""
+    def combine(invec, inoutvec, datatype):
+        dtype = to_numpy_dtype(datatype)
+        ufunc(np.frombuffer(invec, dtype), np.frombuffer(inoutvec, dtype), out=np.frombuffer(inoutvec, dtype))
+    return MPI.Op.Create(combine, commute=True)
+
+
+_FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
+NAN_PROPAGATING = {"max": _nan_propagating(np.maximum), "min": _nan_propagating(np.minimum)}
+
+
 def mpi_op(op: str, dtype=None, kind: str = "a reduction"):
     """The MPI op that reduces ``dtype`` buffers as NumPy's ``op`` ('sum' | 'max' | 'min' | 'prod') does (None: the op by
     name alone). A dtype the collective ``kind`` cannot reduce (dtypes.collective_refusal: complex max/min, a
@@ -46,6 +61,8 @@ def mpi_op(op: str, dtype=None, kind: str = "a reduction"):
     refusal = collective_refusal(kind, dtype, op)
     if refusal is not None:
         raise TypeError(refusal)
+    if np.dtype(dtype) in _FLOAT_TYPES and op in NAN_PROPAGATING:
+        return NAN_PROPAGATING[op]
     return _BOOL_OPS[op] if np.dtype(dtype) == _BOOL else _OPS[op]
 
 

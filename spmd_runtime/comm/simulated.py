@@ -31,11 +31,14 @@ from collections import defaultdict
 import numpy as np
 from mpi4py import MPI
 
+from spmd_runtime.comm.communicator import NAN_PROPAGATING  # float max / min: NumPy's, as here
+
 # mpi4py Op objects are unhashable: look them up by equality. Per op: its ufunc, its name, and the NumPy dtype
 # kinds of the MPI datatypes it is defined on (the MPI standard's table; float16 is MPICH's MPIX_C_FLOAT16).
 _REDUCTIONS = ((MPI.SUM, np.add, "SUM", "iufc"), (MPI.MAX, np.maximum, "MAX", "iuf"),
                (MPI.MIN, np.minimum, "MIN", "iuf"), (MPI.PROD, np.multiply, "PROD", "iufc"), (MPI.LOR, np.logical_or, "LOR", "biu"),
-               (MPI.LAND, np.logical_and, "LAND", "biu"))
+               (MPI.LAND, np.logical_and, "LAND", "biu"),
+               (NAN_PROPAGATING["max"], np.maximum, "MAX", "f"), (NAN_PROPAGATING["min"], np.minimum, "MIN", "f"))
 # The typecodes mpi4py maps to an MPI datatype (MPI.Datatype.fromcode): a buffer of any other dtype fails.
 _MPI_TYPECODES = frozenset("?bBhHiIlLqQefdgFDG")
 

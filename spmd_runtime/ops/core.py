@@ -523,8 +523,25 @@ def sum(x, axis=None, keepdims=False, dtype=None):
     return _reduce("sum", x, axis, keepdims, dtype)
 
 
-def max(x, axis=None, keepdims=False): return _reduce("max", x, axis, keepdims)
-def min(x, axis=None, keepdims=False): return _reduce("min", x, axis, keepdims)
+def max(x, axis=None, keepdims=False): return _reduce("max", _nonempty(x, axis, "max"), axis, keepdims)
+def min(x, axis=None, keepdims=False): return _reduce("min", _nonempty(x, axis, "min"), axis, keepdims)
+
+
+def reduce(kind: str, x, axis=None, keepdims=False) -> Tensor:
+    """The ``kind`` reduction (one of REDUCE_KINDS) with no check: the max / min of an empty extent is the
+    identity (``reduce_identity``), as ``any`` / ``all`` of bools want (False / True)."""
+    return _reduce(kind, x, axis, keepdims)
+
+
+def _nonempty(x, axis, kind: str) -> Tensor:
+    """``x``, refused where a reduced dim has size 0 (NumPy's error: max / min of nothing has no value; the local
+    kernel of a rank with an empty block takes the identity instead, so the global reduction is decided here)."""
+    x = asarray(x)
+    axes = range(x.ndim) if axis is None else [normalize_axis(a, x.ndim) for a in as_tuple(axis)]
+    if any(x.shape[a] == 0 for a in axes):
+        raise ValueError(f"{kind} of a zero-size array has no identity: it needs at least one element along each "
+                         f"reduced axis; got shape {list(x.shape)}, axis {axis!r}")
+    return x
 
 
 amax, amin = max, min
@@ -678,6 +695,9 @@ def _reduce_kernel(xp, x, kind, axes, into=None):
         return _row_sums(x, len(axes), into)
     if kind == "sum" and x.dtype.kind in "biu":  # a sum in bool (logical or) or an integer: in its declared
         return xp.sum(x, axis=tuple(axes), dtype=x.dtype, out=into)  # dtype, never NumPy's wider one
+    if kind in ("max", "min") and any(x.shape[a] == 0 for a in axes):  # a rank's empty block of an uneven split:
+        return reduction(xp, kind)(x, axis=tuple(axes), out=into,  # the identity, which the cross-rank max / min
+                                   initial=reduce_identity(kind, x.dtype))  # ignores (the front end refuses all-empty)
     if into is not None:  # a buffer planned for the result (exec/buffers.py)
         return reduction(xp, kind)(x, axis=tuple(axes), out=into)
     return reduction(xp, kind)(x, axis=tuple(axes))  # kind comes from a program: allow-listed

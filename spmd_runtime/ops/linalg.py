@@ -95,7 +95,7 @@ def diagonal(a, offset=0, axis1=0, axis2=1) -> Tensor:
     n1, n2 = x.shape[-2:]
     on = core.equal(broadcasted_iota("int64", (n1, n2), 1), broadcasted_iota("int64", (n1, n2), 0) + offset)
     picked = core.where(core.broadcast_to(on, x.shape), x, np.zeros((), x.dtype))
-    rows = core.max(picked, axis=-1) if x.dtype == np.bool_ else core.sum(picked, axis=-1, dtype=x.dtype)
+    rows = core.reduce("max", picked, axis=-1) if x.dtype == np.bool_ else core.sum(picked, axis=-1, dtype=x.dtype)
     first = max(-offset, 0)
     length = max(0, min(n1 - first, n2 - max(offset, 0)))
     return slice_in_dim(rows, first, first + length, axis=-1)

@@ -9,7 +9,6 @@ exclusive form also gives ``prod``'s gradient without dividing by zeros (``autod
 from __future__ import annotations
 
 import math
-from builtins import any as builtins_any
 
 import numpy as np
 
@@ -26,29 +25,13 @@ prod, var = core.prod, core.var
 
 
 def any(x, axis=None, keepdims=False) -> Tensor:  # noqa: A001  (NumPy's name)
-    """Whether any entry is true: the max of bools (partial ones combine by a logical-or all-reduce); False over
-    no entries."""
-    x = core.astype(x, "bool")
-    empty = _of_nothing(x, axis, keepdims, False)
-    return core.max(x, axis, keepdims) if empty is None else empty
+    """Whether any entry is true: the max of bools (partial ones combine by a logical-or all-reduce)."""
+    return core.reduce("max", core.astype(x, "bool"), axis, keepdims)  # empty: False
 
 
 def all(x, axis=None, keepdims=False) -> Tensor:  # noqa: A001  (NumPy's name)
-    """Whether every entry is true: the min of bools (partial ones combine by a logical-and all-reduce); True over
-    no entries."""
-    x = core.astype(x, "bool")
-    empty = _of_nothing(x, axis, keepdims, True)
-    return core.min(x, axis, keepdims) if empty is None else empty
-
-
-def _of_nothing(x, axis, keepdims, value) -> Tensor | None:
-    """``value`` in the shape of a reduction of ``x`` over ``axis`` when that reduces an empty dim (a max or min of
-    nothing has no value; NumPy's any / all do), else None."""
-    axes = tuple(range(x.ndim)) if axis is None else tuple(normalize_axis(a, x.ndim) for a in as_tuple(axis))
-    if not builtins_any(x.shape[a] == 0 for a in axes):
-        return None
-    shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape) if keepdims or i not in axes)
-    return core.full(shape, value, "bool")
+    """Whether every entry is true: the min of bools (partial ones combine by a logical-and all-reduce)."""
+    return core.reduce("min", core.astype(x, "bool"), axis, keepdims)  # empty: True
 
 
 def std(x, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correction=None) -> Tensor:

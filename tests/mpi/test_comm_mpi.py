@@ -451,3 +451,19 @@ def test_a_complex_max_is_refused_at_bind_on_every_rank(kind, attrs, make_mc):
     with pytest.raises(TypeError, match=rf"not supported: {kind} of complex64 with op '{attrs['op']}'"):
         collectives.bind(mc, kind, np, (2 * mesh.size, 2), np.complex64, axes=mesh.axis_names, **attrs)
     WORLD.Barrier()  # every rank refused alike: none is left in a collective
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_max_min_all_reduce_propagates_nan_on_every_rank_as_numpy(op, dtype):
+    """MPI's MAX / MIN compare, so a NaN survives or not by the reduction order, which differs between ranks
+    (the Array API suite's max of an array with NaNs split over 4 ranks: NaN on some ranks, a number on others)."""
+    from spmd_runtime.comm.communicator import mpi_op
+    comm, r = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank()
+    send = np.array([np.nan if r == comm.Get_size() - 1 else r, r, -r, np.inf if r == 0 else 0.5], dtype)
+    recv = np.empty_like(send)
+    comm.Allreduce(send, recv, mpi_op(op, send.dtype))
+    want = getattr(np, op)(np.array(comm.allgather(send)), axis=0)
+    np.testing.assert_array_equal(recv, want)
+    assert np.isnan(recv[0])
