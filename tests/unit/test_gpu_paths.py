@@ -218,7 +218,7 @@ class FakeCupy(types.ModuleType):
             raise TypeError(f"Unsupported type {type(obj)}: a NumPy array meets device arrays; "
                             f"move it with xp.asarray first (shape {obj.shape})")
         if isinstance(obj, (tuple, list)):
-            return type(obj)(self.unwrap(o, allow_host) for o in obj)
+            return _same_kind(obj, [self.unwrap(o, allow_host) for o in obj])
         if isinstance(obj, dict):
             return {k: self.unwrap(v, allow_host) for k, v in obj.items()}
         return obj
@@ -228,8 +228,13 @@ class FakeCupy(types.ModuleType):
         if isinstance(obj, (np.ndarray, np.generic)):
             return FakeDeviceArray(np.asarray(obj), self)
         if isinstance(obj, (tuple, list)):
-            return type(obj)(self.wrap(o) for o in obj)
+            return _same_kind(obj, [self.wrap(o) for o in obj])
         return obj
+
+
+def _same_kind(obj, items: list):
+    """``items`` in a sequence of ``obj``'s type: a named tuple (NumPy's linalg results) takes them positionally."""
+    return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
 
 
 @pytest.fixture
