@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
+
 from .. import pytree
 from ..dtypes import is_floating
 from ..graph import Node
@@ -94,6 +96,9 @@ def backward_from(seeds: dict, wrt: list[Tensor], start: int) -> list[Tensor]:
             raise NotImplementedError(f"reverse-mode differentiation needs a VJP rule for every op on the path "
                                       f"to the output; got none for op {node.op!r} (%{node.id} {node.spec})")
         operands = [Tensor(g, i) for i in node.inputs]
+        for x in operands:
+            if x.id in active:
+                _refuse_complex(x, node)
         previous = set_source(node.source)  # the cotangent's ops are at the user's line of the node
         try:
             results = rule(node, cts.pop(node.id), operands, Tensor(g, node.id))
@@ -170,12 +175,26 @@ def _check_output(out):
 
 
 def _active_nodes(g, wrt: set[int], start: int, stop: int) -> set[int]:
-    """Floating nodes in ``start..stop`` that depend on ``wrt``, plus ``wrt``: the ones that carry gradients."""
+    """Floating (and complex) nodes in ``start..stop`` that depend on ``wrt``, plus ``wrt``: the ones that carry
+    gradients."""
     active = set(wrt)
     for node in g.nodes[start:stop + 1]:
-        if any(i in active for i in node.inputs) and is_floating(node.dtype):
-            active.add(node.id)
+        if any(i in active for i in node.inputs) and (is_floating(node.dtype) or _is_complex(node.dtype)):
+            active.add(node.id)  # complex ones too: backward_from refuses them if a gradient reaches them
     return active
+
+
+def _is_complex(dt) -> bool:
+    return np.dtype(dt).kind == "c"
+
+
+def _refuse_complex(x: Tensor, node: Node) -> None:
+    """A gradient reaching a complex value: the rules carry real cotangents only, so it would be lost (zeros)."""
+    if _is_complex(x.dtype):
+        raise NotImplementedError(f"reverse-mode differentiation through complex values is not supported; got the "
+                                  f"gradient of op {node.op!r} (%{node.id}) flowing into the complex %{x.id} "
+                                  f"{x.dtype.name}{list(x.shape)} (make the path from the differentiated inputs to "
+                                  f"the output real)")
 
 
 def _accumulate(cts: dict, x: Tensor, ct: Tensor, node: Node):

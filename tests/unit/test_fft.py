@@ -61,3 +61,22 @@ def test_bad_input_is_refused_naming_the_rule(call, match):
 def test_a_gradient_through_a_transform_is_refused_by_name():
     with pytest.raises(NotImplementedError, match="fft.irfft has no VJP"):
         sr.trace(grad(lambda a: snp.sum(snp.fft.irfft(a))), np.ones(4))
+
+
+@pytest.mark.parametrize("complex_path", [
+    lambda a: snp.sum(snp.real(snp.fft.fft(a))),  # a complex intermediate between real input and real output
+    lambda a: snp.sum(snp.imag(a * (1 + 2j))),
+    lambda a: snp.sum(snp.real(snp.astype(a, "complex64") * 3.0)),
+], ids=["fft", "scaled by a complex", "cast to complex"])
+def test_a_gradient_through_complex_values_is_refused_not_zero(complex_path):
+    # the autodiff carries real cotangents only: without the refusal these gradients came out as zeros, silently
+    with pytest.raises(NotImplementedError, match="through complex values"):
+        sr.trace(grad(complex_path), np.ones(4, np.float32))
+
+
+def test_a_complex_value_off_the_gradients_path_is_no_error():
+    def f(a):
+        snp.fft.fft(a)  # depends on the input, but no gradient reaches it
+        return snp.sum(a * a)
+    graph = sr.trace(grad(f), np.ones(4, np.float32))
+    assert graph is not None
