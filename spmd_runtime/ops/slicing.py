@@ -26,7 +26,7 @@ import operator
 
 import numpy as np
 
-from .. import opdef
+from .. import dtypes, opdef
 from ..opdef import define
 from ..trace import Tensor, emit
 from . import core
@@ -222,8 +222,8 @@ def arange(start, /, stop=None, step=1, *, dtype=None, device=None) -> Tensor:
     if any(isinstance(v, Tensor) for v in (start, stop, step)) or step == 0:
         raise ValueError(f"arange takes static bounds and a non-zero step; got start={start}, stop={stop}, "
                          f"step={step}")
-    dtype = np.dtype(dtype) if dtype is not None else np.result_type(*[np.asarray(v).dtype
-                                                                        for v in (start, stop, step)])
+    # JAX's dtype: Python bounds are weak (int32 / float32 without x64), NumPy scalars their canonical type
+    dtype = np.dtype(dtype) if dtype is not None else dtypes.result_type(start, stop, step)
     if all(isinstance(v, (int, np.integer)) for v in (start, stop, step)):
         count = len(range(int(start), int(stop), int(step)))
     else:

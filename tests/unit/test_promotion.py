@@ -147,3 +147,17 @@ def test_x64_switch_by_config_and_by_environment(monkeypatch):
 def test_an_unknown_dtype_is_refused_naming_it():
     with pytest.raises(TypeError, match=r"type promotion knows .*got <U1"):
         dtypes.result_type(np.array(["a"]))
+
+
+@pytest.mark.parametrize("x64, bounds, want", [
+    (False, (3,), "int32"), (False, (3.0,), "float32"), (False, (np.int64(3),), "int32"), (False, (0, 3, 0.5), "float32"),
+    (True, (3,), "int64"), (True, (3.0,), "float64"), (True, (np.int32(3),), "int32")])
+def test_arange_takes_jax_dtypes(x64, bounds, want):
+    # jnp.arange: Python bounds are weak (the default int / float), NumPy scalars their canonical type
+    mesh = sr.Mesh((1,), ("x",))
+    previous = sr.config.enable_x64
+    sr.config.update("enable_x64", x64)
+    try:
+        assert sr.jit(lambda: snp.arange(*bounds), mesh=mesh)().dtype == np.dtype(want)
+    finally:
+        sr.config.update("enable_x64", previous)
