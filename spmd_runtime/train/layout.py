@@ -62,11 +62,17 @@ class ParamLayout:
 
     def hold(self, arrays: dict) -> dict:
         """NumPy arrays of the declared shapes (a state dict's) as the held ones: row-major views, no copy."""
-        return {n: np.reshape(w, self.held_shapes[n]) for n, w in arrays.items()}
+        return held_views(arrays, self.held_shapes)
 
     def release(self, arrays: dict) -> dict:
         """Held arrays (NumPy or DArrays, gathered) back in the declared shapes, to save as a state dict."""
         return {n: np.reshape(np.asarray(w), self.shapes[n]) for n, w in arrays.items()}
+
+
+def held_views(arrays: dict, held_shapes: dict) -> dict:
+    """Arrays of the declared shapes as the held ones (``ParamRole.held_shape``): row-major views, no copy. The
+    one rule ``ParamLayout.hold`` and ``Model.held_params`` share."""
+    return {n: np.reshape(w, held_shapes[n]) for n, w in arrays.items()}
 
 
 def param_layout(shapes: dict, roles: dict, mesh: Mesh, preset: Preset) -> ParamLayout:

@@ -28,7 +28,7 @@ from ..graph import TensorSpec
 from ..mesh import Mesh
 from ..models.roles import ParamRole
 from ..optim import Optimizer
-from .layout import Layout, model_layout
+from .layout import Layout, held_views, model_layout
 from .presets import Preset
 from .step import TOKEN_DTYPE, update_step_fn
 
@@ -86,7 +86,7 @@ class Model:
 
     def held_params(self, arrays: dict) -> dict:
         """Arrays of the declared shapes as the held ones (row-major views, no copy)."""
-        return {n: np.reshape(w, self.held_specs[n].shape) for n, w in arrays.items()}
+        return held_views(arrays, {n: s.shape for n, s in self.held_specs.items()})
 
     def __repr__(self):
         count = sum(int(np.prod(s.shape)) for s in self.specs.values())
