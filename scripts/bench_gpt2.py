@@ -37,18 +37,21 @@ HYPER = {"lr": 6e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}  # 
 F32 = 4
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_side_by_side_args(p: argparse.ArgumentParser, torch_threads: int, torch_threads_help: str | None = None,
+                          **config) -> None:
+    """The flags every GPT-2 script here shares (this one, gpt2_loss_curves.py): where nanoGPT and torch are,
+    our launcher, and the model config (``config``: defaults of layers, d, heads, vocab, batch, seq)."""
     p.add_argument("--nanogpt", default="/work/scratch/nanogpt", help="directory with nanoGPT's model.py")
     p.add_argument("--torch-python", default="/tmp/torchvenv/bin/python")
-    p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--torch-threads", type=int, default=torch_threads, help=torch_threads_help)
     p.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"))
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--d", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
+    for name in ("layers", "d", "heads", "vocab", "batch", "seq"):
+        p.add_argument(f"--{name}", type=int, default=config[name])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_side_by_side_args(p, 2, layers=12, d=768, heads=12, vocab=50304, batch=4, seq=256)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (after one warm-up step)")
     p.add_argument("--runs", default="1:dp,2:dp,2:fsdp,2:megatron,4:dp,4:fsdp,4:megatron",

@@ -32,17 +32,8 @@ THREAD_VARS = bench_gpt2.THREAD_VARS
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nanogpt", default="/work/scratch/nanogpt", help="directory with nanoGPT's model.py")
-    p.add_argument("--torch-python", default="/tmp/torchvenv/bin/python")
-    p.add_argument("--torch-threads", type=int, default=1, help="(only numbers are compared: 1 is fastest on a "
-                                                                 "loaded machine)")
-    p.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"))
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--d", type=int, default=96)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
+    bench_gpt2.add_side_by_side_args(p, 1, "(only numbers are compared: 1 is fastest on a loaded machine)",
+                                     layers=12, d=96, heads=12, vocab=512, batch=4, seq=64)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dropout", type=float, default=0.1, help="for the 1-rank vs 4-rank curves")
     p.add_argument("--many", default="4:dp,4:megatron", help="the runs with dropout compared to 1 rank's")

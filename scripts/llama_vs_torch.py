@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from side_by_side import interleaved_rounds  # this directory (scripts/): the interleaved timing rounds
+
 CONFIG_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len")
 
 
@@ -238,18 +240,8 @@ def main(argv=None) -> int:
     if a.rounds:
         print(f"  forward + backward at 1 rank, {os.environ.get('OMP_NUM_THREADS', '1')} thread(s), min of "
               f"{a.steps} steps per round, interleaved rounds:")
-        ratios, torch_times, our_times = [], [], []
-        for r in range(a.rounds):
-            out = subprocess.run(cmd + ["--time-only", f"--steps={a.steps}"], check=True, env=env,
-                                 capture_output=True, text=True).stdout
-            torch_s = json.loads(out.strip().splitlines()[-1])["seconds"]
-            ours_s = time_ours(args, params, tokens, targets, a.steps)
-            ratios.append(ours_s / torch_s)
-            torch_times.append(torch_s)
-            our_times.append(ours_s)
-            print(f"    round {r + 1}: PyTorch {torch_s * 1e3:8.2f} ms   ours {ours_s * 1e3:8.2f} ms   "
-                  f"ours / PyTorch {ratios[-1]:.2f}")
-        print(f"    min ours / min PyTorch over the rounds: {min(our_times) / min(torch_times):.2f}")
+        interleaved_rounds(cmd, env, lambda steps: time_ours(args, params, tokens, targets, steps), a.rounds,
+                           a.steps)
     return 0
 
 

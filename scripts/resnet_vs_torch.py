@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_vs_torch import load, mesh_list  # noqa: E402  (this directory's sibling script)
+from side_by_side import interleaved_rounds  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -229,15 +230,8 @@ def main(argv=None) -> int:
               f"{np.abs(torch_grads[worst]).max():.2e}, {worst})")
     if a.rounds:
         print(f"  forward + backward at 1 rank, {env['OMP_NUM_THREADS']} thread(s), min of {a.steps} steps per round:")
-        torch_times, our_times = [], []
-        for r in range(a.rounds):
-            out = subprocess.run(cmd + ["--time-only", f"--steps={a.steps}"], check=True, env=env,
-                                 capture_output=True, text=True).stdout
-            torch_times.append(json.loads(out.strip().splitlines()[-1])["seconds"])
-            our_times.append(time_ours(cfg, params, stats, images, labels, a.steps))
-            print(f"    round {r + 1}: PyTorch {torch_times[-1] * 1e3:8.2f} ms   ours {our_times[-1] * 1e3:8.2f} ms   "
-                  f"ours / PyTorch {our_times[-1] / torch_times[-1]:.2f}")
-        print(f"    min ours / min PyTorch over the rounds: {min(our_times) / min(torch_times):.2f}")
+        interleaved_rounds(cmd, env, lambda steps: time_ours(cfg, params, stats, images, labels, steps), a.rounds,
+                           a.steps)
     return 0
 
 
