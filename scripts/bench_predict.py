@@ -3,6 +3,7 @@
     mpiexec -n 2 python -m spmd_runtime calibrate --hardware hw.json      # this machine's profile, once
     python scripts/bench_predict.py --hardware hw.json                    # the table below, 3 rounds
     python scripts/bench_predict.py --hardware hw.json --ranks 1 2 --presets dp megatron --scale 1 10
+    python scripts/bench_predict.py --hardware hw.json --measured OLD_LOG   # re-predict an earlier run's rows
 
 Per (config, preset, ranks): ``scripts/bench_train.py --predict`` in ``--rounds`` rounds (the rows interleaved
 within a round), each round's median step, then the minimum over rounds next to the prediction (the slowest
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,7 +42,12 @@ def main() -> None:
     ap.add_argument("--scale", type=int, nargs="+", default=[1], choices=sorted(SCALES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--measured", default=None, metavar="LOG",
+                    help="take the measured steps from this earlier run's output (its 'round ...' lines) and only "
+                         "predict, from plans (bench_train.py --partition-only): for a changed predictor")
     args = ap.parse_args()
+    if args.measured:
+        return replan(args)
     rows = [(s, p, n) for s in args.scale for p in args.presets for n in args.ranks]
     measured: dict = {row: [] for row in rows}
     predicted: dict = {}
@@ -62,6 +69,26 @@ def main() -> None:
         if measured[row]:
             m, p = min(measured[row]), predicted[row]
             print(f"{row[0]:>5} {row[1]:13s} {row[2]:>5} {m:13.4f} {p:10.4f} {p / m:9.2f}")
+
+
+def replan(args) -> None:
+    """The table of an earlier run's measured rounds (``--measured``) against predictions planned now."""
+    measured: dict = {}
+    for line in open(args.measured):
+        m = ROUND.match(line)
+        if m:
+            measured.setdefault((int(m["scale"]), m["preset"], int(m["ranks"])), []).append(float(m["seconds"]))
+    print(f"measured: {args.measured} ({max(map(len, measured.values()))} rounds); predicted now on {args.hardware}")
+    print(f"{'scale':>5} {'preset':13s} {'ranks':>5} {'measured min':>13} {'predicted':>10} {'pred/meas':>9}")
+    for (scale, preset, ranks), seconds in measured.items():
+        cmd = command(preset, ranks, scale, args.hardware, args.steps)[3:] + ["--partition-only"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        p = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["predicted_step_s"]
+        print(f"{scale:>5} {preset:13s} {ranks:>5} {min(seconds):13.4f} {p:10.4f} {p / min(seconds):9.2f}", flush=True)
+
+
+ROUND = re.compile(r"round \d+ scale +(?P<scale>\d+) (?P<preset>\S+) +(?P<ranks>\d+) ranks: measured "
+                   r"(?P<seconds>[\d.]+) s")
 
 
 if __name__ == "__main__":

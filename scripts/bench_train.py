@@ -69,6 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--predict", default=None, metavar="HARDWARE",
                     help="also print the step program.estimate predicts on this hardware profile (a file, or a "
                          "shipped name), the slowest rank's")
+    ap.add_argument("--ranks-per-node", type=int, default=None,
+                    help="with --predict: ranks per node (default: this job's; --partition-only: all on one)")
     ap.add_argument("--partition-only", action="store_true",
                     help="only trace and partition: print partition seconds and instruction counts")
     return ap.parse_args(argv)
@@ -82,10 +84,13 @@ def launcher_world_size() -> int:
     return 1
 
 
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def blas_threads(requested) -> tuple[int, object]:
     """Threads per rank, and a threadpoolctl limiter (None: set through the environment, before NumPy loads)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = requested or max(1, cores // launcher_world_size())
+    threads = requested or max(1, cores() // launcher_world_size())
     if importlib.util.find_spec("threadpoolctl") is not None:
         return threads, "threadpoolctl"
     for var in THREAD_VARS:
@@ -101,6 +106,7 @@ from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from spmd_runtime.exec import loops  # noqa: E402
+from spmd_runtime.hardware import Hardware  # noqa: E402
 from spmd_runtime.models.lm import LMConfig  # noqa: E402
 from spmd_runtime.optim import make_optimizer  # noqa: E402
 from spmd_runtime.train import build_train_step, run_on_root, train_mesh  # noqa: E402
@@ -149,6 +155,20 @@ def count_instructions(program) -> int:
     return len(program.instrs) + sum(count_instructions(b) for b in bodies)
 
 
+def predict(ts, ranks_per_node: int, ranks, threads: int) -> float:
+    """The slowest of ``ranks``' predicted steps (``program.estimate``) on ``--predict``'s hardware with
+    ``--ranks-per-node`` (default ``ranks_per_node``: the job's own placement) ranks on each node, each with
+    ``threads`` BLAS threads."""
+    hardware = Hardware.load(ARGS.predict).with_placement(ARGS.ranks_per_node or ranks_per_node, threads)
+    return max(ts.program.estimate(hardware, r).step_s for r in ranks)
+
+
+def blas_in_use() -> int:
+    """The BLAS threads NumPy's BLAS runs (threadpoolctl; the environment caps what a limit can raise)."""
+    from threadpoolctl import threadpool_info
+    return max([i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"] or [1])
+
+
 def main():
     comm = MPI.COMM_WORLD
     if LIMITER:
@@ -157,10 +177,13 @@ def main():
     ts, build_seconds = build(ARGS, comm)
     if ARGS.partition_only:
         if comm.Get_rank() == 0:
+            threads = ARGS.threads or max(1, cores() // ts.mesh.size)  # what each rank of a real run gets
+            predicted = ({"predicted_step_s": predict(ts, ts.mesh.size, range(ts.mesh.size), threads)}
+                         if ARGS.predict else {})
             print(json.dumps({"layers": ARGS.layers, "scan_layers": ts.cfg.scanned, "preset": ARGS.preset,
                               "mesh": list(ts.mesh.shape), "partition_s": build_seconds,
                               "instructions": len(ts.program.instrs),
-                              "instructions_with_bodies": count_instructions(ts.program)}))
+                              "instructions_with_bodies": count_instructions(ts.program), **predicted}))
         return
     if ts.mesh.size != comm.Get_size():
         raise SystemExit(f"--mesh {ARGS.mesh} needs {ts.mesh.size} ranks; got {comm.Get_size()}")
@@ -170,8 +193,10 @@ def main():
     median, losses = timed_steps(ts, local, comm, ARGS, clock)
     rss = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX)  # KiB on Linux
     pipeline = pipeline_report(ts, clock, comm, ARGS.steps) if clock else None
-    predicted = comm.allreduce(ts.program.estimate(ARGS.predict, comm.Get_rank()).step_s, op=MPI.MAX) \
-        if ARGS.predict else None
+    if ARGS.predict:
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        predicted = comm.allreduce(predict(ts, node.Get_size(), [comm.Get_rank()], blas_in_use()), op=MPI.MAX)
+        node.Free()
     if comm.Get_rank() == 0:
         cfg = ts.cfg
         print(json.dumps({

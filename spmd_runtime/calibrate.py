@@ -109,6 +109,8 @@ def _fit_line(points) -> tuple[float, float]:
 
 # ------------------------------------------------------------ a hardware profile of this machine
 GEMM_SIZE = 512  # square matmuls: large enough for BLAS to reach its rate, small enough to take ~10 ms
+GEMM_CHAIN = 16  # matmuls per sample: long enough that every rank's run overlaps the others' (a core shared
+#                  by two ranks, or two hyperthreads of one core, shows as half the rate, as in a step)
 COPY_BYTES = 64 << 20  # a copy far larger than the caches: the memory bandwidth
 
 
@@ -120,9 +122,13 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     comm = world(comm)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())  # the ranks sharing this rank's memory
     per_node = node.Get_size()
+    cores = _cores(node)
     node.Free()
     slowest = lambda seconds: max(comm.allgather(seconds))  # noqa: E731  (every rank's best, the slowest of them)
-    flops = {d: 2 * GEMM_SIZE ** 3 / slowest(_best(_gemm(d), repeats)) for d in ("float32", "float64")}
+    with _one_blas_thread():  # one core's rate: the profile's compute unit (hardware.py)
+        sharing = max(1.0, per_node / cores)  # ranks taking turns on a core each get 1 / sharing of it
+        flops = {d: sharing * GEMM_CHAIN * 2 * GEMM_SIZE ** 3 / slowest(_best(_gemm(d), repeats))
+                 for d in ("float32", "float64")}
     bandwidth = 2 * COPY_BYTES / slowest(_best(_copy(), repeats))
     overhead = slowest(_instruction_overhead(comm, repeats))
     intra = _link(doc, min(per_node, comm.Get_size()))
@@ -130,12 +136,27 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     inter = _inter_link(comm, per_node, nodes, repeats) if nodes > 1 else intra
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node
     sources = {"": f"measured by `python -m spmd_runtime calibrate --hardware` on {comm.Get_size()} rank(s), "
-                   f"{per_node} per node", "device": f"{GEMM_SIZE}^3 GEMMs and a {COPY_BYTES >> 20} MiB copy on "
+                   f"{per_node} per node", "device": f"{GEMM_CHAIN} {GEMM_SIZE}^3 GEMMs and a {COPY_BYTES >> 20} MiB copy on "
                    f"every rank at once (the slowest rank); memory: the node's RAM over its ranks",
                "node": "the all-reduce fit of a group of node-local ranks", "network":
                "an all-reduce over one rank per node" if nodes > 1 else "one node only: the node's link"}
+    sources["device"] += f"; one BLAS thread, {cores} cores per node"
     return Hardware(name, tuple(sorted(flops.items())), int(memory), bandwidth, per_node, intra, inter,
-                    nodes if nodes > 1 else None, overhead, sources)
+                    nodes if nodes > 1 else None, overhead, sources, cores)
+
+
+def _cores(node) -> int:
+    """The cores the node's ranks may run on: the union of their affinity masks (a launcher that binds each rank
+    to one core gives each a mask of one)."""
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    return len(set().union(*node.allgather(mine)))
+
+
+def _one_blas_thread():
+    """GEMMs on one thread each: without it every rank's OpenBLAS starts a thread per core and the ranks of a
+    node oversubscribe it (2 ranks x 2 threads on 2 cores measured 11 GFLOP/s a rank instead of ~99)."""
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 def _best(fn, repeats: int) -> float:
@@ -151,7 +172,11 @@ def _best(fn, repeats: int) -> float:
 def _gemm(dtype: str):
     a = np.ones((GEMM_SIZE, GEMM_SIZE), dtype)
     out = np.empty_like(a)
-    return lambda: np.matmul(a, a, out=out)
+
+    def chain():
+        for _ in range(GEMM_CHAIN):
+            np.matmul(a, a, out=out)
+    return chain
 
 
 def _copy():

@@ -4,7 +4,9 @@
 
 - compute: each instruction's FLOPs (einsum and conv exact: 2 x the product of every index size; fused
   elementwise chains one FLOP per operation and element) and bytes (operands read, result written) on a
-  roofline: ``max(flops / peak(dtype), bytes / memory bandwidth)`` plus the profile's per-instruction overhead;
+  roofline: ``max(flops / peak(dtype), bytes / memory bandwidth)`` plus the profile's per-instruction overhead,
+  over the compute units the rank gets (``Hardware.units_of``: a node's cores over the ranks placed on it; more
+  than one speeds up only the BLAS work, einsums and convolutions, on up to ``threads_per_rank`` threads);
 - communication: each collective's wire bytes (``cost.wire_bytes``: the ring formulas) over the link its group
   is limited by (``Hardware.link_for``: inside a node, or between nodes when the group spans several), plus one
   latency per message of the algorithm (``CollectiveKind.messages``: logarithmic in the group size);
@@ -36,6 +38,7 @@ from .ops.spmd import FUSED_REDUCE, FUSION, SHARD_INDEX
 from .ops.windows import CONV
 
 FREE = frozenset(op.name for op in (PARAMETER, RESHAPE, LOOP_OUT, SHARD_INDEX))  # views and leaves: no work
+BLAS = frozenset(op.name for op in (EINSUM, CONV))  # the work BLAS threads share
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class _Walk:
 
     def __init__(self, mesh, hardware: Hardware, rank: int):
         self.mesh, self.hw, self.rank = mesh, hardware, rank
+        self.units = hardware.units_of(rank, mesh.size)
         self.compute_s = self.comm_s = self.flops = 0.0
         self.costs: list[InstrCost] = []
         self.notes: list[str] = []
@@ -163,7 +167,10 @@ class _Walk:
         if ins.op in FREE:
             return 0.0
         flops, nbytes = _flops_and_bytes(ins, shapes)
-        seconds = max(flops / self.hw.peak_flops(ins.dtype), nbytes / self.hw.memory_bandwidth) + self.hw.overhead_s
+        threaded = min(self.units, self.hw.threads_per_rank) if self.units > 1 and ins.op in BLAS else 1.0
+        rate = self.hw.peak_flops(ins.dtype) * threaded
+        seconds = max(flops / rate, nbytes / self.hw.memory_bandwidth) + self.hw.overhead_s
+        seconds /= min(self.units, 1.0)  # ranks sharing a core take turns on it
         self._record(InstrCost(ins.op, ins.out, flops, nbytes, seconds, 0.0, "", trips), trips)
         return seconds
 

@@ -6,6 +6,7 @@ A profile is a small JSON file (format ``spmd_runtime.hardware``)::
      "device":  {"flops": {"bfloat16": 312e12, "float32": 19.5e12, ...},   # dense peak FLOP/s per dtype
                  "memory_bytes": 85899345920, "memory_bandwidth": 2.039e12, "source": "..."},
      "node":    {"ranks": 8, "link": {"bandwidth": 300e9, "latency": 3e-6}, "source": "..."},  # inside a node
+                 # optional "cores": compute units a node runs at once (default: "ranks", one device each)
      "network": {"bandwidth": 25e9, "latency": 5e-6, "source": "..."},   # between nodes, per rank, each way
      "nodes": 16,            # optional: the cluster's node count (a mesh must then have nodes x ranks devices)
      "overhead_s": 5e-6}     # what one instruction costs beyond its FLOPs and bytes (a launch, a dispatch)
@@ -14,13 +15,20 @@ Bandwidths are bytes per second one rank sends (each way); ``source`` strings sa
 Shipped profiles (``spmd_runtime/hardware_profiles/``): ``dgx-a100-80gb``, ``dgx-h100``, ``tpu-v3``;
 ``python -m spmd_runtime calibrate --hardware FILE`` writes one for the machine it runs on. Ranks are placed on
 nodes in rank order (ranks 0..R-1 on the first node), as MPI launchers place them by default.
+
+``device.flops`` is one compute unit's rate. A node has ``node.cores`` units (a GPU each on a DGX, where it is
+``node.ranks``; a CPU core on a CPU host). A rank on a node holding R ranks gets cores / R units: under one
+(ranks share cores, as 8 ranks on a 2-core laptop) every instruction of it runs that much slower; over one
+(fewer ranks than cores) its einsums and convolutions run on up to ``threads_per_rank`` of them (BLAS threads).
+``with_placement(ranks, threads)`` says how a job places its ranks and threads (``scripts/bench_train.py
+--predict`` gives its own); a profile file holds neither.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 FORMAT = "spmd_runtime.hardware"
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware_profiles")
@@ -53,6 +61,8 @@ class Hardware:
     nodes: int | None = None
     overhead_s: float = 0.0
     sources: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    cores_per_node: int | None = None  # compute units per node; None: ranks_per_node (one device per rank)
+    threads_per_rank: int = 1  # a job's BLAS threads per rank (placement, not in the file)
 
     def __repr__(self):
         nodes = f" x {self.nodes} nodes" if self.nodes else ""
@@ -71,6 +81,25 @@ class Hardware:
                              f"for {sorted(rates)}")
         return rate
 
+    @property
+    def cores(self) -> int:
+        return self.ranks_per_node if self.cores_per_node is None else self.cores_per_node
+
+    def units_of(self, rank: int, world: int) -> float:
+        """Compute units ``rank`` gets in a job of ``world`` ranks: its node's cores over the ranks placed there."""
+        node = self.node_of(rank)
+        placed = min(self.ranks_per_node, world - node * self.ranks_per_node)
+        return self.cores / max(placed, 1)
+
+    def with_placement(self, ranks_per_node: int, threads_per_rank: int = 1) -> "Hardware":
+        """The same machine (its cores unchanged) with a job's placement: ``ranks_per_node`` ranks on each node,
+        ``threads_per_rank`` BLAS threads each."""
+        if ranks_per_node < 1 or threads_per_rank < 1:
+            raise ValueError(f"with_placement needs at least 1 rank per node and 1 thread per rank; got "
+                             f"{ranks_per_node} and {threads_per_rank}")
+        return replace(self, ranks_per_node=int(ranks_per_node), cores_per_node=self.cores,
+                       threads_per_rank=int(threads_per_rank))
+
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
@@ -86,8 +115,7 @@ class Hardware:
                              f"hardware.with_nodes(n), or a profile without 'nodes')")
 
     def with_nodes(self, nodes: int | None) -> "Hardware":
-        return Hardware(self.name, self.flops, self.memory_bytes, self.memory_bandwidth, self.ranks_per_node,
-                        self.intra, self.inter, nodes, self.overhead_s, self.sources)
+        return replace(self, nodes=nodes)
 
     # ------------------------------------------------------------ files
     @classmethod
@@ -127,7 +155,8 @@ class Hardware:
                    inter=Link(read.positive("network.bandwidth"), read.non_negative("network.latency")),
                    nodes=None if nodes is None else read.count("nodes"),
                    overhead_s=read.non_negative("overhead_s") if "overhead_s" in doc else 0.0,
-                   sources=read.sources())
+                   sources=read.sources(),
+                   cores_per_node=read.count("node.cores") if "cores" in doc.get("node", {}) else None)
 
     def to_json(self) -> dict:
         doc = {"format": FORMAT, "name": self.name,
@@ -139,6 +168,8 @@ class Hardware:
                "overhead_s": self.overhead_s}
         if self.nodes is not None:
             doc["nodes"] = self.nodes
+        if self.cores_per_node is not None:
+            doc["node"]["cores"] = self.cores_per_node
         for where, text in self.sources.items():
             _at(doc, where)["source"] = text
         return doc

@@ -1,5 +1,7 @@
 """calibrate under real MPI: one fit per collective and group size dividing the world, the same on every rank,
 and the CLI writes a profile the partitioner loads."""
+import os
+
 import pytest
 from mpi4py import MPI
 
@@ -15,3 +17,18 @@ def test_calibrate_fits_every_collective_per_group_size():
     assert [(f["op"], f["k"]) for f in doc["fits"]] == [(op, k) for k in ks for op in KINDS]
     assert all(f["alpha"] >= 0 and f["beta"] >= 0 for f in doc["fits"])
     assert MPI.COMM_WORLD.allgather(doc["fits"]) == [doc["fits"]] * WORLD
+
+
+@pytest.mark.mpi
+def test_the_hardware_profile_counts_the_nodes_cores_and_leaves_blas_threads_as_they_were():
+    from threadpoolctl import threadpool_info
+
+    from spmd_runtime.calibrate import hardware_profile
+    before = [i["num_threads"] for i in threadpool_info()]
+    comm = MPI.COMM_WORLD
+    hw = hardware_profile(calibrate(comm, sizes=(256, 8192), repeats=1), comm, repeats=1)
+    assert [i["num_threads"] for i in threadpool_info()] == before  # one thread only while the GEMMs ran
+    assert hw.ranks_per_node == WORLD and hw.nodes is None  # one host
+    assert 1 <= hw.cores <= os.cpu_count() and hw.cores_per_node is not None  # the ranks' masks together, not one's
+    assert comm.allgather((hw.flops, hw.cores)) == [(hw.flops, hw.cores)] * WORLD  # every rank has the same
+    assert all(rate > 0 for _, rate in hw.flops)

@@ -40,6 +40,7 @@ def _doc():
     (lambda d: d["device"].pop("memory_bytes"), "device.memory_bytes is required"),
     (lambda d: d["network"].update(bandwidth=-1), "network.bandwidth must be a positive number; got -1.0"),
     (lambda d: d["node"].update(ranks=0), "node.ranks must be a whole number of at least 1; got 0"),
+    (lambda d: d["node"].update(cores=-2), "node.cores must be a whole number of at least 1; got -2"),
     (lambda d: d["node"]["link"].update(latency="3us"), "node.link.latency must be a number; got '3us'"),
     (lambda d: d["device"].update(flops={}), "device.flops needs at least one dtype"),
     (lambda d: d.update(format="other"), "has format 'spmd_runtime.hardware'; got 'other'"),
@@ -153,3 +154,41 @@ def test_throughput_and_mfu_follow_the_step():
     assert e.tokens_per_s(1000) == pytest.approx(1000 / e.step_s)
     assert e.mfu(2 * n**3 * 8) == pytest.approx(2 * n**3 * 8 / (e.step_s * 312e12 * 8))
     assert np.isfinite(e.mfu(1.0))
+
+
+CPU = Hardware("two-cores", (("float32", 1e11),), 2**34, 1e12, 2, Link(1e10, 0), Link(1e10, 0), overhead_s=0.0,
+               cores_per_node=2)
+
+
+def _matmul_and_add(mesh):
+    def f(a, b):
+        return a @ b, a + 1.0
+    return _program(f, [sr.TensorSpec((256 * mesh.size, 256)), sr.TensorSpec((256, 256))], mesh,
+                    in_specs=[(mesh.axis_names[0], None), None])
+
+
+def _seconds(e, op):
+    return sum(c.compute_s for c in e.instrs if c.op == op)
+
+
+@pytest.mark.parametrize("ranks, threads, blas, other", [
+    (2, 1, 1.0, 1.0),  # one rank per core: the profile's rate
+    (8, 1, 4.0, 4.0),  # four ranks take turns on each core: everything 4x slower
+    (1, 2, 0.5, 1.0),  # one rank, two BLAS threads: the matmul on both cores, the add on one
+    (1, 1, 1.0, 1.0),  # one rank, one thread: the second core idles
+])
+def test_ranks_sharing_cores_or_threads_spanning_them_scale_compute(ranks, threads, blas, other):
+    base = _matmul_and_add(sr.Mesh((2,), ("x",))).estimate(CPU, 0)
+    mesh = sr.Mesh((ranks,), ("x",))
+    placed = _matmul_and_add(mesh).estimate(CPU.with_placement(ranks, threads), 0)
+    assert _seconds(placed, "einsum") == pytest.approx(blas * _seconds(base, "einsum"), rel=1e-9)
+    assert _seconds(placed, "add") == pytest.approx(other * _seconds(base, "add"), rel=1e-9)
+
+
+def test_placement_keeps_the_cores_and_round_trips_them(tmp_path):
+    assert CPU.with_placement(8).cores == 2 and CPU.with_placement(8).ranks_per_node == 8
+    assert A100.cores == 8 and A100.cores_per_node is None  # a GPU node: one device per rank
+    CPU.save(tmp_path / "cpu.json")
+    assert Hardware.load(tmp_path / "cpu.json") == CPU
+    with pytest.raises(ValueError, match="at least 1 rank per node and 1 thread per rank; got 0 and 1"):
+        CPU.with_placement(0)
