@@ -9,7 +9,8 @@
   than one speeds up only the BLAS work, einsums and convolutions, on up to ``threads_per_rank`` threads);
 - communication: each collective's wire bytes (``cost.wire_bytes``: the ring formulas) over the link its group
   is limited by (``Hardware.link_for``: inside a node, or between nodes when the group spans several), plus one
-  latency per message of the algorithm (``CollectiveKind.messages``: logarithmic in the group size);
+  latency per message of the algorithm (``CollectiveKind.messages``: logarithmic in the group size); inside a
+  node, over the rank's compute units when it has under one (its CPU copies the bytes through shared memory);
 - overlap as the program's schedule allows: a ``*_start`` puts its collective on the rank's one communication
   channel and compute goes on until its ``*_done``; a blocking collective waits for it;
 - loops: a scan's body ``length`` times (a pipeline's bubble is in its iterations: every stage computes every
@@ -199,7 +200,10 @@ class _Walk:
         arg_bytes = _nbytes(*shapes[ins.args[0]]) if ins.args else 0
         wire = wire_bytes(kind.name, k, arg_bytes, _nbytes(ins.shape, ins.dtype), ins.attrs.get("wire_bytes"))
         link: Link = self.hw.link_for(ranks)
-        return (link.seconds(wire, messages) if wire else 0.0), ("node" if link is self.hw.intra else "network")
+        inside = link is self.hw.intra
+        # inside a node the ranks' CPUs copy the bytes (shared memory): ranks sharing a core take turns at it
+        shared = min(self.units, 1.0) if inside else 1.0
+        return (link.seconds(wire, messages) / shared if wire else 0.0), ("node" if inside else "network")
 
     def _group(self, axes: tuple) -> list[int]:
         """The ranks of this rank's group over mesh ``axes``."""

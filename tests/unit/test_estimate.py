@@ -192,3 +192,15 @@ def test_placement_keeps_the_cores_and_round_trips_them(tmp_path):
     assert Hardware.load(tmp_path / "cpu.json") == CPU
     with pytest.raises(ValueError, match="at least 1 rank per node and 1 thread per rank; got 0 and 1"):
         CPU.with_placement(0)
+
+
+def test_ranks_sharing_a_core_copy_their_shared_memory_messages_in_turn():
+    def comm_s(ranks):
+        mesh = sr.Mesh((ranks,), ("x",))
+        p = _program(lambda x: snp.sum(x, axis=0), [sr.TensorSpec((ranks * 4, 4096))], mesh,
+                     in_specs=[("x", None)], overlap=False)
+        return sum(c.comm_s for c in p.estimate(CPU.with_placement(ranks), 0).instrs)
+    k8 = 2 * 7 / 8 * 4096 * 4 / CPU.intra.bandwidth  # the ring all-reduce's wire seconds at 8 (latency 0)
+    assert comm_s(8) == pytest.approx(4 * k8, rel=1e-9)  # four ranks per core: four times as long
+    k2 = 2 * 1 / 2 * 4096 * 4 / CPU.intra.bandwidth
+    assert comm_s(2) == pytest.approx(k2, rel=1e-9)
