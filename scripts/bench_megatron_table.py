@@ -221,13 +221,13 @@ def gshard_formulas(g) -> dict:
 def plan_gshard(args) -> None:
     g = GSHARD
     head = (f"GShard MoE(2048E, 36L): d={g['d']} heads={g['heads']}x{g['head_dim']} ffn={g['ffn']} "
-            f"experts={g['experts']} on {g['ranks']} ranks, preset moe, Adafactor")
+            f"experts={g['experts']} on {g['ranks']} ranks, preset moe, Adafactor, remat {args.remat}")
     if g["ranks"] > args.max_ranks:
         print(f"{head}\n  skipped: {g['ranks']} ranks > --max-ranks {args.max_ranks}\n")
         return
     fields = {k: v for k, v in g.items() if k != "ranks"}
     try:
-        cfg = sr.LMConfig(dtype=args.dtype, **fields)
+        cfg = sr.LMConfig(dtype=args.dtype, remat=args.remat, **fields)  # unrolled: each block its own remat
         plan = plan_train_step(cfg, sr.Mesh((g["ranks"], 1), ("data", "model")), "moe",
                                sr.Adafactor())  # factored over the last two dims: each expert's moments its own
     except Exception as e:  # say why, as for the Table 1 rows

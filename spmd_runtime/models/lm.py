@@ -30,10 +30,10 @@ from .. import numpy as snp
 from ..checkpoint import SliceOf, StackOf
 from ..dtypes import FLOATING
 from ..nn import gelu
-from ..ops.control import scan
+from ..ops.control import remat, scan
 from ..ops.core import stop_gradient
 from ..pipeline import micro_batches, pipeline, stages_of_layers
-from .moe import EXPERT_COLUMN, EXPERT_ROW, ROUTER, MoEConfig, check_moe, moe_ffn, one_hot
+from .moe import EXPERT_COLUMN, EXPERT_ROW, ROUTER, Gating, MoEConfig, check_moe, moe_ffn, one_hot
 from .roles import COLUMN, COLUMN_BIAS, NORM, ROW_BIAS, ParamRole
 from .transformer import PARAM_ROLES as BLOCK_ROLES
 
@@ -83,7 +83,8 @@ class LMConfig:
     # layers as ONE sr.scan over parameters stacked on a leading layer dim; None (default): scanned for dense
     # models, unrolled for MoE ones (their MoE and dense blocks differ; see ``scanned``)
     scan_layers: bool | None = None
-    remat: str = "none"  # with scanned layers, what the backward pass recomputes: "none", "full" or "dots"
+    remat: str = "none"  # what the backward pass recomputes of each layer: "none", "full" or "dots" (scanned
+    #                      layers: the scan's policy; unrolled ones, as MoE models run: each block its own remat)
     # the model family of the published configs: per-head dim independent of d / heads (GShard's 16 x 128 at
     # d = 1024; None: d // heads), biases on every projection (GPT-2, Megatron: "<weight>_b"), and the dense
     # FFN: "gelu" (GELU MLP), "geglu" / "swiglu" (gated: act(x w1) * (x w3), then w2; Shazeer 2020)
@@ -117,9 +118,6 @@ class LMConfig:
         if self.scan_layers and self.moe_every:
             raise ValueError(f"LMConfig scan_layers stacks identical dense blocks; got moe_every={self.moe_every} "
                              f"(MoE blocks have other parameters): use scan_layers=False or None")
-        if self.remat != "none" and not self.scanned:
-            raise ValueError(f"LMConfig remat={self.remat!r} rematerialises the scanned layers; it needs "
-                             f"scan_layers=True (or None with a dense model)")
         if self.moe_every or self.experts:
             if not 1 <= self.moe_every <= self.layers:
                 raise ValueError(f"LMConfig moe_every must be in [1, layers] for a mixture of experts (every "
@@ -301,7 +299,8 @@ def lm_logits(cfg: LMConfig, params, tokens, annotate=no_annotation):
 
 
 def _forward(cfg: LMConfig, params, tokens, annotate, run_layers=None):
-    """Logits and the Gating of every MoE block. ``run_layers(block, x, stacked)`` runs the scanned layers
+    """Logits and every MoE block's Gating scalars (aux loss, dropped, routed). ``run_layers(block, x,
+    stacked)`` runs the scanned layers
     (default: one ``sr.scan``; the pipeline preset passes ``pipelined_layers``)."""
     p = dict(zip(param_shapes(cfg), params))
     x = annotate(embed(cfg, p["embed"], tokens) + positional(p["pos"], tokens.shape[0]), "residual")
@@ -312,17 +311,26 @@ def _forward(cfg: LMConfig, params, tokens, annotate, run_layers=None):
         x = (run_layers or scan_layers)(cfg, block, x, stacked)
     for i in range(0 if cfg.scanned else cfg.layers):
         layer = {k: p[f"l{i}_{k}"] for k in cfg.block_params(i)}
-        x = _attend(cfg, x, layer, annotate)
-        if cfg.is_moe_block(i):  # groups = sequences: (batch, seq, d) is already (G, S, M)
-            a = layer_norm(x, layer["ln2_g"], layer["ln2_b"])
-            y, gating = moe_ffn(a, layer["wg"], layer["we1"], layer["we2"], cfg.moe, annotate)
-            gatings.append(gating)
-            x = annotate(x + y, "residual")
-        else:
-            x = annotate(_dense_ffn(cfg, x, layer, annotate), "residual")
+        run = _unrolled_block(cfg, i, annotate)
+        x, stats = (remat(run, REMAT_POLICIES[cfg.remat]) if cfg.remat != "none" else run)(x, layer)
+        gatings += [Gating(None, None, *stats)] if cfg.is_moe_block(i) else []
     h = layer_norm(x, p["lnf_g"], p["lnf_b"])
     logits = snp.einsum("bsd,vd->bsv", h, p["embed"]) if cfg.tied else h @ p["unembed"]
     return logits, gatings
+
+
+def _unrolled_block(cfg: LMConfig, i: int, annotate):
+    """Block ``i`` of unrolled layers as ``(x, layer) -> (x, stats)``, the unit ``remat`` recomputes: ``stats``
+    an MoE block's gating scalars (aux loss, dropped, routed; its (G, S, E, C) tensors stay inside), () for a
+    dense block."""
+    def run(x, layer):
+        x = _attend(cfg, x, layer, annotate)
+        if not cfg.is_moe_block(i):
+            return annotate(_dense_ffn(cfg, x, layer, annotate), "residual"), ()
+        a = layer_norm(x, layer["ln2_g"], layer["ln2_b"])  # groups = sequences: (batch, seq, d) is (G, S, M)
+        y, gating = moe_ffn(a, layer["wg"], layer["we1"], layer["we2"], cfg.moe, annotate)
+        return annotate(x + y, "residual"), (gating.aux_loss, gating.dropped, gating.routed)
+    return run
 
 
 def scan_layers(cfg: LMConfig, block, x, stacked):
