@@ -115,6 +115,7 @@ class TensorSearch:
     first_refusal: str | None
     cpu_s: float
     baseline: Candidate | None = None
+    optimizer: object = None  # a training step's, as the search built it (its state slots are in the layout)
     layout: Layout | None = None
     in_specs: tuple | None = None
     program: object = None
@@ -127,12 +128,12 @@ class TensorSearch:
     def peak_bytes(self) -> int:
         return self.final.peak_bytes
 
-    def build(self, cfg, optimizer=None):
-        """The TrainStep of the found layout (a training step's search)."""
+    def build(self, cfg, donate: bool = False):
+        """The TrainStep of the found layout (a training step's search), with the search's optimizer."""
         from .train import build_train_step
         c = self.baseline
         return build_train_step(dataclasses.replace(cfg, remat=c.remat) if hasattr(cfg, "remat") else cfg,
-                                self.layout.mesh, c.preset, optimizer, c.microbatches, layout=self.layout)
+                                self.layout.mesh, c.preset, self.optimizer, c.microbatches, donate, self.layout)
 
     def format(self) -> str:
         where = (f"{self.baseline.preset} on {self.baseline.mesh_shape} M={self.baseline.microbatches}"
@@ -143,7 +144,7 @@ class TensorSearch:
         for m in self.moves:
             rows.append(f"{m.group:18s} {str(m.before):40s} {str(m.after):40s} "
                         f"{m.step_before * 1e3:9.3f}->{m.step_after * 1e3:9.3f} {m.peak_after / 2**30:9.3f}")
-        rows.append(f"start {_verdict(self.start, self.hardware)}; per-tensor {_verdict(self.final, self.hardware)}"
+        rows.append(f"{where}: {_verdict(self.start, self.hardware)}; per-tensor {_verdict(self.final, self.hardware)}"
                     f" ({(self.final.step_s / self.start.step_s - 1) * 100:+.1f}% step)")
         if self.refused:
             rows.append(f"{self.refused} candidates refused, the first: {self.first_refusal}")
@@ -318,7 +319,7 @@ def autoshard_tensors(cfg, devices: int, hardware, *, start=None, mesh_shape=Non
     choices, found, taken, n, refused, why = descend(groups, start_choices, lambda g, c: train_moves(g, c, mesh),
                                                      evaluate, budget)
     result = TensorSearch(hw, predict(first.program, hw), found, taken, choices, n, refused, why,
-                          time.process_time() - clock, base, with_choices(layout, groups, choices))
+                          time.process_time() - clock, base, first.optimizer, with_choices(layout, groups, choices))
     if verbose:
         print(result.format())
     _check_fits(found, hw, f"{cfg} on {base.mesh_shape}", n)

@@ -152,3 +152,13 @@ def test_a_jitted_function_searches_its_inputs_and_computes_the_same(capsys):
     for layer in params:
         want = np.maximum(want @ layer["w"], 0.0) + layer["b"]
     assert_all_ranks(result.program, (params, x), [np.asarray(np.sum(want * want))], tol=1e-9)
+
+
+def test_the_cli_flag(capsys):
+    from spmd_runtime.__main__ import main
+    small = ["--layers", "2", "--d", "32", "--heads", "4", "--ffn", "64", "--vocab", "64", "--seq", "16", "--batch", "4"]
+    assert main(["autoshard", "--devices", "2", "--hardware", "dgx-a100-80gb", "--presets", "dp,megatron",
+                 "--per-tensor", "--budget", "4", *small]) == 0
+    out = capsys.readouterr().out
+    assert "autoshard on dgx-a100-80gb: 3 candidates" in out
+    assert "autoshard_tensors on dgx-a100-80gb from " in out and "in 4 evaluations" in out
