@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from .autoshard import autoshard
+from .autoshard_tensors import autoshard_tensors
 from .calibrate import calibrate, hardware_profile, write_profile
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.agreement import AgreedError, agree, capture
@@ -79,6 +80,9 @@ def _plan_parser(sub) -> None:
     auto.add_argument("--microbatches", default=None, help="micro-batch counts to try, comma-separated (default: "
                       "1, 2, 4, ... until a layout fits; a pipeline's until more stop being faster)")
     auto.add_argument("--remats", default=None, help="remat policies to try, comma-separated (default: --remat's)")
+    auto.add_argument("--per-tensor", action="store_true", help="then search per-parameter shardings on the best "
+                      "layout's mesh (sr.autoshard_tensors) and print its moves against the best preset")
+    auto.add_argument("--budget", type=int, default=150, help="--per-tensor: layouts evaluated at most")
     _model_arguments(auto)
 
 
@@ -122,10 +126,14 @@ def _plan(args) -> int:
 
 def _autoshard(args) -> int:
     try:
-        autoshard(_config(args), args.devices, args.hardware, optimizer=make_optimizer(args.optimizer),
-                  presets=args.presets.split(",") if args.presets else None,
-                  microbatches=tuple(int(m) for m in args.microbatches.split(",")) if args.microbatches else None,
-                  remats=tuple(args.remats.split(",")) if args.remats else None)
+        optimizer = make_optimizer(args.optimizer)
+        found = autoshard(_config(args), args.devices, args.hardware, optimizer=optimizer,
+                          presets=args.presets.split(",") if args.presets else None,
+                          microbatches=tuple(int(m) for m in args.microbatches.split(",")) if args.microbatches
+                          else None, remats=tuple(args.remats.split(",")) if args.remats else None)
+        if args.per_tensor:
+            autoshard_tensors(_config(args), args.devices, args.hardware, start=found[0], optimizer=optimizer,
+                              budget=args.budget)
     except ValueError as e:
         print(f"spmd_runtime autoshard: {e}", file=sys.stderr, flush=True)
         return 2

@@ -48,3 +48,17 @@ def errors_on_every_rank(n, fn):
 def collectives(program):
     """(kind, axes) of every collective, in program order."""
     return [(c["kind"], c["axes"]) for c in program.comm_summary()]
+
+
+def assert_trains_like_reference(ts, state, batches, rtol=1e-9, atol=1e-12):
+    """A TrainStep's steps in the simulated world end where its unpartitioned reference (``sr.evaluate`` of the
+    traced step) does: the same losses, the same state."""
+    want, want_losses = state, []
+    for x, y in batches:
+        want, loss = ts.reference_step(want, x, y)
+        want_losses.append(loss)
+    got, losses = train_simulated(ts, state, batches)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
+    got, want = sr.pytree.named_leaves(got), sr.pytree.named_leaves(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=name)

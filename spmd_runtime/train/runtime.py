@@ -32,18 +32,24 @@ from .step import TOKEN_DTYPE, eval_loss_fn, input_specs, metric_names, step_spe
 
 
 def build_train_step(cfg: "LMConfig | Model", mesh: Mesh, preset="dp", optimizer: Optimizer | None = None,
-                     microbatches: int = 1, donate: bool = False) -> "TrainStep":
+                     microbatches: int = 1, donate: bool = False, layout: Layout | None = None) -> "TrainStep":
     """Trace and partition one training step of ``cfg`` (the built-in LM's ``LMConfig``, or any ``Model``:
     a loss, its parameters' specs and sharding roles) over ``mesh`` with ``preset`` (name or Preset);
     ``microbatches`` > 1 accumulates gradients over that many slices of the batch (one optimizer update);
     with the ``pipeline`` preset they are the pipeline's micro-batches. ``donate``: the step updates the
     parameters and optimizer state in place (``partition(donate=...)``, JAX's ``donate_argnums``): no new
-    buffers for the new state, and ``step`` consumes the local state it is given (use the one it returns)."""
+    buffers for the new state, and ``step`` consumes the local state it is given (use the one it returns).
+    ``layout``: the preset's layout on ``mesh`` with some parameters' specs changed (``sr.autoshard_tensors``
+    finds one); default: the preset's own."""
+    if layout is not None and (layout.mesh != mesh or layout.preset != as_preset(preset).on(mesh)):
+        raise ValueError(f"build_train_step's layout must be of its mesh and preset; got a layout of "
+                         f"{layout.preset.name!r} on {layout.mesh} for {as_preset(preset).name!r} on {mesh}")
     if not isinstance(microbatches, int) or microbatches < 1 or cfg.batch % microbatches:
         raise ValueError(f"microbatches must be a positive int dividing the batch; got microbatches="
                          f"{microbatches!r} for batch={cfg.batch}")
     if isinstance(cfg, Model):
-        return _build_model_step(cfg, mesh, as_preset(preset).on(mesh), optimizer or AdamW(), microbatches, donate)
+        return _build_model_step(cfg, mesh, as_preset(preset).on(mesh), optimizer or AdamW(), microbatches, donate,
+                                 layout)
     if microbatches > 1 and cfg.moe_every:
         raise ValueError(f"gradient accumulation supports dense models (it returns no MoE metrics); got "
                          f"microbatches={microbatches} with moe_every={cfg.moe_every}")
@@ -52,16 +58,16 @@ def build_train_step(cfg: "LMConfig | Model", mesh: Mesh, preset="dp", optimizer
     if np.dtype(cfg.dtype) == np.float16 and not isinstance(optimizer, DynamicLossScale):
         optimizer = DynamicLossScale(optimizer)  # float16 gradients underflow without it
     preset = as_preset(preset).on(mesh)
-    layout = make_layout(cfg, mesh, preset, optimizer)
+    layout = layout or make_layout(cfg, mesh, preset, optimizer)
     graph = trace(train_step_fn(cfg, optimizer, layout, microbatches), *input_specs(cfg, optimizer))
     return _partitioned(cfg, mesh, preset, optimizer, layout, graph, microbatches, donate)
 
 
 def _build_model_step(model: Model, mesh: Mesh, preset: Preset, optimizer: Optimizer, microbatches: int,
-                      donate: bool) -> "TrainStep":
+                      donate: bool, layout: Layout | None = None) -> "TrainStep":
     check_model_preset(model, preset)
     check_model_optimizer(model, optimizer)
-    layout = layout_for(model, mesh, preset, optimizer)
+    layout = layout or layout_for(model, mesh, preset, optimizer)
     graph = trace(model_step_fn(model, optimizer, layout, microbatches), *model_input_specs(model, optimizer))
     return _partitioned(model, mesh, preset, optimizer, layout, graph, microbatches, donate)
 

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 
 import spmd_runtime as sr
-from spmd_runtime import pytree
 from spmd_runtime.models.lm import LMConfig
 from spmd_runtime.optim import AdamW
 
-from simulated import train_simulated
+from simulated import assert_trains_like_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("collectives_per_layer",
@@ -75,12 +74,4 @@ def test_two_steps_match_the_unpartitioned_reference(shape, cfg):
     state = ts.init(seed=3)
     rng = np.random.default_rng(0)
     data = [tuple(rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)) for _ in range(2)) for _ in range(2)]
-    want, want_losses = state, []
-    for x, y in data:
-        want, loss = ts.reference_step(want, x, y)
-        want_losses.append(loss)
-    got, losses = train_simulated(ts, state, data)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
-    got, want = pytree.named_leaves(got), pytree.named_leaves(want)
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-9, atol=1e-12, err_msg=name)
+    assert_trains_like_reference(ts, state, data)
