@@ -35,6 +35,7 @@ from .hardware import Hardware, Link
 from .ops.control import COND, LOOP_OUT, SCAN, WHILE
 from .ops.core import RESHAPE
 from .ops.einsum import EINSUM
+from .ops.slicing import DYNAMIC_SLICE, DYNAMIC_UPDATE_SLICE
 from .ops.spmd import FUSED_REDUCE, FUSION, SHARD_INDEX
 from .ops.windows import CONV
 
@@ -219,6 +220,10 @@ def _nbytes(shape, dtype) -> int:
 def _flops_and_bytes(ins, shapes) -> tuple[float, float]:
     """An instruction's FLOPs and the bytes it reads and writes."""
     nbytes = _nbytes(ins.shape, ins.dtype) + sum(_nbytes(*shapes[a]) for a in ins.args if a in shapes)
+    if ins.op == DYNAMIC_SLICE.name:  # reads its window only
+        return 0.0, 2.0 * _nbytes(ins.shape, ins.dtype)
+    if ins.op == DYNAMIC_UPDATE_SLICE.name and ins.donate == 0:  # in place: the update read, its window written
+        return 0.0, 2.0 * _nbytes(*shapes[ins.args[1]]) if ins.args[1] in shapes else nbytes
     if ins.op == EINSUM.name:
         return _einsum_flops(ins.attrs["spec"], [shapes[a][0] for a in ins.args]), nbytes
     if ins.op == CONV.name:  # kernel (out, in / groups, *window): a multiply-add per output, input channel, tap

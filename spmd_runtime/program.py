@@ -231,10 +231,12 @@ class SPMDProgram:
 
     @property
     def written_inputs(self) -> frozenset:
-        """Positions of the donated inputs some instruction writes its result into (``Instr.donate``). Not
-        cached: a pass that redoes the donations changes it."""
+        """Positions of the donated inputs some instruction writes its result into (``Instr.donate``), or a loop
+        runs in (its ``adopt``). Not cached: a pass that redoes the donations changes it."""
         donated = {i.out: i.attrs["index"] for i in self.instrs if i.op == PARAMETER.name and i.attrs.get("donated")}
-        return frozenset(donated[i.args[i.donate]] for i in self.instrs if i.donate >= 0 and i.args[i.donate] in donated)
+        written = [i.args[i.donate] for i in self.instrs if i.donate >= 0]
+        written += [i.args[k] for i in self.instrs for k in i.attrs.get("adopt", ())]  # a loop runs in its buffer
+        return frozenset(donated[s] for s in written if s in donated)
 
     def __str__(self):
         head = f"SPMDProgram on {self.mesh}  hash={self.hash[:12]}  wire_bytes/rank={self.wire_bytes:.0f}"

@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from ..opdef import fresh_result, lookup
+from ..ops.control import LOOP_OUT
 from ..ops.core import CONVERT, REDUCE, SELECT
 from ..ops.einsum import EINSUM
 from ..partition.fusion import FUSED_REDUCE, FUSION
@@ -29,11 +30,18 @@ def buffer_owners(program) -> dict[int, frozenset]:
             owners[ins.out] = frozenset()
         elif ins.donate >= 0:
             owners[ins.out] = owners[ins.args[ins.donate]]
+        elif _adopted(ins, producer):
+            owners[ins.out] = owners[producer(ins.args[0]).args[ins.attrs["index"]]]  # the loop ran in that buffer
         elif fresh_result(ins, producer):
             owners[ins.out] = frozenset({ins.out})
         else:
             owners[ins.out] = frozenset().union(*(owners[a] for a in ins.args))
     return owners
+
+
+def _adopted(ins, producer) -> bool:
+    """Whether ``ins`` is the result of a loop's carry that ran in its initial value's buffer (``adopt``)."""
+    return ins.op == LOOP_OUT.name and ins.attrs["index"] in producer(ins.args[0]).attrs.get("adopt", ())
 
 
 def output_buffers(program, copied=frozenset()) -> frozenset[int]:
@@ -59,7 +67,8 @@ def may_reach_outputs(program, slots) -> bool:
         if slot not in seen:
             seen.add(slot)
             for user in users.get(slot, ()):
-                fresh = fresh_result(user, producer) and (user.donate < 0 or user.args[user.donate] != slot)
+                fresh = fresh_result(user, producer) and (user.donate < 0 or user.args[user.donate] != slot) \
+                    and not _adopted(user, producer)
                 if not fresh and not lookup(user.op).read_only:
                     stack.append(user.out)
     return False

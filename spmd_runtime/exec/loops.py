@@ -57,12 +57,15 @@ def _written_in_place(body, nc: int) -> dict:
 
 class _OwnCarries:
     """The loop's own buffers for the carries its body writes in place (donated carries, partition/loops.py),
-    filled with the initial values at the start of every run: the caller's arrays are never written. A buffer
+    filled with the initial values at the start of every run: the caller's arrays are never written. A carry
+    whose initial value dies at the loop in a buffer the program owns alone is adopted instead (``adopt``,
+    partition/partitioner.py): the body writes into that buffer, no copy. A buffer
     is made once and refilled every run when no program output can be that carry's final value (it dies
     within the run: a gradient accumulator); otherwise each run copies afresh (the caller keeps the output)."""
 
     def __init__(self, interp, ins, nc: int):
-        self.carries = sorted(k for k in ins.attrs["body"].written_inputs if k < nc)
+        adopted = set(ins.attrs.get("adopt", ()))  # initial values that die here: the loop runs in their buffers
+        self.carries = sorted(k for k in ins.attrs["body"].written_inputs if k < nc and k not in adopted)
         self.reused = {k for k in self.carries if not _escapes(interp.program, ins, k.__eq__)}
         self.xp, self.buffers = interp.xp, {}
 

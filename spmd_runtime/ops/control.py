@@ -246,9 +246,12 @@ def _loop_out_kernel(xp, t, index):
     return t[index]
 
 
-# ``policy`` and ``results`` are graph attributes; a program's control instruction (run by its binder) has neither
+# ``policy`` and ``results`` are graph attributes; a program's control instruction (run by its binder) has neither.
+# ``adopt`` (a program's loop): the carries it runs in their dying initial buffers (partition/partitioner.py); the
+# values are the same either way
 @opdef.kernel(SCAN)
-def _scan_kernel(xp, *operands, body, length, reverse, num_carry, num_xs, policy=None, results=(), shifts=()):
+def _scan_kernel(xp, *operands, body, length, reverse, num_carry, num_xs, policy=None, results=(), shifts=(),
+                 adopt=()):
     carry = list(operands[:num_carry])
     xs, consts = operands[num_carry:num_carry + num_xs], list(operands[num_carry + num_xs:])
     ys = [xp.empty(s.shape, s.dtype) for s in results[num_carry:]]
@@ -262,7 +265,7 @@ def _scan_kernel(xp, *operands, body, length, reverse, num_carry, num_xs, policy
 
 
 @opdef.kernel(WHILE)
-def _while_kernel(xp, *operands, cond, body, num_carry, captures, results=()):
+def _while_kernel(xp, *operands, cond, body, num_carry, captures, results=(), adopt=()):
     carry = list(operands[:num_carry])
     cond_caps = list(operands[num_carry:num_carry + captures[0]])
     body_caps = list(operands[num_carry + captures[0]:])

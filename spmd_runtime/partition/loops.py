@@ -37,6 +37,7 @@ from ..ops.slicing import SLICE
 from ..sharding import Sharding
 from .partitioner import (LocalValue, assign_buffers, buffer_roots, donated_program, live_nodes, made_fresh,
                           partition, user_shardings)
+from .scan_accumulate import accumulate_in_scans
 from .scan_prefetch import pipelined_body, prefetch_enabled
 from .schedule import overlap_budget
 from .pending_sums import holds_pending_sum, is_zeros
@@ -268,7 +269,8 @@ def _carries_in_place(body, nc: int):
     results = [roots[o.slot] for o in body.outputs]
     owned = [k for k in range(nc) if made_fresh(results[k])
              and not any(results[k] & r for j, r in enumerate(results) if j != k)]
-    return donated_program(body, owned) if owned else body
+    # an accumulator carry now the body's to overwrite: its inner scans may add their stacked results into it
+    return accumulate_in_scans(donated_program(body, owned), assign_buffers) if owned else body
 
 
 def _prefetching(ctx, attrs: dict, args: list) -> tuple[list, int]:

@@ -20,6 +20,7 @@ from ..mesh import Mesh
 from ..opdef import OPS, fresh_result, lookup
 from ..comm.simulated import is_lead_rank
 from ..graph import MESH_SPLIT, PARAMETER
+from ..ops.control import LOOP_OUT, SCAN, WHILE
 from ..ops.spmd import ALL_TO_ALLV, COLLECTIVE_PERMUTE, MASK_PADDING, SHARD_INDEX, SHARD_SLICE
 from ..program import Instr, IOSpec, ShardingReport, SPMDProgram
 from ..sharding import Sharding, parse_spec_free
@@ -27,6 +28,7 @@ from .fusion import fuse_elementwise, fusion_enabled
 from .pending_sums import (accumulated, deferrable, holds_pending_sum, keep_sums_pending, pending_layout,
                            use_counts, waiting_chains)
 from .propagation import propagate, refine_free
+from .scan_accumulate import accumulate_in_scans
 from .windowed import OFF, windowed_threshold, windowing
 from .schedule import overlap_budget as _budget, overlap_enabled, schedule_collectives
 from .resharding import plan_cost, plan_reshard
@@ -193,6 +195,7 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
             laps.lap("schedule", program)
         if donate:
             program = donated_program(program, donate)
+        program = accumulate_in_scans(program, assign_buffers)
     program.cost_model = model
     return program
 
@@ -532,6 +535,27 @@ def _assign_donations(instrs: list[Instr], keep: set[int], last: list[int]) -> N
             able = [k for k, a in enumerate(ins.args) if _donatable(instrs[a], ins, roots, viewers, last)]
             # A donated input first: an intermediate written into an output could never have a planned buffer.
             ins.donate = min(able, key=lambda k: not donated_input(instrs[ins.args[k]]), default=-1)
+        elif ins.op in (SCAN.name, WHILE.name):
+            _assign_adoptions(ins, instrs, roots, viewers, last)
+
+
+def _assign_adoptions(loop: Instr, instrs: list[Instr], roots, viewers, last) -> None:
+    """``loop.attrs["adopt"]``: the carries its body writes in place whose initial value dies at the loop, in a
+    buffer the program owns alone (as ``_donatable``): the loop runs in that buffer instead of a copy of it
+    (exec/loops.py), so the value is never held twice (and the planner's count, which holds it once, is the
+    executor's)."""
+    body = loop.attrs["body"]
+    carry = lambda k: (body.inputs[k].sharding.local_shape(body.inputs[k].shape, body.mesh), body.inputs[k].dtype)
+    # the loop and its results view their operands (a carry handed on as it is); not one its body writes in place
+    mine = lambda v: v == loop.out or (instrs[v].op == LOOP_OUT.name and instrs[v].args[0] == loop.out)
+    others = {a: [v for v in viewers.get(a, ()) if not mine(v)] for a in loop.args}
+    body_roots = buffer_roots(body.instrs)[0]
+    alone = lambda k: not any(body.inputs[k].slot in body_roots[o.slot] for j, o in enumerate(body.outputs) if j != k)
+    adopt = tuple(k for k in sorted(body.written_inputs) if k < loop.attrs["num_carry"]
+                  and loop.args.count(loop.args[k]) == 1 and alone(k)
+                  and _donatable(instrs[loop.args[k]], loop, roots, others, last, carry(k)))
+    if adopt or "adopt" in loop.attrs:
+        loop.attrs = {**{n: v for n, v in loop.attrs.items() if n != "adopt"}, **({"adopt": adopt} if adopt else {})}
 
 
 def buffer_roots(instrs: list[Instr]) -> tuple[list, dict]:
@@ -565,6 +589,9 @@ def donated_input(ins: Instr) -> bool:
     return ins.op == PARAMETER.name and bool(ins.attrs.get("donated"))
 
 
-def _donatable(src: Instr, ins: Instr, roots, viewers, last) -> bool:
-    return (src.out in ins.free and src.shape == ins.shape and src.dtype == ins.dtype
+def _donatable(src: Instr, ins: Instr, roots, viewers, last, like=None) -> bool:
+    """Whether ``ins`` may write into ``src``'s buffer: it dies there, is the program's alone, and is shaped as
+    ``ins``'s result (or as ``like``, (local shape, dtype): a loop's carry)."""
+    shape, dtype = (ins.shape, ins.dtype) if like is None else like
+    return (src.out in ins.free and tuple(src.shape) == tuple(shape) and str(src.dtype) == str(dtype)
             and roots[src.out] == {src.out} and all(last[v] < ins.out for v in viewers.get(src.out, ())))
