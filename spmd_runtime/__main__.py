@@ -79,6 +79,8 @@ def _plan_parser(sub) -> None:
     auto.add_argument("--microbatches", default=None, help="micro-batch counts to try, comma-separated (default: "
                       "1, 2, 4, ... until a layout fits; a pipeline's until more stop being faster)")
     auto.add_argument("--remats", default=None, help="remat policies to try, comma-separated (default: --remat's)")
+    auto.add_argument("--exhaustive", action="store_true", help="build every candidate at full size (default: "
+                      "a branch and bound skips those a bound says cannot beat the best)")
     _model_arguments(auto)
 
 
@@ -125,7 +127,7 @@ def _autoshard(args) -> int:
         autoshard(_config(args), args.devices, args.hardware, optimizer=make_optimizer(args.optimizer),
                   presets=args.presets.split(",") if args.presets else None,
                   microbatches=tuple(int(m) for m in args.microbatches.split(",")) if args.microbatches else None,
-                  remats=tuple(args.remats.split(",")) if args.remats else None)
+                  remats=tuple(args.remats.split(",")) if args.remats else None, prune=not args.exhaustive)
     except ValueError as e:
         print(f"spmd_runtime autoshard: {e}", file=sys.stderr, flush=True)
         return 2
