@@ -36,7 +36,11 @@ from .sharding import parse_spec
 from .train import PRESETS, as_preset, build_train_step, input_specs, make_layout, state_leaf_name, train_mesh
 
 MOE_PRESETS = ("moe", "moe_megatron")
-ONE_AXIS = ("dp", "wus", "seq", "fsdp")  # presets whose roles use every axis alike: the 1-d mesh says it all
+ONE_AXIS = ("dp", "wus", "seq", "fsdp")
+MEGATRON_FAMILY = ("megatron", "megatron_wus", "megatron_sp", "fsdp_megatron")  # a pipeline's layers, unstaged
+# a pipeline (S, d, t) has the work and model collectives of (S d, t) unstaged, but fewer data-parallel bytes: on
+# Megatron's 18B / 256-GPU row every pipeline stepped in at least 0.77 x the fastest unstaged (S d, t)
+UNPIPED_MARGIN = 2.0  # presets whose roles use every axis alike: the 1-d mesh says it all
 
 
 @dataclass(frozen=True)
@@ -240,7 +244,10 @@ class _Search:
     count that did not fit, still cannot fit; more counts once the peak did not drop from one count to the
     next (what is over is not the activations); a model axis of more ranks than heads (each rank computes
     at least a head: the compute bound times ranks / heads); a pipeline whose step at M, less its bubble
-    (S - 1) / (M + S - 1), is no faster than the best (more micro-batches only shrink the bubble). Last, the fitting probes left, fastest first, are built at
+    (S - 1) / (M + S - 1), is no faster than the best (more micro-batches only shrink the bubble); a pipeline
+    (S, d, t) once a megatron-family layout (S d, t), whose ranks do the same work with the same model
+    collectives but no bubble, took twice the best or more (``UNPIPED_MARGIN``: its data-parallel bytes are
+    more, so this bound is empirical). Last, the fitting probes left, fastest first, are built at
     full size until a probe is no faster than the best built."""
 
     def __init__(self, cfg, devices, hardware, optimizer, counts, probe_above):
@@ -249,13 +256,14 @@ class _Search:
         self.best = math.inf  # the fastest fitting layout built at full size
         self.rows: list[Candidate] = []
         self.pending: list[Candidate] = []  # probes not built at full size
+        self.unpiped: dict[tuple, float] = {}  # (data, model) -> the fastest step of a megatron family layout
 
     def run(self, layouts) -> list[Candidate]:
         for layout in sorted(layouts, key=self._order):
             self._probe(*layout)
         for c in sorted(self.pending, key=lambda c: (not c.fits, c.step_s or 0.0)):
-            if not c.fits:
-                self.rows.append(c)
+            if not c.fits or c.probe is None and c.step_s >= self.best:
+                self.rows.append(c)  # its own figures, at full size or not fitting
             elif c.step_s >= self.best:
                 self.rows.append(dataclasses.replace(c, step_s=None, fits=False, pruned=f"probed on {c.probe}: "
                                                      f"step {c.step_s:.3f} s >= best built {self.best:.3f} s"))
@@ -281,6 +289,11 @@ class _Search:
         if model > cfg.heads and not cfg.moe_every:
             return self._prune(preset, shape, 1, remat, f"its model axis of {model} ranks splits {cfg.heads} heads: "
                                f"the ranks past the heads hold padding, and every rank computes a head")
+        unpiped = self.unpiped.get((shape[0] * shape[1], shape[2]) if len(shape) == 3 else None, 0.0)
+        if unpiped >= UNPIPED_MARGIN * self.best:
+            return self._prune(preset, shape, 1, remat, f"the same tensor-parallel split without stages, "
+                               f"{(shape[0] * shape[1], shape[2])}, steps in {unpiped:.3f} s >= {UNPIPED_MARGIN} x "
+                               f"best {self.best:.3f} s: each rank has that work, its model collectives, and a bubble")
         pcfg, pshape = probe_layout(cfg, preset, shape) if self.devices > self.probe_above else (cfg, shape)
         stages, tried, at_least = _stages(preset, shape), [], 1
         for m in self.counts or [m for m in _powers_of_two(cfg.batch // _data_ranks(shape, preset)) if 2 * m > stages]:
@@ -293,6 +306,8 @@ class _Search:
                 return self._prune(preset, shape, m, remat, f"compute bound {bound:.3f} s >= best {self.best:.3f} s")
             c = self._probed(cfg, preset, shape, pcfg, pshape, m, remat, held)
             tried.append(c)
+            if preset in MEGATRON_FAMILY and len(shape) == 2 and len(tried) == 1 and c.step_s is not None:
+                self.unpiped[shape] = min(self.unpiped.get(shape, math.inf), c.step_s)  # its fewest micro-batches
             if c.fits and c.step_s < self.best:
                 self._build(c)
             else:

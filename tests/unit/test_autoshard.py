@@ -170,5 +170,7 @@ def test_pruned_candidates_say_why(capsys):
     found = autoshard(WIDE, 8, A100, presets=["megatron", "pipeline"], probe_above=0)
     pruned = [c for c in found if c.pruned]
     assert pruned and all(c.step_s is None for c in pruned)
-    assert all(any(w in c.pruned for w in (">= best", "compute bound")) for c in pruned)
+    assert all(any(w in c.pruned for w in (">= best", ">= 2.0 x best", "compute bound", "4 heads", "did not drop"))
+               for c in pruned)
+    assert any("model axis of 8 ranks splits 4 heads" in c.pruned for c in pruned)  # megatron (1, 8)
     assert capsys.readouterr().out.count("pruned:") == len(pruned)
