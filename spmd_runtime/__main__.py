@@ -80,6 +80,8 @@ def _plan_parser(sub) -> None:
     auto.add_argument("--microbatches", default=None, help="micro-batch counts to try, comma-separated (default: "
                       "1, 2, 4, ... until a layout fits; a pipeline's until more stop being faster)")
     auto.add_argument("--remats", default=None, help="remat policies to try, comma-separated (default: --remat's)")
+    auto.add_argument("--exhaustive", action="store_true", help="build every candidate at full size (default: "
+                      "a branch and bound skips those a bound says cannot beat the best)")
     auto.add_argument("--per-tensor", action="store_true", help="then search per-parameter shardings on the best "
                       "layout's mesh (sr.autoshard_tensors) and print its moves against the best preset")
     auto.add_argument("--budget", type=int, default=150, help="--per-tensor: layouts evaluated at most")
@@ -130,7 +132,8 @@ def _autoshard(args) -> int:
         found = autoshard(_config(args), args.devices, args.hardware, optimizer=optimizer,
                           presets=args.presets.split(",") if args.presets else None,
                           microbatches=tuple(int(m) for m in args.microbatches.split(",")) if args.microbatches
-                          else None, remats=tuple(args.remats.split(",")) if args.remats else None)
+                          else None, remats=tuple(args.remats.split(",")) if args.remats else None,
+                          prune=not args.exhaustive)
         if args.per_tensor:
             autoshard_tensors(_config(args), args.devices, args.hardware, start=found[0], optimizer=optimizer,
                               budget=args.budget)

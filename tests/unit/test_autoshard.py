@@ -1,6 +1,7 @@
 """sr.autoshard: candidates built, predicted, pruned by memory and ranked (spmd_runtime/autoshard.py)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -99,3 +100,77 @@ def test_the_cli_verbs(capsys):
     assert "predicted on tpu-v3 (rank 0)" in capsys.readouterr().out
     assert main(["autoshard", "--devices", "2", "--hardware", "dgx-a300", *small]) == 2
     assert "got 'dgx-a300'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the pruned search (branch and bound)
+from spmd_runtime.autoshard import compute_bound, probe_layout  # noqa: E402
+from spmd_runtime.train import build_train_step, train_mesh  # noqa: E402
+
+WIDE = sr.LMConfig(layers=4, d=64, heads=4, ffn=256, vocab=128, seq=32, batch=16)
+
+
+def _same_best(pruned, full):
+    a, b = next(c for c in pruned if c.fits), next(c for c in full if c.fits)
+    assert (a.preset, a.mesh_shape, a.microbatches) == (b.preset, b.mesh_shape, b.microbatches)
+    assert a.step_s == pytest.approx(b.step_s) and a.probe is None  # built at full size
+
+
+@pytest.mark.parametrize("cfg,devices,presets", [
+    (CFG, 4, ["dp", "megatron", "megatron_sp", "pipeline"]),
+    (WIDE, 8, ["megatron", "megatron_wus"]),
+])
+def test_pruning_keeps_the_best_of_the_full_search(cfg, devices, presets):
+    full = autoshard(cfg, devices, A100, presets=presets, verbose=False, prune=False)
+    pruned = autoshard(cfg, devices, A100, presets=presets, verbose=False, probe_above=0)
+    _same_best(pruned, full)
+    built = [c for c in pruned if c.step_s is not None and c.probe is None]
+    assert len(built) < len([c for c in full if c.step_s is not None])  # it did skip work
+
+
+def test_a_tight_memory_keeps_the_best_too():
+    one = autoshard(WIDE, 4, A100, presets=["megatron", "megatron_wus"], microbatches=(1,), verbose=False,
+                    prune=False)
+    need = sorted(c.peak_bytes for c in one if c.peak_bytes)[len(one) // 2]  # about half of them fit at M=1
+    room = Hardware("room", (("float32", 1e12),), need, 1e12, 4, Link(1e10, 1e-6), Link(1e9, 5e-6))
+    full = autoshard(WIDE, 4, room, presets=["megatron", "megatron_wus"], verbose=False, prune=False)
+    _same_best(autoshard(WIDE, 4, room, presets=["megatron", "megatron_wus"], verbose=False, probe_above=0), full)
+
+
+def test_compute_bound_is_below_every_prediction():
+    for preset, shape, m in [("dp", (4,), 1), ("megatron", (2, 2), 2), ("pipeline", (2, 1, 2), 4),
+                             ("pipeline_1f1b", (2, 2, 1), 2)]:
+        step = build_train_step(WIDE, train_mesh(shape, preset), preset, microbatches=m)
+        predicted = max(step.program.estimate(A100, r).step_s for r in range(4))
+        stages = shape[0] if "pipeline" in preset else 1
+        assert 0 < compute_bound(WIDE, 4, A100, stages, m) <= predicted, (preset, shape, m)
+    # the bubble: 2 stages and 2 micro-batches run 3 iterations of work for 2
+    assert compute_bound(WIDE, 4, A100, 2, 2) > compute_bound(WIDE, 4, A100, 2, 8) > compute_bound(WIDE, 4, A100)
+    moe = sr.LMConfig(layers=2, d=32, heads=4, ffn=64, vocab=64, seq=16, batch=4, moe_every=2, experts=2)
+    assert compute_bound(moe, 4, A100) == 0.0
+
+
+def test_a_probe_cuts_the_data_axis_and_bounds_the_layout_from_below():
+    assert probe_layout(WIDE, "megatron", (4, 2)) == (dataclasses.replace(WIDE, batch=8), (2, 2))
+    assert probe_layout(WIDE, "pipeline", (2, 4, 1)) == (dataclasses.replace(WIDE, batch=8), (2, 2, 1))
+    assert probe_layout(WIDE, "dp", (8,)) == (dataclasses.replace(WIDE, batch=4), (2,))
+    assert probe_layout(WIDE, "megatron", (2, 4)) == (WIDE, (2, 4))  # data already 2
+    assert probe_layout(WIDE, "seq", (8,)) == (WIDE, (8,))  # "data" splits the sequence: no cut
+    for preset, shape in [("megatron", (4, 2)), ("megatron_sp", (4, 2)), ("dp", (8,))]:
+        pcfg, pshape = probe_layout(WIDE, preset, shape)
+        real = build_train_step(WIDE, train_mesh(shape, preset), preset)
+        probe = build_train_step(pcfg, train_mesh(pshape, preset), preset)
+        full = max(real.program.estimate(A100, r).step_s for r in range(8))
+        cheap = max(probe.program.estimate(A100, r).step_s for r in range(math.prod(pshape)))
+        assert cheap <= full, preset
+        if preset != "dp":  # state not split over "data": about the same bytes per rank (a few small buffers differ)
+            assert probe.program.peak_bytes() == pytest.approx(real.program.peak_bytes(), rel=1e-3), preset
+
+
+def test_pruned_candidates_say_why(capsys):
+    found = autoshard(WIDE, 8, A100, presets=["megatron", "pipeline"], probe_above=0)
+    pruned = [c for c in found if c.pruned]
+    assert pruned and all(c.step_s is None for c in pruned)
+    assert all(any(w in c.pruned for w in (">= best", ">= 2.0 x best", "compute bound", "4 heads", "did not drop"))
+               for c in pruned)
+    assert any("model axis of 8 ranks splits 4 heads" in c.pruned for c in pruned)  # megatron (1, 8)
+    assert capsys.readouterr().out.count("pruned:") == len(pruned)
