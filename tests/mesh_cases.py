@@ -23,3 +23,10 @@ def meshes_for(n: int) -> list[Mesh]:
 def axes_choices(mesh: Mesh) -> list[tuple[str, ...]]:
     """Every ordered subset of the mesh axes, () included: each order is a different shard numbering."""
     return [p for r in range(len(mesh.axis_names) + 1) for p in permutations(mesh.axis_names, r)]
+
+
+def only_in_large_worlds(shape: tuple[int, ...]) -> bool:
+    """Whether the suite's smaller worlds (1-4 ranks) have no mesh of this shape: two split axes of unequal sizes
+    (2x4, 4x2) or three split axes (2x2x2). What the 8-rank stage keeps of each case table (tests/mpi/conftest.py)."""
+    split = [s for s in shape if s > 1]
+    return len(split) >= 3 or (len(split) == 2 and split[0] != split[1])

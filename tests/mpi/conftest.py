@@ -5,6 +5,7 @@ it with ``SPMD_BACKEND=cupy``): ``sr.run`` then returns CuPy arrays, so tests co
 ``spmd_runtime.exec.backend.to_host(out)`` with NumPy, never ``out`` itself.
 """
 import os
+import zlib
 
 import pytest
 from mpi4py import MPI
@@ -42,3 +43,62 @@ def describe_backend() -> str:
 
 def pytest_report_header(config):
     return [f"{describe_backend()}; {MPI.Get_library_version().splitlines()[0].strip()}"]
+
+
+# ---- case tables at large world sizes -----------------------------------------------------------------------
+# The one sampling rule of the suite (scripts/test.sh's 20-minute budget: 8 ranks share 2 cores in CI). A test
+# marked ``@pytest.mark.sample_at_large_world(group=..., specific=...)`` runs its whole table below LARGE_WORLD
+# ranks; at LARGE_WORLD ranks and more, of each group of its cases (``group(**params)``: e.g. one op and
+# sharding on this world's several meshes; the whole table when no group is given) it runs
+#   - one case, picked by a stable hash of the group: one of those ``specific(**params)`` calls something only
+#     a large world has (mesh_cases.only_in_large_worlds: 2x4, 4x2, a 3-level mesh), else any one;
+#   - and every other case whose stable hash (crc32 of its name) is 0 modulo SAMPLE_EVERY.
+# So no group is dropped at 8 ranks and every rank selects the same cases. The rest are deselected (pytest says
+# how many); SPMD_FULL_TABLES=1 runs every case at every world size.
+LARGE_WORLD = 8
+SAMPLE_EVERY = 6
+_SAMPLED = pytest.StashKey[int]()  # how many this run deselected
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"sample_at_large_world(group=None, specific=None): at {LARGE_WORLD} "
+                            f"ranks or more, one case of each group and 1 in {SAMPLE_EVERY} of the rest "
+                            "(tests/mpi/conftest.py)")
+
+
+def sampled_out(items, world: int) -> set:
+    """The marked items a world of ``world`` ranks does not run (the rule above)."""
+    if world < LARGE_WORLD or os.environ.get("SPMD_FULL_TABLES", "") not in ("", "0"):
+        return set()
+    groups: dict[tuple, list] = {}
+    for item in items:
+        mark = item.get_closest_marker("sample_at_large_world")
+        if mark is None or not hasattr(item, "callspec"):
+            continue
+        group, name = mark.kwargs.get("group"), f"{item.module.__name__}.{item.function.__qualname__}"
+        key = (name, group(**item.callspec.params) if group else "")
+        groups.setdefault(key, []).append((item, mark.kwargs.get("specific")))
+    out = set()
+    for (name, key), members in groups.items():
+        pool = [item for item, specific in members if specific and specific(**item.callspec.params)]
+        pool = pool or [item for item, _ in members]
+        chosen = pool[zlib.crc32(f"{name}|{key}".encode()) % len(pool)]
+        out.update(item for item, _ in members
+                   if item is not chosen and zlib.crc32(item.name.encode()) % SAMPLE_EVERY)
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    drop = sampled_out(items, MPI.COMM_WORLD.Get_size())
+    if drop:
+        config.hook.pytest_deselected(items=[item for item in items if item in drop])
+        items[:] = [item for item in items if item not in drop]
+        config.stash[_SAMPLED] = len(drop)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.stash.get(_SAMPLED, 0):
+        terminalreporter.write_line(
+            f"sample_at_large_world: {config.stash[_SAMPLED]} table cases deselected at "
+            f"{MPI.COMM_WORLD.Get_size()} ranks (one per group + 1 in {SAMPLE_EVERY} run; "
+            "SPMD_FULL_TABLES=1 runs them all)")

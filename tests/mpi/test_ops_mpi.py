@@ -2,7 +2,9 @@
 this world size (plus a device-reordered one), against the reference evaluator.
 
 Run as ``mpiexec -n N python -m pytest --with-mpi tests/mpi``; the parameters are
-built from N at collection time, so each world size runs its own meshes.
+built from N at collection time, so each world size runs its own meshes. At 8 ranks each case and
+sharding runs on one of the meshes only 8 ranks have (2x4, 4x2) and on a sample of the others
+(``sample_at_large_world``, tests/mpi/conftest.py).
 """
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from mpi4py import MPI
 import spmd_runtime as sr
 from spmd_runtime.exec.backend import to_host
 
-from mesh_cases import meshes_for
+from mesh_cases import meshes_for, only_in_large_worlds
 from op_cases import all_cases, partition_case, tolerance
 
 CASES = all_cases()
@@ -24,6 +26,8 @@ PARAMS = [pytest.param(c, s, m, id=f"{c.name}-spec{i}-{m}") for c in CASES for i
 @pytest.mark.mpi
 @pytest.mark.filterwarnings("ignore:spmd_runtime partitioner")
 @pytest.mark.parametrize("case,specs,mesh", PARAMS)
+@pytest.mark.sample_at_large_world(group=lambda case, specs, mesh: f"{case.name}-{specs}",
+                                   specific=lambda case, specs, mesh: only_in_large_worlds(mesh.shape))
 def test_partitioned_matches_reference(case, specs, mesh):
     graph, program, args, expected = partition_case(case, specs, mesh)
     got = sr.run(program, *args)

@@ -1,6 +1,7 @@
 """Training under real MPI, for any world size: a 2-step run of the partitioned LM training step on
 every 1-d and 2-d mesh of the world (plus one with reordered devices) matches the unpartitioned
-reference, and a checkpoint saved on one mesh resumes the same loss curve on another.
+reference, and a checkpoint saved on one mesh resumes the same loss curve on another. At 8 ranks each 2-d
+preset runs on one of 2x4 / 4x2 and a sample of the rest (``sample_at_large_world``, tests/mpi/conftest.py).
 
 Run: ``mpiexec -n N python -m pytest --with-mpi tests/mpi/test_train_mpi.py -p no:cacheprovider``.
 Rank 0 traces and partitions (``build_train_step_on_root``) and computes the reference; assertions come
@@ -21,6 +22,8 @@ from spmd_runtime.mesh import Mesh
 from spmd_runtime.models.lm import LMConfig
 from spmd_runtime.optim import AdamW
 from spmd_runtime.train import build_train_step_on_root, train_mesh
+
+from mesh_cases import only_in_large_worlds
 
 pytestmark = pytest.mark.mpi
 
@@ -70,6 +73,8 @@ def train(ts, local, batches):
 
 @pytest.mark.parametrize("shape,preset,reverse", cases(),
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+@pytest.mark.sample_at_large_world(group=lambda shape, preset, reverse: f"{len(shape)}-d {preset}",
+                                   specific=lambda shape, preset, reverse: only_in_large_worlds(shape))
 def test_two_steps_match_the_reference(shape, preset, reverse):
     ts = build_train_step_on_root(CFG, mesh_of(shape, preset, reverse), preset, OPT, WORLD)
     state, data = ts.init(seed=1), feed(2)
@@ -160,6 +165,7 @@ def test_a_donating_step_equals_the_plain_step(preset, monkeypatch):
 
 
 @pytest.mark.parametrize("preset", ["dp", "fsdp", "megatron"])
+@pytest.mark.sample_at_large_world()
 def test_an_accumulating_donating_step_equals_the_plain_step(preset):
     """Two micro-batches over scanned layers with the state donated: the accumulators are updated in place by
     the micro-batch scan's body (in the loop's own buffers) and every parameter in its donated buffer, under

@@ -20,12 +20,13 @@ safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from spmd_runtime import Mesh, parse_spec  # noqa: E402
+from spmd_runtime import Mesh  # noqa: E402
 from spmd_runtime import weights  # noqa: E402
 from spmd_runtime.checkpoint import load_checkpoint  # noqa: E402
-from spmd_runtime.exec import block_slices  # noqa: E402
 from spmd_runtime.weights import (Transpose, WeightsError, checkpoint_to_safetensors, load_safetensors,  # noqa: E402
                                   safetensors_to_checkpoint, save_safetensors)
+
+from weights_cases import bounds, recording_reader, true_slices  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -41,14 +42,6 @@ ORIG = {
 }
 SPECS = {"transformer.wte.weight": ("x", LAST if LAST != "x" else None), "transformer.ln_f.bias": (ALL,),
          "step": ()}
-
-
-def true_slices(shape, spec, mesh, rank):
-    return block_slices(shape, parse_spec(spec, mesh, len(shape)), mesh, rank)
-
-
-def bounds(slices):
-    return tuple((s.start, s.stop) for s in slices)
 
 
 @pytest.fixture
@@ -68,39 +61,7 @@ def shared_dir():
 def requests(monkeypatch):
     """(file key, bounds) of every slice this process asks of the file; reading a whole tensor fails."""
     seen = []
-
-    class Opened:
-        def __init__(self, path, framework):
-            self.handle = safe_open(path, framework=framework)
-
-        def __enter__(self):
-            self.real = self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def keys(self):
-            return self.real.keys()
-
-        def metadata(self):
-            return self.real.metadata()
-
-        def get_slice(self, key):
-            real = self.real.get_slice(key)
-
-            class Slice:
-                get_shape, get_dtype = real.get_shape, real.get_dtype
-
-                def __getitem__(self, slices):
-                    seen.append((key, bounds(slices)))
-                    return real[slices]
-            return Slice()
-
-        def get_tensor(self, key):
-            raise AssertionError(f"the loader read the whole of {key!r}")
-
-    monkeypatch.setattr(weights, "safe_open", Opened)
+    monkeypatch.setattr(weights, "safe_open", recording_reader(lambda key, where: seen.append((key, where))))
     return seen
 
 

@@ -1,6 +1,7 @@
 """Windowed einsum under real MPI: the rings' nonblocking permutes (Isend/Irecv, progressed by MPI_Test between
 kernels) on every mesh of this world size, even and uneven, against the reference evaluator; and a training
-step whose gathers and reduce-scatters became rings gives the plain step's losses."""
+step whose gathers and reduce-scatters became rings gives the plain step's losses. At 8 ranks each pattern, size
+and ring length runs on one of 2x4 / 4x2 and a sample of the rest (``sample_at_large_world``, tests/mpi/conftest.py)."""
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -11,7 +12,7 @@ from spmd_runtime.models.lm import LMConfig
 from spmd_runtime.optim import AdamW
 from spmd_runtime.train import build_train_step, train_mesh
 
-from mesh_cases import meshes_for
+from mesh_cases import meshes_for, only_in_large_worlds
 from windowed_cases import PATTERNS, window_axes, windowed_program
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -22,6 +23,8 @@ PARAMS = [pytest.param(p, m, a, n, id=f"{p}-{m}-{'.'.join(a)}-{n}") for m in mes
 @pytest.mark.mpi
 @pytest.mark.skipif(WORLD < 2, reason="a ring needs two ranks")
 @pytest.mark.parametrize("pattern,mesh,axes,size", PARAMS)
+@pytest.mark.sample_at_large_world(group=lambda pattern, mesh, axes, size: f"{pattern}-{size}-{mesh.axis_size(axes)}",
+                                   specific=lambda pattern, mesh, axes, size: only_in_large_worlds(mesh.shape))
 def test_ring_matches_reference(pattern, mesh, axes, size):
     graph, args, program = windowed_program(pattern, mesh, axes, size)
     assert "collective_permute_start" in str(program)

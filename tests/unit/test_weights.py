@@ -23,11 +23,11 @@ from spmd_runtime import weights  # noqa: E402
 from spmd_runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from spmd_runtime.comm import run_simulated  # noqa: E402
 from spmd_runtime.dtypes import BFLOAT16  # noqa: E402
-from spmd_runtime.exec import block_slices  # noqa: E402
 from spmd_runtime.weights import (TIED_KEY, Transpose, WeightsError, checkpoint_to_safetensors,  # noqa: E402
                                   load_safetensors, safetensors_to_checkpoint, save_safetensors)
 
 from tests.simulated import errors_on_every_rank  # noqa: E402
+from weights_cases import bounds, recording_reader, true_slices  # noqa: E402
 
 
 def _originals():
@@ -58,10 +58,6 @@ def specs_for(mesh):
     return specs
 
 
-def true_slices(shape, spec, mesh, rank):
-    return block_slices(shape, parse_spec(spec, mesh, len(shape)), mesh, rank)
-
-
 @pytest.fixture
 def file(tmp_path):
     path = tmp_path / "model.safetensors"
@@ -83,49 +79,15 @@ def assert_bit_equal(got: dict, want: dict):
 
 @pytest.fixture
 def requests(monkeypatch):
-    """(rank, file key, slices) of every read the loader asks of the file; a whole-tensor read fails."""
+    """(rank, file key, bounds) of every slice the loader asks of the file; a whole-tensor read fails."""
     seen, lock = [], threading.Lock()
 
-    class Slice:
-        def __init__(self, real, key):
-            self.real, self.key = real, key
+    def record(key, where):
+        rank = int(threading.current_thread().name.rsplit("-", 1)[1])
+        with lock:
+            seen.append((rank, key, where))
 
-        def get_shape(self):
-            return self.real.get_shape()
-
-        def get_dtype(self):
-            return self.real.get_dtype()
-
-        def __getitem__(self, slices):
-            rank = int(threading.current_thread().name.rsplit("-", 1)[1])
-            with lock:
-                seen.append((rank, self.key, tuple((s.start, s.stop) for s in slices)))
-            return self.real[slices]
-
-    class Opened:
-        def __init__(self, path, framework):
-            self.handle = safe_open(path, framework=framework)
-
-        def __enter__(self):
-            self.real = self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def keys(self):
-            return self.real.keys()
-
-        def metadata(self):
-            return self.real.metadata()
-
-        def get_slice(self, key):
-            return Slice(self.real.get_slice(key), key)
-
-        def get_tensor(self, key):
-            raise AssertionError(f"the loader read the whole of {key!r}")
-
-    monkeypatch.setattr(weights, "safe_open", Opened)
+    monkeypatch.setattr(weights, "safe_open", recording_reader(record))
     return seen
 
 
@@ -146,7 +108,7 @@ def test_each_rank_reads_only_its_blocks_and_the_save_reproduces_the_file(mesh, 
         want = {n: ORIG[n][true_slices(ORIG[n].shape, specs[n], mesh, rank)] for n in ORIG}
         assert_bit_equal(blocks, want)
         asked = sorted((k, s) for r, k, s in requests if r == rank)
-        nonempty = sorted((n, tuple((s.start, s.stop) for s in true_slices(ORIG[n].shape, specs[n], mesh, rank)))
+        nonempty = sorted((n, bounds(true_slices(ORIG[n].shape, specs[n], mesh, rank)))
                           for n in ORIG if want[n].size)
         assert asked == nonempty, f"rank {rank} must ask the file for exactly its own blocks"
     stored, meta = read_back(out)
