@@ -19,6 +19,7 @@ from .exec import run as run_program
 from .exec import run_local
 from .exec.runner import shard
 from .exec.backend import to_host
+from .hardware import Hardware
 from .mesh import Mesh
 from .models.lm import LMConfig
 from .optim import make_optimizer
@@ -71,6 +72,7 @@ def _plan_parser(sub) -> None:
                       "show / run read it)")
     plan.add_argument("--predict", default=None, metavar="HARDWARE", help="also predict the step on a hardware "
                       "profile (a file, or dgx-a100-80gb / dgx-h100 / tpu-v3)")
+    _placement_arguments(plan)
     _model_arguments(plan)
     auto = sub.add_parser("autoshard", help="every preset on every mesh shape of --devices, predicted on a hardware "
                                             "profile, pruned by memory and ranked (nothing runs)")
@@ -85,7 +87,21 @@ def _plan_parser(sub) -> None:
     auto.add_argument("--per-tensor", action="store_true", help="then search per-parameter shardings on the best "
                       "layout's mesh (sr.autoshard_tensors) and print its moves against the best preset")
     auto.add_argument("--budget", type=int, default=150, help="--per-tensor: layouts evaluated at most")
+    _placement_arguments(auto)
     _model_arguments(auto)
+
+
+def _placement_arguments(parser) -> None:
+    parser.add_argument("--ranks-per-node", type=int, default=None, help="the job's ranks on each node (default: "
+                        "the profile's node.ranks; e.g. 8 for 8 ranks on this 2-core machine)")
+    parser.add_argument("--threads-per-rank", type=int, default=1, help="with --ranks-per-node: BLAS threads each")
+
+
+def _hardware(args, name):
+    """The profile ``name`` with the job's placement when --ranks-per-node is given (hardware.with_placement)."""
+    if name is None or args.ranks_per_node is None:
+        return name
+    return Hardware.load(name).with_placement(args.ranks_per_node, args.threads_per_rank)
 
 
 def _model_arguments(parser) -> None:
@@ -113,7 +129,7 @@ def _plan(args) -> int:
         shape = tuple(int(s) for s in args.mesh.split(","))
         mesh = train_mesh(shape, args.preset) if args.axes is None else Mesh(shape, tuple(args.axes.split(",")))
         plan = plan_train_step(_config(args), mesh, args.preset, make_optimizer(args.optimizer), args.microbatches)
-        estimate = plan.step.program.estimate(args.predict) if args.predict else None
+        estimate = plan.step.program.estimate(_hardware(args, args.predict)) if args.predict else None
     except ValueError as e:
         print(f"spmd_runtime plan: {e}", file=sys.stderr, flush=True)
         return 2
@@ -129,13 +145,14 @@ def _plan(args) -> int:
 def _autoshard(args) -> int:
     try:
         optimizer = make_optimizer(args.optimizer)
-        found = autoshard(_config(args), args.devices, args.hardware, optimizer=optimizer,
+        hardware = _hardware(args, args.hardware)
+        found = autoshard(_config(args), args.devices, hardware, optimizer=optimizer,
                           presets=args.presets.split(",") if args.presets else None,
                           microbatches=tuple(int(m) for m in args.microbatches.split(",")) if args.microbatches
                           else None, remats=tuple(args.remats.split(",")) if args.remats else None,
                           prune=not args.exhaustive)
         if args.per_tensor:
-            autoshard_tensors(_config(args), args.devices, args.hardware, start=found[0], optimizer=optimizer,
+            autoshard_tensors(_config(args), args.devices, hardware, start=found[0], optimizer=optimizer,
                               budget=args.budget)
     except ValueError as e:
         print(f"spmd_runtime autoshard: {e}", file=sys.stderr, flush=True)

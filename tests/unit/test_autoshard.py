@@ -102,6 +102,21 @@ def test_the_cli_verbs(capsys):
     assert "got 'dgx-a300'" in capsys.readouterr().err
 
 
+def test_the_cli_takes_the_jobs_placement(tmp_path, capsys):
+    """8 ranks on a 2-core host: each rank gets a quarter core, so the same plan predicts a slower step."""
+    from spmd_runtime.__main__ import main
+    host = tmp_path / "host.json"
+    Hardware("host", (("float32", 1e11),), 2**34, 1e10, 2, Link(1e9, 1e-6), Link(1e9, 1e-6),
+             cores_per_node=2).save(host)
+    small = ["--layers", "2", "--d", "32", "--heads", "4", "--ffn", "64", "--vocab", "64", "--seq", "16", "--batch",
+             "8", "--dtype", "float32"]
+
+    def step_ms(*placement):
+        assert main(["plan", "--preset", "dp", "--mesh", "8", "--predict", str(host), *placement, *small]) == 0
+        return float(capsys.readouterr().out.split("predicted on host (rank 0): step ")[1].split(" ms")[0])
+    assert step_ms("--ranks-per-node", "8") > 3 * step_ms()  # the profile's 2 per node: 4 nodes of 2 cores
+
+
 # ---------------------------------------------------------------- the pruned search (branch and bound)
 from spmd_runtime.autoshard import compute_bound, probe_layout  # noqa: E402
 from spmd_runtime.train import build_train_step, train_mesh  # noqa: E402
