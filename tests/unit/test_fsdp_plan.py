@@ -65,11 +65,11 @@ def test_fsdp_gpt2_plan_gathers_weights_not_activations(ranks, monkeypatch):
     assert not sliced, "a gathered weight sliced back is a model-parallel layout the fsdp preset never asks for"
 
 
-# GPT-2 124M's plan (abstract: a few seconds). Before: 1.27x at 2 ranks (1.32x of it from an (b, t, vocab) int32
-# iota, every layer's gathered weights kept for the backward, the MLP run model-parallel on gathered
-# activations), 1.42x at 4. What is left at 2 ranks is the gathered (vocab, d) embedding at the output layer and
-# the prefetch budget; at 4 the tied embedding's gradient, made (d, vocab) and transposed (two full copies).
-@pytest.mark.parametrize("ranks, ratio", [(2, 1.12), (4, 1.35)])
+# GPT-2 124M's plan (abstract: a few seconds). Before: 1.27x at 2 ranks (of it: a (b, t, vocab) int32 iota,
+# every layer's gathered weights kept for the backward, the MLP run model-parallel on gathered activations),
+# 1.42x at 4. Left at both: the (vocab, d) embedding gathered whole at the output layer, the prefetch budget, and
+# GELU's erfc kept for the backward (a (b, t, 4d) buffer per layer the formula does not count).
+@pytest.mark.parametrize("ranks, ratio", [(2, 1.12), (4, 1.27)])
 def test_fsdp_gpt2_124m_plan_peaks_near_the_formula(ranks, ratio, monkeypatch):
     program, computed, _ = plan(ranks, True, monkeypatch, GPT2_124M)
     assert program.peak_bytes() <= ratio * computed["total"], (program.peak_bytes() / computed["total"], computed)
