@@ -18,11 +18,11 @@ import os
 
 from ..graph import PARAMETER
 from ..ops.core import RESHAPE
+from ..ops.spmd import ALL_GATHER
 from ..program import Instr
 
 REGATHER_ENV = "SPMD_REGATHER"
 REGATHER_GAP = 64  # instructions between two reads of a gathered weight beyond which it is gathered again
-GATHER = "all_gather"
 
 
 def regather_enabled() -> bool:
@@ -42,7 +42,7 @@ def regathered(instrs: list[Instr], gap: int = REGATHER_GAP):
     before: dict[int, list[tuple[list[int], int]]] = {}  # reader slot -> chains (slots) to copy before it
     rebind: dict[int, list[int]] = {}  # reader slot -> the chain ends it reads, each replaced by its copy's
     for ins in instrs:
-        if ins.op != GATHER or instrs[ins.args[0]].op != PARAMETER.name:
+        if ins.op != ALL_GATHER.name or instrs[ins.args[0]].op != PARAMETER.name:
             continue
         chain = [ins.out]
         while len(readers.get(chain[-1], ())) == 1 and instrs[readers[chain[-1]][0]].op == RESHAPE.name:
