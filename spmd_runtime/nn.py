@@ -134,8 +134,9 @@ def one_hot(x, num_classes: int, dtype="float32", axis=-1):
         raise ValueError(f"one_hot needs a static num_classes >= 1; got {num_classes!r}")
     ndim = x.ndim + 1
     axis = int(axis) % ndim if -ndim <= int(axis) < ndim else _bad_axis(axis, ndim)
-    shape = x.shape[:axis] + (int(num_classes),) + x.shape[axis:]
-    classes = snp.broadcasted_iota(x.dtype, shape, axis)
+    # the classes as (1, ..., C, ..., 1), broadcast by the comparison: a full-shape iota would be a buffer as big
+    # as the logits (int32 (b, t, vocab) in a language model's loss) that the fused comparison never needs
+    classes = snp.broadcasted_iota(x.dtype, (1,) * axis + (int(num_classes),) + (1,) * (ndim - 1 - axis), axis)
     return snp.astype(snp.expand_dims(x, axis) == classes, dtype)
 
 

@@ -638,7 +638,8 @@ def _stop_gradient_kernel(xp, x):
 
 
 @opdef.kernel(MESH_SPLIT)
-def _mesh_split_kernel(xp, x, sharding=None, mesh=None, unconstrained=(), name=None, grad_sharding=None):
+def _mesh_split_kernel(xp, x, sharding=None, mesh=None, unconstrained=(), name=None, grad_sharding=None,
+                       reshard_only=False):
     return x  # an annotation: the same global value
 
 

@@ -10,6 +10,7 @@ import builtins
 import functools
 import math
 import string
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,7 @@ def einsum(spec: str, *operands) -> Tensor:
     acc, acc_term = ops[0], terms[0]
     for i in range(1, len(ops)):
         rest = "".join(terms[i + 1:]) + out
-        acc, acc_term = _einsum2(acc, acc_term, ops[i], terms[i], rest, sizes)
+        acc, acc_term = _einsum2(acc, acc_term, ops[i], terms[i], rest, sizes, out if i == len(ops) - 1 else None)
     return _einsum1(acc, acc_term, out)
 
 
@@ -92,11 +93,15 @@ def _einsum1(x, term, out):
     return transpose(x, [term.index(c) for c in out])
 
 
-def _einsum2(a, ta, b, tb, rest, sizes):
+def _einsum2(a, ta, b, tb, rest, sizes, final=None):
+    """One pairwise step; ``final``: the einsum's output letters when this is its last step."""
     keep = lambda t, other: "".join(c for c in t if c in other or c in rest)
     a, ta = _einsum1(a, ta, keep(ta, tb)), keep(ta, tb)
     b, tb = _einsum1(b, tb, keep(tb, ta)), keep(tb, ta)
     out = _pair_out(ta, tb, rest)
+    if final is not None and sorted(final) == sorted(out):
+        out = final  # the kernel writes the einsum's own order (b's free letters first: as b @ a; attention's
+        # (b, q, h, e) from per-(b, h) products: through the result's strides), no transpose after it
     shape = tuple(sizes[c] for c in out)
     return emit(EINSUM, [a, b], {"spec": f"{ta},{tb}->{out}"}, shape, a.dtype), out
 
@@ -111,6 +116,12 @@ def _pair_out(ta, tb, rest):
     free_a = [c for c in ta if c not in tb]
     free_b = [c for c in tb if c not in ta]
     return "".join(batch + free_a + free_b)
+
+
+def _swapped_order(ta: str, tb: str, out: str) -> str:
+    """The result order of the stacked matmul with the operands swapped: batch, b's free, a's free letters."""
+    return "".join([c for c in ta if c in tb and c in out] + [c for c in tb if c not in ta] +
+                   [c for c in ta if c not in tb])
 
 
 def matmul(a, b) -> Tensor:
@@ -156,12 +167,18 @@ def _einsum_kernel(xp, a, b, spec, into=None):
     through it, exec/loops.py). The index work is planned once per spec and shapes (``_plan``)."""
     low = is_low_precision(a.dtype)
     plan = _plan(spec, a.shape, b.shape, matmul_only=low)  # 16-bit: float32 accumulation in the matmul
+    if plan.swapped:  # planned as b @ a: the result comes out in out's order, no transpose after it
+        a, b = b, a
     if plan.kind == "product":
         return _broadcast_product(xp, a, b, plan, into)
     if plan.kind == "dot":
         return _batched_dot(xp, a, b, spec, plan.result, into)
     a3 = _blas_operand(xp, a.transpose(plan.perm_a).reshape(plan.stack_a))
     b3 = _blas_operand(xp, b.transpose(plan.perm_b).reshape(plan.stack_b))
+    strided = None if plan.in_order or low or xp is not np else _strided_result(xp, plan, a.dtype, into)
+    if strided is not None:  # BLAS writes each slice through the result's strides: no transpose copy after it
+        xp.matmul(a3, b3, out=strided[1])
+        return strided[0]
     direct = into is not None and not low and plan.in_order
     r = xp.matmul(a3, b3, out=into.reshape(plan.stack_r)) if direct else _matmul(xp, a3, b3)
     r = r.reshape(plan.ordered).transpose(plan.perm_r)
@@ -170,6 +187,32 @@ def _einsum_kernel(xp, a, b, spec, into=None):
     result = into.reshape(r.shape)
     result[...] = r
     return result
+
+
+def _strided_result(xp, plan, dtype, into):
+    """(the result, C-ordered in out's letters, in ``into`` or fresh; a view of it as the stacked matmul's
+    ``stack_r``) when that view needs no copy (each merged group of the matmul's dims is contiguous in out's
+    order: attention's (b, h, q, e) into a (b, q, h, e) result, one strided BLAS call per (b, h)), else None."""
+    strides = _stack_strides(plan)
+    if strides is None:
+        return None
+    result = xp.empty(plan.result, dtype) if into is None else into.reshape(plan.result)
+    return result, np.lib.stride_tricks.as_strided(result, plan.stack_r, tuple(k * result.itemsize for k in strides))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stack_strides(plan) -> tuple | None:
+    """The element strides of ``stack_r`` over a C-ordered result in out's letters, or None where a merged
+    group is not contiguous there."""
+    inverse = tuple(plan.perm_r.index(k) for k in range(len(plan.perm_r)))
+    c_order = np.lib.stride_tricks.as_strided(np.empty(1, np.int8), plan.result,
+                                              tuple(int(np.prod(plan.result[k + 1:])) for k in range(len(plan.result))))
+    stacked = c_order.transpose(inverse).view()
+    try:
+        stacked.shape = plan.stack_r  # raises where the merge would need a copy
+    except AttributeError:
+        return None
+    return stacked.strides
 
 
 @dataclass(frozen=True)
@@ -189,6 +232,7 @@ class _Plan:
     ordered: tuple = ()
     perm_r: tuple = ()
     in_order: bool = False
+    swapped: bool = False  # the plan is of the operands swapped (b's free letters lead the result)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -208,6 +252,8 @@ def _plan(spec: str, shape_a: tuple, shape_b: tuple, matmul_only: bool = False) 
         return _Plan("product", result, perm_a, stack_a, perm_b, stack_b)
     if batch and not free_a and not free_b and not matmul_only:
         return _Plan("dot", result)
+    if "".join(batch + free_a + free_b) != out and _swapped_order(ta, tb, out) == out:
+        return dataclasses.replace(_plan(f"{tb},{ta}->{out}", shape_b, shape_a, matmul_only), swapped=True)
     prod = lambda cs: math.prod(sizes[c] for c in cs)
     # Batch dims stay separate dims of the stacked matmul: merging them would copy a transposed operand
     # (attention's bqhd as bhqd), where BLAS reads each (q, d) slice in place with its row stride.

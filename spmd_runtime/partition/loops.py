@@ -194,7 +194,8 @@ def partition_body(ctx, node, body, in_shardings, out_shardings, what, pending=(
     in_shardings = [_or_replicated(s, body.nodes[p].spec) for s, p in zip(in_shardings, body.params)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = partition(body, ctx.mesh, in_specs=in_shardings, out_specs=out_shardings, pending=pending)
+        program = partition(body, ctx.mesh, in_specs=in_shardings, out_specs=out_shardings, pending=pending,
+                            regather=False)
     ctx.notes += [f"in the {what} of %{node.id}: {n}" for n in program.notes]
     return program
 

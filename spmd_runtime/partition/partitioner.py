@@ -30,6 +30,7 @@ from .pending_sums import (accumulated, deferrable, holds_pending_sum, keep_sums
 from .propagation import propagate, refine_free
 from .scan_accumulate import accumulate_in_scans
 from .windowed import OFF, windowed_threshold, windowing
+from .regather import regather_enabled, regathered
 from .schedule import overlap_budget as _budget, overlap_enabled, schedule_collectives
 from .resharding import plan_cost, plan_reshard
 from .rules.table import PARTITION
@@ -148,7 +149,7 @@ def _moves_nothing(step, mesh: Mesh) -> bool:
 def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: bool | None = None,
               cost_profile=None, overlap: bool | None = None, overlap_budget: int | None = None,
               timings: dict | None = None, windowed_einsum: int | None = None, donate=(),
-              pending=()) -> SPMDProgram:
+              pending=(), regather: bool = True) -> SPMDProgram:
     """Partition ``graph`` over ``mesh`` into one SPMD program.
 
     ``in_specs`` / ``out_specs``: one ``mesh_split``-style spec per graph
@@ -172,6 +173,9 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
     ``pending``: output positions the caller takes as pending sums where they are (an enclosing loop's body:
     partition/loops.py): such an output comes out partial when its sum is pending, and an accumulator among them
     (output k = input k + a pending sum) takes input k partial too (``pending_sums``).
+    ``regather``: a weight gathered from an input and read again much later (its backward pass) is gathered again
+    there instead of kept whole (``partition/regather.py``; ``$SPMD_REGATHER=0`` turns it off); a loop body's
+    partition passes False (its gathers already run once per iteration).
     ``timings``: a dict that receives, for benchmarks, the seconds of each pass run (``partition``: propagation,
     partition rules, resharding; ``fuse`` and ``schedule``, each with frees and donations) and the instructions
     it left (``<pass>_instrs``).
@@ -190,6 +194,8 @@ def partition(graph: Graph, mesh: Mesh, in_specs=None, out_specs=None, fuse: boo
                 assign_buffers(program.instrs, {o.slot for o in program.outputs})
             program = fused
             laps.lap("fuse", program)
+        if regather and regather_enabled():
+            program = regathered_program(program)
         if overlap_enabled(overlap):
             program = scheduled_program(program, _budget(overlap_budget))
             laps.lap("schedule", program)
@@ -285,7 +291,9 @@ def _partition_and_complete(ctx: PartitionContext, node: Node, may_wait: bool) -
     on). A result whose propagated sharding is partial itself is left to the rules (``keep_sums_pending``)."""
     target = ctx.shardings[node.id]
     wants_final = isinstance(target, Sharding) and not target.partial
-    pending = pending_layout(node.op, node.attrs, [ctx.value(i).sharding for i in node.inputs]) if wants_final else None
+    operands = [ctx.value(i) for i in node.inputs]
+    pending = pending_layout(node.op, node.attrs, [x.sharding for x in operands],
+                             (operands[0].shape, node.shape) if operands else None, ctx.mesh) if wants_final else None
     if pending is None:
         value = _partition_node(ctx, node)
         target = ctx.shardings[node.id]  # a control node's rule sets its results' shardings
@@ -329,6 +337,22 @@ def donated_program(program: SPMDProgram, donate) -> SPMDProgram:
             ins.attrs = {**ins.attrs, "donated": True}
     program.__dict__.pop("_donated", None)  # SPMDProgram.donated's cache, if read before
     assign_buffers(program.instrs, {o.slot for o in program.outputs})
+    return program
+
+
+def regathered_program(program: SPMDProgram) -> SPMDProgram:
+    """``program`` with weights gathered again for their late readers (partition/regather.py), frees and
+    donations redone."""
+    done = regathered(program.instrs)
+    if done is None:
+        return program
+    instrs, new, not_before = done
+    outputs = [o.at(new[o.slot]) for o in program.outputs]
+    assign_buffers(instrs, {o.slot for o in outputs})
+    program = SPMDProgram(program.mesh, instrs, [i.at(new[i.slot]) for i in program.inputs], outputs,
+                          list(program.notes), program.report, program.in_tree, program.out_tree,
+                          {new[s]: n for s, n in program.names.items() if s in new})
+    program.__dict__["not_before"] = not_before  # read by the scheduler, which runs next
     return program
 
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from ..graph import Graph
 from ..ops.control import LOOP_OUT, SCAN
-from ..ops.core import ADD, BROADCAST_IN_DIM, CONSTANT, MESH_SPLIT, CONVERT, DIV, MUL, NEG, SUB, TRANSPOSE
+from ..ops.core import ADD, BROADCAST_IN_DIM, CONSTANT, MESH_SPLIT, CONVERT, DIV, MUL, NEG, RESHAPE, SUB, TRANSPOSE
+from .reshape_map import map_reshape_sharding
 from ..sharding import Sharding
 
 # Ops linear in the operands that carry a pending sum: "all" operands are partial sums (a sum of sums), "one"
@@ -36,8 +37,9 @@ SUM_LINEAR = {ADD.name: "all", SUB.name: "all", NEG.name: "all", CONVERT.name: "
 
 # Ops whose result may take over an operand's pending sum: the linear ones but a cast, which would move the
 # reduction to another dtype (more bytes, or summands rounded before they are added), and a transpose (a tied
-# embedding's gradient from the output layer is transposed before it joins the lookup's)
-TAKES_OVER = {op for op in SUM_LINEAR if op != CONVERT.name} | {TRANSPOSE.name}
+# embedding's gradient from the output layer is transposed before it joins the lookup's) and a reshape that keeps
+# every split local (a weight's gradient viewed back to the held shape before it is resharded to its grad_spec)
+TAKES_OVER = {op for op in SUM_LINEAR if op != CONVERT.name} | {TRANSPOSE.name, RESHAPE.name}
 
 
 def sum_carriers(op: str, pending: list) -> list[int] | None:
@@ -77,12 +79,16 @@ def holds_pending_sum(sharding) -> bool:
     return isinstance(sharding, Sharding) and bool(sharding.partial) and sharding.reduce_op == "sum"
 
 
-def pending_layout(op: str, attrs: dict, operands: list) -> Sharding | None:
+def pending_layout(op: str, attrs: dict, operands: list, shapes=None, mesh=None) -> Sharding | None:
     """The layout of a ``TAKES_OVER`` op's result kept as a pending sum, given its operands' layouts: where its
     carrier operands hold pending sums over the same axes and every operand is laid out on the same dims (so none
-    moves), those dims and axes. None otherwise (the rule then completes the sums it is given)."""
+    moves), those dims and axes; a reshape's (``shapes``: its operand's and result's) where its splits carry
+    across locally. None otherwise (the rule then completes the sums it is given)."""
     if op not in TAKES_OVER:
         return None
+    if op == RESHAPE.name:
+        x = operands[0]
+        return map_reshape_sharding(x, *shapes, mesh, exact=True) if holds_pending_sum(x) and shapes else None
     if op == TRANSPOSE.name:
         x = operands[0]
         return Sharding(tuple(x.dims[p] for p in attrs["perm"]), x.partial) if holds_pending_sum(x) else None
@@ -104,8 +110,14 @@ def deferrable(graph: Graph, live: set) -> set[int]:
         if node.id in live:
             for k, i in enumerate(node.inputs):
                 uses[i] = uses.get(i, 0) + 1
-                taker[i] = node.op in TAKES_OVER or accumulates_into(node, k)
+                taker[i] = node.op in TAKES_OVER or accumulates_into(node, k) or resharded_to(node)
     return {v for v, n in uses.items() if n == 1 and taker.get(v)}
+
+
+def resharded_to(node) -> bool:
+    """Whether ``node`` is a ``reshard_only`` annotation (a ``grad_spec``'s): its operand's pending sum completes
+    into the annotated layout (a reduce-scatter where it is split) instead of an all-reduce then a slice."""
+    return node.op == MESH_SPLIT.name and bool(node.attrs.get("reshard_only"))
 
 
 def accumulates_into(node, position: int) -> bool:

@@ -11,6 +11,11 @@ their order and only the collectives move:
   collective's result. It names ``%x`` too: MPI reads ``%x`` until then, so ``%x`` stays alive and
   unwritten; ``%x!`` marks an all-reduce reduced in place into ``%x`` (``MPI.IN_PLACE``).
 
+A collective that is its operand's last reader and returns fewer bytes (a gradient's reduce-scatter) waits
+``SHRINK_WORK`` compute instructions after its start, not before its first user: the done frees the operand,
+so it starts right after the operand exists whatever the budget (left blocking, it would run where the
+partitioner put it: a gradient's reduce-scatter at the end of the backward pass).
+
 Memory budget: the receive buffers of the collectives in flight at any point stay within ``budget``
 bytes; a start that would exceed it moves later, as far as its done allows. FSDP's weight all-gathers,
 whose operands exist from the top of the program, thus prefetch as many layers ahead as the budget holds
@@ -40,6 +45,7 @@ from ..program import Instr, SPMDProgram
 
 ASYNC_ENV, BUDGET_ENV = "SPMD_ASYNC", "SPMD_ASYNC_BUDGET"
 DEFAULT_BUDGET = 64 << 20  # bytes of receive buffers in flight
+SHRINK_WORK = 4  # compute instructions a collective that frees its larger operand overlaps before its done
 
 
 def overlap_enabled(overlap: bool | None) -> bool:
@@ -67,6 +73,7 @@ def schedule_collectives(program: SPMDProgram, budget: int):
     renumbered; frees and donations left for the partitioner to redo; ``in_place``: the done slots whose
     all-reduce may reduce into its dying operand), or None when no collective is worth splitting."""
     instrs, n = program.instrs, len(program.instrs)
+    not_before = program.__dict__.get("not_before", {})  # partition/regather.py's copies
     users: dict[int, list[int]] = defaultdict(list)
     for ins in instrs:
         for a in dict.fromkeys(ins.args):
@@ -83,7 +90,11 @@ def schedule_collectives(program: SPMDProgram, budget: int):
             continue
         first, done, size = *window, ins.nbytes
         first = max([first] + [moved[a][1] for a in ins.args if a in moved])  # after the done of a split operand
-        if in_flight + size <= budget:  # fits from its first gap on, whatever is in flight
+        first = max(first, not_before.get(ins.out, 0))  # a weight gathered again: not before its earlier readers
+        shrinks = _frees_more(ins, instrs, users)
+        if shrinks:  # its operand dies at the done: wait soon, not at the first reader
+            done = max(first + 1, min(done, int(np.searchsorted(works_before, works_before[first] + SHRINK_WORK))))
+        if in_flight + size <= budget or shrinks:  # fits from its first gap on, or frees more than it takes
             start = first if first < done else None
         else:
             start = _earliest_fit(load, first, done, size, budget)
@@ -127,6 +138,15 @@ def _window(ins: Instr, instrs, users, n, collective) -> tuple[int, int] | None:
     if readers and all(collective[instrs[u].op] for u in readers):
         return None  # a chain of collectives (a multi-step reshard) stays blocking: its done would be its start
     return max(ins.args) + 1, min(readers) if readers else n
+
+
+def _frees_more(ins: Instr, instrs, users) -> bool:
+    """Whether ``ins`` is its operand's last reader and returns fewer bytes than it reads (a reduce-scatter of a
+    gradient that dies there): its done frees more than its result takes, so it goes ``SHRINK_WORK`` compute
+    instructions after the start. Waiting until the first reader instead (the optimizer update, at the end)
+    would keep every layer's unreduced gradient alive through the rest of the backward pass."""
+    x = ins.args[0]
+    return users[x][-1] == ins.out and instrs[x].nbytes > ins.nbytes and instrs[x].op != PARAMETER.name
 
 
 def _earliest_fit(load, first: int, done: int, size: int, budget: int) -> int | None:

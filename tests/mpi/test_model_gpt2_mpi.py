@@ -78,3 +78,37 @@ def test_dropout_loss_equals_one_ranks_and_decode_equals_uncached_argmax(preset)
     np.testing.assert_allclose(got, alone, rtol=1e-6)
     assert abs(got - ref.loss(CFG, params, idx, targets)) > 1e-3  # dropout changed the loss
     np.testing.assert_array_equal(tokens, ref.greedy(CFG, params, idx[:, :3], 10))
+
+
+@pytest.mark.filterwarnings("ignore:donated input")  # a held block is a view of the whole array: copied once
+def test_the_benchs_fsdp_step_trains_as_dp_does():
+    """scripts/bench_gpt2.py's step under fsdp (weights gathered where used and again for the backward, gradients
+    reduce-scattered: partition/regather.py, schedule.py) against the same step under dp, two steps of AdamW:
+    losses and the updated parameters equal to float32 rounding (the sums run in another order)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts",
+                        "bench_gpt2.py")
+    spec = importlib.util.spec_from_file_location("bench_gpt2", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--layers", "2", "--d", "32", "--heads", "4", "--vocab", "64", "--seq", "8",
+                             "--batch", "4"])
+    cfg = gpt2.GPTConfig(**bench.gpt_config(args))
+    idx, targets = bench.batch_of(args, 1)
+    runs = {}
+    for preset, ranks in (("dp", N), ("fsdp", N)):
+        optimizer = bench.adamw()
+        step, place, batch, layout, mesh, _ = bench.build_step(cfg, preset, ranks, optimizer)
+        weights = gpt2.init_params(cfg, 0)
+        params, state = place(weights, optimizer.init_state(weights))
+        losses = []
+        for _ in range(2):
+            params, state, loss = step(params, state, *batch(idx, targets), srandom.key(0))
+            losses.append(float(np.asarray(loss)))
+        runs[preset] = losses, layout.release({n: np.asarray(w) for n, w in params.items()})
+    (dp_losses, dp_params), (fsdp_losses, fsdp_params) = runs["dp"], runs["fsdp"]
+    np.testing.assert_allclose(fsdp_losses, dp_losses, rtol=1e-5)
+    for name, w in dp_params.items():
+        # AdamW divides by sqrt(v): a near-zero gradient rounded otherwise moves its update by a fraction of lr
+        np.testing.assert_allclose(fsdp_params[name], w, rtol=1e-4, atol=1e-5, err_msg=name)

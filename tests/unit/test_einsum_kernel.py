@@ -15,7 +15,8 @@ SPECS = [  # (spec, lhs shape, rhs shape)
     ("abc,cb->acb", (2, 3, 4), (4, 3)),
     ("aXY,YZ->aXZ", (2, 3, 4), (4, 5)),  # contractions: the matmul path
     ("bsd,dbs->d", (2, 3, 4), (4, 2, 3)),
-    ("ab,bc->ca", (2, 3), (3, 4)),  # a contraction whose output is not BLAS's order: copied into the buffer
+    ("ab,bc->ca", (2, 3), (3, 4)),  # b's free letter first: planned as b @ a, BLAS writes the result in order
+    ("abc,abd->dbc", (2, 3, 4), (2, 3, 5)),  # a contraction whose output is not BLAS's order: copied into the buffer
     ("bsd,bsd->d", (2, 3, 4), (2, 3, 4)),  # one dot product per output element: the library's einsum
     ("bsd,dbs->d", (2, 3, 4), (4, 2, 3)),
     ("abc,abc->ba", (2, 3, 4), (2, 3, 4)),
@@ -82,3 +83,51 @@ def test_traced_einsum_takes_numpys_ellipsis(spec, shapes):
     np.testing.assert_allclose(got, np.einsum(spec, *xs), rtol=1e-5)
     with pytest.raises(ValueError, match="stands for the dims a term leaves unnamed"):
         sr.trace(lambda a: sr.numpy.einsum("ij...k->k", a), sr.TensorSpec((2, 3), "float32"))
+
+
+# (spec, lhs, rhs): b's free letters lead the output (a weight's gradient x.T @ g held [out, in]; c_attn's
+# (3, heads, head, in) from (b, t, in) and (b, t, 3, heads, head)). Before, the front end emitted the einsum in
+# batch + a-free + b-free order and a transpose after it (9 of a 2-layer GPT-2 step's 23 transposes).
+SWAPPED = [("abi,abo->oi", (2, 3, 4), (2, 3, 5)), ("btc,btshe->shec", (2, 3, 4), (2, 3, 3, 2, 2)),
+           ("xab,xbc->xca", (2, 3, 4), (2, 4, 5))]
+
+
+@pytest.mark.parametrize("spec, sa, sb", SWAPPED, ids=[s[0] for s in SWAPPED])
+def test_an_output_led_by_the_second_operands_letters_is_one_matmul_in_order_and_traces_without_a_transpose(
+        spec, sa, sb):
+    import spmd_runtime as sr  # the traced front end
+    from spmd_runtime.ops.einsum import _plan
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal(sa).astype("float32"), rng.standard_normal(sb).astype("float32")
+    assert _plan(spec, sa, sb).swapped and _plan(spec, sa, sb).in_order
+    got = _einsum_kernel(np, a, b, spec)
+    assert got.flags.c_contiguous  # BLAS wrote it in the output's order: no transposed view to copy later
+    np.testing.assert_allclose(got, np.einsum(spec, a, b), rtol=1e-5)
+    graph = sr.trace(lambda x, y: sr.numpy.einsum(spec, x, y), sr.TensorSpec(sa, "float32"),
+                     sr.TensorSpec(sb, "float32"))
+    assert [n.op for n in graph.nodes if n.inputs] == ["einsum"], [n.op for n in graph.nodes]
+
+
+# attention's contractions whose output interleaves batch and free letters: the kernel writes each (b, h) slice
+# through the result's strides (one BLAS call per slice, ldc = the row stride), so the einsum comes out in its
+# own order and the reshape to (b, t, d) after it is a view, not a copy.
+STRIDED = [("bhqk,bkhe->bqhe", (2, 3, 4, 5), (2, 5, 3, 6)), ("bhqk,bhqe->bkhe", (2, 3, 4, 5), (2, 3, 4, 6)),
+           ("bqhe,bhqk->bkhe", (2, 4, 3, 6), (2, 3, 4, 5))]
+
+
+@pytest.mark.parametrize("spec, sa, sb", STRIDED, ids=[s[0] for s in STRIDED])
+def test_an_interleaved_output_is_written_through_its_strides_and_traces_without_a_transpose(spec, sa, sb,
+                                                                                           monkeypatch):
+    import spmd_runtime as sr  # the traced front end
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal(sa).astype("float32"), rng.standard_normal(sb).astype("float32")
+    outs = []
+    real = np.matmul
+    monkeypatch.setattr(np, "matmul", lambda x, y, out=None: outs.append(out) or real(x, y, out=out))
+    got = _einsum_kernel(np, a, b, spec)
+    monkeypatch.undo()
+    assert got.flags.c_contiguous and outs and all(o is not None and np.shares_memory(o, got) for o in outs)
+    np.testing.assert_allclose(got, np.einsum(spec, a, b), rtol=1e-5)
+    graph = sr.trace(lambda x, y: sr.numpy.einsum(spec, x, y), sr.TensorSpec(sa, "float32"),
+                     sr.TensorSpec(sb, "float32"))
+    assert [n.op for n in graph.nodes if n.inputs] == ["einsum"], [n.op for n in graph.nodes]

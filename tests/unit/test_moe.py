@@ -176,8 +176,9 @@ A2AV = ("all_to_allv", ("model", "data"))  # uneven groups: (model, data) -> mod
 EXPERT_PARTITION_CASES = [  # mesh, groups, experts, roles -> forward collectives, backward collectives
     ((4,), ("data",), 8, 4, None, [A2A, A2A], [A2A, A2A, ("all_reduce", ("data",))]),
     ((4,), ("data",), 6, 8, None, [A2A, A2A], [A2A, A2A, ("all_reduce", ("data",))]),
-    ((2, 4), ("model", "data"), 8, 4, None, [A2A, A2A],
-     [A2A, ("all_reduce", ("model",)), ("all_reduce", ("model",)), A2A, ("all_reduce", ("model", "data"))]),
+    ((2, 4), ("model", "data"), 8, 4, None, [A2A, A2A],  # the expert weight gradient made as [E, H, M] (no
+     # transpose after its einsum) starts its all-reduce before the token gradient's all-to-all
+     [A2A, ("all_reduce", ("model",)), A2A, ("all_reduce", ("model",)), ("all_reduce", ("model", "data"))]),
     ((2, 2), ("model", "data"), 6, 4, None, [A2AV, A2AV],
      [A2AV, ("all_reduce", ("model",)), ("all_reduce", ("model",)), A2AV, ("all_reduce", ("model", "data"))]),
     # Megatron experts: hidden dim on model; the second expert einsum's partial sum is all-reduced over it

@@ -185,10 +185,11 @@ def _stop_gradient_vjp(node, g, ops, y):
 
 @vjp(MESH_SPLIT)
 def _mesh_split_vjp(node, g, ops, y):
-    """The cotangent of an annotated value carries the same annotation, or the ``grad_sharding`` asked for."""
+    """The cotangent of an annotated value carries the same annotation, or the ``grad_sharding`` asked for: a
+    target the cotangent is resharded to, not a layout offered to the ops computing it (``reshard_only``)."""
     attrs = dict(node.attrs)
     if "grad_sharding" in attrs:
-        attrs = {"sharding": attrs.pop("grad_sharding"), "mesh": attrs["mesh"]}
+        attrs = {"sharding": attrs.pop("grad_sharding"), "mesh": attrs["mesh"], "reshard_only": True}
     return [emit(MESH_SPLIT, [g], attrs, g.shape, g.dtype)]
 
 

@@ -32,9 +32,12 @@ def _elementwise_propagation():
 def _mesh_split_propagation():
     """The value keeps its operand's layout and offers the operand its own. For a mesh_split the annotation is
     the value's sharding (pinned); dims it leaves UNCONSTRAINED are refined from the operand like an
-    elementwise op's (``propagation.refine_free``)."""
+    elementwise op's (``propagation.refine_free``). A ``reshard_only`` annotation (a ``grad_spec``'s, on a
+    cotangent) offers its operand nothing: the gradient is computed as its own operands lay it out (FSDP's: a
+    pending sum over the batch) and resharded to the annotation (a reduce-scatter); offered back, a weight's
+    split would reach the activation gradients and through them the forward activations."""
     fwd = lambda node, ins, g, mesh: ins[0]
-    bwd = lambda node, out, ins, g, mesh: [out]
+    bwd = lambda node, out, ins, g, mesh: [None if node.attrs.get("reshard_only") else out]
     return fwd, bwd
 
 
