@@ -42,6 +42,7 @@ from .models.lm import param_kind
 from .partition import partition
 from .sharding import P
 from .trace import trace
+from .train import build_train_step, train_mesh
 from .train.layout import Layout, slot_spec, state_leaf_name, update_spec
 
 REFUSALS = (ValueError, NotImplementedError)  # what a partitioner or preset raises for a layout it cannot build
@@ -130,7 +131,6 @@ class TensorSearch:
 
     def build(self, cfg, donate: bool = False):
         """The TrainStep of the found layout (a training step's search), with the search's optimizer."""
-        from .train import build_train_step
         c = self.baseline
         return build_train_step(dataclasses.replace(cfg, remat=c.remat) if hasattr(cfg, "remat") else cfg,
                                 self.layout.mesh, c.preset, self.optimizer, c.microbatches, donate, self.layout)
@@ -293,7 +293,6 @@ def autoshard_tensors(cfg, devices: int, hardware, *, start=None, mesh_shape=Non
     (among ``presets``, on ``mesh_shape`` when given; when none fits, the one with the smallest peak). At most
     ``budget`` layouts are evaluated. Prints the table of moves unless ``verbose`` is False; ``result.build(cfg)``
     builds the found layout. Raises when no layout found fits, naming the device's memory."""
-    from .train import build_train_step, train_mesh
     clock = time.process_time()
     hw = _as_hardware(hardware, devices)
     base = _start_candidate(cfg, devices, hw, start, mesh_shape, optimizer, presets)

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+from threadpoolctl import threadpool_limits
 
 from .collective_kinds import ALL_REDUCE, KINDS as TABLE, WORLD
 from .comm import collectives, watchdog
@@ -155,7 +156,6 @@ def _cores(node) -> int:
 def _one_blas_thread():
     """GEMMs on one thread each: without it every rank's OpenBLAS starts a thread per core and the ranks of a
     node oversubscribe it (2 ranks x 2 threads on 2 cores measured 11 GFLOP/s a rank instead of ~99)."""
-    from threadpoolctl import threadpool_limits
     return threadpool_limits(limits=1, user_api="blas")
 
 
