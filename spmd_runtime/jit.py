@@ -114,7 +114,11 @@ class Jitted:
         static, dynamic = self._split(args)
         leaves, tree = pytree.flatten(dynamic)
         leaves = [_as_leaf(x) for x in leaves]
-        for (path, _), x in zip(pytree.flatten_with_path(dynamic)[0], leaves):
+        if all((not isinstance(x, DArray) or x.mesh == mesh) and plain_data_error(x, "", "") is None for x in leaves):
+            paths = ()  # every leaf fits: no paths to name (flatten_with_path costs more than the whole check)
+        else:
+            paths = pytree.flatten_with_path(dynamic)[0]
+        for (path, _), x in zip(paths, leaves):
             if isinstance(x, DArray) and x.mesh != mesh:
                 raise ValueError(f"a DArray argument must live on the jit mesh {mesh}; got "
                                  f"{pytree.keystr(path, 'args')} on {x.mesh} (move it with sr.device_put(x, spec, "

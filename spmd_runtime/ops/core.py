@@ -694,6 +694,8 @@ def _reduce_kernel(xp, x, kind, axes, into=None):
         return into
     if kind == "sum" and _rows_summed_by_blas(xp, x, axes):
         return _row_sums(x, len(axes), into)
+    if kind == "sum" and _outer_rows_summed_by_blas(xp, x, axes):
+        return _outer_row_sums(x, _leading(axes), len(axes) - _leading(axes), into)
     if kind == "sum" and x.dtype.kind in "biu":  # a sum in bool (logical or) or an integer: in its declared
         return xp.sum(x, axis=tuple(axes), dtype=x.dtype, out=into)  # dtype, never NumPy's wider one
     if kind in ("max", "min") and any(x.shape[a] == 0 for a in axes):  # a rank's empty block of an uneven split:
@@ -712,6 +714,35 @@ def _rows_summed_by_blas(xp, x, axes) -> bool:
     return (xp is np and x.dtype in (np.float32, np.float64) and x.flags.c_contiguous and x.ndim > len(axes)
             and sorted(axes) == list(range(x.ndim - len(axes), x.ndim)) and x.size > 0
             and math.prod(x.shape[x.ndim - len(axes):]) <= MAX_BLAS_ROW)
+
+
+def _leading(axes) -> int:
+    """How many of ``axes`` are the leading dims 0, 1, ...: a sum over (0, 2, 3) of NCHW has one."""
+    ordered = sorted(axes)
+    return next((k for k, a in enumerate(ordered) if a != k), len(ordered))
+
+
+def _outer_rows_summed_by_blas(xp, x, axes) -> bool:
+    """A float32/64 NumPy sum over leading and trailing dims of a C-ordered array, keeping the middle ones (batch
+    norm's statistics: (0, 2, 3) of NCHW): the rows' sums by BLAS, then the leading dims' by a second product."""
+    lead = _leading(axes)
+    return (xp is np and x.dtype in (np.float32, np.float64) and x.flags.c_contiguous and 0 < lead < len(axes)
+            and sorted(axes)[lead:] == list(range(x.ndim - len(axes) + lead, x.ndim)) and x.size > 0
+            and math.prod(x.shape[x.ndim - len(axes) + lead:]) <= MAX_BLAS_ROW
+            and math.prod(x.shape[:lead]) <= MAX_BLAS_ROW)
+
+
+def _outer_row_sums(x, lead: int, trailing: int, into=None):
+    """Sums over the ``lead`` first and the ``trailing`` last dims of ``x``: (outer, kept, row) -> (outer, kept)
+    by one matrix-vector product with ones, then -> (kept) by another (NumPy's reduction over (0, 2, 3) of NCHW
+    walks the outer dim per kept element; two BLAS products read x once). Another summation order than NumPy's
+    pairwise one: float rounding differs, within its error bound."""
+    kept = x.shape[lead:x.ndim - trailing]
+    outer = math.prod(x.shape[:lead])
+    per_outer = np.matmul(x.reshape(outer * math.prod(kept), -1), _ones(math.prod(x.shape[x.ndim - trailing:]),
+                                                                         x.dtype.str))
+    out = into.reshape(math.prod(kept)) if into is not None else None
+    return np.matmul(_ones(outer, x.dtype.str), per_outer.reshape(outer, -1), out=out).reshape(kept)
 
 
 def _row_sums(x, trailing: int, into=None):

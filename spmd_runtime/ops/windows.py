@@ -202,13 +202,22 @@ def conv_method(lhs_shape, rhs_shape, strides, padding, lhs_dilation, rhs_dilati
 
     - a transposed conv (an lhs dilation, stride 1: the input gradient of a strided conv) scatters one GEMM's
       products tap by tap (col2im) instead of convolving the zeros the dilation inserts;
+    - a stride-1 conv with many output positions: im2col of contiguous runs over the padded width (wide rows);
     - otherwise im2col through a strided view and a GEMM per image (many output positions: the result comes out
       in (N, O, *positions) order, no transpose) or one GEMM over every image's rows (few positions)."""
     if any(d > 1 for d in lhs_dilation) and all(s == 1 for s in strides):
         return conv_col2im
     positions = math.prod(out_size(*dim) for dim in zip(lhs_shape[2:], rhs_shape[2:], strides, padding, lhs_dilation,
                                                         rhs_dilation))
-    return conv_per_image if positions >= MIN_POSITIONS_PER_IMAGE else conv_rows
+    if positions < MIN_POSITIONS_PER_IMAGE:
+        return conv_rows
+    return conv_wide_rows if wide_rows_fit(lhs_shape, rhs_shape, strides, padding, lhs_dilation) else conv_per_image
+
+
+def wide_rows_fit(lhs_shape, rhs_shape, strides, padding, lhs_dilation) -> bool:
+    """Whether ``conv_wide_rows`` computes this conv: stride 1, no lhs dilation, one feature group, no crop."""
+    return (all(s == 1 for s in strides) and all(d == 1 for d in lhs_dilation) and lhs_shape[1] == rhs_shape[1]
+            and all(lo >= 0 and hi >= 0 for lo, hi in padding))
 
 
 def conv_rows(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
@@ -238,6 +247,30 @@ def conv_per_image(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, g
     cols = view.transpose((0, 1) + win + sp).reshape(n, groups, -1, math.prod(out))
     weights = rhs.reshape(groups, o // groups, -1)
     return xp.matmul(weights, cols).reshape((n, o) + out)
+
+
+def conv_wide_rows(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):
+    """A stride-1 conv computed over "wide" rows: each image padded and flattened, output position q and tap t
+    read flat element q + offset(t), so every tap's columns are one contiguous run of the flat image (im2col
+    copies runs of a padded row's length instead of an output row's) and one GEMM per image gives outputs over
+    the padded width, whose extra columns are cut off after. For groups == 1, non-negative padding only."""
+    nsp, (n, c), o = lhs.ndim - 2, lhs.shape[:2], rhs.shape[0]
+    window = tuple((w - 1) * r + 1 for w, r in zip(rhs.shape[2:], rhs_dilation))  # the dilated window's extent
+    padded = tuple(m + lo + hi for m, (lo, hi) in zip(lhs.shape[2:], padding))
+    out = tuple(p - w + 1 for p, w in zip(padded, window))
+    step = [math.prod(padded[d + 1:]) for d in range(nsp)]  # flat stride of each spatial dim
+    wide = out[0] * step[0]  # output rows over the padded extents of the inner dims
+    tail = sum((w - 1) * e for w, e in zip(window[1:], step[1:]))  # the last tap reads this far past the image
+    flat = xp.zeros((n, c, math.prod(padded) + tail), lhs.dtype)
+    inner = flat[:, :, :math.prod(padded)].reshape((n, c) + padded)
+    inner[(slice(None), slice(None)) + tuple(slice(lo, lo + m) for m, (lo, _) in zip(lhs.shape[2:], padding))] = lhs
+    item = flat.strides[2]
+    view = xp.lib.stride_tricks.as_strided(flat, (n, c) + tuple(rhs.shape[2:]) + (wide,),
+                                           flat.strides[:2] + tuple(e * r * item for e, r in zip(step, rhs_dilation))
+                                           + (item,))
+    cols = view.reshape(n, c * math.prod(rhs.shape[2:]), wide)  # a copy, contiguous runs of ``wide``
+    y = xp.matmul(rhs.reshape(o, -1), cols).reshape((n, o, out[0]) + padded[1:])
+    return xp.ascontiguousarray(y[(Ellipsis,) + tuple(slice(0, m) for m in out[1:])])
 
 
 def conv_col2im(xp, lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups):

@@ -1,4 +1,6 @@
 """sr.jit (cache per signature, pytrees, DArrays in and out) and the DArray constructors, in the simulated world."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -125,6 +127,40 @@ def test_darray_round_trips_on_uneven_shardings(mesh, spec):
         np.testing.assert_array_equal(c.local, a.local)
         for g in globals_:
             np.testing.assert_array_equal(g, x)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_repeated_calls_on_uneven_blocks_work_out_no_block_bounds_again(ranks, monkeypatch):
+    """A jitted step fed its own outputs (DArrays, 7 rows over 2 ranks: uneven tails padded and trimmed) gives
+    NumPy's results, and after the first call no rank works a block's bounds out again (runner.Layout)."""
+    rng = np.random.default_rng(0)
+    params, x = make(rng)
+    mesh = sr.Mesh((ranks,), ("data",))
+    counted = []  # the thread (simulated rank) of each call
+    real = sr.Sharding.block_slices
+    monkeypatch.setattr(sr.Sharding, "block_slices", lambda *a: counted.append(threading.get_ident()) or real(*a))
+
+    def step(params, x):
+        return {"w": params["w"] * 0.5, "b": params["b"] + 1.0}, snp.maximum(x @ params["w"] + params["b"], 0.0)
+
+    def body(comm):
+        f = sr.jit(step, mesh=mesh, comm=comm, in_specs=(None, sr.P("data")))
+        xs = sr.device_put(x, sr.P("data"), mesh, comm=comm)
+        p, h = f(*f(params, xs)[:1], xs)  # NumPy params, then DArrays: two programs
+        before = counted.count(threading.get_ident())
+        for _ in range(2):
+            p, h = f(p, xs)
+        return counted.count(threading.get_ident()) - before, np.asarray(h), p["w"].gather(), p["b"].gather()
+
+    w, b = params["w"], params["b"]
+    for _ in range(4):  # the two first calls and two more
+        w, b = w * 0.5, b + 1.0
+    want = np.maximum(x @ (w * 2) + (b - 1), 0)  # the last call reads the params of the one before
+    for extra, h, got_w, got_b in run_simulated(ranks, body):
+        assert extra == 0
+        np.testing.assert_allclose(h, want, rtol=1e-5)
+        np.testing.assert_allclose(got_w, w, rtol=1e-6)
+        np.testing.assert_allclose(got_b, b, rtol=1e-6)
 
 
 def test_partial_sum_darray_gathers_to_the_sum():

@@ -11,7 +11,14 @@ CASES = [  # (shape, axes, summed by BLAS)
     ((4, 16, 32), (1, 2), True),
     ((6, 5), (1,), True),
     ((6, 5), (0,), False),  # a leading dim: not rows
-    ((3, 4, 5), (0, 2), False),
+    ((3, 4, 5), (0, 2), True),  # leading and trailing dims: row sums, then the leading dim's
+    ((4, 6, 8, 8), (0, 2, 3), True),  # batch norm's statistics over NCHW
+    ((2, 3, 4, 5, 6), (0, 1, 4), True),
+    ((2, 3, 4, 5), (0, 2), False),  # a kept dim after a reduced middle one: NumPy's
+    ((3, 4, 5), (0, 1), False),  # leading dims only
+    ((2, 5000, 3), (0, 2), True),
+    ((5000, 2, 3), (0, 2), False),  # more leading elements than MAX_BLAS_ROW: pairwise
+    ((2, 3, 5000), (0, 2), False),
     ((7,), (0,), False),  # everything: NumPy's pairwise sum
     ((2, 5000), (1,), False),  # rows longer than MAX_BLAS_ROW keep the pairwise sum
 ]
@@ -41,3 +48,11 @@ def test_special_values_propagate_through_the_blas_row_sums():
     x[0, 1], x[1, 2], x[2, 0], x[2, 3] = np.nan, np.inf, np.inf, -np.inf
     got = _reduce_kernel(np, x, "sum", (1,))
     np.testing.assert_array_equal(got, np.sum(x, axis=1))  # nan, inf, nan, 8
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_special_values_propagate_through_the_outer_row_sums():
+    x = np.ones((2, 4, 3, 3), np.float32)
+    x[0, 1, 0, 0], x[1, 2, 2, 2], x[0, 3, 1, 1], x[1, 3, 0, 1] = np.nan, np.inf, np.inf, -np.inf
+    got = _reduce_kernel(np, x, "sum", (0, 2, 3))
+    np.testing.assert_array_equal(got, np.sum(x, axis=(0, 2, 3)))  # 18, nan, inf, nan

@@ -39,6 +39,10 @@ CONV_CONFIGS = [  # (lhs shape, rhs shape, kwargs)
     ((1, 2, 5, 6), (3, 2, 2, 3), dict(padding="SAME", lhs_dilation=(2, 1), rhs_dilation=(1, 2))),
     ((2, 3, 4, 5, 3), (2, 3, 2, 3, 2), dict(window_strides=(1, 2, 1), padding=((1, 0), (1, 1), (0, 1)))),
     ((1, 4, 6, 5, 4), (8, 1, 3, 1, 2), dict(padding="SAME", rhs_dilation=(1, 1, 2), feature_group_count=4)),
+    # stride 1, one group, no crop: wide rows apply (uneven padding, dilated taps, 1 and 3 spatial dims)
+    ((2, 3, 6, 5), (4, 3, 3, 2), dict(padding=((1, 2), (0, 1)), rhs_dilation=(2, 1))),
+    ((2, 2, 4, 3, 5), (3, 2, 2, 3, 2), dict(padding=((1, 0), (1, 1), (0, 2)))),
+    ((3, 2, 7), (2, 2, 1), dict(padding="VALID")),
 ]
 
 
@@ -59,8 +63,8 @@ TRANSPOSED_CONFIGS = [  # lhs dilation, stride 1: the input gradients of strided
 
 @pytest.mark.parametrize("lhs_shape,rhs_shape,kwargs", CONV_CONFIGS + TRANSPOSED_CONFIGS, ids=lambda v: str(v))
 def test_every_conv_method_matches_loops(lhs_shape, rhs_shape, kwargs):
-    """The kernels the binder picks from (im2col over rows or per image, col2im for transposed convs), each
-    forced, against the loops: the choice is by speed only."""
+    """The kernels the binder picks from (im2col over rows or per image, col2im for transposed convs, wide rows
+    for stride-1 convs), each forced, against the loops: the choice is by speed only."""
     rng = np.random.default_rng(0)
     x, k = rng.standard_normal(lhs_shape), rng.standard_normal(rhs_shape)
     attrs = sr.trace(lambda a, b: snp.conv(a, b, **kwargs), x, k).nodes[-1].attrs
@@ -68,10 +72,33 @@ def test_every_conv_method_matches_loops(lhs_shape, rhs_shape, kwargs):
     methods = [windows.conv_rows, windows.conv_per_image]
     if all(s == 1 for s in attrs["strides"]) and any(d > 1 for d in attrs["lhs_dilation"]):
         methods.append(windows.conv_col2im)
+    if windows.wide_rows_fit(x.shape, k.shape, attrs["strides"], attrs["padding"], attrs["lhs_dilation"]):
+        methods.append(windows.conv_wide_rows)
     assert windows.conv_method(x.shape, k.shape, attrs["strides"], attrs["padding"], attrs["lhs_dilation"],
                                attrs["rhs_dilation"]) in methods
     for method in methods:
         np.testing.assert_allclose(method(np, x, k, **attrs), want, rtol=1e-12, atol=1e-12, err_msg=method.__name__)
+
+
+@pytest.mark.parametrize("lhs, rhs, strides, padding, lhs_dilation, want", [
+    ((32, 16, 16, 16), (16, 16, 3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), "conv_wide_rows"),  # a ResNet 3x3
+    ((32, 16, 16, 16), (32, 16, 3, 3), (2, 2), ((1, 1), (1, 1)), (1, 1), "conv_per_image"),  # strided
+    ((32, 16, 16, 16), (16, 8, 3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), "conv_per_image"),  # two groups
+    ((32, 16, 16, 16), (16, 16, 3, 3), (1, 1), ((-1, 1), (1, 1)), (1, 1), "conv_per_image"),  # a crop
+    ((32, 64, 4, 4), (64, 64, 3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), "conv_rows"),  # 16 positions
+    ((32, 16, 8, 8), (16, 16, 3, 3), (1, 1), ((1, 2), (1, 2)), (2, 2), "conv_col2im"),  # transposed
+])
+def test_conv_method_by_shape(lhs, rhs, strides, padding, lhs_dilation, want):
+    assert windows.conv_method(lhs, rhs, strides, padding, lhs_dilation, (1, 1)).__name__ == want
+
+
+def test_wide_rows_keep_float32():
+    rng = np.random.default_rng(0)
+    x, k = rng.standard_normal((2, 3, 6, 6)).astype(np.float32), rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    got = windows.conv_wide_rows(np, x, k, (1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1), 1)
+    assert got.dtype == np.float32 and got.flags.c_contiguous and got.shape == (2, 4, 6, 6)
+    want = loop_conv(x.astype(np.float64), k.astype(np.float64), padding="SAME")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["max", "min", "sum", "avg"])
