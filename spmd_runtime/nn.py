@@ -24,7 +24,7 @@ from . import random
 from .dtypes import finfo
 from . import dispatch
 from .ops.core import stop_gradient
-from .ops.special import erfc
+from .ops.special import gelu_exact
 from .trace import Tensor
 
 __all__ = ["relu", "relu6", "sigmoid", "silu", "swish", "gelu", "softplus", "log_sigmoid", "elu", "leaky_relu",
@@ -61,10 +61,10 @@ def gelu(x, approximate: bool = True):
     """GELU. ``approximate=True`` (jax.nn.gelu's default, GPT-2's): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)));
     ``approximate=False``: the exact 0.5 x (1 + erf(x / sqrt 2)), which PyTorch's ``nn.GELU()`` computes by
     default (the two differ by up to ~1.5e-4 at |x| ~ 2), evaluated as 0.5 x erfc(-x / sqrt 2) so the negative
-    tail keeps its relative accuracy (as JAX)."""
+    tail keeps its relative accuracy (as JAX); one op (``gelu_exact``), whose backward needs only x."""
     if approximate:
         return 0.5 * x * (1.0 + snp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
-    return 0.5 * x * erfc(x * (-1.0 / math.sqrt(2.0)))
+    return gelu_exact(x)
 
 
 def softplus(x):

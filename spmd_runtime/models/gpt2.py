@@ -38,6 +38,7 @@ AdamW's weight decay goes on ``decayed(cfg)`` (pass ``matrices=``: a held c_attn
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ from .roles import COLUMN_BIAS, LINEAR_COLUMN, LINEAR_ROW, NORM, ROW_BIAS, Param
 # each rank holds its heads' q, k and v and attention's (3, heads, head size, d) view of it is a local reshape
 QKV = ParamRole("fused q, k, v column-parallel weight [3 out, in]", tensor=0, blocks=3)
 QKV_BIAS = ParamRole("fused q, k, v column-parallel bias [3 out]", tensor=0, blocks=3)
+# the tied token embedding: under FSDP used in its vocab split (the lookup and the head's logits vocab-parallel,
+# as Megatron's), so the (vocab, d) table is never gathered
+TIED_EMBEDDING = dataclasses.replace(EMBEDDING, kind="tied embedding", vocab_parallel=True)
 TIED = {"lm_head.weight": "transformer.wte.weight"}  # nanoGPT's state_dict holds the tied head under both names
 
 
@@ -116,7 +120,7 @@ def param_role(name: str) -> ParamRole:
     (within each of its q, k, v blocks) and the hidden dim of c_fc (column-parallel) and the inputs of both
     c_proj (row-parallel) split by tensor parallelism; positions and LayerNorms replicated."""
     if name == "transformer.wte.weight":
-        return EMBEDDING
+        return TIED_EMBEDDING
     if name == "transformer.wpe.weight":
         return POSITIONAL
     module, kind = name.rsplit(".", 1)

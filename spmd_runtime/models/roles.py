@@ -22,12 +22,16 @@ class ParamRole:
     many equal blocks side by side (q, k and v fused in one weight), each split on its own; the parameter is
     then held as the row-major view with that dim n as (blocks, n / blocks) (``held_shape``: the same bytes,
     a free reshape), whose second dim tensor parallelism splits, so each rank holds its heads of every block
-    (a contiguous split of the fused dim would not line up with them)."""
+    (a contiguous split of the fused dim would not line up with them). ``vocab_parallel``: FSDP uses the weight
+    in its held split when that split is of the tensor dim (a tied embedding: the lookup and the head's logits
+    run vocab-parallel, the (b, t, d) activations they meet gathered over the batch instead of the (vocab, d)
+    table, and its gradient is made in its held block, not whole and reduce-scattered)."""
     kind: str
     tensor: int | None = None
     experts: int | None = None
     stacked: bool = False
     blocks: int = 1
+    vocab_parallel: bool = False
 
     def __post_init__(self):
         if not isinstance(self.blocks, int) or self.blocks < 1 or (self.blocks > 1 and self.tensor is None):

@@ -6,7 +6,7 @@ rules, the partition rules and the VJPs. ``docs/ADDING_AN_OP.md`` walks through 
 
 Families, lowest first (each may use the ones above it): ``core`` (leaves, elementwise, broadcast,
 reshape, transpose, reductions), ``einsum``, ``slicing``, ``gather``, ``windows``, ``indexing``,
-``top_k``, ``sorting``, ``special`` (erf, erfc, erf_inv), ``random`` (Threefry random bits), ``control`` (scan, while, cond), ``manual`` (shard_map and its collectives), and ``spmd`` (collectives and layout ops, emitted only by the partitioner). Importing this
+``top_k``, ``sorting``, ``special`` (erf, erfc, erf_inv, gelu_exact), ``random`` (Threefry random bits), ``control`` (scan, while, cond), ``manual`` (shard_map and its collectives), and ``spmd`` (collectives and layout ops, emitted only by the partitioner). Importing this
 package defines every op and binds the ``Tensor`` operators to the functions here.
 """
 import sys

@@ -1,5 +1,6 @@
 """Special functions: ``erf``, ``erfc``, ``erfinv`` as elementwise ops (``jax.scipy.special`` / ``jax.lax``
-names: ``erf``, ``erfc``, ``erf_inv``).
+names: ``erf``, ``erfc``, ``erf_inv``), and the exact GELU built on erfc (``gelu_exact``, ``nn.gelu``'s
+``approximate=False``: one op so that its backward recomputes erfc from x instead of keeping it).
 
 NumPy has no error function and SciPy is not a dependency, so the NumPy kernels are vectorized rational
 approximations, evaluated in float64 and rounded once to the operand's dtype:
@@ -34,17 +35,21 @@ from ..opdef import define
 from ..trace import Tensor
 from . import core
 
-__all__ = ["erf", "erfc", "erfinv", "real", "imag", "conj", "conjugate"]
+__all__ = ["erf", "erfc", "erfinv", "gelu_exact", "real", "imag", "conj", "conjugate"]
 
 ERF = define("erf", fresh=True)
 ERFC = define("erfc", fresh=True)
 ERF_INV = define("erf_inv", fresh=True)
+# The exact GELU x Phi(x) = 0.5 x erfc(-x / sqrt 2) as one op, so that its VJP reads only x (the pre-activation,
+# kept for the backward either way): erfc is computed again there instead of its (..., 4d) result being kept
+# across the forward/backward boundary (as a composite of erfc and products it would be).
+GELU_EXACT = define("gelu_exact", fresh=True)
 # The parts of complex numbers (the Array API's ``real`` / ``imag`` / ``conj``): pointwise too, so the same rules;
 # ``real`` and ``imag`` of a complex dtype are of its component dtype, of a real one its own (imag: zeros).
 REAL = define("real", fresh=True)
 IMAG = define("imag", fresh=True)
 CONJ = define("conj", fresh=True)
-SPECIAL = (ERF, ERFC, ERF_INV, REAL, IMAG, CONJ)
+SPECIAL = (ERF, ERFC, ERF_INV, GELU_EXACT, REAL, IMAG, CONJ)
 
 
 # ================================================================ traced API
@@ -61,6 +66,12 @@ def erfc(x) -> Tensor:
 def erfinv(x) -> Tensor:
     """The inverse of erf on [-1, 1] (``jax.scipy.special.erfinv``, ``jax.lax.erf_inv``)."""
     return core._unary(ERF_INV, core._float(core.asarray(x)))
+
+
+def gelu_exact(x) -> Tensor:
+    """The exact GELU 0.5 x erfc(-x / sqrt 2) = x Phi(x) (PyTorch's ``nn.GELU()``), elementwise; its gradient
+    Phi(x) + x phi(x) is computed from x alone (``autodiff/rules/special.py``)."""
+    return core._unary(GELU_EXACT, core._float(core.asarray(x)))
 
 
 def _component(dtype) -> np.dtype:
@@ -212,7 +223,12 @@ def _on_cupy(xp) -> bool:
 CHUNK = 1 << 14  # entries per NumPy pass: the float64 temporaries stay in cache and come from the heap, not mmap
 
 
-def _special_kernel(numpy_fn, cupy_name):
+def _special_kernel(numpy_fn, cupy_fn):
+    """The kernel of ``numpy_fn(xp, float64 entries)`` on NumPy (in chunks), of ``cupy_fn(cupyx.scipy.special,
+    x)`` on CuPy (a name: that function of cupyx.scipy.special)."""
+    if isinstance(cupy_fn, str):
+        cupy_fn = lambda special, x, name=cupy_fn: getattr(special, name)(x)
+
     def kernel(xp, x):
         if _on_cupy(xp):
             try:
@@ -220,7 +236,7 @@ def _special_kernel(numpy_fn, cupy_name):
             except ImportError:  # a CuPy without cupyx (a test double): the array-module code below runs on it
                 pass
             else:
-                return getattr(cupyx.scipy.special, cupy_name)(x).astype(x.dtype, copy=False)
+                return cupy_fn(cupyx.scipy.special, x).astype(x.dtype, copy=False)
         flat, out = x.reshape(-1), xp.empty(x.size, x.dtype)
         for start in range(0, flat.size, CHUNK):  # whole-array passes per chunk (~2x faster than one pass)
             out[start:start + CHUNK] = numpy_fn(xp, flat[start:start + CHUNK])
@@ -231,3 +247,13 @@ def _special_kernel(numpy_fn, cupy_name):
 opdef.kernel(ERF)(_special_kernel(lambda xp, x: _cody(xp, x, False), "erf"))
 opdef.kernel(ERFC)(_special_kernel(lambda xp, x: _cody(xp, x, True), "erfc"))
 opdef.kernel(ERF_INV)(_special_kernel(_erfinv, "erfinv"))
+SQRT_HALF = 1.0 / math.sqrt(2.0)  # as the composite GELU multiplied by it (math.sqrt(0.5) is 1 ulp above)
+
+
+def _gelu_exact(xp, x):
+    """0.5 x erfc(-x / sqrt 2) in float64 (rounded once to the operand's dtype by the kernel)."""
+    x = xp.asarray(x, dtype=np.float64)
+    return 0.5 * x * _cody(xp, x * -SQRT_HALF, True)
+
+
+opdef.kernel(GELU_EXACT)(_special_kernel(_gelu_exact, lambda special, x: 0.5 * x * special.erfc(x * -SQRT_HALF)))

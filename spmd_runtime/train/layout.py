@@ -44,6 +44,13 @@ def update_spec(shape, spec, axes, mesh: Mesh, first_dim: int = 0) -> tuple:
     return tuple(tuple(h) + tuple(axes) if d == dim else (tuple(h) or None) for d, h in enumerate(have))
 
 
+def _used_as_held(role: ParamRole, use: tuple, update: tuple) -> bool:
+    """FSDP uses a ``vocab_parallel`` role's weight in its update (held) split when that split is on the role's
+    tensor dim (its vocab): what it meets is gathered instead of the weight."""
+    dim = None if role.tensor is None else role.tensor + int(role.stacked)
+    return role.vocab_parallel and dim is not None and update[dim] != use[dim]
+
+
 @dataclass(frozen=True)
 class ParamLayout:
     """Per-parameter specs of a model under a preset: ``held`` between steps (the step's inputs and outputs),
@@ -90,6 +97,8 @@ def param_layout(shapes: dict, roles: dict, mesh: Mesh, preset: Preset) -> Param
     use = OrderedDict((n, param_spec(roles[n], s, preset)) for n, s in shapes.items())
     update = OrderedDict((n, update_spec(s, use[n], preset.update, mesh, first_dim=int(roles[n].stacked)))
                          for n, s in held_shapes.items())
+    if preset.shard_params:  # a vocab-parallel role split on its vocab is used as held (ParamRole.vocab_parallel)
+        use = OrderedDict((n, update[n] if _used_as_held(roles[n], use[n], update[n]) else s) for n, s in use.items())
     return ParamLayout(update if preset.shard_params else use, use, update,
                        OrderedDict((n, tuple(s)) for n, s in shapes.items()), held_shapes)
 

@@ -3,6 +3,8 @@ logits, loss and every gradient at 1 and 4 simulated ranks under dp, megatron an
 on every mesh and sharding for one key; KV-cache decode giving the tokens of argmax over the uncached forward."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -19,9 +21,11 @@ CFG = gpt2.GPTConfig(block_size=12, vocab_size=62, n_layer=2, n_head=4, n_embd=1
 NOBIAS_TANH = gpt2.GPTConfig(block_size=12, vocab_size=62, n_layer=2, n_head=4, n_embd=16, bias=False,
                              gelu_approximate=True)
 MESHES = [("dp", (1,)), ("dp", (4,)), ("megatron", (4,)), ("megatron", (2, 2)), ("fsdp", (2, 2))]
+VOCAB64 = dataclasses.replace(CFG, vocab_size=64)  # splits over 4 ranks: fsdp's vocab-parallel tied head
 # every mesh with biases and exact GELU; without biases, with tanh GELU, at 1 rank and on the 2x2 megatron mesh
-CASES = [(CFG,) + m for m in MESHES] + [(NOBIAS_TANH,) + m for m in (MESHES[0], MESHES[3])]
-CASE_IDS = [f"{'bias' if c.bias else 'nobias'}-{p}-{'x'.join(map(str, s))}" for c, p, s in CASES]
+CASES = [(CFG,) + m for m in MESHES] + [(NOBIAS_TANH,) + m for m in (MESHES[0], MESHES[3])] + [
+    (VOCAB64, "fsdp", (2, 2)), (VOCAB64, "fsdp", (4,))]
+CASE_IDS = [f"{'bias' if c.bias else 'nobias'}-v{c.vocab_size}-{p}-{'x'.join(map(str, s))}" for c, p, s in CASES]
 
 
 def _batch(cfg, b=4, t=8, seed=1):
@@ -105,6 +109,19 @@ def test_megatron_splits_heads_hidden_and_vocab_by_role():
     assert fsdp.held[h + "mlp.c_fc.weight"] == (("data", "model"), None)  # sharded between steps, gathered for use
     with pytest.raises(ValueError, match="needs a sharding role for every parameter"):
         param_layout({"w": (2, 2)}, {}, mesh, PRESETS["dp"])
+
+
+def test_fsdp_uses_the_tied_embedding_in_its_vocab_split():
+    """The tied embedding is vocab_parallel: FSDP uses it as held (split on the vocab), so the lookup and the
+    head's logits run vocab-parallel; the other weights are gathered where used."""
+    mesh = train_mesh((2, 2), "fsdp")
+    fsdp = param_layout(gpt2.param_shapes(VOCAB64), gpt2.param_roles(VOCAB64), mesh, PRESETS["fsdp"])
+    wte, c_fc = "transformer.wte.weight", "transformer.h.1.mlp.c_fc.weight"
+    assert fsdp.held[wte] == (("data", "model"), None) and fsdp.use[wte] == fsdp.held[wte]
+    assert fsdp.use[c_fc] == (None, None) != fsdp.held[c_fc]
+    assert fsdp.use["transformer.wpe.weight"] == (None, None)
+    odd = param_layout(gpt2.param_shapes(CFG), gpt2.param_roles(CFG), mesh, PRESETS["fsdp"])  # 62 splits no 4 ways
+    assert odd.held[wte] == (None, ("data", "model")) and odd.use[wte] == (None, None)  # held on d: gathered
 
 
 # ================================================================ forward and gradients

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import spmd_runtime as sr
+import spmd_runtime.nn as snn
 import spmd_runtime.numpy as snp
 from spmd_runtime.autodiff import grad
 from spmd_runtime.ops.special import ERF, ERF_INV, ERFC
@@ -96,8 +97,9 @@ def test_split_operand_moves_nothing():
     assert program.comm_summary() == []
 
 
-@pytest.mark.parametrize("fn", [snp.erf, snp.erfc, lambda a: snp.erfinv(snp.tanh(a) * 0.9)],
-                         ids=["erf", "erfc", "erfinv"])
+@pytest.mark.parametrize("fn", [snp.erf, snp.erfc, lambda a: snp.erfinv(snp.tanh(a) * 0.9),
+                                lambda a: snn.gelu(a, approximate=False)],
+                         ids=["erf", "erfc", "erfinv", "gelu_exact"])
 def test_vjp_by_finite_differences(fn):
     x = np.linspace(-2.5, 2.5, 11)
     loss = lambda a: snp.sum(fn(a) * np.arange(1.0, 12.0))

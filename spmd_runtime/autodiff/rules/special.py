@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from ...ops.core import exp
-from ...ops.special import CONJ, ERF, ERF_INV, ERFC, IMAG, REAL, TWO_OVER_SQRT_PI, conj
+from ...ops.special import CONJ, ERF, ERF_INV, ERFC, GELU_EXACT, IMAG, REAL, SQRT_HALF, TWO_OVER_SQRT_PI, conj, erfc
 from .table import vjp
 
 
@@ -16,6 +16,14 @@ def _erf_vjp(node, g, ops, y):
 @vjp(ERFC)
 def _erfc_vjp(node, g, ops, y):
     return [g * (-TWO_OVER_SQRT_PI * exp(-(ops[0] * ops[0])))]
+
+
+@vjp(GELU_EXACT)
+def _gelu_exact_vjp(node, g, ops, y):
+    """d (x Phi(x)) = Phi(x) + x phi(x), from x alone: erfc is computed again here rather than kept from the
+    forward pass (one (..., 4d) buffer per MLP less between the passes, for one more erfc per element)."""
+    x = ops[0]
+    return [g * (0.5 * erfc(x * -SQRT_HALF) + x * (0.5 * TWO_OVER_SQRT_PI * SQRT_HALF) * exp(-0.5 * (x * x)))]
 
 
 @vjp(ERF_INV)
