@@ -2,6 +2,7 @@
 (source, target) pair of 2-d shardings on several meshes moved for real in the
 simulated world."""
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -245,3 +246,32 @@ def test_window_exchanges_move_only_the_rows_that_change_owner(mesh_shape, shape
         r = comm.Get_rank()
         return np.array_equal(sr.run_local(prog, shard(x, src, mesh, r), comm=comm)[0], shard(ref, dst, mesh, r))
     assert run_simulated(mesh.size, body) == [True] * mesh.size
+
+
+# ---------------------------------------------------------------- permute pairs, vectorised over the ranks
+def _pairs_rank_by_rank(src, dst, mesh):
+    """The definition, one rank at a time: r sends to the rank holding, under dst, the shard r holds under src."""
+    def key(rank, s):
+        rest = tuple(mesh.coords(rank)[a] for a in mesh.axis_names if a not in s.axes)
+        return tuple(mesh.index_along(rank, d) for d in s.dims) + rest
+    holder = {key(r, dst): r for r in mesh.devices}
+    return [(r, holder[key(r, src)]) for r in sorted(mesh.devices)]
+
+
+@pytest.mark.parametrize("mesh,src,dst", [
+    (sr.Mesh((2, 3), ("x", "y")), (("x", "y"), ()), (("y", "x"), ())),
+    (sr.Mesh((2, 2, 3), ("a", "b", "c")), (("a",), ("b",), ()), (("b",), ("a",), ())),
+    (sr.Mesh((2, 2, 3), ("a", "b", "c"), devices=(5, 3, 1, 0, 2, 4, 11, 9, 7, 6, 8, 10)), (("a", "c"), ("b",)),
+     (("c", "a"), ("b",))),
+    (sr.Mesh((4, 2), ("p", "q"), devices=(7, 6, 5, 4, 3, 2, 1, 0)), (("p",), ()), (("p",), ())),
+    (sr.Mesh((4, 2), ("p", "q")), (("p",), ("q",)), (("q", "p"), ())),  # a dim's count changes: refused
+], ids=str)
+def test_permute_pairs_match_the_rank_by_rank_definition(mesh, src, dst):
+    from spmd_runtime.partition.resharding import permute_pairs
+    from spmd_runtime.sharding import Sharding
+    a, b = Sharding(src), Sharding(dst)
+    if [math.prod(mesh.axis_size(x) for x in d) for d in src] != [math.prod(mesh.axis_size(x) for x in d) for d in dst]:
+        with pytest.raises(ValueError, match="keeps the shard count of each dim"):
+            permute_pairs(a, b, mesh)
+        return
+    assert permute_pairs(a, b, mesh) == _pairs_rank_by_rank(a, b, mesh)
