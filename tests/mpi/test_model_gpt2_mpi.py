@@ -109,6 +109,11 @@ def test_the_benchs_fsdp_step_trains_as_dp_does():
         runs[preset] = losses, layout.release({n: np.asarray(w) for n, w in params.items()})
     (dp_losses, dp_params), (fsdp_losses, fsdp_params) = runs["dp"], runs["fsdp"]
     np.testing.assert_allclose(fsdp_losses, dp_losses, rtol=1e-5)
+    lr = bench.HYPER["lr"]
     for name, w in dp_params.items():
-        # AdamW divides by sqrt(v): a near-zero gradient rounded otherwise moves its update by a fraction of lr
-        np.testing.assert_allclose(fsdp_params[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+        # AdamW divides by sqrt(v): a near-zero gradient summed in another order can move its element's update by a
+        # fraction of lr (seen: 1 of 4096 elements by 0.035 lr at 8 ranks). All but 0.1% of the elements agree to
+        # float32 rounding; none may differ by more than the 2 steps' bound on an AdamW update, 2 lr.
+        off = ~np.isclose(fsdp_params[name], w, rtol=1e-4, atol=1e-5)
+        assert off.mean() <= 1e-3, (name, int(off.sum()), off.size)
+        np.testing.assert_allclose(fsdp_params[name], w, rtol=0, atol=2 * lr, err_msg=name)
