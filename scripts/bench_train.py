@@ -4,8 +4,7 @@ Run under MPI, e.g.:
     mpiexec -n 8 python scripts/bench_train.py --mesh 2,4 --preset megatron_wus
 Reference config (the defaults): 2 layers, d 256, 8 heads, ffn 1024, vocab 1024, seq 128, batch 8.
 
-BLAS threads per rank default to (cores / ranks); they are set through threadpoolctl when
-it is installed, else through the environment before NumPy is imported. Reported: median
+BLAS threads per rank default to (cores / ranks), set through threadpoolctl (a dependency). Reported: median
 step seconds (max over ranks per step), tokens/s, comm wire bytes per step (cost model),
 peak memory per rank (measured max RSS, and the program's peak of live local buffers).
 
@@ -29,16 +28,11 @@ bubble costs compute time rather than idle waiting.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
 import sys
 import time
-
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
-               "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
-
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,20 +82,11 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def blas_threads(requested) -> tuple[int, object]:
-    """Threads per rank, and a threadpoolctl limiter (None: set through the environment, before NumPy loads)."""
-    threads = requested or max(1, cores() // launcher_world_size())
-    if importlib.util.find_spec("threadpoolctl") is not None:
-        return threads, "threadpoolctl"
-    for var in THREAD_VARS:
-        os.environ[var] = str(threads)
-    return threads, None
-
-
 ARGS = parse_args()
-THREADS, LIMITER = blas_threads(ARGS.threads)
+THREADS = ARGS.threads or max(1, cores() // launcher_world_size())  # BLAS threads per rank
 
-import numpy as np  # noqa: E402  (after the thread count is in the environment)
+import numpy as np  # noqa: E402
+from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -165,15 +150,12 @@ def predict(ts, ranks_per_node: int, ranks, threads: int) -> float:
 
 def blas_in_use() -> int:
     """The BLAS threads NumPy's BLAS runs (threadpoolctl; the environment caps what a limit can raise)."""
-    from threadpoolctl import threadpool_info
     return max([i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"] or [1])
 
 
 def main():
     comm = MPI.COMM_WORLD
-    if LIMITER:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(THREADS)
+    threadpool_limits(THREADS)
     ts, build_seconds = build(ARGS, comm)
     if ARGS.partition_only:
         if comm.Get_rank() == 0:
