@@ -95,12 +95,33 @@ def param_layout(shapes: dict, roles: dict, mesh: Mesh, preset: Preset) -> Param
     preset = preset.on(mesh)
     held_shapes = OrderedDict((n, roles[n].held_shape(s)) for n, s in shapes.items())
     use = OrderedDict((n, param_spec(roles[n], s, preset)) for n, s in shapes.items())
-    update = OrderedDict((n, update_spec(s, use[n], preset.update, mesh, first_dim=int(roles[n].stacked)))
-                         for n, s in held_shapes.items())
+    update = OrderedDict((n, update_spec(s, use[n], update_axes(roles[n], preset), mesh,
+                                         first_dim=int(roles[n].stacked))) for n, s in held_shapes.items())
     if preset.shard_params:  # a vocab-parallel role split on its vocab is used as held (ParamRole.vocab_parallel)
         use = OrderedDict((n, update[n] if _used_as_held(roles[n], use[n], update[n]) else s) for n, s in use.items())
-    return ParamLayout(update if preset.shard_params else use, use, update,
-                       OrderedDict((n, tuple(s)) for n, s in shapes.items()), held_shapes)
+    held = OrderedDict((n, update[n] if held_as_updated(roles[n], preset) else use[n]) for n in shapes)
+    return ParamLayout(held, use, update, OrderedDict((n, tuple(s)) for n, s in shapes.items()), held_shapes)
+
+
+def update_axes(role: ParamRole, preset: Preset) -> tuple:
+    """The axes a parameter's update is further split over: the preset's ``update`` axes, and for a parameter
+    outside a pipeline's stacked layers (the embedding, the positional table, the final LayerNorm, an untied head)
+    the stage axes too: it has no layer dim for them to split, so every stage would hold all of it, and its
+    master weights and optimizer state (12 of its 16 bytes per parameter under mixed precision Adam) S times
+    over where Megatron holds them once (on the first / last stage; eq. 2 counts them once)."""
+    return preset.update + (preset.stage if _stage_sharded(role, preset) else ())
+
+
+def held_as_updated(role: ParamRole, preset: Preset) -> bool:
+    """Whether a parameter is held between steps in its update layout (and gathered to its use layout where
+    the model runs on it, its gradient reduce-scattered back): FSDP's every weight, and a pipeline's parameters
+    outside the stacked layers (``update_axes``: split over the stages; the 16-bit copy gathered once per step,
+    before the pipeline loop, and the gradient reduced once after it, not per micro-batch)."""
+    return preset.shard_params or _stage_sharded(role, preset)
+
+
+def _stage_sharded(role: ParamRole, preset: Preset) -> bool:
+    return bool(preset.stage) and not role.stacked
 
 
 @dataclass
@@ -151,16 +172,28 @@ class Layout:
         return mesh_split(x, self.mesh, stage + (p.batch or None, seq or None, None),
                           grad_spec=stage + (p.batch or None, p.seq or None, None))
 
+    def gradient(self, name: str, g):
+        """Parameter ``name``'s gradient ``g`` in its update layout; one a pipeline holds split over its stages
+        (``update_axes``) first in its use layout, so the loops that accumulate it (the 1F1B loop's embedding and head
+        gradients) keep that layout and its pending sum is reduced into the stage split once, after them (a loop
+        carry takes the most split layout its uses ask for: without this, the update layout's, and every
+        micro-batch's contribution gathered over the stages to it)."""
+        if _stage_sharded(self.roles[name], self.preset):
+            g = self.annotate(g, self.use[name])
+        return self.annotate(g, self.update[name])
+
     def param_specs(self) -> dict:
         """Parameter name -> the spec of its input (FSDP: its update layout; ``used`` gathers it)."""
         return {n: self.specs[f"params.{n}"] for n in self.use}
 
     def used(self, params: dict) -> dict:
-        """The weights laid out where the model uses them: FSDP (``shard_params``) all-gathers each held block
-        to its use spec; other presets hold them so already."""
-        if not self.preset.shard_params:
-            return params
-        return {n: self.annotate(p, self.use[n]) for n, p in params.items()}
+        """The weights laid out where the model uses them: each held in its update layout (``held_as_updated``:
+        FSDP's, a pipeline's outside the stacked layers) all-gathered to its use spec; the others are held so."""
+        return {n: self.annotate(p, self.use[n]) if self.gathered(n) else p for n, p in params.items()}
+
+    def gathered(self, name: str) -> bool:
+        """Whether parameter ``name`` is held in another layout than the model uses it in (``held_as_updated``)."""
+        return held_as_updated(self.roles[name], self.preset) and self.specs[f"params.{name}"] != self.use[name]
 
     def annotate_state(self, state: dict) -> dict:
         """The new optimizer state tree, each slot pinned to its input's spec (so the step iterates)."""

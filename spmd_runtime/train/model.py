@@ -156,7 +156,7 @@ def _loss_fn(model: Model):
 def used_weights(layout: Layout, params: dict) -> dict:
     """The weights where the model uses them: FSDP gathers each (held sharded) to its ``use`` spec there, its
     gradient reduce-scattered back."""
-    return {n: layout.annotate(p, layout.use[n]) for n, p in params.items()} if layout.preset.shard_params else params
+    return layout.used(params)
 
 
 def step_key(seed: int, opt_state: dict):

@@ -29,7 +29,11 @@ single-role presets use every axis of a 2-d mesh):
 - ``pipeline`` (GSPMD pipelining, scanned layers): the stacked layer dim on "stage" (S stages of L/S
   consecutive layers, each rank holding its stage's parameters and optimizer state), run as ONE loop of
   M + S - 1 iterations over ``microbatches`` = M micro-batches (GPipe), the stage shift one
-  collective_permute per iteration; batch on "data", megatron dims on "model" where the mesh has them.
+  collective_permute per iteration; batch on "data", megatron dims on "model" where the mesh has them. The
+  parameters outside the stacked layers (embedding, positional table, final LayerNorm, head), which have no layer
+  dim, are held split over "stage" as well, with their optimizer state (``layout.update_axes``): their 16-bit copies
+  are all-gathered once per step before the loops and their gradients reduced once after them, so no stage holds
+  their master weights and Adam state whole (Megatron keeps them on the first / last stage only).
 - ``pipeline_1f1b``: the same layout on the 1F1B schedule (``sr.pipeline_loss``): one loop of 2 (M + S - 1)
   slots of one forward or one backward per stage, the head and loss inside it; at most S micro-batches held.
 """

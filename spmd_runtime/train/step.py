@@ -71,7 +71,7 @@ def update_step_fn(loss_fn, compute_fn, optimizer: Optimizer, layout: Layout, sh
                 return (loss * scale, metrics) if scaled else (loss, metrics)
             (loss, metrics), grads = value_and_grad(scaled_loss, has_aux=True)(compute)
             loss = loss / scale if scaled else loss
-            return loss, metrics, {n: layout.annotate(g, layout.update[n]) for n, g in grads.items()}
+            return loss, metrics, {n: layout.gradient(n, g) for n, g in grads.items()}
         if microbatches == 1:
             loss, metrics, grads = loss_and_grads(compute, batch["tokens"], batch["labels"], key)
         else:
@@ -88,9 +88,10 @@ def compute_weights(cfg: LMConfig, layout: Layout, params: dict) -> dict:
     """The weights the model runs on. Mixed precision: 16-bit copies, so activations, gradients and the
     collectives on them are 16-bit; FSDP gathers the (16-bit) copy of each sharded weight where it is used."""
     compute = {n: snp.astype(p, cfg.dtype) for n, p in params.items()}
-    if layout.preset.shard_params:  # stacked layer weights: gathered one layer at a time in the loop
-        compute = {n: p if layout.roles[n].stacked else layout.annotate(p, layout.use[n]) for n, p in compute.items()}
-    return compute
+    # FSDP's stacked layer weights: gathered one layer at a time in the loop; the rest held apart from their use
+    # layout (FSDP's, and a pipeline's outside its stacked layers) gathered here, once per step
+    return {n: layout.annotate(p, layout.use[n]) if layout.gathered(n) and not layout.roles[n].stacked else p
+            for n, p in compute.items()}
 
 
 def _run_layers(cfg: LMConfig, layout: Layout, microbatches: int):

@@ -272,12 +272,16 @@ PIPE_CFG = LMConfig(layers=4, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, d
 
 
 @pytest.mark.skipif(N != 8, reason="the pipeline meshes (stage=2, data=2, model=2) and (stage=4, data=2) need 8 ranks")
-@pytest.mark.parametrize("shape,microbatches", [((2, 2, 2), 2), ((4, 2), 4)], ids=["2x2x2", "4x2"])
-def test_pipeline_loss_curve_matches_the_reference(shape, microbatches):
-    """Three steps of the pipeline preset follow the unpartitioned step of the same (scanned) model, and each
-    rank holds 1/S of the layer parameters."""
-    ts = build_train_step_on_root(PIPE_CFG, train_mesh(shape, "pipeline"), "pipeline", OPT, WORLD, microbatches)
-    plain = build_train_step_on_root(PIPE_CFG, train_mesh((N,), "dp"), "dp", OPT, WORLD)
+@pytest.mark.parametrize("preset", ["pipeline", "pipeline_1f1b"])
+@pytest.mark.parametrize("shape,microbatches,tied", [((2, 2, 2), 2, True), ((4, 2), 4, False)],
+                         ids=["2x2x2-tied", "4x2"])
+def test_pipeline_loss_curve_matches_the_reference(shape, microbatches, tied, preset):
+    """Three steps of the pipeline presets follow the unpartitioned step of the same (scanned) model, and each
+    rank holds 1/S of the layer parameters, and 1/S of those outside the layers too (embedding, positional table,
+    final LayerNorm, head: split over the stages, gathered where used)."""
+    cfg = LMConfig(**{**PIPE_CFG.__dict__, "tied": tied})
+    ts = build_train_step_on_root(cfg, train_mesh(shape, preset), preset, OPT, WORLD, microbatches)
+    plain = build_train_step_on_root(cfg, train_mesh((N,), "dp"), "dp", OPT, WORLD)
     state, data = ts.init(seed=1), feed(1) * 3  # one batch three times: the loss falls
     want = WORLD.bcast(reference(plain, state, data) if WORLD.Get_rank() == 0 else None, root=0)
     local, losses = train(ts, ts.shard_state(state, WORLD.Get_rank()), data)
@@ -286,6 +290,8 @@ def test_pipeline_loss_curve_matches_the_reference(shape, microbatches):
     blocks = ts.named(local)
     layer_blocks = [(blocks[io.name].shape, io.shape) for io in ts.program.inputs
                     if io.name.startswith("params.layers_")]
+    outside = [(blocks[io.name].shape, io.shape) for io in ts.program.inputs
+               if io.name.startswith(("params.", "opt_state.m.")) and "layers_" not in io.name]
     got, want_state = ts.named(got), ts.named(want[0])
     assert len(want_state) > 20
     for name in want_state:
@@ -297,6 +303,8 @@ def test_pipeline_loss_curve_matches_the_reference(shape, microbatches):
     assert len(layer_blocks) == 10
     assert all(block[0] * shape[0] == whole[0] and np.prod(block) * shape[0] <= np.prod(whole)
                for block, whole in layer_blocks)
+    assert len(outside) == 2 * (4 if tied else 5)
+    assert all(np.prod(block) * shape[0] <= np.prod(whole) for block, whole in outside), outside
 
 
 @pytest.mark.skipif(N < 2, reason="a pipeline needs 2 or more ranks")

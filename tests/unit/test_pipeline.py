@@ -12,6 +12,8 @@ import spmd_runtime.numpy as snp
 from simulated import run_everywhere, train_simulated
 from spmd_runtime.optim import AdamW
 from spmd_runtime.pipeline import circular_schedule
+from spmd_runtime.sharding import parse_spec
+from spmd_runtime.train.plan import plan_train_step
 
 S, M, B, D = 4, 3, 2, 5
 
@@ -170,6 +172,45 @@ def test_pipeline_preset_shifts_by_collective_permutes_and_holds_one_stage_of_la
                 if io.name.startswith("params.layers_"))
     assert layer_bytes > 0 and local * S == layer_bytes  # 1/S of the layer parameters (the model axis absent here)
     assert all(io.sharding.dims[0] == ("stage",) for io in ts.program.inputs if "layers_" in io.name)
+
+
+@pytest.mark.parametrize("preset", ["pipeline", "pipeline_1f1b"])
+@pytest.mark.parametrize("shape,tied", [((2, 2, 2), True), ((4, 2), False), ((4, 1, 2), True)], ids=str)
+def test_parameters_outside_the_layers_are_split_over_the_stages_and_gathered_once_per_step(preset, shape, tied):
+    """The embedding, positional table, final LayerNorm and head have no layer dim for the stages to split, so
+    every stage held them whole (Megatron keeps them on the first / last stage; eq. 2 counts them once): each rank
+    now holds 1/S of them (and of their optimizer state) beside its model-axis split, and the step gathers each
+    over the stage axis once (no all-gather inside a loop), its bytes the 16-bit copy's share."""
+    cfg = dataclasses.replace(LM, tied=tied, dtype="bfloat16", remat="full")
+    mesh = sr.train_mesh(shape, preset)
+    plan = plan_train_step(cfg, mesh, preset, AdamW(), microbatches=2)
+    s, t = shape[0], shape[2] if len(shape) > 2 else 1
+    outside = {"embed", "pos", "lnf_g", "lnf_b"} | ({"unembed"} if not tied else set())
+    held = {io.name: io for io in plan.step.program.inputs if io.name.split(".")[-1] in outside}
+    assert len(held) == 3 * len(outside)  # the parameter, Adam's m and v
+    for name, io in held.items():
+        split = s * (t if name.split(".")[-1] in ("embed", "unembed") else 1)
+        assert np.prod(io.sharding.local_shape(io.shape, mesh)) * split == np.prod(io.shape), name
+        assert "stage" in io.sharding.axes, name
+    # one all-gather over the stages of each one's 16-bit copy, to the layout the model uses it in, before the loops
+    use = {n: tuple(parse_spec(plan.step.layout.use[n], mesh, len(io.shape)).local_shape(io.shape, mesh))
+           for n, io in ((k.split(".")[-1], io) for k, io in held.items() if k.startswith("params."))}
+    top, inner = stage_gathers(plan.step.program)
+    assert sorted(g for g in top if g in use.values()) == sorted(use.values())
+    assert not [g for g in inner if g in use.values()]
+
+
+def stage_gathers(program, inside=False) -> tuple[list, list]:
+    """The (local) shapes of the 16-bit all-gathers over the stage axis: (at top level, inside loops)."""
+    top, inner = [], []
+    for ins in program.instrs:
+        for body in (b for v in ins.attrs.values() for b in (v if isinstance(v, tuple) else (v,))
+                     if hasattr(b, "instrs")):
+            inner += sum(stage_gathers(body, True), [])
+        if ins.op in ("all_gather", "all_gather_start") and tuple(ins.attrs["axes"]) == ("stage",) \
+                and ins.dtype == "bfloat16":
+            (inner if inside else top).append(tuple(ins.shape))
+    return top, inner
 
 
 @pytest.mark.parametrize("cfg,shape,message", [
