@@ -26,13 +26,13 @@ def data(seed=0, steps=STEPS):
     return params, stats, batches
 
 
-def program(preset: str, shape, comm=None):
-    """The step jitted under ``preset`` on ``train_mesh(shape, preset)``: (jitted step, layout)."""
+def program(preset: str, shape, comm=None, cfg=CFG):
+    """The step of ``cfg`` jitted under ``preset`` on ``train_mesh(shape, preset)``: (jitted step, layout)."""
     mesh = train_mesh(shape, preset)
-    shapes = resnet.param_shapes(CFG)
-    layout = model_layout(mesh, preset, shapes, resnet.param_roles(CFG), OPT.state_layout(shapes, "float32"))
-    specs = resnet.step_in_specs(CFG, layout, OPT.init_state({n: TensorSpec(s, "float32") for n, s in shapes.items()}))
-    return sr.jit(resnet.train_step(CFG, OPT, layout), mesh=mesh, in_specs=specs, comm=comm), layout
+    shapes = resnet.param_shapes(cfg)
+    layout = model_layout(mesh, preset, shapes, resnet.param_roles(cfg), OPT.state_layout(shapes, "float32"))
+    specs = resnet.step_in_specs(cfg, layout, OPT.init_state({n: TensorSpec(s, "float32") for n, s in shapes.items()}))
+    return sr.jit(resnet.train_step(cfg, OPT, layout), mesh=mesh, in_specs=specs, comm=comm), layout
 
 
 def steps(preset: str, shape, comm=None, seed=0):
