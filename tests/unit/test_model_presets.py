@@ -17,6 +17,7 @@ from spmd_runtime.models import gpt2, llama, resnet
 from spmd_runtime.optim import AdamW
 from spmd_runtime.train import Model, plan_train_step, train_mesh
 
+import llama_cases
 import resnet_cases
 
 GPT2 = gpt2.GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16)
@@ -32,14 +33,15 @@ LMS = {"dp": OK, "fsdp": OK, "wus": OK, "megatron": OK, "megatron_sp": OK, "pipe
        "pipeline_1f1b": ONE_FUNCTION}
 TABLE = {
     "gpt2": LMS,
-    "llama": LMS,
+    # the pipeline: the stacked layers run as GPipe stages by llama.pipelined_loss (1F1B runs the built-in LM's only)
+    "llama": {**LMS, "pipeline": OK},
     "resnet": {"dp": OK, "fsdp": OK, "wus": OK, "megatron": OK, "megatron_sp": NO_SEQUENCE, "pipeline": NOT_UNIFORM,
                "pipeline_1f1b": NOT_UNIFORM},
 }
 # per-rank share of the whole model's (parameters, optimizer state), as bounds: (low, high) each
 WHOLE, QUARTER, SPLIT = (1.0, 1.0), (0.2, 0.45), (0.3, 0.9)  # 1/4 but for the few dims 4 does not divide; "model" of 2
 SHARES = {"dp": (WHOLE, WHOLE), "fsdp": (QUARTER, QUARTER), "wus": (WHOLE, QUARTER), "megatron": (SPLIT, SPLIT),
-          "megatron_sp": (SPLIT, SPLIT)}
+          "megatron_sp": (SPLIT, SPLIT), "pipeline": (QUARTER, QUARTER)}  # 2 stages x 2 megatron ranks
 CELLS = [(m, p) for m in TABLE for p in TABLE[m]]
 
 
@@ -47,8 +49,11 @@ def _specs(shapes: dict) -> dict:
     return {n: TensorSpec(s, "float32") for n, s in shapes.items()}
 
 
-def lm_model(name: str) -> Model:
-    """GPT-2 or Llama as a user states it to the trainer: loss, abstract parameters, roles; no init."""
+def lm_model(name: str, preset: str) -> Model:
+    """GPT-2 or Llama as a user states it to the trainer: loss, abstract parameters, roles; no init. Under a
+    pipeline preset Llama is the stacked model running its stages (``llama_cases.pipelined_model``)."""
+    if name == "llama" and preset.startswith("pipeline"):
+        return llama_cases.pipelined_model(train_mesh(MESHES[preset], preset), preset)
     if name == "gpt2":
         return Model(lambda p, b: gpt2.loss(GPT2, p, b["tokens"], b["labels"]), _specs(gpt2.param_shapes(GPT2)),
                      gpt2.param_roles(GPT2), 4, 8, GPT2.vocab_size, name="gpt2")
@@ -63,8 +68,8 @@ def shares(model: str, preset: str) -> tuple[float, float]:
     if model != "resnet":
         with warnings.catch_warnings():  # megatron's c_attn reshapes warn (models/gpt2.py's own business)
             warnings.simplefilter("ignore", UserWarning)
-            m = plan_train_step(lm_model(model), train_mesh(MESHES[preset], preset), preset, AdamW(),
-                                microbatches).memory
+            m = plan_train_step(lm_model(model, preset), train_mesh(MESHES[preset], preset), preset, AdamW(),
+                                1 if model == "llama" else microbatches).memory  # its loss cuts the micro-batches
         return m["params"] / m["params_global"], m["opt_state"] / m["opt_state_global"]
     step, _ = resnet_cases.program(preset, MESHES[preset], cfg=RESNET)
     params, stats = _specs(resnet.param_shapes(RESNET)), _specs(resnet.stats_shapes(RESNET))
