@@ -1,6 +1,6 @@
 """models/llama.py under real MPI, for any world size: the loss and every gradient of llama2.c's Transformer
-(grouped kv heads; head, kv-head and vocab counts a 4-wide model axis does not divide) under the dp, megatron
-and fsdp presets on the 1-d and 2-d meshes of the world, against the NumPy Llama of tests/llama_reference.py
+(grouped kv heads; head, kv-head and vocab counts a 4-wide model axis does not divide) under the dp, megatron,
+megatron_sp and fsdp presets on the 1-d and 2-d meshes of the world, against the NumPy Llama of tests/llama_reference.py
 (float64 with x64 on; gradients by directional central differences), float32 logits under megatron, and the
 pipelined training step of the stacked layers (``llama.pipelined_loss``) against the per-layer 1-rank step.
 
@@ -30,10 +30,11 @@ BATCH, SEQ = 4, 6
 
 
 def cases() -> list[tuple[tuple, str]]:
-    """megatron on the 1-d mesh (the model axis the whole world), and dp, megatron and fsdp on the first 2-d
-    mesh (dp on the 1-d mesh where the world has no 2-d one)."""
+    """megatron and megatron_sp (the sequence split over the model axis outside the tensor-parallel regions) on the
+    1-d mesh (the model axis the whole world), and dp, megatron and fsdp on the first 2-d mesh (dp on the 1-d mesh
+    where the world has no 2-d one)."""
     pairs = [(a, N // a) for a in range(2, N) if N % a == 0]
-    return [((N,), "megatron")] + ([(pairs[0], p) for p in ("dp", "megatron", "fsdp")] if pairs else [((N,), "dp")])
+    return [((N,), "megatron"), ((N,), "megatron_sp")] + ([(pairs[0], p) for p in ("dp", "megatron", "fsdp")] if pairs else [((N,), "dp")])
 
 
 def data(dtype):
