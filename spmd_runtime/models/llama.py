@@ -19,7 +19,9 @@ Sharding hints (``param_roles``): each parameter's role says which dim tensor (M
 the rows of wq / wk / wv / w1 / w3 (heads, FFN hidden), the columns of wo / w2, the vocab of the embedding and
 output layer; the norms are replicated. ``annotate(x, role)`` pins activations with the built-in LM's roles
 ('residual', 'normed', 'hidden', 'logits'), so ``train.model_layout(...).activation`` applies a preset
-(dp, fsdp, megatron, ...). Example (``scripts/llama_vs_torch.py`` compares it with llama2.c's PyTorch model)::
+(dp, fsdp, megatron, ...). The pipeline preset takes the layers stacked (``stacked_param_shapes`` /
+``stacked_param_roles``: 'layers.<kind>' of shape (n_layers, ...); ``stack_layers`` / ``unstack_layers`` convert
+state dicts) and ``pipelined_loss``, which runs them as GPipe stages over the preset's stage axis. Example (``scripts/llama_vs_torch.py`` compares it with llama2.c's PyTorch model)::
 
     import spmd_runtime as sr
     from spmd_runtime.models import llama

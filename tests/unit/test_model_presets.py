@@ -2,8 +2,9 @@
 abstract shapes on an abstract 4-rank mesh (traced and partitioned, never run) for every (model, preset) pair,
 each cell's outcome stated in ``TABLE``: the step builds with the parameters and optimizer state held per rank as
 the preset splits them (``SHARES``: no cell builds by leaving replicated what its preset splits), or it is refused
-by an error naming the reason. GPT-2 and Llama train as a ``train.Model`` (``build_train_step`` / ``plan_train_step``),
-the ResNet by ``resnet.train_step`` (its batch is images and its BN running statistics are state)."""
+by an error naming the reason. GPT-2 and Llama train as a ``train.Model`` (``build_train_step`` / ``plan_train_step``;
+Llama under the pipeline preset as its stacked model running its own stages, ``llama.pipelined_loss``), the ResNet
+by ``resnet.train_step`` (its batch is images and its BN running statistics are state)."""
 from __future__ import annotations
 
 import warnings
