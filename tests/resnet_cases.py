@@ -10,7 +10,7 @@ from spmd_runtime.optim import AdamW
 from spmd_runtime.train import model_layout, train_mesh
 
 CFG = resnet.ResNetConfig(widths=(4, 6), blocks=(1, 1), num_classes=5)
-BATCH, SIZE, STEPS = 5, 12, 2  # 5 images: 3, 2 per rank on 2 data ranks; 2, 1, 1, 1 on 4
+BATCH, SIZE, STEPS = 5, 12, 2  # 5 images: 3, 2 per rank on 2 data ranks; 2, 2, 1, 0 on 4 (blocks of ceil(5 / 4))
 OPT = AdamW(lr=1e-2, weight_decay=0.1)
 
 

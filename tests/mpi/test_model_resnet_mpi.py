@@ -1,7 +1,8 @@
 """models/resnet.py's training step (``resnet.train_step``) under real MPI, for any world size (the suite runs it at
 2 and 4 ranks): AdamW steps under dp and fsdp on the 1-d mesh of the world and megatron on an (N/2, 2) one, on a
-batch of 5 images the data ranks split unevenly; the losses, updated parameters and batch-norm running statistics
-(cross-replica: the whole batch's) equal the step each rank runs alone on the whole batch, to float32 rounding.
+batch of 5 images the data ranks split unevenly (3, 2 on 2; 2, 2, 1, 0 on 4: a rank with none); the losses,
+updated parameters and batch-norm running statistics (cross-replica: the whole batch's) equal the step each rank
+runs alone on the whole batch, to float32 rounding.
 
 Run: ``mpiexec -n 4 python -m pytest --with-mpi tests/mpi/test_model_resnet_mpi.py -p no:cacheprovider``.
 Assertions come after every collective, so one failing rank cannot hang the rest.

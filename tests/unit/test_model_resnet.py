@@ -152,7 +152,7 @@ def one_rank_steps():
 
 @pytest.mark.parametrize("preset,shape", [("dp", (2, 2)), ("fsdp", (4,)), ("megatron", (2, 2))], ids=str)
 def test_train_step_follows_one_rank_on_an_uneven_batch(one_rank_steps, preset, shape):
-    """AdamW steps of 5 images (2, 1, 1, 1 per rank under dp and fsdp, 3 and 2 under megatron): the losses, updated
+    """AdamW steps of 5 images (2, 2, 1, 0 per rank under dp and fsdp, 3 and 2 under megatron): the losses, updated
     parameters and BN running statistics are the 1-rank step's (per-rank statistics would move the running ones)."""
     results = run_simulated(4, lambda comm: resnet_cases.steps(preset, shape, comm))
     for rank, got in enumerate(results):
