@@ -19,7 +19,9 @@ Sharding hints (``param_roles``): each parameter's role says which dim tensor (M
 the rows of wq / wk / wv / w1 / w3 (heads, FFN hidden), the columns of wo / w2, the vocab of the embedding and
 output layer; the norms are replicated. ``annotate(x, role)`` pins activations with the built-in LM's roles
 ('residual', 'normed', 'hidden', 'logits'), so ``train.model_layout(...).activation`` applies a preset
-(dp, fsdp, megatron, ...). Example (``scripts/llama_vs_torch.py`` compares it with llama2.c's PyTorch model)::
+(dp, fsdp, megatron, ...). The pipeline preset takes the layers stacked (``stacked_param_shapes`` /
+``stacked_param_roles``: 'layers.<kind>' of shape (n_layers, ...); ``stack_layers`` / ``unstack_layers`` convert
+state dicts) and ``pipelined_loss``, which runs them as GPipe stages over the preset's stage axis. Example (``scripts/llama_vs_torch.py`` compares it with llama2.c's PyTorch model)::
 
     import spmd_runtime as sr
     from spmd_runtime.models import llama
@@ -49,6 +51,7 @@ from .. import random as srandom
 from ..darray import DArray, device_put
 from ..jit import jit
 from ..mesh import get_mesh
+from ..pipeline import micro_batches, pipeline, stages_of_layers
 from ..sharding import P
 from .roles import LINEAR_COLUMN, LINEAR_ROW, NORM, ParamRole
 
@@ -126,14 +129,60 @@ def param_shapes(args: ModelArgs) -> "OrderedDict[str, tuple[int, ...]]":
 
 
 def param_kind(name: str) -> str:
-    """A parameter's name without its layer: 'layers.3.attention.wq.weight' -> 'attention.wq.weight'."""
+    """A parameter's name without its layer: 'layers.3.attention.wq.weight' -> 'attention.wq.weight', and so of
+    the stacked 'layers.attention.wq.weight' (``stacked_param_shapes``)."""
     parts = name.split(".")
-    return ".".join(parts[2:]) if parts[0] == "layers" else name
+    if parts[0] != "layers":
+        return name
+    return ".".join(parts[2:] if parts[1].isdigit() else parts[1:])
 
 
 def param_roles(args: ModelArgs) -> "OrderedDict[str, ParamRole]":
     """name -> sharding role of every parameter, in ``param_shapes`` order."""
     return OrderedDict((n, PARAM_ROLES[param_kind(n)]) for n in param_shapes(args))
+
+
+# ---------------------------------------------------------------- the layers stacked (for the pipeline presets)
+STACKED = "layers."  # "layers.<kind>" holds parameter <kind> of every layer on a leading layer dim
+
+
+def stacked_param_shapes(args: ModelArgs) -> "OrderedDict[str, tuple[int, ...]]":
+    """``param_shapes`` with each block parameter of every layer held once, stacked on a leading layer dim:
+    'layers.attention.wq.weight' (n_layers, dim, dim), ...; what a pipeline preset splits into stages."""
+    shapes = param_shapes(args)
+    first = {param_kind(n): s for n, s in shapes.items() if n.startswith("layers.0.")}
+    out = OrderedDict((n, s) for n, s in shapes.items() if not n.startswith("layers."))
+    out.update((STACKED + k, (args.n_layers,) + s) for k, s in first.items())
+    out.move_to_end("norm.weight")
+    if not args.tie_embeddings:
+        out.move_to_end("output.weight")
+    return out
+
+
+def stacked_param_roles(args: ModelArgs) -> "OrderedDict[str, ParamRole]":
+    """The roles of ``stacked_param_shapes``: a block parameter's role on its leading layer dim (``stack``)."""
+    return OrderedDict((n, PARAM_ROLES[param_kind(n)].stack() if n.startswith(STACKED) else PARAM_ROLES[n])
+                       for n in stacked_param_shapes(args))
+
+
+def stack_layers(args: ModelArgs, params: dict) -> dict:
+    """llama2.c's per-layer arrays (NumPy) as ``stacked_param_shapes``' (each kind stacked over the layers)."""
+    out = {n: w for n, w in params.items() if not n.startswith("layers.")}
+    for name in stacked_param_shapes(args):
+        if name.startswith(STACKED):
+            kind = name[len(STACKED):]
+            out[name] = np.stack([np.asarray(params[f"layers.{i}.{kind}"]) for i in range(args.n_layers)])
+    return {n: out[n] for n in stacked_param_shapes(args)}
+
+
+def unstack_layers(args: ModelArgs, params: dict) -> dict:
+    """``stack_layers`` undone: llama2.c's state dict of stacked arrays (NumPy)."""
+    out = {}
+    for name in param_shapes(args):
+        parts = name.split(".")
+        out[name] = np.asarray(params[STACKED + param_kind(name)])[int(parts[1])] if name.startswith("layers.") \
+            else np.asarray(params[name])
+    return out
 
 
 def init_params(args: ModelArgs, seed: int = 0, dtype="float32") -> "dict[str, np.ndarray]":
@@ -170,15 +219,21 @@ class Dropout:
         return snn.dropout(srandom.fold_in(self.key, self.count), x, self.rate)
 
 
+# Every block function also runs a pipeline's S stages at once: x with a leading stage dim (S, batch, seq, dim)
+# and each weight with one too (stage s's weights at [s]), so the stage dim split over ranks is each its stage.
 def rms_norm(x, weight, eps: float):
     """llama2.c's RMSNorm: x / sqrt(mean(x^2) + eps) in float32 at least, back in x's dtype, times weight."""
     xf = x.astype(np.promote_types(x.dtype, np.float32))
     normed = xf * snp.rsqrt(snp.mean(xf ** 2, axis=-1, keepdims=True) + eps)
+    if weight.ndim > 1:  # (S, dim): stage s's gain over x[s]
+        weight = snp.reshape(weight, weight.shape[:1] + (1,) * (x.ndim - 2) + weight.shape[1:])
     return normed.astype(x.dtype) * weight
 
 
 def linear(x, weight):
-    """PyTorch's F.linear without bias: x @ weight.T for a [out, in] weight."""
+    """PyTorch's F.linear without bias: x @ weight.T for a [out, in] weight; stage s's (S, out, in) on x[s]."""
+    if weight.ndim == 3:
+        return snp.einsum("zbsi,zoi->zbso", x, weight)
     return x @ weight.T
 
 
@@ -191,8 +246,8 @@ def precompute_freqs_cis(dim: int, end: int, theta: float = ROPE_THETA, dtype="f
 
 
 def reshape_for_broadcast(freqs, x):
-    """(seq, hd / 2) ``freqs`` shaped to broadcast over x's (batch, seq, heads, hd / 2)."""
-    return freqs.reshape([d if i in (1, x.ndim - 1) else 1 for i, d in enumerate(x.shape)])
+    """(seq, hd / 2) ``freqs`` shaped to broadcast over x's (..., batch, seq, heads, hd / 2)."""
+    return freqs.reshape([d if i in (x.ndim - 3, x.ndim - 1) else 1 for i, d in enumerate(x.shape)])
 
 
 def apply_rotary_emb(xq, xk, freqs_cos, freqs_sin):
@@ -207,40 +262,38 @@ def apply_rotary_emb(xq, xk, freqs_cos, freqs_sin):
 
 
 def repeat_kv(x, n_rep: int):
-    """(batch, seq, kv_heads, hd) -> (batch, seq, kv_heads * n_rep, hd), each kv head repeated n_rep times in
-    place (torch.repeat_interleave on dim 2)."""
-    bs, slen, n_kv_heads, head_dim = x.shape
+    """(..., batch, seq, kv_heads, hd) -> (..., batch, seq, kv_heads * n_rep, hd), each kv head repeated n_rep
+    times in place (torch.repeat_interleave on the kv head dim)."""
+    *lead, n_kv_heads, head_dim = x.shape
     if n_rep == 1:
         return x
-    expanded = snp.broadcast_to(x[:, :, :, None, :], (bs, slen, n_kv_heads, n_rep, head_dim))
-    return expanded.reshape(bs, slen, n_kv_heads * n_rep, head_dim)
+    expanded = snp.broadcast_to(snp.expand_dims(x, -2), (*lead, n_kv_heads, n_rep, head_dim))
+    return expanded.reshape(*lead, n_kv_heads * n_rep, head_dim)
 
 
 def project_qkv(args: ModelArgs, w: dict, x, freqs_cos, freqs_sin):
     """Queries (batch, seq, n_heads, hd), keys and values (batch, seq, n_kv_heads, hd) of the normed ``x``,
     queries and keys rotated (RoPE)."""
-    bsz, seqlen, _ = x.shape
-    hd = args.head_dim
-    xq = linear(x, w["attention.wq.weight"]).reshape(bsz, seqlen, args.n_heads, hd)
-    xk = linear(x, w["attention.wk.weight"]).reshape(bsz, seqlen, args.kv_heads, hd)
-    xv = linear(x, w["attention.wv.weight"]).reshape(bsz, seqlen, args.kv_heads, hd)
+    lead, hd = x.shape[:-1], args.head_dim
+    xq = linear(x, w["attention.wq.weight"]).reshape(*lead, args.n_heads, hd)
+    xk = linear(x, w["attention.wk.weight"]).reshape(*lead, args.kv_heads, hd)
+    xv = linear(x, w["attention.wv.weight"]).reshape(*lead, args.kv_heads, hd)
     xq, xk = apply_rotary_emb(xq, xk, freqs_cos, freqs_sin)
     return xq, xk, xv
 
 
 def attention(args: ModelArgs, w: dict, x, freqs_cos, freqs_sin, dropout: Dropout, annotate=no_annotation):
     """Causal grouped-query self-attention with RoPE of the normed residual ``x`` (batch, seq, dim)."""
-    bsz, seqlen, _ = x.shape
-    hd = args.head_dim
+    seqlen, hd = x.shape[-2], args.head_dim
     xq, xk, xv = project_qkv(args, w, x, freqs_cos, freqs_sin)
     n_rep = args.n_heads // args.kv_heads
     xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
-    xq, xk, xv = (snp.swapaxes(t, 1, 2) for t in (xq, xk, xv))  # heads as a batch dim: (bsz, heads, seq, hd)
-    scores = (xq @ snp.swapaxes(xk, 2, 3)) / math.sqrt(hd)
+    xq, xk, xv = (snp.swapaxes(t, -3, -2) for t in (xq, xk, xv))  # heads as a batch dim: (bsz, heads, seq, hd)
+    scores = (xq @ snp.swapaxes(xk, -2, -1)) / math.sqrt(hd)
     scores = scores + snp.triu(snp.full((seqlen, seqlen), -snp.inf, scores.dtype), k=1)  # query t sees keys <= t
     probs = dropout(snn.softmax(scores.astype(np.promote_types(scores.dtype, np.float32)), axis=-1)
                     .astype(xq.dtype))
-    output = snp.swapaxes(probs @ xv, 1, 2).reshape(bsz, seqlen, -1)  # heads concatenated
+    output = snp.swapaxes(probs @ xv, -3, -2).reshape(*x.shape[:-1], -1)  # heads concatenated
     return dropout(linear(annotate(output, "hidden"), w["attention.wo.weight"]))
 
 
@@ -287,6 +340,41 @@ def logits(args: ModelArgs, params: dict, tokens, key=None, annotate=no_annotati
 def loss(args: ModelArgs, params: dict, tokens, targets, key=None, annotate=no_annotation):
     """Mean next-token cross-entropy over the targets that are not -1 (llama2.c's ``ignore_index=-1``)."""
     return cross_entropy(logits(args, params, tokens, key, annotate), targets)
+
+
+def pipelined_loss(args: ModelArgs, params: dict, tokens, targets, layout, microbatches: int,
+                   annotate=no_annotation):
+    """``loss`` with the layers run as GPipe pipeline stages (``sr.pipeline``): ``params`` as
+    ``stacked_param_shapes`` holds them, laid out by ``layout`` (``train.model_layout`` of the stacked shapes and
+    roles under a pipeline preset: the layer dim over its stage axis, S stages of n_layers / S consecutive layers,
+    megatron's splits on "model" where the mesh has it); the batch cut into ``microbatches`` micro-batches (rows m,
+    m + M, ... form micro-batch m); the embedding, final norm and output layer outside the loop. The same loss as
+    ``loss`` of the unstacked parameters (``stack_layers``); no dropout (its sites are numbered per layer)."""
+    preset, mesh = layout.preset, layout.mesh
+    if not preset.stage or preset.schedule != "gpipe":
+        raise ValueError(f"llama.pipelined_loss runs GPipe stages over a pipeline preset's stage axis; got preset "
+                         f"{preset.name!r} (stage axes {preset.stage}, schedule {preset.schedule!r})")
+    if args.dropout:
+        raise ValueError(f"llama.pipelined_loss runs without dropout; got dropout={args.dropout}")
+    stages = mesh.axis_size(preset.stage[0])
+    if args.n_layers % stages:
+        raise ValueError(f"llama.pipelined_loss needs the {stages} stages (mesh axis {preset.stage[0]!r}) to divide "
+                         f"n_layers={args.n_layers}")
+    seqlen = tokens.shape[1]
+    h = annotate(snn.embedding(params["tok_embeddings.weight"], tokens), "residual")
+    stacked = {n[len(STACKED):]: w for n, w in params.items() if n.startswith(STACKED)}
+    specs = {k: (None,) + tuple(layout.use[STACKED + k][1:]) for k in stacked}  # (layers in stage, stage, ...)
+
+    def stage(layers, x):  # every stage at once: x (S, batch / M, seq, dim), each layer's weights (S, ...)
+        cos, sin = (f[:seqlen] for f in precompute_freqs_cis(args.head_dim, args.max_seq_len, dtype=x.dtype))
+        block = lambda x, layer: (transformer_block(args, layer, x, cos, sin, Dropout(None, 0.0), annotate), None)
+        return lax.scan(block, x, layers)[0]
+    ys = pipeline(stage, {k: stages_of_layers(w, stages) for k, w in stacked.items()}, micro_batches(h, microbatches),
+                  mesh=mesh, stage_axis=preset.stage[0], stage_dim=1, param_specs=specs,
+                  state_spec=(preset.batch or None, preset.seq or None, None))
+    h = snp.reshape(snp.transpose(ys, (1, 0, 2, 3)), h.shape)  # micro-batch m's row r is the batch's row r M + m
+    h = rms_norm(h, params["norm.weight"], args.norm_eps)
+    return cross_entropy(annotate(linear(h, output_weight(args, params)), "logits"), targets)
 
 
 def cross_entropy(logits, targets):
@@ -395,4 +483,5 @@ def _generation_step(args: ModelArgs, temperature: float, top_k, mesh):
 __all__ = ["ModelArgs", "param_shapes", "param_kind", "param_roles", "PARAM_ROLES", "init_params", "rms_norm",
            "precompute_freqs_cis", "apply_rotary_emb", "repeat_kv", "attention", "feed_forward",
            "transformer_block", "hidden_states", "logits", "loss", "cross_entropy", "transformer", "project_qkv",
-           "init_cache", "decode", "sample", "generate"]
+           "init_cache", "decode", "sample", "generate", "STACKED", "stacked_param_shapes", "stacked_param_roles",
+           "stack_layers", "unstack_layers", "pipelined_loss"]

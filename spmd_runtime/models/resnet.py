@@ -20,6 +20,12 @@ Sharding hints (``param_roles``): inside each block the first convolution's outp
 input channels form a tensor-parallel pair (Megatron's column / row split: conv1 and bn1 split by channel, the
 partial sums of conv2 all-reduced); the stem, shortcuts and classifier are replicated. ``annotate(x, role)``
 may pin activations (role 'features': every (N, C, H, W) block input), e.g. to split the images spatially.
+
+Training (``train_step``, ``step_in_specs``): one step of the loss, its gradient and the optimizer's update with
+the running statistics updated, laid out by a training preset's ``train.model_layout`` of ``param_shapes`` /
+``param_roles``: dp (the batch split, batch norm's statistics the whole batch's), fsdp and wus (weights or
+update sharded), megatron (the block channels split). The pipeline presets and those that split a sequence
+are refused, naming why (``check_preset``).
 """
 from __future__ import annotations
 
@@ -31,6 +37,9 @@ import numpy as np
 from .. import lax
 from .. import nn as snn
 from .. import numpy as snp
+from .. import pytree
+from ..autodiff import value_and_grad
+from ..sharding import P
 from .roles import NORM, ParamRole
 
 CONV = ParamRole("convolution kernel [out, in, kh, kw]")  # replicated
@@ -200,5 +209,59 @@ def loss(cfg: ResNetConfig, params: dict, stats: dict, images, labels, train: bo
     return snn.cross_entropy(logits, labels), new_stats
 
 
+# ================================================================ training
+def check_preset(cfg: ResNetConfig, preset) -> None:
+    """The presets a ResNet trains under: not the pipelines (they cut a stack of identical layers held on a leading
+    layer dim into stages; the ResNet's blocks are held one by one under torchvision's names and its stages are
+    not alike: each after the first halves the resolution, widens the channels and opens with a downsampling
+    block), not those that split a sequence (an image has none: split its rows with ``annotate`` instead), not
+    the expert ones (no expert weights)."""
+    if preset.stage:
+        raise ValueError(f"preset {preset.name!r} pipelines stacked layers of one shape; a ResNet's stages differ "
+                         f"(widths {cfg.widths}, each stage after the first at half the resolution and opening with a "
+                         f"stride-2 downsampling block), so there are no uniform stages to cut. Use dp, fsdp, wus "
+                         f"or megatron")
+    if preset.seq:
+        raise ValueError(f"preset {preset.name!r} splits the sequence dim over {preset.seq}; a ResNet's (N, C, H, W) "
+                         f"images have none (split their rows spatially with annotate). Use dp, fsdp, wus or "
+                         f"megatron")
+    if preset.experts:
+        raise ValueError(f"preset {preset.name!r} splits experts; a ResNet has no expert weights")
+
+
+def train_step(cfg: ResNetConfig, optimizer, layout, annotate=no_annotation):
+    """``step(params, stats, opt_state, images, labels) -> (new params, new stats, new opt_state, loss)``: batch
+    norm in training mode (the statistics of the whole batch on any mesh), ``value_and_grad`` of ``loss`` and
+    ``optimizer.update`` (weight decay on the kernels and the classifier's matrix). ``layout``: a training
+    preset's ``train.model_layout(mesh, preset, param_shapes(cfg), param_roles(cfg), optimizer.state_layout(...))``:
+    the weights used as it lays them out (fsdp gathers them), the gradients, new weights and optimizer state
+    pinned to their update / held specs. Jit it with ``step_in_specs``."""
+    check_preset(cfg, layout.preset)
+    matrices = {n for n, shape in param_shapes(cfg).items() if len(shape) >= 2}
+
+    def step(params, stats, opt_state, images, labels):
+        def objective(p):
+            return loss(cfg, p, stats, images, labels, True, annotate)
+        (value, new_stats), grads = value_and_grad(objective, has_aux=True)(layout.used(params))
+        grads = {n: layout.annotate(g, layout.update[n]) for n, g in grads.items()}
+        new_params, new_state = optimizer.update(params, grads, opt_state, matrices)
+        new_params = {n: layout.annotate(w, layout.specs[f"params.{n}"]) for n, w in new_params.items()}
+        # replicated as they came in (the batch's sums completed), so the step iterates
+        new_stats = {n: layout.annotate(s, (None,)) for n, s in new_stats.items()}
+        return new_params, new_stats, layout.annotate_state(new_state), value
+    return step
+
+
+def step_in_specs(cfg: ResNetConfig, layout, opt_state) -> tuple:
+    """The ``in_specs`` of ``train_step``'s step for ``sr.jit``: the parameters and optimizer state (``opt_state``:
+    the optimizer's state tree, arrays or TensorSpecs) as ``layout`` holds them, the running statistics
+    replicated, images and labels split over the preset's batch axes (unevenly where the batch does not divide)."""
+    batch = layout.preset.batch or None
+    paths, tree = pytree.flatten_with_path(opt_state)
+    state = tree.unflatten(P(*layout.specs[pytree.keystr(path, "opt_state")]) for path, _ in paths)
+    return ({n: P(*layout.specs[f"params.{n}"]) for n in param_shapes(cfg)}, {n: P() for n in stats_shapes(cfg)},
+            state, P(batch, None, None, None), P(batch))
+
+
 __all__ = ["ResNetConfig", "param_shapes", "param_roles", "stats_shapes", "init", "conv2d", "max_pool",
-           "batch_norm", "basic_block", "resnet", "loss"]
+           "batch_norm", "basic_block", "resnet", "loss", "check_preset", "train_step", "step_in_specs"]

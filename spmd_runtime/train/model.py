@@ -107,11 +107,15 @@ def _as_spec(name: str, p) -> TensorSpec:
 
 def check_model_preset(model: Model, preset: Preset) -> None:
     """The presets a Model trains under: every preset but the pipelines (they cut the model's own stacked
-    layers into stages, which a loss written as one function does not expose)."""
-    if preset.stage:
+    layers into stages, which a loss written as one function does not expose), unless the Model holds stacked
+    layers (a role with ``stacked``) and its loss runs them as GPipe stages itself (``llama.pipelined_loss``:
+    the preset lays their layer dim over the stage axis)."""
+    pipelines_itself = preset.schedule == "gpipe" and any(r.stacked for r in model.roles.values())
+    if preset.stage and not pipelines_itself:
         raise ValueError(f"preset {preset.name!r} pipelines the built-in LM's stacked layers; a Model's loss is one "
                          f"function the trainer cannot cut into stages. Use dp, fsdp, megatron, wus, "
-                         f"fsdp_megatron, ... (or sr.pipeline_loss inside the loss)")
+                         f"fsdp_megatron, ... (or hold the layers stacked, roles with stacked=True, and run them "
+                         f"as stages in the loss with sr.pipeline under the GPipe preset: llama.pipelined_loss)")
     if preset.experts and not any(r.experts is not None for r in model.roles.values()):
         raise ValueError(f"preset {preset.name!r} splits experts; got a Model with no expert parameters (no "
                          f"ParamRole with an experts dim)")

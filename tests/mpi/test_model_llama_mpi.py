@@ -1,7 +1,8 @@
 """models/llama.py under real MPI, for any world size: the loss and every gradient of llama2.c's Transformer
-(grouped kv heads; head, kv-head and vocab counts a 4-wide model axis does not divide) under the dp, megatron
-and fsdp presets on the 1-d and 2-d meshes of the world, against the NumPy Llama of tests/llama_reference.py
-(float64 with x64 on; gradients by directional central differences), and float32 logits under megatron.
+(grouped kv heads; head, kv-head and vocab counts a 4-wide model axis does not divide) under the dp, megatron,
+megatron_sp and fsdp presets on the 1-d and 2-d meshes of the world, against the NumPy Llama of tests/llama_reference.py
+(float64 with x64 on; gradients by directional central differences), float32 logits under megatron, and the
+pipelined training step of the stacked layers (``llama.pipelined_loss``) against the per-layer 1-rank step.
 
 Run: ``mpiexec -n 4 python -m pytest --with-mpi tests/mpi/test_model_llama_mpi.py -p no:cacheprovider``.
 Every rank computes the reference; assertions come after all collectives so one failing rank cannot hang
@@ -16,8 +17,9 @@ from mpi4py import MPI
 import spmd_runtime as sr
 import spmd_runtime.random as srandom
 from spmd_runtime.models import llama
-from spmd_runtime.train import model_layout, train_mesh
+from spmd_runtime.train import build_train_step_on_root, model_layout, train_mesh
 
+import llama_cases
 import llama_reference as ref
 
 pytestmark = pytest.mark.mpi
@@ -28,10 +30,11 @@ BATCH, SEQ = 4, 6
 
 
 def cases() -> list[tuple[tuple, str]]:
-    """megatron on the 1-d mesh (the model axis the whole world), and dp, megatron and fsdp on the first 2-d
-    mesh (dp on the 1-d mesh where the world has no 2-d one)."""
+    """megatron and megatron_sp (the sequence split over the model axis outside the tensor-parallel regions) on the
+    1-d mesh (the model axis the whole world), and dp, megatron and fsdp on the first 2-d mesh (dp on the 1-d mesh
+    where the world has no 2-d one)."""
     pairs = [(a, N // a) for a in range(2, N) if N % a == 0]
-    return [((N,), "megatron")] + ([(pairs[0], p) for p in ("dp", "megatron", "fsdp")] if pairs else [((N,), "dp")])
+    return [((N,), "megatron"), ((N,), "megatron_sp")] + ([(pairs[0], p) for p in ("dp", "megatron", "fsdp")] if pairs else [((N,), "dp")])
 
 
 def data(dtype):
@@ -96,3 +99,23 @@ def test_float32_logits_under_megatron_match_numpy():
     assert logits.dtype == np.float32
     np.testing.assert_allclose(logits, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(value, ref.cross_entropy(want, targets), rtol=2e-6)
+
+
+def pipeline_meshes() -> list[tuple]:
+    """N stages where N divides the 4 layers; with 4 ranks also 2 stages of 2 megatron ranks."""
+    return ([(N,)] if llama_cases.ARGS.n_layers % N == 0 else []) + ([(2, 1, N // 2)] if N % 2 == 0 and N > 2 else [])
+
+
+@pytest.mark.parametrize("shape", pipeline_meshes(), ids=str)
+def test_pipelined_train_step_equals_the_per_layer_one_rank_step(shape):
+    """llama.pipelined_loss's stages of the stacked layers (train.Model under the pipeline preset), 2 micro-batches,
+    two AdamW steps: losses and every parameter those of llama2.c's per-layer model stepped at 1 rank."""
+    data = llama_cases.batches()
+    mesh = train_mesh(shape, "pipeline")
+    ts = build_train_step_on_root(llama_cases.pipelined_model(mesh), mesh, "pipeline", llama_cases.OPT)
+    local, losses = ts.shard_state(ts.init(0), MPI.COMM_WORLD.Get_rank()), []
+    for tokens, labels in data:
+        local, loss = ts.step(local, tokens, labels)
+        losses.append(loss)
+    params = ts.gather(local)["params"]
+    llama_cases.assert_same_step(np.array(losses), params, llama_cases.one_rank(data), str(shape))

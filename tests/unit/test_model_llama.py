@@ -3,7 +3,8 @@ logits and loss, every gradient (directional central differences of the referenc
 rank and on simulated 4-rank meshes under the dp, megatron, fsdp, megatron_sp and seq presets, with grouped kv heads
 (n_kv_heads < n_heads) and head / kv-head / vocab counts the model axis does not divide; dropout masks applied
 where llama2.c applies them and the same on every mesh; generation with a KV cache (greedy and sampled) the
-same as llama2.c's generate re-running the NumPy model, at 1 rank and tensor-parallel on 4."""
+same as llama2.c's generate re-running the NumPy model, at 1 rank and tensor-parallel on 4; the pipelined step of
+the stacked layers (``llama.pipelined_loss``) equal to the per-layer model's 1-rank step."""
 import numpy as np
 import pytest
 
@@ -12,10 +13,11 @@ import spmd_runtime.random as srandom
 from spmd_runtime import pytree
 from spmd_runtime.comm import run_simulated
 from spmd_runtime.models import llama
-from spmd_runtime.train import model_layout, train_mesh
+from spmd_runtime.train import build_train_step, model_layout, train_mesh
 
+import llama_cases
 import llama_reference as ref
-from simulated import collectives, run_everywhere
+from simulated import collectives, run_everywhere, train_simulated
 
 # 6 query heads sharing 3 kv heads (head dim 4); on a 4-wide model axis neither count divides, nor the vocab
 ARGS = llama.ModelArgs(dim=24, n_layers=2, n_heads=6, n_kv_heads=3, vocab_size=37, multiple_of=16,
@@ -231,3 +233,37 @@ def test_generate_refuses_more_tokens_than_the_cache_holds():
     with pytest.raises(ValueError, match="at most max_seq_len=8 tokens in its cache; got a prompt of 6 and "
                                          "max_new_tokens=3"):
         llama.generate(ARGS, params, tokens, 3)
+
+
+# ================================================================ the pipeline presets (llama.pipelined_loss)
+def test_stacked_layout_is_llama2cs_per_layer_one_stacked():
+    shapes, roles = llama.stacked_param_shapes(ARGS), llama.stacked_param_roles(ARGS)
+    assert list(shapes)[:2] == ["tok_embeddings.weight", "layers.attention.wq.weight"]
+    assert list(shapes)[-2:] == ["norm.weight", "output.weight"]
+    assert shapes["layers.attention.wk.weight"] == (2, 12, 24) and roles["layers.attention.wk.weight"].stacked
+    assert roles["layers.attention.wo.weight"].spec(3, tensor="model", layers="stage") == ("stage", None, "model")
+    params = llama.init_params(ARGS, 0)
+    back = llama.unstack_layers(ARGS, llama.stack_layers(ARGS, params))
+    assert list(back) == list(params) and all(np.array_equal(back[n], params[n]) for n in params)
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 1, 2), (4,)], ids=str)
+def test_pipelined_train_step_equals_the_per_layer_one_rank_step(shape):
+    """2 or 4 stages of the stacked layers (megatron's splits on "model" on the (2, 1, 2) mesh), 2 micro-batches,
+    AdamW: the losses and every parameter after two steps are the per-layer model's at 1 rank."""
+    data = llama_cases.batches()
+    mesh = train_mesh(shape, "pipeline")
+    ts = build_train_step(llama_cases.pipelined_model(mesh), mesh, "pipeline", llama_cases.OPT)
+    got, losses = train_simulated(ts, ts.init(0), data)
+    llama_cases.assert_same_step(losses, got["params"], llama_cases.one_rank(data), str(shape))
+    assert any(c["kind"] == "collective_permute" and "stage" in c["axes"] for c in ts.program.comm_summary())
+
+
+def test_pipelined_loss_refuses_what_it_cannot_run():
+    mesh = train_mesh((2,), "pipeline")
+    with pytest.raises(ValueError, match="pipelines the built-in LM's stacked layers.*llama.pipelined_loss"):
+        build_train_step(llama_cases.pipelined_model(mesh, "pipeline_1f1b"), mesh, "pipeline_1f1b",
+                         llama_cases.OPT)
+    three = train_mesh((3,), "pipeline")
+    with pytest.raises(ValueError, match="needs the 3 stages \\(mesh axis 'stage'\\) to divide n_layers=4"):
+        build_train_step(llama_cases.pipelined_model(three), three, "pipeline", llama_cases.OPT)

@@ -2,15 +2,18 @@
 logits, loss, the batch-norm running statistics and every gradient (directional central differences of the
 reference in float64, x64 on), at 1 rank and on simulated 4-rank meshes: the batch split (one image per rank:
 batch norm's statistics must be the whole batch's), the block channels split Megatron-style, and the images
-split spatially (rows over 4 ranks, uneven after the strides)."""
+split spatially (rows over 4 ranks, uneven after the strides); the training step (``resnet.train_step``) under
+dp, fsdp and megatron on an uneven batch equal to the 1-rank step, and its refusals of the other presets."""
 import numpy as np
 import pytest
 
 import spmd_runtime as sr
 from spmd_runtime import pytree
+from spmd_runtime.comm import run_simulated
 from spmd_runtime.models import resnet
 from spmd_runtime.train import model_layout, train_mesh
 
+import resnet_cases
 import resnet_reference as ref
 from simulated import collectives, run_everywhere
 
@@ -139,3 +142,26 @@ def test_names_and_roles_are_torchvisions():
 def test_bad_config_says_what():
     with pytest.raises(ValueError, match="one block count per stage width; got widths=\\(4, 8\\), blocks=\\(1,\\)"):
         resnet.ResNetConfig(widths=(4, 8), blocks=(1,))
+
+
+# ================================================================ the training step (models.resnet.train_step)
+@pytest.fixture(scope="module")
+def one_rank_steps():
+    return resnet_cases.steps("dp", (1,))
+
+
+@pytest.mark.parametrize("preset,shape", [("dp", (2, 2)), ("fsdp", (4,)), ("megatron", (2, 2))], ids=str)
+def test_train_step_follows_one_rank_on_an_uneven_batch(one_rank_steps, preset, shape):
+    """AdamW steps of 5 images (2, 2, 1, 0 per rank under dp and fsdp, 3 and 2 under megatron): the losses, updated
+    parameters and BN running statistics are the 1-rank step's (per-rank statistics would move the running ones)."""
+    results = run_simulated(4, lambda comm: resnet_cases.steps(preset, shape, comm))
+    for rank, got in enumerate(results):
+        resnet_cases.assert_same_step(got, one_rank_steps, f"{preset} rank {rank}")
+    assert one_rank_steps[0][1] < one_rank_steps[0][0]  # it learns
+
+
+def test_train_step_refuses_the_pipeline_and_sequence_presets_naming_why():
+    with pytest.raises(ValueError, match="a ResNet's stages differ \\(widths \\(4, 6\\).*no uniform stages to cut"):
+        resnet_cases.program("pipeline", (2, 1, 2))
+    with pytest.raises(ValueError, match="splits the sequence dim over \\('model',\\); a ResNet's .* images have none"):
+        resnet_cases.program("megatron_sp", (2, 2))
