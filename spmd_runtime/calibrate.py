@@ -149,7 +149,8 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     sources["node"] += ("; slice_s: the median round trip to a rank whose core a busy process shares"
                         if comm.Get_size() > 1 else "; slice_s: the default (one rank: no peer to time)")
     return Hardware(name, tuple(sorted(flops.items())), int(memory), bandwidth, per_node, intra, inter,
-                    nodes if nodes > 1 else None, overhead, sources, cores, slice_s=slice_s)
+                    nodes if nodes > 1 else None, overhead, sources, cores, slice_s=slice_s,
+                    overlap=False)  # MPI over shared memory, no progress thread: messages move in the ranks' calls
 
 
 SLICE_TRIPS = 40  # round trips: ~0.2 s at a 4 ms slice

@@ -12,7 +12,9 @@
   latency per message of the algorithm (``CollectiveKind.messages``: logarithmic in the group size); inside a
   node, over the rank's compute units when it has under one (its CPU copies the bytes through shared memory);
 - overlap as the program's schedule allows: a ``*_start`` puts its collective on the rank's one communication
-  channel and compute goes on until its ``*_done``; a blocking collective waits for it;
+  channel and compute goes on until its ``*_done``; a blocking collective waits for it. Not inside a node whose
+  profile says ``overlap: false`` (a CPU host: MPI moves shared-memory messages, and reduces them, on the rank's
+  own core inside its MPI calls, with no progress thread; a profiled done is where its CPU time goes);
 - ranks sharing cores: where the rank blocks (a blocking collective, a ``*_done``) it also waits for the peers of
   its group that are not running (``Hardware.sync_wait_s``: zero with a core per rank; the collective cannot
   progress without them, so it is paid even where the channel had finished);
@@ -159,6 +161,8 @@ class _Walk:
                 if blocking:
                     clock = channel = channel + wait
                 else:
+                    if link == "node" and not self.hw.overlap:  # the rank's own core moves it, in its MPI calls
+                        clock = channel
                     pending[ins.out] = (channel, wait)
             elif ins.op in BY_DONE:
                 done, wait = pending.pop(ins.args[0], (clock, 0.0))

@@ -8,6 +8,8 @@ A profile is a small JSON file (format ``spmd_runtime.hardware``)::
      "node":    {"ranks": 8, "link": {"bandwidth": 300e9, "latency": 3e-6}, "source": "..."},  # inside a node
                  # optional "cores": compute units a node runs at once (default: "ranks", one device each)
                  # optional "slice_s": how long a computing rank keeps a shared core (default DEFAULT_SLICE_S)
+                 # optional "overlap": false where a node's messages move only inside the ranks' MPI calls,
+                 # on their own cores (default: false when "cores" is given, a CPU host; else true)
      "network": {"bandwidth": 25e9, "latency": 5e-6, "source": "..."},   # between nodes, per rank, each way
      "nodes": 16,            # optional: the cluster's node count (a mesh must then have nodes x ranks devices)
      "overhead_s": 5e-6}     # what one instruction costs beyond its FLOPs and bytes (a launch, a dispatch)
@@ -24,6 +26,8 @@ nodes in rank order (ranks 0..R-1 on the first node), as MPI launchers place the
 When ranks share a core, a rank that blocks at a collective often waits for a peer that is not running: the peer
 runs only once the scheduler takes its core from the computing rank holding it, after ``node.slice_s`` at most
 (``sync_wait_s``: the cost of one blocking collective for the rank's placement and group size).
+On a CPU host (``node.overlap`` false) a collective inside a node does not overlap the rank's compute: its own
+core copies and reduces the bytes, inside its MPI calls.
 ``with_placement(ranks, threads)`` says how a job places its ranks and threads (``scripts/bench_train.py
 --predict`` gives its own); a profile file holds neither.
 """
@@ -72,6 +76,7 @@ class Hardware:
     cores_per_node: int | None = None  # compute units per node; None: ranks_per_node (one device per rank)
     threads_per_rank: int = 1  # a job's BLAS threads per rank (placement, not in the file)
     slice_s: float = DEFAULT_SLICE_S  # how long a computing rank keeps a core its peers share (module doc)
+    overlap: bool = True  # messages inside a node move while the rank computes (False: only in its MPI calls)
 
     def __repr__(self):
         nodes = f" x {self.nodes} nodes" if self.nodes else ""
@@ -178,7 +183,9 @@ class Hardware:
                    overhead_s=read.non_negative("overhead_s") if "overhead_s" in doc else 0.0,
                    sources=read.sources(),
                    cores_per_node=read.count("node.cores") if "cores" in doc.get("node", {}) else None,
-                   slice_s=read.non_negative("node.slice_s") if "slice_s" in doc.get("node", {}) else DEFAULT_SLICE_S)
+                   slice_s=read.non_negative("node.slice_s") if "slice_s" in doc.get("node", {}) else DEFAULT_SLICE_S,
+                   overlap=read.flag("node.overlap") if "overlap" in doc.get("node", {}) else
+                   "cores" not in doc.get("node", {}))
 
     def to_json(self) -> dict:
         doc = {"format": FORMAT, "name": self.name,
@@ -194,6 +201,7 @@ class Hardware:
             doc["node"]["cores"] = self.cores_per_node
         if self.slice_s != DEFAULT_SLICE_S:
             doc["node"]["slice_s"] = self.slice_s
+        doc["node"]["overlap"] = self.overlap
         for where, text in self.sources.items():
             _at(doc, where)["source"] = text
         return doc
@@ -221,16 +229,26 @@ class _Reader:
     def __init__(self, doc: dict, where: str):
         self.doc, self.where = doc, where
 
-    def value(self, path: str, kind=(int, float)):
+    def _at(self, path: str):
         node = self.doc
         for key in path.split("."):
             if not isinstance(node, dict) or key not in node:
                 raise ValueError(f"hardware profile field {path} is required; got none in {self.where}")
             node = node[key]
+        return node
+
+    def value(self, path: str, kind=(int, float)):
+        node = self._at(path)
         if not isinstance(node, kind) or isinstance(node, bool):
             raise ValueError(f"hardware profile field {path} must be a {getattr(kind, '__name__', 'number')}; got "
                              f"{node!r} in {self.where}")
         return node
+
+    def flag(self, path: str) -> bool:
+        v = self._at(path)
+        if not isinstance(v, bool):
+            raise ValueError(f"hardware profile field {path} must be true or false; got {v!r} in {self.where}")
+        return v
 
     def section(self, path: str) -> dict:
         return self.value(path, dict)

@@ -35,3 +35,4 @@ def test_the_hardware_profile_counts_the_nodes_cores_and_leaves_blas_threads_as_
     assert all(rate > 0 for _, rate in hw.flops)
     assert os.sched_getaffinity(0) == mask  # the slice's timing moved ranks onto one core and back
     assert comm.allgather(hw.slice_s) == [hw.slice_s] * WORLD and 0 < hw.slice_s < 1
+    assert hw.overlap is False  # shared-memory MPI: messages move in the ranks' calls

@@ -261,3 +261,20 @@ def test_a_profile_keeps_its_measured_slice_and_rejects_a_negative_one(tmp_path)
     doc["node"]["slice_s"] = -1
     with pytest.raises(ValueError, match=r"node\.slice_s must be zero or more; got -1\.0"):
         Hardware.from_json(doc, "bad.json")
+
+
+def test_a_cpu_host_moves_its_messages_itself_and_a_gpu_node_overlaps_them(tmp_path):
+    assert A100.overlap and not Hardware.from_json({**_doc(), "node": {**_doc()["node"], "cores": 2}}).overlap
+    mesh = sr.Mesh((2,), ("x",))
+    program = _reductions(mesh, 3, overlap=True)
+    overlapped = program.estimate(CPU, 0)
+    in_calls = program.estimate(dataclasses.replace(CPU, overlap=False), 0)
+    assert overlapped.comm_s == in_calls.comm_s > 0
+    assert in_calls.step_s == pytest.approx(in_calls.compute_s + in_calls.comm_s, rel=1e-9)  # nothing hidden
+    assert overlapped.step_s < in_calls.step_s  # the starts' collectives ran behind the next reductions
+    dataclasses.replace(CPU, overlap=False).save(tmp_path / "cpu.json")
+    assert Hardware.load(tmp_path / "cpu.json").overlap is False
+    doc = _doc()
+    doc["node"]["overlap"] = "no"
+    with pytest.raises(ValueError, match="node.overlap must be true or false; got 'no'"):
+        Hardware.from_json(doc, "bad.json")
