@@ -116,7 +116,7 @@ class Estimate:
 
 
     def _waits(self) -> str:
-        return f", of which {self.wait_s * 1e3:.3f} ms waiting for descheduled peers" if self.wait_s else ""
+        return f", plus {self.wait_s * 1e3:.3f} ms waiting for descheduled peers" if self.wait_s else ""
 
 
 def _gib(n: float) -> str:
