@@ -9,14 +9,17 @@ come from a least-squares line through (wire bytes, seconds), clamped at zero. R
 that ``partition(..., cost_profile=PATH)`` or ``$SPMD_COST_PROFILE`` then uses (cost.CostModel).
 
 ``hardware_profile`` then describes the machine for the predictor (``hardware.Hardware``, ``estimate.py``):
-GEMM FLOP/s per dtype, memory bandwidth, the interpreter's cost per instruction, and the links inside a node
-and between nodes from all-reduce fits split by rank placement (``--hardware FILE`` on the command line).
+GEMM FLOP/s per dtype, memory bandwidth, the interpreter's cost per instruction, the links inside a node
+and between nodes from all-reduce fits split by rank placement, and the scheduler's slice (how long a rank that
+computes keeps a core its peers share: ``Hardware.sync_wait_s``) (``--hardware FILE`` on the command line).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -29,7 +32,7 @@ from .comm.communicator import world
 from .cost import PROFILE_FORMAT, SECONDS_PER_BYTE, CostModel, wire_bytes
 from .exec.runner import communicator, run_local
 from .graph import TensorSpec
-from .hardware import Hardware, Link
+from .hardware import DEFAULT_SLICE_S, Hardware, Link
 from .mesh import Mesh
 from .partition import partition
 from .trace import trace
@@ -136,14 +139,62 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     nodes = comm.Get_size() // per_node
     inter = _inter_link(comm, per_node, nodes, repeats) if nodes > 1 else intra
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node
+    slice_s = _slice(comm)
     sources = {"": f"measured by `python -m spmd_runtime calibrate --hardware` on {comm.Get_size()} rank(s), "
                    f"{per_node} per node", "device": f"{GEMM_CHAIN} {GEMM_SIZE}^3 GEMMs and a {COPY_BYTES >> 20} MiB copy on "
                    f"every rank at once (the slowest rank); memory: the node's RAM over its ranks",
                "node": "the all-reduce fit of a group of node-local ranks", "network":
                "an all-reduce over one rank per node" if nodes > 1 else "one node only: the node's link"}
     sources["device"] += f"; one BLAS thread, {cores} cores per node"
+    sources["node"] += ("; slice_s: the median round trip to a rank whose core a busy process shares"
+                        if comm.Get_size() > 1 else "; slice_s: the default (one rank: no peer to time)")
     return Hardware(name, tuple(sorted(flops.items())), int(memory), bandwidth, per_node, intra, inter,
-                    nodes if nodes > 1 else None, overhead, sources, cores)
+                    nodes if nodes > 1 else None, overhead, sources, cores, slice_s=slice_s,
+                    overlap=False)  # MPI over shared memory, no progress thread: messages move in the ranks' calls
+
+
+SLICE_TRIPS = 40  # round trips: ~0.2 s at a 4 ms slice
+
+
+@watchdog.collective(lambda frame: "calibrate's timing of the scheduler's slice (Barrier, Send / Recv, bcast)")
+def _slice(comm, trips: int = SLICE_TRIPS) -> float:
+    """How long a rank that computes keeps a core that a blocked peer needs: rank 1 and a busy process share one
+    core, and rank 0 times ping-pongs with rank 1. Waiting in MPI, rank 1 yields its core to the busy process,
+    which keeps it to the scheduler's next tick; each message then waits for that tick (the ping-pong locks to
+    it: the median round trip is one slice). Every rank gets rank 0's median; one rank: ``DEFAULT_SLICE_S``."""
+    if comm.Get_size() < 2:
+        return DEFAULT_SLICE_S
+    rank, buf, trips_s = comm.Get_rank(), np.zeros(1, np.float32), []
+    mask = os.sched_getaffinity(0)
+    cores = sorted(set().union(*comm.allgather(mask)))  # rank 0 on one core, rank 1 and the busy one on another
+    busy = _busy_on(cores[-1]) if rank == 1 else None
+    if rank == 0:
+        os.sched_setaffinity(0, {cores[0]})
+    try:
+        comm.Barrier()
+        for _ in range(trips if rank < 2 else 0):
+            start = time.perf_counter()
+            if rank == 0:
+                comm.Send(buf, 1)
+                comm.Recv(buf, 1)
+            else:
+                comm.Recv(buf, 0)
+                comm.Send(buf, 0)
+            trips_s.append(time.perf_counter() - start)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+        os.sched_setaffinity(0, mask)
+    return comm.bcast(float(np.median(trips_s)) if rank == 0 else None, root=0)
+
+
+def _busy_on(core: int) -> subprocess.Popen:
+    """A process that computes on ``core`` until killed, with this rank moved onto the same core."""
+    os.sched_setaffinity(0, {core})
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    time.sleep(0.05)  # running before the first message
+    return busy
 
 
 def _cores(node) -> int:

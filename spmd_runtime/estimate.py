@@ -12,7 +12,12 @@
   latency per message of the algorithm (``CollectiveKind.messages``: logarithmic in the group size); inside a
   node, over the rank's compute units when it has under one (its CPU copies the bytes through shared memory);
 - overlap as the program's schedule allows: a ``*_start`` puts its collective on the rank's one communication
-  channel and compute goes on until its ``*_done``; a blocking collective waits for it;
+  channel and compute goes on until its ``*_done``; a blocking collective waits for it. Not inside a node whose
+  profile says ``overlap: false`` (a CPU host: MPI moves shared-memory messages, and reduces them, on the rank's
+  own core inside its MPI calls, with no progress thread; a profiled done is where its CPU time goes);
+- ranks sharing cores: where the rank blocks (a blocking collective, a ``*_done``) it also waits for the peers of
+  its group that are not running (``Hardware.sync_wait_s``: zero with a core per rank; the collective cannot
+  progress without them, so it is paid even where the channel had finished);
 - loops: a scan's body ``length`` times (a pipeline's bubble is in its iterations: every stage computes every
   one); a while loop's body once (its trip count is known only at run time: ``notes`` says so); a cond's
   costlier branch.
@@ -54,6 +59,7 @@ class InstrCost:
     comm_s: float
     link: str  # "node" / "network" for a collective, "" for compute
     trips: int = 1
+    wait_s: float = 0.0  # a blocking collective's or done's wait for descheduled peers (ranks sharing cores)
 
 
 @dataclass
@@ -68,6 +74,7 @@ class Estimate:
     peak_bytes: int
     instrs: list = field(repr=False)
     notes: list = field(default_factory=list)
+    wait_s: float = 0.0  # waits for descheduled peers at blocking collectives (ranks sharing cores), in step_s
 
     @property
     def exposed_comm_s(self) -> float:
@@ -97,15 +104,19 @@ class Estimate:
         """Predicted seconds per op (compute and communication), costliest first."""
         totals: dict[str, float] = {}
         for c in self.instrs:
-            totals[c.op] = totals.get(c.op, 0.0) + (c.compute_s + c.comm_s) * c.trips
+            totals[c.op] = totals.get(c.op, 0.0) + (c.compute_s + c.comm_s + c.wait_s) * c.trips
         return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
     def __str__(self):
         lines = [f"predicted on {self.hardware.name} (rank {self.rank}): step {self.step_s * 1e3:.3f} ms = compute "
                  f"{self.compute_s * 1e3:.3f} ms + exposed communication {self.exposed_comm_s * 1e3:.3f} ms (of "
-                 f"{self.comm_s * 1e3:.3f} ms); {self.flops / 1e9:.3f} GFLOP per rank; {self.verdict}"]
+                 f"{self.comm_s * 1e3:.3f} ms{self._waits()}); {self.flops / 1e9:.3f} GFLOP per rank; {self.verdict}"]
         lines += [f"  {op:24s} {s * 1e3:10.3f} ms" for op, s in list(self.by_op().items())[:8]]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+    def _waits(self) -> str:
+        return f", plus {self.wait_s * 1e3:.3f} ms waiting for descheduled peers" if self.wait_s else ""
 
 
 def _gib(n: float) -> str:
@@ -120,7 +131,7 @@ def estimate(program, hardware: Hardware, rank: int = 0) -> Estimate:
     walk = _Walk(program.mesh, hardware, rank)
     step = walk.run(program, 1)
     return Estimate(hardware, rank, step, walk.compute_s, walk.comm_s, walk.flops, program.peak_bytes(),
-                    walk.costs, walk.notes)
+                    walk.costs, walk.notes, walk.wait_s)
 
 
 class _Walk:
@@ -129,7 +140,7 @@ class _Walk:
     def __init__(self, mesh, hardware: Hardware, rank: int):
         self.mesh, self.hw, self.rank = mesh, hardware, rank
         self.units = hardware.units_of(rank, mesh.size)
-        self.compute_s = self.comm_s = self.flops = 0.0
+        self.compute_s = self.comm_s = self.flops = self.wait_s = 0.0
         self.costs: list[InstrCost] = []
         self.notes: list[str] = []
 
@@ -137,20 +148,27 @@ class _Walk:
         """Seconds of one pass over ``program`` (its costs recorded ``trips`` times)."""
         shapes = {i.out: (i.shape, i.dtype) for i in program.instrs}
         clock = channel = 0.0
-        pending: dict[int, float] = {}
+        pending: dict[int, tuple[float, float]] = {}  # a start's slot -> (its channel finish, its done's wait)
         for ins in program.instrs:
             kind = KINDS.get(ins.op) or BY_START.get(ins.op)
             if kind is not None:
-                seconds, link = self._collective(kind, ins, shapes)
-                self._record(InstrCost(ins.op, ins.out, 0.0, 0.0, 0.0, seconds, link, trips), trips)
-                start = max(clock, channel)
-                channel = start + seconds
-                if ins.op in BY_START:
-                    pending[ins.out] = channel
+                seconds, link, k = self._collective(kind, ins, shapes)
+                wait = self.hw.sync_wait_s(self.rank, self.mesh.size, k)
+                blocking = ins.op not in BY_START
+                self._record(InstrCost(ins.op, ins.out, 0.0, 0.0, 0.0, seconds, link, trips,
+                                       wait if blocking else 0.0), trips)
+                channel = max(clock, channel) + seconds
+                if blocking:
+                    clock = channel = channel + wait
                 else:
-                    clock = channel
+                    if link == "node" and not self.hw.overlap:  # the rank's own core moves it, in its MPI calls
+                        clock = channel
+                    pending[ins.out] = (channel, wait)
             elif ins.op in BY_DONE:
-                clock = max(clock, pending.pop(ins.args[0], clock))
+                done, wait = pending.pop(ins.args[0], (clock, 0.0))
+                if wait:
+                    self._record(InstrCost(ins.op, ins.out, 0.0, 0.0, 0.0, 0.0, "", trips, wait), trips)
+                clock = max(clock, done) + wait
             else:
                 clock += self._compute(ins, shapes, trips)
         return max(clock, channel)
@@ -160,6 +178,7 @@ class _Walk:
         self.compute_s += cost.compute_s * trips
         self.comm_s += cost.comm_s * trips
         self.flops += cost.flops * trips
+        self.wait_s += cost.wait_s * trips
 
     def _compute(self, ins, shapes, trips: int) -> float:
         bodies = [v for v in ins.attrs.values() if hasattr(v, "instrs")]
@@ -187,8 +206,8 @@ class _Walk:
             return max(self.run(b, trips) for b in bodies)
         return sum(self.run(b, trips) for b in bodies)
 
-    def _collective(self, kind, ins, shapes) -> tuple[float, str]:
-        """(seconds, "node" | "network") of one collective for this rank."""
+    def _collective(self, kind, ins, shapes) -> tuple[float, str, int]:
+        """(seconds, "node" | "network", the ranks it syncs with this one) of one collective for this rank."""
         if kind.group == WORLD:
             pairs = [p for p in ins.attrs.get("pairs", ()) if self.rank in p]
             ranks = {r for p in pairs for r in p} or {self.rank}
@@ -204,7 +223,8 @@ class _Walk:
         inside = link is self.hw.intra
         # inside a node the ranks' CPUs copy the bytes (shared memory): ranks sharing a core take turns at it
         shared = min(self.units, 1.0) if inside else 1.0
-        return (link.seconds(wire, messages) / shared if wire else 0.0), ("node" if inside else "network")
+        seconds = link.seconds(wire, messages) / shared if wire else 0.0
+        return seconds, ("node" if inside else "network"), len(ranks)
 
     def _group(self, axes: tuple) -> list[int]:
         """The ranks of this rank's group over mesh ``axes``."""

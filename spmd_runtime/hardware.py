@@ -7,6 +7,9 @@ A profile is a small JSON file (format ``spmd_runtime.hardware``)::
                  "memory_bytes": 85899345920, "memory_bandwidth": 2.039e12, "source": "..."},
      "node":    {"ranks": 8, "link": {"bandwidth": 300e9, "latency": 3e-6}, "source": "..."},  # inside a node
                  # optional "cores": compute units a node runs at once (default: "ranks", one device each)
+                 # optional "slice_s": how long a computing rank keeps a shared core (default DEFAULT_SLICE_S)
+                 # optional "overlap": false where a node's messages move only inside the ranks' MPI calls,
+                 # on their own cores (default: false when "cores" is given, a CPU host; else true)
      "network": {"bandwidth": 25e9, "latency": 5e-6, "source": "..."},   # between nodes, per rank, each way
      "nodes": 16,            # optional: the cluster's node count (a mesh must then have nodes x ranks devices)
      "overhead_s": 5e-6}     # what one instruction costs beyond its FLOPs and bytes (a launch, a dispatch)
@@ -20,6 +23,11 @@ nodes in rank order (ranks 0..R-1 on the first node), as MPI launchers place the
 ``node.ranks``; a CPU core on a CPU host). A rank on a node holding R ranks gets cores / R units: under one
 (ranks share cores, as 8 ranks on a 2-core laptop) every instruction of it runs that much slower; over one
 (fewer ranks than cores) its einsums and convolutions run on up to ``threads_per_rank`` of them (BLAS threads).
+When ranks share a core, a rank that blocks at a collective often waits for a peer that is not running: the peer
+runs only once the scheduler takes its core from the computing rank holding it, after ``node.slice_s`` at most
+(``sync_wait_s``: the cost of one blocking collective for the rank's placement and group size).
+On a CPU host (``node.overlap`` false) a collective inside a node does not overlap the rank's compute: its own
+core copies and reduces the bytes, inside its MPI calls.
 ``with_placement(ranks, threads)`` says how a job places its ranks and threads (``scripts/bench_train.py
 --predict`` gives its own); a profile file holds neither.
 """
@@ -31,6 +39,10 @@ import os
 from dataclasses import dataclass, field, replace
 
 FORMAT = "spmd_runtime.hardware"
+# A rank computing on a shared core keeps it until the scheduler's next tick: Linux's EEVDF base slice (0.75 ms x
+# (1 + log2 cores)) is enforced at ticks, 4 ms at CONFIG_HZ=250 (common distribution kernels; this VM's). calibrate
+# measures it (calibrate.py ``_slice``); a profile without "node.slice_s" gets this.
+DEFAULT_SLICE_S = 4e-3
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware_profiles")
 
 
@@ -63,6 +75,8 @@ class Hardware:
     sources: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     cores_per_node: int | None = None  # compute units per node; None: ranks_per_node (one device per rank)
     threads_per_rank: int = 1  # a job's BLAS threads per rank (placement, not in the file)
+    slice_s: float = DEFAULT_SLICE_S  # how long a computing rank keeps a core its peers share (module doc)
+    overlap: bool = True  # messages inside a node move while the rank computes (False: only in its MPI calls)
 
     def __repr__(self):
         nodes = f" x {self.nodes} nodes" if self.nodes else ""
@@ -90,6 +104,18 @@ class Hardware:
         node = self.node_of(rank)
         placed = min(self.ranks_per_node, world - node * self.ranks_per_node)
         return self.cores / max(placed, 1)
+
+    def sync_wait_s(self, rank: int, world: int, k: int) -> float:
+        """Expected seconds ``rank`` waits at one blocking collective over a group of ``k`` for a peer that shares a
+        core and is not running: 0 with a core per rank (or no peer). The collective ends once its last peer gets
+        there; with p ranks per core that peer is off its core with probability (p - 1) / p, behind a computing
+        core-mate that keeps the core to the scheduler's next tick, one ``slice_s`` (ranks that block lock to
+        the tick: calibrate's ping-pong with a peer whose core is busy takes a whole slice, not half; and the
+        ticks of a node's cores are aligned, so peers off several cores come back together)."""
+        p = 1.0 / self.units_of(rank, world)
+        if p <= 1.0 or k <= 1:
+            return 0.0
+        return self.slice_s * (p - 1.0) / p
 
     def with_placement(self, ranks_per_node: int, threads_per_rank: int = 1) -> "Hardware":
         """The same machine (its cores unchanged) with a job's placement: ``ranks_per_node`` ranks on each node,
@@ -156,7 +182,10 @@ class Hardware:
                    nodes=None if nodes is None else read.count("nodes"),
                    overhead_s=read.non_negative("overhead_s") if "overhead_s" in doc else 0.0,
                    sources=read.sources(),
-                   cores_per_node=read.count("node.cores") if "cores" in doc.get("node", {}) else None)
+                   cores_per_node=read.count("node.cores") if "cores" in doc.get("node", {}) else None,
+                   slice_s=read.non_negative("node.slice_s") if "slice_s" in doc.get("node", {}) else DEFAULT_SLICE_S,
+                   overlap=read.flag("node.overlap") if "overlap" in doc.get("node", {}) else
+                   "cores" not in doc.get("node", {}))
 
     def to_json(self) -> dict:
         doc = {"format": FORMAT, "name": self.name,
@@ -170,6 +199,9 @@ class Hardware:
             doc["nodes"] = self.nodes
         if self.cores_per_node is not None:
             doc["node"]["cores"] = self.cores_per_node
+        if self.slice_s != DEFAULT_SLICE_S:
+            doc["node"]["slice_s"] = self.slice_s
+        doc["node"]["overlap"] = self.overlap
         for where, text in self.sources.items():
             _at(doc, where)["source"] = text
         return doc
@@ -197,16 +229,26 @@ class _Reader:
     def __init__(self, doc: dict, where: str):
         self.doc, self.where = doc, where
 
-    def value(self, path: str, kind=(int, float)):
+    def _at(self, path: str):
         node = self.doc
         for key in path.split("."):
             if not isinstance(node, dict) or key not in node:
                 raise ValueError(f"hardware profile field {path} is required; got none in {self.where}")
             node = node[key]
+        return node
+
+    def value(self, path: str, kind=(int, float)):
+        node = self._at(path)
         if not isinstance(node, kind) or isinstance(node, bool):
             raise ValueError(f"hardware profile field {path} must be a {getattr(kind, '__name__', 'number')}; got "
                              f"{node!r} in {self.where}")
         return node
+
+    def flag(self, path: str) -> bool:
+        v = self._at(path)
+        if not isinstance(v, bool):
+            raise ValueError(f"hardware profile field {path} must be true or false; got {v!r} in {self.where}")
+        return v
 
     def section(self, path: str) -> dict:
         return self.value(path, dict)

@@ -25,6 +25,7 @@ def test_the_hardware_profile_counts_the_nodes_cores_and_leaves_blas_threads_as_
 
     from spmd_runtime.calibrate import hardware_profile
     before = [i["num_threads"] for i in threadpool_info()]
+    mask = os.sched_getaffinity(0)
     comm = MPI.COMM_WORLD
     hw = hardware_profile(calibrate(comm, sizes=(256, 8192), repeats=1), comm, repeats=1)
     assert [i["num_threads"] for i in threadpool_info()] == before  # one thread only while the GEMMs ran
@@ -32,3 +33,6 @@ def test_the_hardware_profile_counts_the_nodes_cores_and_leaves_blas_threads_as_
     assert 1 <= hw.cores <= os.cpu_count() and hw.cores_per_node is not None  # the ranks' masks together, not one's
     assert comm.allgather((hw.flops, hw.cores)) == [(hw.flops, hw.cores)] * WORLD  # every rank has the same
     assert all(rate > 0 for _, rate in hw.flops)
+    assert os.sched_getaffinity(0) == mask  # the slice's timing moved ranks onto one core and back
+    assert comm.allgather(hw.slice_s) == [hw.slice_s] * WORLD and 0 < hw.slice_s < 1
+    assert hw.overlap is False  # shared-memory MPI: messages move in the ranks' calls

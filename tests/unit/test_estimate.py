@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -204,3 +205,76 @@ def test_ranks_sharing_a_core_copy_their_shared_memory_messages_in_turn():
     assert comm_s(8) == pytest.approx(4 * k8, rel=1e-9)  # four ranks per core: four times as long
     k2 = 2 * 1 / 2 * 4096 * 4 / CPU.intra.bandwidth
     assert comm_s(2) == pytest.approx(k2, rel=1e-9)
+
+
+@pytest.mark.parametrize("ranks, k, want", [
+    (1, 1, 0.0),  # one rank: no peer
+    (2, 2, 0.0),  # a core per rank: a peer is always running
+    (4, 1, 0.0),  # sharing cores, but a group of one waits for nobody
+    (3, 3, 1 / 3),  # 1.5 ranks per core: the last peer is off its core a third of the time
+    (4, 4, 1 / 2),  # two per core: half the time, then one slice
+    (8, 8, 3 / 4),  # four per core
+    (8, 2, 3 / 4),  # the group's size does not change it: the peers off their cores come back at one tick
+])
+def test_a_blocking_collective_waits_for_descheduled_peers_only_when_ranks_share_cores(ranks, k, want):
+    hw = CPU.with_placement(ranks)
+    assert hw.sync_wait_s(0, ranks, k) == pytest.approx(want * hw.slice_s, rel=1e-12)
+    assert A100.sync_wait_s(0, 8, 8) == 0.0  # a GPU per rank
+
+
+def test_the_wait_grows_with_ranks_per_core():
+    waits = [CPU.with_placement(n).sync_wait_s(0, n, n) for n in (2, 3, 4, 8, 16)]
+    assert waits[0] == 0 and all(a < b for a, b in zip(waits, waits[1:]))
+
+
+def _reductions(mesh, count: int, overlap: bool):
+    def f(x):
+        return tuple(snp.sum(x * float(i + 1), axis=0) for i in range(count))
+    return _program(f, [sr.TensorSpec((mesh.size * 4, 64))], mesh, in_specs=[("x", None)], overlap=overlap)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_blocking_collective_or_done_pays_the_wait_once(overlap):
+    waits = {}
+    for ranks in (2, 8):
+        mesh = sr.Mesh((ranks,), ("x",))
+        for count in (1, 3):
+            hw = CPU.with_placement(ranks)
+            e = _reductions(mesh, count, overlap).estimate(hw, 0)
+            syncs = sum(c.op in KINDS or c.op.endswith("_done") for c in e.instrs if c.wait_s)
+            if count > 1:  # each schedule is what it claims (the last reduction is blocking either way)
+                assert any(c.op.endswith("_start") for c in e.instrs) == overlap
+            waits[ranks, count] = e.wait_s
+            if ranks == 8:
+                assert syncs == count and e.wait_s == pytest.approx(count * hw.sync_wait_s(0, 8, 8), rel=1e-12)
+                assert e.step_s >= e.compute_s + e.wait_s  # the waits are on the rank's critical path
+    assert waits[2, 1] == waits[2, 3] == 0.0  # a core per rank: no wait however many collectives
+    assert 0 < waits[8, 1] < waits[8, 3]  # more blocking collectives, more waiting
+
+
+def test_a_profile_keeps_its_measured_slice_and_rejects_a_negative_one(tmp_path):
+    measured = dataclasses.replace(CPU, slice_s=0.012)
+    measured.save(tmp_path / "cpu.json")
+    assert Hardware.load(tmp_path / "cpu.json").slice_s == 0.012
+    assert Hardware.load("dgx-a100-80gb").slice_s == sr.hardware.DEFAULT_SLICE_S  # not in the file: the default
+    doc = _doc()
+    doc["node"]["slice_s"] = -1
+    with pytest.raises(ValueError, match=r"node\.slice_s must be zero or more; got -1\.0"):
+        Hardware.from_json(doc, "bad.json")
+
+
+def test_a_cpu_host_moves_its_messages_itself_and_a_gpu_node_overlaps_them(tmp_path):
+    assert A100.overlap and not Hardware.from_json({**_doc(), "node": {**_doc()["node"], "cores": 2}}).overlap
+    mesh = sr.Mesh((2,), ("x",))
+    program = _reductions(mesh, 3, overlap=True)
+    overlapped = program.estimate(CPU, 0)
+    in_calls = program.estimate(dataclasses.replace(CPU, overlap=False), 0)
+    assert overlapped.comm_s == in_calls.comm_s > 0
+    assert in_calls.step_s == pytest.approx(in_calls.compute_s + in_calls.comm_s, rel=1e-9)  # nothing hidden
+    assert overlapped.step_s < in_calls.step_s  # the starts' collectives ran behind the next reductions
+    dataclasses.replace(CPU, overlap=False).save(tmp_path / "cpu.json")
+    assert Hardware.load(tmp_path / "cpu.json").overlap is False
+    doc = _doc()
+    doc["node"]["overlap"] = "no"
+    with pytest.raises(ValueError, match="node.overlap must be true or false; got 'no'"):
+        Hardware.from_json(doc, "bad.json")
