@@ -23,8 +23,8 @@ functions below are ``bind(...)(x)`` with fresh buffers.
 
 ``bind(..., nonblocking=True)`` returns ``start(x) -> Pending`` instead: the same
 layouts and buffers, but the MPI call is the nonblocking one (``Iallreduce``,
-``Iallgather``, ``Ireduce_scatter_block``, ``Ialltoall``, ``Irecv`` + ``Isend``
-for a permute, ``Ibcast``) and ``Pending.wait()`` gives the result (the scheduled programs'
+``Iallgather``, ``Ireduce_scatter_block`` (on device buffers; a host reduce-scatter runs blocking at the start,
+see ``bind``), ``Ialltoall``, ``Irecv`` + ``Isend`` for a permute, ``Ibcast``) and ``Pending.wait()`` gives the result (the scheduled programs'
 ``*_start`` / ``*_done`` pairs, ``partition/schedule.py``). A host binding whose
 receive buffer is kept (or that reduces in place) keeps its ``Pending`` too and
 posts from one Python frame: one call in flight per binding, as in a program. Device arrays overlap too:
@@ -73,6 +73,11 @@ PERSISTENT_ENV = "SPMD_PERSISTENT"
 # plain call. Moves (all-gather, all-to-all, permute) and nonblocking calls: no size measured was slower
 # (scripts/bench_collectives.py, docs/BENCHMARKS.md).
 PERSISTENT_REDUCTION_MAX = 64 << 10
+# A nonblocking reduce-scatter on host buffers runs the BLOCKING call at its start (its done only hands over the
+# result): MPICH's nonblocking algorithm took 4-9x the blocking call from 512 KiB to 1.5 MiB at 2 ranks (1.0
+# from 2 MiB; 1.2-2x at 4 ranks; MPICH 5.0.2, quiet machine: docs/BENCHMARKS.md, issue 27), the
+# sizes of a small model's gradient shards, and a host rank's nonblocking call progresses only inside its own MPI
+# calls (no progress thread), so the start/done pair hid nothing there. Device buffers keep the nonblocking call.
 _REDUCTIONS = ("Allreduce", "Reduce_scatter_block")
 
 
@@ -155,6 +160,9 @@ def bind(mc, kind, xp, shape, dtype, *, reuse: bool = True, in_place: bool = Fal
             return lambda x: Pending((), run(x), None, what)
         return low_precision.bind(bind, mc, spec, xp, tuple(shape), np.dtype(dtype), reuse=reuse,
                                   nonblocking=nonblocking, **attrs)
+    if nonblocking and spec is REDUCE_SCATTER and xp is np:  # MPICH's nonblocking algorithm: blocking at the start
+        run = bind(mc, kind, xp, shape, dtype, reuse=reuse, in_place=in_place, operand=operand, **attrs)
+        return lambda x: Pending((), run(x), None, what)
     plan = _Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse, nonblocking, what, operand)
     run = _BINDERS[spec](plan, in_place=in_place, **attrs)
     return plan.starter(run) if nonblocking and not plan.starts_itself else run
