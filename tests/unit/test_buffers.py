@@ -140,8 +140,10 @@ def test_a_scanned_training_step_runs_again_without_allocating_beyond_its_output
 def test_a_2_rank_scanned_step_writes_its_in_place_results_and_reduced_gradients_into_the_stacked_arrays(
         monkeypatch):
     """Stacked results computed in place (attention's scores, exponentiated in their buffer; each layer's weight
-    gradients, all-reduced in place) are written straight into the stacked arrays: of the stacked results only
-    the layer inputs (body parameters) are copied, and two runs give the bits of copying every result."""
+    gradients, all-reduced in place) can be written straight into stacked arrays kept across runs: of the
+    stacked results only the layer inputs (body parameters) would be copied, and two runs give the bits of
+    copying every result. (In this step the backward's stacked gradients leave the run, so they are fresh
+    arrays each run and copied all the same: exec/loops.bind_scan.)"""
     cfg = sr.LMConfig(layers=2, d=32, heads=4, ffn=64, vocab=48, seq=16, batch=4, scan_layers=True)
     ts = sr.build_train_step(cfg, sr.train_mesh((2,), "dp"), "dp", sr.AdamW())
     tokens = np.random.default_rng(0).integers(0, 48, (4, 17)).astype(np.int32)
