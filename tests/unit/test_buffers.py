@@ -140,12 +140,13 @@ def test_a_scanned_training_step_runs_again_without_allocating_beyond_its_output
 def test_a_2_rank_scanned_step_writes_its_in_place_results_and_reduced_gradients_into_the_stacked_arrays(
         monkeypatch):
     """Stacked results computed in place (attention's scores, exponentiated in their buffer; each layer's weight
-    gradients, all-reduced in place) can be written straight into stacked arrays kept across runs: of the
-    stacked results only the layer inputs (body parameters) would be copied, and two runs give the bits of
-    copying every result. (In this step the backward's stacked gradients leave the run, so they are fresh
-    arrays each run and copied all the same: exec/loops.bind_scan.)"""
+    gradients, all-reduced in place) are written straight into the stacked arrays kept across runs: of the
+    stacked results only the layer inputs (body parameters) are copied, and two runs give the bits of copying
+    every result. A donating step: its backward's stacked gradients stay in the run (without donation AdamW
+    computes v' into them, so they leave it: fresh arrays each run, copied all the same)."""
     cfg = sr.LMConfig(layers=2, d=32, heads=4, ffn=64, vocab=48, seq=16, batch=4, scan_layers=True)
-    ts = sr.build_train_step(cfg, sr.train_mesh((2,), "dp"), "dp", sr.AdamW())
+    ts = sr.build_train_step(cfg, sr.train_mesh((2,), "dp"), "dp", sr.AdamW(), donate=True)
+    assert not any(loops._escapes(ts.program, i) for i in ts.program.instrs if i.op == "scan")
     tokens = np.random.default_rng(0).integers(0, 48, (4, 17)).astype(np.int32)
 
     def two_steps(comm):
