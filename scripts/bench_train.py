@@ -114,23 +114,26 @@ def build(args, comm):
 
 
 def timed_steps(ts, local, comm, args, clock=None):
-    """Median seconds per step (max over ranks), and the first and last loss. ``clock``: cleared after the
-    warm-up steps, so it times the measured steps only."""
+    """Seconds per step (max over ranks): the median wall time and {min, median} of the process's CPU time (on
+    a loaded machine CPU time moves less than wall time: the figure to compare changes by), and the losses.
+    ``clock``: cleared after the warm-up steps, so it times the measured steps only."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    losses, times = [], []
+    losses, times, cpu = [], [], []
     for i in range(args.warmup + args.steps):
         comm.Barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         local, loss = ts.step(local, x, y, comm=comm)
-        elapsed = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        wall, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        elapsed, cpu_s = comm.allreduce(wall, op=MPI.MAX), comm.allreduce(cpu_s, op=MPI.MAX)
         losses.append(loss)
         if i >= args.warmup:
             times.append(elapsed)
+            cpu.append(cpu_s)
         elif clock and i == args.warmup - 1:
             clock.clear()
-    return float(np.median(times)), losses
+    return float(np.median(times)), {"min": float(min(cpu)), "median": float(np.median(cpu))}, losses
 
 
 def count_instructions(program) -> int:
@@ -172,7 +175,7 @@ def main():
     local = ts.shard_state(ts.init(0), comm.Get_rank())
     load_start = os.getloadavg()
     clock = LoopClock() if ts.preset.stage else None
-    median, losses = timed_steps(ts, local, comm, ARGS, clock)
+    median, cpu, losses = timed_steps(ts, local, comm, ARGS, clock)
     rss = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX)  # KiB on Linux
     pipeline = pipeline_report(ts, clock, comm, ARGS.steps) if clock else None
     if ARGS.predict:
@@ -187,6 +190,7 @@ def main():
             "config": {k: getattr(cfg, k) for k in ("layers", "d", "heads", "ffn", "vocab", "seq", "batch", "tied",
                                                   "dtype", "embedding")},
             "steps": ARGS.steps, "median_step_s": median, "tokens_per_s": cfg.tokens_per_step / median,
+            "cpu_step_s": cpu,
             "wire_bytes_per_step": ts.program.wire_bytes, "collectives_per_step": len(ts.program.comm_summary()),
             "max_rss_bytes_per_rank": rss * 1024, "program_peak_bytes_per_rank": ts.program.peak_bytes(),
             "memory_per_rank": ts.memory_report(), "instructions": len(ts.program.instrs),

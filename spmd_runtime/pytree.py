@@ -23,6 +23,8 @@ class _NodeType(NamedTuple):
 
 
 _REGISTRY: dict[type, _NodeType] = {}
+_KINDS: dict = {}  # type -> its _NodeType, or None for a leaf type (``_node_type``); cleared at each registration
+_UNSEEN = object()
 
 
 def register_pytree_node(cls: type, flatten: Callable, unflatten: Callable, keys: Callable | None = None) -> None:
@@ -31,6 +33,7 @@ def register_pytree_node(cls: type, flatten: Callable, unflatten: Callable, keys
     if cls in _REGISTRY:
         raise ValueError(f"a type is registered as a pytree node once; got {cls.__name__} again")
     _REGISTRY[cls] = _NodeType(flatten, unflatten, keys or (lambda x, aux: None))
+    _KINDS.clear()
 
 
 def _dict_flatten(d):
@@ -57,9 +60,10 @@ register_pytree_node(type(None), lambda x: ([], None), lambda aux, ch: None)
 
 def _node_type(x) -> tuple[type, _NodeType] | None:
     kind = type(x)
-    if dataclasses.is_dataclass(x) and getattr(kind, "__pytree_leaf__", False):
-        return None
-    nt = _node_of_kind(kind)
+    nt = _KINDS.get(kind, _UNSEEN)
+    if nt is _UNSEEN:  # decided from the type alone, once per type (a step flattens ~100 leaves per call)
+        leaf = dataclasses.is_dataclass(kind) and getattr(kind, "__pytree_leaf__", False)
+        nt = _KINDS[kind] = None if leaf else _node_of_kind(kind)
     return None if nt is None else (kind, nt)
 
 
@@ -212,11 +216,28 @@ def tree_map(fn: Callable, tree, *rest, is_leaf: Callable | None = None):
 
 
 def flatten_like(tree, treedef: TreeDef, what: str = "tree", is_leaf: Callable | None = None) -> list:
-    """Leaves of ``tree``, which must have structure ``treedef``; a clear error names both otherwise."""
+    """Leaves of ``tree``, which must have structure ``treedef``; a clear error names both otherwise. Read
+    along ``treedef`` (no structure of ``tree`` built); only a tree that differs is flattened, for the error."""
+    leaves: list = []
+    if is_leaf is None and _leaves_like(tree, treedef, leaves):
+        return leaves
     leaves, got = flatten(tree, is_leaf)
     if got != treedef:
         raise ValueError(f"{what} must have the structure {treedef}; got {got}")
     return leaves
+
+
+def _leaves_like(x, t: TreeDef, leaves: list) -> bool:
+    """Append the leaves of ``x`` while it has the structure ``t``; False at its first difference."""
+    if t.kind is None:
+        leaves.append(x)
+        return _node_type(x) is None
+    if type(x) is not t.kind:
+        return False
+    children, aux = t._node.flatten(x)
+    if len(children) != len(t.children) or _hashable(aux) != _hashable(t.aux):
+        return False
+    return all(_leaves_like(c, sub, leaves) for c, sub in zip(children, t.children))
 
 
 def broadcast_prefix(prefix, tree, is_leaf: Callable, what: str = "specs") -> list:

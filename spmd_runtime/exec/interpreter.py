@@ -42,6 +42,7 @@ class Interpreter:
         self.cpu_kernels = compiled_fusions(program, candidates) if xp is np else {}  # slot -> compiled C loop
         self.params = [(i.out, i.attrs["index"], i.free) for i in instrs if i.op == PARAMETER.name]
         self.children: list = []  # the interpreters of loop bodies and branches bound inside this one
+        self.rebound: list = []  # callables bound again by ``steps_into`` (their persistent requests freed with us)
         self.in_flight: list = []  # issued nonblocking collectives not yet waited for, oldest first
         self.dones = pairs(program)  # start slot -> done slot: a start binds with its done's flags
         grouped = {slot: bound for lead, group in candidates.items()
@@ -58,10 +59,18 @@ class Interpreter:
         stacked results in place. Only slots with a planned buffer can be redirected."""
         planned, self.planned = self.planned, {**self.planned, **destinations}
         try:
-            rebound = {slot: self._bind(self.program.instrs[slot]) for slot in destinations}
+            rebound = {slot: self._bind(self.program.instrs[slot]) for slot in self._bound_on(destinations)}
         finally:
             self.planned = planned
+        self.rebound.extend(rebound.values())
         return with_progress(self, [(out, rebound.get(out, fn), args, free) for out, fn, args, free in self.bound])
+
+    def _bound_on(self, destinations) -> list:
+        """The slots whose binding holds the planned buffer of a slot in ``destinations``: those instructions
+        themselves, and each collective whose operand is one of them (its persistent request is set up on
+        that buffer: comm/collectives.py)."""
+        return [*destinations, *(i.out for i in self.program.instrs if i.args and i.args[0] in destinations
+                                 and lookup(i.op).collective and i.out not in destinations)]
 
     def _bind(self, ins):
         """The op's record decides: a binder (rank-dependent ops, collectives) or its pure kernel; an
@@ -89,7 +98,7 @@ class Interpreter:
         (comm/collectives.release), its loop bodies' too. Local; this interpreter must not run again."""
         for child in self.children:
             child.free()
-        for _, fn, _, _ in self.bound:
+        for fn in [fn for _, fn, _, _ in self.bound] + self.rebound:
             collectives.release(fn)
 
     def run(self, local_inputs, steps=None) -> list:

@@ -144,6 +144,27 @@ def test_persistent_collectives_give_the_bits_of_plain_calls(monkeypatch):
         np.testing.assert_array_equal(g, w)
 
 
+def test_stacking_in_place_gives_the_bits_of_copying_the_stacked_results(monkeypatch):
+    """A scanned, donating dp step writes each layer's gradients, all-reduced in place on persistent requests
+    set up on the stacked arrays, straight into them (exec/loops.py); the same step copying every stacked
+    result gives the same bits."""
+    from spmd_runtime.exec import loops
+    from spmd_runtime.exec.runner import Runtime
+    cfg = LMConfig(layers=2, d=16, heads=4, ffn=32, vocab=24, seq=8, batch=8, scan_layers=True)
+    ts = build_train_step_on_root(cfg, mesh_of((N,), "dp", False), "dp", OPT, WORLD, donate=True)
+    state, data = ts.init(seed=1), feed(2)
+    results = []
+    for written in (loops._written_in_place, lambda body, nc: {}):
+        monkeypatch.setattr(loops, "_written_in_place", written)
+        Runtime.of(WORLD).unbind()  # bind the program again with this stacking
+        results.append(train(ts, ts.shard_state(state, WORLD.Get_rank()), data))
+    Runtime.of(WORLD).unbind()
+    (direct, direct_losses), (copied, copied_losses) = results
+    assert direct_losses == copied_losses
+    for d, c in zip(pytree.flatten(direct)[0], pytree.flatten(copied)[0]):
+        np.testing.assert_array_equal(d, c)
+
+
 @pytest.mark.parametrize("preset", ["dp", "fsdp"])
 def test_a_donating_step_equals_the_plain_step(preset, monkeypatch):
     """``build_train_step(donate=True)``: the state updated in its own buffers, under real MPI: the same bits as

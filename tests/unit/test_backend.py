@@ -106,6 +106,28 @@ def test_default_is_numpy_without_cupy(no_cupy):
     assert bk.gpu_available() is False
 
 
+def test_a_failed_cupy_import_is_tried_once_per_process(monkeypatch):
+    """Every run resolves its backend; a cupy that failed to import is not searched for again (each retry
+    walks sys.path), and one placed in sys.modules afterwards is taken."""
+    monkeypatch.setattr(devices, "_FAILED", [])
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    tries, real_import = [], __import__
+
+    def counting_import(name, *args, **kwargs):
+        if name == "cupy":
+            tries.append(name)
+            raise ImportError("No module named 'cupy'")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr("builtins.__import__", counting_import)
+    for _ in range(3):
+        assert bk.get_array_module("auto") is np
+        with pytest.raises(RuntimeError, match="needs the cupy package .* No module named 'cupy'"):
+            devices.import_cupy()
+    assert tries == ["cupy"]
+    fake = _install_cupy(monkeypatch, 2)
+    assert devices.import_cupy() is fake
+
+
 def test_explicit_numpy_ignores_env(clean_env):
     clean_env.setenv("SPMD_BACKEND", "cupy")
     assert bk.get_array_module("numpy") is np

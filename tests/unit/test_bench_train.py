@@ -21,7 +21,9 @@ def test_the_pipeline_preset_reports_its_loop_times():
                           "--preset", "pipeline", "--microbatches", "2", "--steps", "2", "--threads", "1", *TINY],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    pipe = json.loads(out.stdout.strip().splitlines()[-1])["pipeline"]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    pipe = line["pipeline"]
+    assert 0 < line["cpu_step_s"]["min"] <= line["cpu_step_s"]["median"]  # the process CPU time per step
     assert pipe["stages"] == 2 and pipe["microbatches"] == 2
     assert len(pipe["pipeline_loop_s_per_step_per_rank"]) == 2 and min(pipe["pipeline_loop_s_per_step_per_rank"]) > 0
     assert all(0 <= b < 1 for b in pipe["bubble_measured_per_rank"])

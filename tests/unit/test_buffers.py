@@ -8,6 +8,7 @@ import pytest
 import spmd_runtime as sr
 import spmd_runtime.numpy as snp
 from spmd_runtime.comm import run_simulated
+from spmd_runtime.exec import loops
 from spmd_runtime.exec.buffers import PLAN_ENV, output_buffers, plan_buffers
 from spmd_runtime.exec.interpreter import Interpreter
 from spmd_runtime.exec.runner import Runtime, shard
@@ -134,6 +135,41 @@ def test_a_scanned_training_step_runs_again_without_allocating_beyond_its_output
     assert peak <= out_bytes + 32 * 2**10
     for f, s in zip(first, second):  # (tests/unit/test_train_scan.py: the same step as unrolled layers)
         np.testing.assert_array_equal(f, s)
+
+
+def test_a_2_rank_scanned_step_writes_its_in_place_results_and_reduced_gradients_into_the_stacked_arrays(
+        monkeypatch):
+    """Stacked results computed in place (attention's scores, exponentiated in their buffer; each layer's weight
+    gradients, all-reduced in place) are written straight into the stacked arrays kept across runs: of the
+    stacked results only the layer inputs (body parameters) are copied, and two runs give the bits of copying
+    every result. A donating step: its backward's stacked gradients stay in the run (without donation AdamW
+    computes v' into them, so they leave it: fresh arrays each run, copied all the same)."""
+    cfg = sr.LMConfig(layers=2, d=32, heads=4, ffn=64, vocab=48, seq=16, batch=4, scan_layers=True)
+    ts = sr.build_train_step(cfg, sr.train_mesh((2,), "dp"), "dp", sr.AdamW(), donate=True)
+    assert not any(loops._escapes(ts.program, i) for i in ts.program.instrs if i.op == "scan")
+    tokens = np.random.default_rng(0).integers(0, 48, (4, 17)).astype(np.int32)
+
+    def two_steps(comm):
+        rt = Runtime.of(comm)
+        local = ts.shard_state(ts.init(0), rt.rank)
+        for _ in range(2):
+            local, loss = ts.step(local, tokens[:, :-1], tokens[:, 1:], comm=rt)
+        interp = rt.interpreter(ts.program, rt.communicator(ts.program.mesh), np)
+        copied = [[o.slot for j, o in enumerate(ch.program.outputs[1:]) if j not in loops._written_in_place(ch, 1)]
+                  for ch in interp.children]
+        rt.unbind()
+        return copied, sr.pytree.flatten(local)[0], loss
+
+    copied, direct, loss = run_simulated(2, two_steps)[0]
+    bodies = [ch for ch in (i.attrs.get("body") for i in ts.program.instrs) if ch is not None]
+    for body, slots in zip(bodies, copied):
+        assert all(body.instrs[s].op == "parameter" for s in slots), slots
+    assert any(i.op == "all_reduce_done" for i in bodies[1].instrs)  # the backward's gradients: none copied
+    monkeypatch.setattr(loops, "_written_in_place", lambda body, nc: {})
+    _, plain, plain_loss = run_simulated(2, two_steps)[0]
+    assert loss == plain_loss
+    for d, p in zip(direct, plain):
+        np.testing.assert_array_equal(d, p)
 
 
 def scan_returning_ys(x, w):

@@ -77,6 +77,33 @@ def test_unflatten_and_flatten_like_name_the_structures():
         pytree.flatten_like({"a": 1, "c": 2}, tdef, "grads")
 
 
+@pytest.mark.parametrize("other", [
+    {"a": [1, {"x": 2}], "b": (3,)},  # a container where a leaf was
+    {"a": [1, 2], "b": [3]},  # a list for a tuple
+    {"a": [1, 2, 9], "b": (3,)},  # another length
+    {"a": [1, 2], "c": (3,)},  # another key
+    {"a": Point(1, 2), "b": (3,)},  # a namedtuple for a list
+    collections.OrderedDict(a=[1, 2], b=(3,)),  # an OrderedDict for a dict
+])
+def test_flatten_like_reads_a_tree_of_the_structure_and_refuses_any_other(other):
+    """flatten_like reads the leaves along the given structure, building none; any difference still raises."""
+    tree = {"a": [1, 2], "b": (3,)}
+    tdef = pytree.flatten(tree)[1]
+    assert pytree.flatten_like({"a": [np.ones(2), "s"], "b": (3.0,)}, tdef)[1:] == ["s", 3.0]
+    with pytest.raises(ValueError, match="must have the structure"):
+        pytree.flatten_like(other, tdef)
+
+
+def test_a_type_registered_after_use_as_a_leaf_is_a_node():
+    class Box:
+        def __init__(self, v):
+            self.v = v
+
+    assert pytree.flatten([Box(1)])[1].num_leaves == 1  # a leaf type until registered
+    pytree.register_pytree_node(Box, lambda b: ([b.v, b.v], None), lambda aux, ch: Box(ch[0]))
+    assert pytree.flatten([Box(1)])[0] == [1, 1]
+
+
 def test_broadcast_prefix_specs():
     is_spec = lambda x: isinstance(x, sr.P)  # noqa: E731
     args = ({"w": 1, "b": 2}, [3, 4])
