@@ -7,7 +7,10 @@ identities (``stop_gradient``, ``mesh_split``) always return views; ``reshape`` 
 reshape without a copy (``can_view``, from the operand's strides); ``slice`` and ``dynamic_slice`` copy (a view
 would keep the whole unsliced buffer alive). Strides are counted in elements; None where the layout is not known
 (an einsum's result may be a transposed view of its own buffer, a ufunc's follows its operands' order): a
-reshape of such a value is counted as a copy, so the model may over-count there, never under-count.
+reshape of such a value is counted as a copy, so the model may over-count there. One assumption can under-count:
+a program's inputs are taken as C-ordered, a loop body's too (its slice of a stacked xs, its carries), since a
+body's peak is counted on its own; a loop over a non-C-ordered stack whose body merges dims by a reshape copies
+where the model counts a view.
 """
 from __future__ import annotations
 
