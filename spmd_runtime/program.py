@@ -24,7 +24,8 @@ from .hardware import Hardware
 from .mesh import Mesh
 from .cost import DEFAULT_MODEL, CostModel, collective_kind, group_size, wire_bytes
 from .opdef import lookup
-from .ops.control import SCAN
+from .live_buffers import LiveBuffers
+from .ops.control import SCAN, WHILE
 from .dtypes import LOW_PRECISION, dtype as parse_dtype
 from .program_check import check_program
 from .sharding import Sharding
@@ -160,64 +161,62 @@ class SPMDProgram:
     def peak_bytes(self) -> int:
         """Largest sum of live local buffers at any point, inputs included: the caller holds an input for the
         whole run unless it is donated (then it is freed, or reused, where it dies); a result written into a
-        dying operand (``donate``) takes no new buffer."""
-        sizes = {i.slot: n for i, n in zip(self.inputs, self.input_bytes())}
-        donated = {self.inputs[k].slot for k in self.donated}
-        live = {s: n for s, n in sizes.items() if s in donated}  # what the program may free
-        peak = cur = sum(sizes.values())
+        dying operand (``donate``) takes no new buffer, nor does a view of its operand (a transpose, a reshape
+        NumPy does without a copy: ``layouts.py``), which keeps that buffer alive (``live_buffers.py``)."""
+        heap = LiveBuffers(self)
+        peak = cur = heap.held
         for ins in self.instrs:
             for body in _bodies(ins):  # a loop's temporaries live while it runs
-                peak = max(peak, cur + body.peak_bytes() - sum(body.input_bytes()) + _stacked_bytes(ins))
+                peak = max(peak, cur + body.peak_bytes() - sum(body.input_bytes()) + _loop_bytes(ins))
             if ins.op != PARAMETER.name:  # inputs are counted above
-                reused = ins.donate >= 0 and ins.args[ins.donate] in live
-                live[ins.out] = live.pop(ins.args[ins.donate]) if reused else ins.nbytes
-                cur += 0 if reused else ins.nbytes
+                cur += heap.add(ins)
                 peak = max(peak, cur)
-            cur -= sum(live.pop(s, 0) for s in ins.free)
+            cur -= heap.free(ins.free)
         return peak
 
     def peak_breakdown(self, top: int | None = None) -> list["LiveBuffer"]:
         """What is live where ``peak_bytes`` peaks, biggest first (the first ``top``; all when None): the inputs
-        held, the live results, and, when the peak is inside a loop, the loop body's live buffers (``where``
-        names the loop) and the ys it stacks. Their bytes sum to ``peak_bytes()`` (a body's inputs are its
-        loop's operands, counted once, outside). Walks ``peak_bytes``'s accounting a second time and stops
-        where it first reaches the peak."""
+        held, the live buffers (each once, named by the last value written into it in place), and, when the peak
+        is inside a loop, the loop body's live buffers (``where`` names the loop), the ys it stacks and the
+        carries it copies. Their bytes sum to ``peak_bytes()`` (a body's inputs are its loop's operands, counted
+        once, outside). Walks ``peak_bytes``'s accounting a second time and stops where it first reaches the
+        peak."""
         found = self._live_at(self.peak_bytes(), "")
         return sorted(found, key=lambda b: -b.nbytes)[:top]
 
     def _live_at(self, target: int, where: str) -> list["LiveBuffer"]:
         """The live buffers where the walk of ``peak_bytes`` first totals ``target`` bytes."""
-        sizes = {i.slot: n for i, n in zip(self.inputs, self.input_bytes())}
+        heap = LiveBuffers(self)
+        cur = heap.held
         donated = {self.inputs[k].slot for k in self.donated}
-        live = {s: n for s, n in sizes.items() if s in donated}
-        cur = sum(sizes.values())
         by_slot = {i.slot: LiveBuffer(n, where, f"input {i.name}", _ty(i.dtype, i.sharding.local_shape(i.shape, self.mesh)),
                                       origin=i.slot) for i, n in zip(self.inputs, self.input_bytes())}
-        held = lambda: [by_slot[s] for s in sizes if s not in donated] + [
-            replace(by_slot[s], nbytes=n) for s, n in live.items()]
+        held = lambda: [by_slot[i.slot] for i in self.inputs if i.slot not in donated] + [
+            replace(by_slot[b], nbytes=n) for b, n in heap.size.items()]
         if cur >= target:
             return held()
         for ins in self.instrs:
             for body in _bodies(ins):
                 inner = body.peak_bytes() - sum(body.input_bytes())
-                if cur + inner + _stacked_bytes(ins) >= target:
+                if cur + inner + _loop_bytes(ins) >= target:
                     inside = f"{where}%{ins.out} {ins.op} > "
                     own = {i.slot for i in body.inputs}
                     found = [b for b in body._live_at(body.peak_bytes(), inside) if b.where != inside or b.origin not in own]
                     rest = inner - sum(b.nbytes for b in found)  # negative: inputs the body freed before its peak
                     extra = [LiveBuffer(_stacked_bytes(ins), inside, "stacked ys", "")] if _stacked_bytes(ins) else []
+                    extra += [LiveBuffer(_copied_carry_bytes(ins), inside, "carries the loop copies", "")] \
+                        if _copied_carry_bytes(ins) else []
                     extra += [LiveBuffer(rest, inside, "body inputs freed before its peak", "")] if rest else []
                     return held() + found + extra
             if ins.op != PARAMETER.name:
-                reused = ins.donate >= 0 and ins.args[ins.donate] in live
-                live[ins.out] = live.pop(ins.args[ins.donate]) if reused else ins.nbytes
-                origin = by_slot[ins.args[ins.donate]].origin if reused else ins.out  # a reused input stays one
-                by_slot[ins.out] = LiveBuffer(live[ins.out], where, f"%{ins.out} {ins.op}", _ty(ins.dtype, ins.shape),
-                                              self.names.get(ins.out, ""), origin)
-                cur += 0 if reused else ins.nbytes
+                cur += heap.add(ins)
+                buffer = heap.buffer_of(ins.out)
+                if buffer == ins.out or ins.donate >= 0 and buffer == heap.buffer_of(ins.args[ins.donate]):
+                    by_slot[buffer] = LiveBuffer(ins.nbytes, where, f"%{ins.out} {ins.op}", _ty(ins.dtype, ins.shape),
+                                                 self.names.get(ins.out, ""), buffer)  # named by its last writer
                 if cur >= target:
                     return held()
-            cur -= sum(live.pop(s, 0) for s in ins.free)
+            cur -= heap.free(ins.free)
         raise AssertionError(f"peak walk never reached {target} bytes")  # peak_bytes and _live_at disagree
 
     # ------------------------------------------------------------ listing
@@ -390,6 +389,21 @@ def _is_program(v) -> bool:
 def _bodies(ins: Instr) -> list[SPMDProgram]:
     """The body programs a control instruction (scan / while / cond) holds."""
     return [b for v in ins.attrs.values() for b in (v if isinstance(v, tuple) else (v,)) if _is_program(b)]
+
+
+def _loop_bytes(ins: Instr) -> int:
+    """What a loop holds beside its operands and its body's temporaries while it runs."""
+    return _stacked_bytes(ins) + _copied_carry_bytes(ins)
+
+
+def _copied_carry_bytes(ins: Instr) -> int:
+    """The loop's own copies of the carries its body writes in place, made from their initial values (which
+    stay live beside them) unless it adopts them (exec/loops.py ``_OwnCarries``)."""
+    body = ins.attrs.get("body")
+    if ins.op not in (SCAN.name, WHILE.name) or body is None:
+        return 0
+    adopted, sizes = set(ins.attrs.get("adopt", ())), body.input_bytes()
+    return sum(sizes[k] for k in body.written_inputs if k < ins.attrs["num_carry"] and k not in adopted)
 
 
 def _stacked_bytes(ins: Instr) -> int:
