@@ -172,6 +172,9 @@ def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
         h = layer_norm(ys, head["lnf_g"], head["lnf_b"])  # one gain for all stages: its gradient stays pending
         logits = snp.einsum("zbsd,vd->zbsv", h, head["embed"]) if cfg.tied else \
             snp.einsum("zbsd,dv->zbsv", h, head["unembed"])
+        # vocab-split like the weight (a tensor-parallel region): with Megatron-SP's sequence split on the same axis
+        # the partitioner would else move the logits back into it for the loss, an all-to-all of them each way
+        logits = annotate(logits, "logits")
         return cross_entropy(snp.astype(logits, "float32") if dtypes.is_low_precision(logits.dtype) else logits,
                              labels, axis=(1, 2))
 
