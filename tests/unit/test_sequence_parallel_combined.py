@@ -14,6 +14,8 @@ import pytest
 import spmd_runtime as sr
 from spmd_runtime.models.lm import LMConfig
 from spmd_runtime.optim import AdamW
+from spmd_runtime.train import PRESETS, make_layout
+from spmd_runtime.train.step import saves_layer_inputs
 
 from simulated import assert_trains_like_reference
 from test_sequence_parallel import counts
@@ -86,3 +88,14 @@ def test_two_steps_equal_the_plain_one_rank_step(preset, shape, microbatches, cf
     rng = np.random.default_rng(0)
     data = [tuple(rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq)) for _ in range(2)) for _ in range(2)]
     assert_trains_like_reference(ts, ts.init(seed=3), data, reference=plain)
+
+
+def test_1f1b_saves_each_layer_input_where_sequence_parallelism_makes_that_smaller():
+    """The 1F1B stages save each layer's input when the ring of stage inputs (min(2 S - 1, M) = 10 here) is
+    smaller than a layer's activations counted in residuals: (10 + (24 + 5 a s/h) / t) / 2 = 8.3 without SP,
+    (34 + 5 a s/h) / 2 = 18.3 with it (the residual split t ways too): the SP preset saves the layer inputs."""
+    cfg = dataclasses.replace(BIG, layers=16, remat="full")
+    mesh = sr.Mesh((8, 1, 4), ("stage", "data", "model"))
+    saves = {p: saves_layer_inputs(cfg, make_layout(cfg, mesh, PRESETS[p], AdamW()), 10)
+             for p in ("pipeline_1f1b", "pipeline_1f1b_sp")}
+    assert saves == {"pipeline_1f1b": False, "pipeline_1f1b_sp": True}
