@@ -108,8 +108,8 @@ def sequence_parallel(base: Preset) -> Preset:
                                doc=f"{base.doc}; sequence parallel (Megatron-SP) on {'x'.join(base.model)}")
 
 
-PRESETS.update((f"{n}_sp", sequence_parallel(PRESETS[n])) for n in ("megatron_wus", "fsdp_megatron", "pipeline",
-                                                                          "pipeline_1f1b"))
+SP_COMBINED = tuple(f"{n}_sp" for n in ("megatron_wus", "fsdp_megatron", "pipeline", "pipeline_1f1b"))
+PRESETS.update((n, sequence_parallel(PRESETS[n[:-len("_sp")]])) for n in SP_COMBINED)
 PIPELINE_AXES = ("stage", "data", "model")
 
 
