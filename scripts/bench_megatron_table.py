@@ -18,7 +18,7 @@ each NEXT TO its hand formula and the ratio ours / formula:
   micro-batch over the model axis, each 2 (t - 1)/t x 2 b s h bytes on the wire;
 - data-parallel traffic: ONE reduction of the 16-bit gradients per step, 2 (d - 1)/d x 2 P/(t p) bytes;
 - pipeline traffic: one send of the b s h activation forward and one of its gradient backward per micro-batch,
-  2 M x 2 b s h bytes.
+  2 M x 2 b s h bytes (with ``--sp`` of the sequence-split activation: 1/t of that).
 
 The model is Megatron's GPT (biases on every projection, the output layer tied to the embedding), so its
 parameter count is exactly eq. 2's. Here b is the micro-batch size per data-parallel rank (Table 1 gives only the global batch; 1 assumed, as in
@@ -33,6 +33,7 @@ longer grows with the rank count: the 1T row's 3072 ranks plan like the others).
     python scripts/bench_megatron_table.py --predict dgx-a100-80gb   # every row, and its predicted TFLOP/s
     python scripts/bench_megatron_table.py --rows 1.7B,18B --remat none
     python scripts/bench_megatron_table.py --rows 1T --schedule pipeline   # GPipe instead of 1F1B
+    python scripts/bench_megatron_table.py --rows 145B,1T --sp   # Megatron-SP in the stages (pipeline_1f1b_sp)
     python scripts/bench_megatron_table.py --no-donate   # new parameters and optimizer state beside the old
 
 The tensor-parallel all-reduces per layer are those in the loops over a stage's layers, per layer and iteration
@@ -91,6 +92,11 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--schedule", default="pipeline_1f1b", choices=["pipeline_1f1b", "pipeline"],
                     help="the preset of the p > 1 rows: 1F1B (the paper's schedule, default) or GPipe")
+    ap.add_argument("--sp", action="store_true",
+                    help="Megatron-SP (Korthikanti et al. 2022): the sequence split over the tensor-parallel axis "
+                         "outside its regions (megatron_sp, or the schedule's _sp preset): the activation formula "
+                         "theirs with sequence parallelism, the all-reduces counted as the reduce-scatters that "
+                         "replace them (each with an all-gather: the same bytes)")
     ap.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,
                     help="the step updates parameters and optimizer state in place (build_train_step(donate=True)), "
                          "the default: Megatron's optimizer updates its fp32 master weights and Adam's moments in "
@@ -102,20 +108,23 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def megatron_formulas(a, h, l, t, p, d, batch, remat) -> dict:
-    """Per-rank hand figures of a Table 1 row (see the module docstring)."""
+def megatron_formulas(a, h, l, t, p, d, batch, remat, sp: bool = False) -> dict:
+    """Per-rank hand figures of a Table 1 row (see the module docstring); ``sp``: with sequence parallelism."""
     params = 12 * l * h * h * (1 + 13 / (12 * h) + (VOCAB + SEQ) / (12 * l * h))  # eq. 2
     local = params / (t * p)
     m = batch // (d * MICRO)
     sbh = SEQ * MICRO * h
-    layer = sbh * (10 + 24 / t + 5 * a * SEQ / (h * t))  # Korthikanti, tensor parallel, no sequence parallel
+    # Korthikanti's per layer, tensor parallel: the LayerNorm / dropout / residual part (10 s b h) split t ways too
+    # with sequence parallelism, as is each layer's saved input under full recompute
+    layer = sbh * ((10 / t if sp else 10) + 24 / t + 5 * a * SEQ / (h * t))
+    saved = 2 * sbh / (t if sp else 1)
     in_flight = min(p, m) if p > 1 else 1
-    acts = (2 * sbh * (l / p) * in_flight + layer) if remat == "full" else layer * (l / p) * in_flight
+    acts = (saved * (l / p) * in_flight + layer) if remat == "full" else layer * (l / p) * in_flight
     ring = lambda k: 2 * (k - 1) / k
     return {"P": params, "held": 12 * local, "peak": 16 * local + acts, "M": m,
             "ar_per_layer": 0 if t == 1 else 6 if remat == "full" else 4,
             "model": (6 if remat == "full" else 4) * (l / p) * m * ring(t) * 2 * sbh,
-            "data": ring(d) * 2 * local, "stage": 2 * m * 2 * sbh if p > 1 else 0.0}
+            "data": ring(d) * 2 * local, "stage": 2 * m * 2 * sbh / (t if sp else 1) if p > 1 else 0.0}
 
 
 def eq3_flops(batch, l, h) -> float:
@@ -140,19 +149,20 @@ def bucket(axes: tuple) -> str:
     return "stage" if "stage" in axes else ",".join(axes)
 
 
-def activation_all_reduces(program, nbytes: int, layers: int, trips: int = 1, in_layers: bool = False) -> tuple:
-    """Executions per step of all-reduces over "model" of exactly ``nbytes`` (the local b s h activation; a
-    start/done pair counts once): (those in the loops over the ``layers`` layers of a stage, the others: the
-    embedding's and the head's)."""
+def activation_all_reduces(program, nbytes: int, layers: int, trips: int = 1, in_layers: bool = False,
+                           kind: str = "all_reduce") -> tuple:
+    """Executions per step of all-reduces (``kind``: Megatron-SP's reduce-scatters) over "model" of exactly
+    ``nbytes`` (the local b s h activation; a start/done pair counts once): (those in the loops over the
+    ``layers`` layers of a stage, the others: the embedding's and the head's)."""
     inside = outside = 0
     sizes = {i.out: i.nbytes for i in program.instrs}
     for ins in program.instrs:
         if ins.op == "scan":
             a = ins.attrs
             more = activation_all_reduces(a["body"], nbytes, layers, trips * a["length"],
-                                          in_layers or a["length"] == layers)
+                                          in_layers or a["length"] == layers, kind)
             inside, outside = inside + more[0], outside + more[1]
-        elif collective_kind(ins.op) == "all_reduce" and tuple(ins.attrs.get("axes", ())) == ("model",) \
+        elif collective_kind(ins.op) == kind and tuple(ins.attrs.get("axes", ())) == ("model",) \
                 and sizes.get(ins.args[0]) == nbytes:
             inside, outside = (inside + trips, outside) if in_layers else (inside, outside + trips)
     return inside, outside
@@ -161,7 +171,7 @@ def activation_all_reduces(program, nbytes: int, layers: int, trips: int = 1, in
 def plan_row(row, args) -> None:
     name, a, h, l, t, p, gpus, batch = row
     d = gpus // (t * p)
-    f = megatron_formulas(a, h, l, t, p, d, batch, args.remat)
+    f = megatron_formulas(a, h, l, t, p, d, batch, args.remat, args.sp)
     head = f"{name}: l={l} h={h} a={a}  t={t} p={p} d={d} ({gpus} ranks)  batch {batch}, M={f['M']} x b={MICRO}"
     if gpus > args.max_ranks:
         print(f"{head}\n  skipped: {gpus} ranks > --max-ranks {args.max_ranks}\n")
@@ -170,6 +180,7 @@ def plan_row(row, args) -> None:
                       remat=args.remat, tied=True, bias=True)  # Megatron's GPT: biases, tied output layer
     preset, mesh = (("megatron", sr.Mesh((d, t), ("data", "model"))) if p == 1 else
                     (args.schedule, sr.Mesh((p, d, t), ("stage", "data", "model"))))
+    preset += "_sp" if args.sp else ""
     try:
         plan = plan_train_step(cfg, mesh, preset, AdamW(), microbatches=f["M"], donate=args.donate)
     except Exception as e:  # a row the presets cannot express yet: say why, go on with the next
@@ -179,7 +190,8 @@ def plan_row(row, args) -> None:
     held = mem["params"] + mem["opt_state"]
     item = 2  # bytes of a 16-bit activation
     iterations = f["M"] + p - 1 if p > 1 else f["M"]  # the pipeline loop runs M + S - 1 times
-    in_layers, rest = activation_all_reduces(plan.step.program, MICRO * SEQ * h * item, l // p)
+    in_layers, rest = activation_all_reduces(plan.step.program, MICRO * SEQ * h * item, l // p,
+                                             kind="reduce_scatter" if args.sp else "all_reduce")
     ars = in_layers / (l / p * iterations)
     print(f"{head}  preset {preset}")
     print(f"  partition {plan.seconds:.2f} s ({plan.cpu_seconds:.2f} s CPU)   instructions {plan.instructions}")
@@ -188,7 +200,8 @@ def plan_row(row, args) -> None:
         + (f"   ratio {ours / formula:6.2f}" if formula else ""))
     print(row_line("params + optimizer state / rank", held, f["held"]))
     print(row_line("peak / rank", mem["peak"], f["peak"]))
-    print(row_line("TP all-reduces of b*s*h per layer", ars, f["ar_per_layer"], 1, "{:10.2f}    "))
+    reductions = "reduce-scatters" if args.sp else "all-reduces"
+    print(row_line(f"TP {reductions} of b*s*h per layer", ars, f["ar_per_layer"], 1, "{:10.2f}    "))
     print(f"  {'  + outside the layers, per iteration':<34}{rest / iterations:10.2f}        (embedding, head)")
     for axis in ("model", "data", "stage"):
         print(row_line(f"wire bytes / step, {axis}", sum(v for k, v in wire.items() if bucket(tuple(k.split(",")))

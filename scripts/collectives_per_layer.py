@@ -21,7 +21,7 @@ import numpy as np
 
 import spmd_runtime as sr
 from spmd_runtime.models.lm import LMConfig
-from spmd_runtime.train import build_train_step, train_mesh
+from spmd_runtime.train import as_preset, build_train_step, train_mesh
 
 CFG = LMConfig(layers=3, d=64, heads=4, ffn=128, vocab=96, seq=16, batch=8)
 
@@ -48,18 +48,59 @@ def step_program(cfg: LMConfig, mesh_shape, preset: str, microbatches: int = 1):
 def per_layer(cfg: LMConfig, mesh_shape, preset: str, microbatches: int = 1) -> tuple[Counter, Counter]:
     """(collectives per layer, collectives of the rest of the step) of ``cfg``'s training step. Scanned layers:
     the layer loops' collectives (``cfg.layers`` must not divide the micro-batch count); unrolled: the step of
-    one more layer minus this one's."""
-    if cfg.scanned:
+    one more layer minus this one's; pipelined (a stage axis): the step of one more layer per stage minus this
+    one's, per tick of the pipeline loops (M + S - 1 of them, bubbles included: every stage runs every tick)."""
+    stages, ticks = pipeline_ticks(mesh_shape, preset, microbatches)
+    if cfg.scanned and not stages:
         if microbatches % cfg.layers == 0:
             raise ValueError(f"per-layer counts of scanned layers need layers not dividing the micro-batches; got "
                              f"layers={cfg.layers}, microbatches={microbatches}")
         return step_collectives(step_program(cfg, mesh_shape, preset, microbatches), cfg.layers)
+    if stages:
+        return _pipelined_per_layer(cfg, mesh_shape, preset, microbatches, stages, ticks)
     _, base = step_collectives(step_program(cfg, mesh_shape, preset, microbatches))
     _, more = step_collectives(step_program(dataclasses.replace(cfg, layers=cfg.layers + 1), mesh_shape, preset,
                                             microbatches))
     layer = Counter({k: more[k] - base[k] for k in set(more) | set(base) if more[k] != base[k]})
     rest = Counter({k: base[k] - cfg.layers * layer[k] for k in base if base[k] != cfg.layers * layer[k]})
     return layer, rest
+
+
+def _pipelined_per_layer(cfg: LMConfig, mesh_shape, preset: str, microbatches: int, stages: int, ticks: int):
+    """The pipeline's per layer and tick: what S more layers (one per stage) add to its loops, over the ticks. Only
+    the loops are compared: the gradient reductions after them grow in bytes with the stacked layers."""
+    base, top = loop_collectives(step_program(cfg, mesh_shape, preset, microbatches))
+    more, _ = loop_collectives(step_program(dataclasses.replace(cfg, layers=cfg.layers + stages), mesh_shape,
+                                            preset, microbatches))
+    added = {k: more[k] - base[k] for k in set(more) | set(base) if more[k] != base[k]}
+    if any(n % ticks for n in added.values()):
+        raise ValueError(f"one more layer per stage should add a multiple of the {ticks} pipeline ticks of each "
+                         f"collective; got {added}")
+    layer = Counter({k: n // ticks for k, n in added.items()})
+    runs = cfg.layers // stages * ticks  # layer runs per stage and step
+    rest = Counter({k: base[k] - runs * layer[k] for k in base if base[k] != runs * layer[k]}) + top
+    return layer, rest
+
+
+def loop_collectives(program) -> tuple[Counter, Counter]:
+    """(collectives inside loop bodies, trips counted; those outside), by (kind, axes, bytes in per rank)."""
+    loops, top = Counter(), Counter()
+    for c in program.comm_summary():
+        key = (c["kind"], c["axes"], c["bytes_in"])
+        if "trips" in c:
+            loops[key] += c["trips"]
+        else:
+            top[key] += 1
+    return loops, top
+
+
+def pipeline_ticks(mesh_shape, preset: str, microbatches: int) -> tuple[int, int]:
+    """(stages, ticks of its loops: M + S - 1) of a pipeline preset on this mesh; (0, 1) without a stage axis."""
+    p = as_preset(preset).on(train_mesh(tuple(mesh_shape), preset))
+    if not p.stage:
+        return 0, 1
+    stages = train_mesh(tuple(mesh_shape), preset).axis_size(p.stage)
+    return stages, microbatches + stages - 1
 
 
 def activation_bytes(cfg: LMConfig, mesh_shape, preset: str, microbatches: int = 1) -> int:

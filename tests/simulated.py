@@ -50,12 +50,13 @@ def collectives(program):
     return [(c["kind"], c["axes"]) for c in program.comm_summary()]
 
 
-def assert_trains_like_reference(ts, state, batches, rtol=1e-9, atol=1e-12):
+def assert_trains_like_reference(ts, state, batches, rtol=1e-9, atol=1e-12, reference=None):
     """A TrainStep's steps in the simulated world end where its unpartitioned reference (``sr.evaluate`` of the
-    traced step) does: the same losses, the same state."""
+    traced step; of ``reference``'s, another TrainStep, e.g. the plain 1-rank one) does: the same losses, the
+    same state."""
     want, want_losses = state, []
     for x, y in batches:
-        want, loss = ts.reference_step(want, x, y)
+        want, loss = (reference or ts).reference_step(want, x, y)
         want_losses.append(loss)
     got, losses = train_simulated(ts, state, batches)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-12)

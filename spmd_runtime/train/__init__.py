@@ -34,7 +34,8 @@ Optimizers (``optim``), checkpoints (``checkpoint``) and the pipeline (``pipelin
 """
 from .layout import (MOE_ROLES, Layout, ParamLayout, make_layout, model_layout, moe_activation_spec, param_layout,
                      param_spec, state_leaf_name, update_spec)
-from .presets import BOTH, PIPELINE_AXES, PRESETS, Preset, as_preset, check_experts, check_pipeline, train_mesh
+from .presets import (BOTH, PIPELINE_AXES, PRESETS, SP_COMBINED, Preset, as_preset, check_experts, check_pipeline,
+                      train_mesh)
 from .model import Model
 from .plan import Plan, instruction_count, plan_train_step
 from .runtime import TrainStep, build_train_step, build_train_step_on_root, check_batch, format_comm, run_on_root

@@ -36,6 +36,9 @@ single-role presets use every axis of a 2-d mesh):
   their master weights and Adam state whole (Megatron keeps them on the first / last stage only).
 - ``pipeline_1f1b``: the same layout on the 1F1B schedule (``sr.pipeline_loss``): one loop of 2 (M + S - 1)
   slots of one forward or one backward per stage, the head and loss inside it; at most S micro-batches held.
+- ``megatron_wus_sp``, ``fsdp_megatron_sp``, ``pipeline_sp``, ``pipeline_1f1b_sp``: those presets with
+  Megatron-SP's sequence split on "model" (``sequence_parallel``, as ``megatron_sp`` adds it to ``megatron``):
+  beside the update (or the weights too) sharded over "data", or inside each pipeline stage.
 """
 from __future__ import annotations
 
@@ -100,6 +103,17 @@ PRESETS = {
                             doc="1F1B (PipeDream-flush): the pipeline preset with each micro-batch's backward started "
                                 "as soon as its forward (and loss) is done: at most S micro-batches held per stage"),
 }
+
+
+def sequence_parallel(base: Preset) -> Preset:
+    """``base`` with Megatron-SP (as ``megatron_sp`` is ``megatron``'s): the sequence split, outside the
+    tensor-parallel regions, over the axes that split the weights (``Layout._tensor_parallel_region``)."""
+    return dataclasses.replace(base, name=f"{base.name}_sp", seq=base.model,
+                               doc=f"{base.doc}; sequence parallel (Megatron-SP) on {'x'.join(base.model)}")
+
+
+SP_COMBINED = tuple(f"{n}_sp" for n in ("megatron_wus", "fsdp_megatron", "pipeline", "pipeline_1f1b"))
+PRESETS.update((n, sequence_parallel(PRESETS[n[:-len("_sp")]])) for n in SP_COMBINED)
 PIPELINE_AXES = ("stage", "data", "model")
 
 

@@ -173,6 +173,9 @@ def pipeline_1f1b_loss(cfg: LMConfig, layout: Layout, microbatches: int):
         h = layer_norm(ys, head["lnf_g"], head["lnf_b"])  # one gain for all stages: its gradient stays pending
         logits = snp.einsum("zbsd,vd->zbsv", h, head["embed"]) if cfg.tied else \
             snp.einsum("zbsd,dv->zbsv", h, head["unembed"])
+        # vocab-split like the weight (a tensor-parallel region): with Megatron-SP's sequence split on the same axis
+        # the partitioner would else move the logits back into it for the loss, an all-to-all of them each way
+        logits = annotate(logits, "logits")
         return cross_entropy(snp.astype(logits, "float32") if dtypes.is_low_precision(logits.dtype) else logits,
                              labels, axis=(1, 2))
 
@@ -203,10 +206,12 @@ def saves_layer_inputs(cfg: LMConfig, layout: Layout, microbatches: int) -> bool
     the stage's input alone (the backward recomputing the stage whole): the first holds ring x L/S residuals plus
     one layer's activations, the second ring residuals plus L/S layers' activations, so it is smaller where the
     ring (``ring_slots``: min(2 S - 1, M) micro-batches) is smaller than one layer's activations in residuals:
-    s b h (10 + 24/t + 5 a s/(h t)) bytes (Korthikanti et al. 2022) over the residual's 2 s b h."""
+    s b h (10 + 24/t + 5 a s/(h t)) bytes (Korthikanti et al. 2022) over the residual's 2 s b h; with
+    sequence parallelism (the sequence split over the model axes too) all of them 1/t: (34 + 5 a s/h) / 2."""
     p = layout.preset
     s, t = layout.mesh.axis_size(p.stage[0]), layout.mesh.axis_size(p.model) if p.model else 1
-    layer = (10 + 24 / t + 5 * cfg.heads * cfg.seq / (cfg.d * t)) / 2
+    split = 1 if p.model and set(p.model) <= set(p.seq) else t  # the part split t ways beside the residual
+    layer = (10 + 24 / split + 5 * cfg.heads * cfg.seq / (cfg.d * split)) / 2
     return cfg.layers // s > 1 and ring_slots(microbatches, s) < layer
 
 

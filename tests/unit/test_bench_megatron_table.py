@@ -51,6 +51,25 @@ def test_a_row_prints_ours_next_to_the_formulas(capsys):
     assert bench.main(["--rows", "2T"]) == 2
 
 
+def test_sequence_parallel_rows_take_korthikantis_activations_and_the_sp_presets(capsys):
+    """``--sp``: Korthikanti et al.'s activations with sequence parallelism, s b h (34 + 5 a s / h) / t per layer
+    (without remat) and each layer's input 2 s b h / t (full recompute); the pipeline's sends 1/t; the rows planned
+    with the _sp presets, their reduce-scatters counted for the all-reduces."""
+    name, a, h, l, t, p, gpus, batch = next(r for r in bench.TABLE1 if r[0] == "145B")
+    d, sbh = gpus // (t * p), bench.SEQ * bench.MICRO * h
+    plain, sp = (bench.megatron_formulas(a, h, l, t, p, d, batch, "none", s) for s in (False, True))
+    in_flight = min(p, plain["M"])
+    assert sp["peak"] - 16 * sp["P"] / (t * p) == pytest.approx(
+        sbh * (34 + 5 * a * bench.SEQ / h) / t * l / p * in_flight, rel=1e-12)
+    assert sp["stage"] * t == plain["stage"] and sp["model"] == plain["model"]
+    full = bench.megatron_formulas(a, h, l, t, p, d, batch, "full", True)
+    assert full["peak"] - 16 * full["P"] / (t * p) == pytest.approx(
+        2 * sbh / t * l / p * in_flight + sbh * (34 + 5 * a * bench.SEQ / h) / t, rel=1e-12)
+    assert bench.main(["--rows", "3.6B", "--sp", "--max-ranks", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "preset megatron_sp" in out and "TP reduce-scatters of b*s*h per layer" in out
+
+
 def test_rows_are_planned_with_in_place_updates_unless_told_not_to():
     """The peak formula's 16 bytes per parameter hold one copy of the weights and Adam's state (Megatron updates
     them in place), so the script donates them by default."""
