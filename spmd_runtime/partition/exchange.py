@@ -7,7 +7,8 @@ other comes from one of its holders: the ranks of that source block that match q
 Mesh axes fall into A (split the source), B (split the target), P (partial) and the rest; C = A & B. Along the
 axes that neither shardings split (R) every rank has identical twins, and identical P copies run side by side:
 neither changes what the busiest rank moves, so nothing here enumerates them. The work is over per-dim blocks
-and, where both shardings split an axis (C), over the coordinates of C: the exchange's own group, never N.
+and, where both shardings split an axis (C), over the coordinates of C: the exchange's own group, never N; of
+those, only coordinate 0 of an axis that splits one dim alike in both (``_aligned``).
 
 Who sends: a receiver's own replica of the block (its "default" holder: same coordinates off A) where that is as
 good as spreading the sending; otherwise, per source block and R/P copy, the greedy that gives the biggest
@@ -120,16 +121,25 @@ class _Layout:
             index, out[a] = divmod(index, self.mesh.axis_size(a))
         return out
 
-    def _groups(self, axes):
-        """Every coordinate assignment of ``axes`` (one empty one for none)."""
-        return (dict(zip(axes, c)) for c in itertools.product(*(range(self.mesh.axis_size(a)) for a in axes)))
+    def _groups(self, axes, fixed=()):
+        """Every coordinate assignment of ``axes`` (one empty one for none); the ``fixed`` ones at 0 only."""
+        return (dict(zip(axes, c)) for c in itertools.product(*((0,) if a in fixed else range(self.mesh.axis_size(a))
+                                                                for a in axes)))
+
+    def _aligned(self) -> set:
+        """C axes of a dim split alike in both shardings (the same axes, no window): along them target block j
+        reads source block j only, so each coordinate's exchange is the first one's with every piece's extent on
+        that dim scaled from the first block's length (the largest, in the layout rule) to block j's, and so are
+        its loads: coordinate 0 is the busiest. Skipping the others keeps the work off the group's size (an SP
+        reshard over stage x data x model splits every axis)."""
+        return {a for s, d, m in zip(self.src, self.dst, self.maps) if s == d and m is None for a in s} & set(self.C)
 
     # ------------------------------------------------------------------ the cost
     def cost(self) -> ExchangeCost:
         received = sent_default = sent_lpt = 0
         differ = set()
         lpt = {}
-        for c in self._groups(self.C):
+        for c in self._groups(self.C, fixed=self._aligned()):
             src_ix = [self._indices(s, c) for s in self.src]
             dst_ix = [self._indices(d, c) for d in self.dst]
             if all(_present(js, self.count[d]) for d, js in enumerate(dst_ix)):  # they read something
