@@ -37,6 +37,10 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
     ``metrics`` a dict of scalars ({} for a dense model)."""
     order = list(param_shapes(cfg))  # the model takes its weights in this order
     run_layers = _run_layers(cfg, layout, microbatches)
+    if run_layers and not layout.preset.stage and microbatches > 1:  # FSDP's scanned layers run the whole batch
+        raise ValueError(f"preset {layout.preset.name!r} gathers each scanned layer's weights once for the whole "
+                         f"batch and does not accumulate micro-batches; got microbatches={microbatches}. Use "
+                         f"microbatches=1, or LMConfig(scan_layers=False) to accumulate over unrolled layers")
     # 1F1B: the head and loss run inside the pipeline loop, so the pipeline computes the whole loss
     pipelined_loss = pipeline_1f1b_loss(cfg, layout, microbatches) if layout.preset.schedule == "1f1b" else None
 
@@ -44,7 +48,7 @@ def train_step_fn(cfg: LMConfig, optimizer: Optimizer, layout: Layout, microbatc
         if pipelined_loss:
             return pipelined_loss(ps, tokens, labels), {}
         return lm_loss_and_metrics(cfg, [ps[n] for n in order], tokens, labels, layout.activation, run_layers)
-    # the pipeline and FSDP's scanned layers take the micro-batches themselves
+    # the pipeline takes the micro-batches itself (FSDP's scanned layers take M = 1, above)
     return update_step_fn(loss_fn, lambda params: compute_weights(cfg, layout, params), optimizer, layout,
                           param_shapes(cfg), 1 if run_layers else microbatches, metric_names(cfg))
 

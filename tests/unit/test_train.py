@@ -7,6 +7,7 @@ layouts and data on their own.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 
@@ -251,6 +252,18 @@ def test_presets_drop_the_axes_a_mesh_lacks():
     assert (on.batch, on.model, on.update) == (("data",), (), ("data",))
     with pytest.raises(ValueError, match="preset must be one of"):
         build_train_step(CFG, train_mesh((2,)), "zero3")
+
+
+@pytest.mark.parametrize("preset", ["fsdp", "fsdp_megatron"])
+def test_fsdp_over_scanned_layers_refuses_micro_batches_it_would_drop(preset):
+    """FSDP's scanned layers gather each layer's weights once for the whole batch: asked for micro-batches, the
+    step refuses (it used to run the whole batch, silently), and unrolled layers accumulate them."""
+    scanned = dataclasses.replace(CFG, scan_layers=True)
+    with pytest.raises(ValueError, match=rf"preset '{preset}' .* does not accumulate micro-batches; "
+                                         r"got microbatches=2\. Use microbatches=1, or LMConfig\(scan_layers=False\)"):
+        build_train_step(scanned, train_mesh((2,), preset), preset, microbatches=2)
+    build_train_step(dataclasses.replace(CFG, scan_layers=False), train_mesh((2,), preset), preset,
+                     microbatches=2)
 
 
 # ---------------------------------------------------------------- model
