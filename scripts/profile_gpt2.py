@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--preset", default="dp")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--show", default="", help="list each instruction made at this source line (file:line)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message="donated input")
     from mpi4py import MPI
@@ -92,6 +93,11 @@ def main():
     lines.append("  by op and source line (CPU s):")
     for k, v in by_line.most_common(args.top):
         lines.append(f"  {v:8.3f}  {k}")
+    for ins in program.instrs:
+        if args.show and where(ins) == args.show and ins.out in cpu:
+            code = ins.attrs.get("code", ins.attrs.get("spec", ""))
+            lines.append(f"  {cpu[ins.out]:8.4f}  %{ins.out} {ins.op} {ins.dtype}{list(ins.shape)} "
+                         f"<- {[tuple(instrs[a].shape) for a in ins.args]} {code} {ins.attrs.get('axes', '')}")
     text = "\n".join(lines)
     for r in range(comm.Get_size()):
         comm.Barrier()

@@ -443,15 +443,42 @@ def test_the_reduction_source_accumulates_each_row_and_stores_no_chain_value():
     assert source.count("out[") == 1  # one store per row: the chain's values never reach memory
 
 
-def test_sums_over_rows_longer_than_blas_sums_stay_numpy(compiled):
-    """Rows over ops/core.MAX_BLAS_ROW keep NumPy's pairwise sum (unfused too): no compiled loop, same bits."""
+def test_float64_sums_over_rows_longer_than_blas_sums_stay_numpy(compiled):
+    """float64 rows over ops/core.MAX_BLAS_ROW keep NumPy's pairwise sum (unfused too): no compiled loop, same
+    bits (one double accumulator's error would grow as n)."""
     n = 5000
-    fused, plain = both(lambda a: snp.sum(a * 2.0, axis=-1), [sr.TensorSpec((3, n), F32)], sr.Mesh((1,), ("x",)),
-                        [(None, None)])
+    fused, plain = both(lambda a: snp.sum(a * 2.0, axis=-1), [sr.TensorSpec((3, n), "float64")],
+                        sr.Mesh((1,), ("x",)), [(None, None)])
     assert [i.op for i in fused.instrs if i.op == "fused_reduce"] == ["fused_reduce"]
     assert not compiled_fusions(fused)
-    x = np.random.default_rng(0).standard_normal((3, n)).astype(F32)
+    x = np.random.default_rng(0).standard_normal((3, n))
     np.testing.assert_array_equal(run_everywhere(fused, x)[0][0], run_everywhere(plain, x)[0][0])
+
+
+def test_float32_sums_over_long_rows_compile_and_land_within_float32_rounding_of_the_exact_sum(compiled):
+    """A cross-entropy's one-hot pick over 50304 classes (uneven rows, one holding its label last, one whose
+    terms cancel): one compiled pass accumulating in double, within one float32 rounding of the exact (float64)
+    sum, as close as the reference evaluator's pairwise float32 sum or closer."""
+    n, rows = 50304, 7
+    fn = lambda x, label: snp.sum(x * snp.astype(label[:, None] == snp.arange(n, dtype="int32")[None, :], F32) +
+                                  x * 1e-3, axis=-1)
+    specs = [sr.TensorSpec((rows, n), F32), sr.TensorSpec((rows,), "int32")]
+    fused, _ = both(fn, specs, sr.Mesh((1,), ("x",)), [(None, None), (None,)])
+    assert [i.op for i in fused.instrs if i.op == "fused_reduce"] == ["fused_reduce"]
+    assert compiled_fusions(fused)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((rows, n)).astype(F32) * 30
+    x[2] = np.concatenate([np.full(n // 2, 1e4, F32), np.full(n - n // 2, -1e4, F32)])  # cancels to 0
+    label = np.array([0, n - 1, 5, 17, 40000, 3, 9], np.int32)
+    (got,) = run_everywhere(fused, x, label)[0]
+    (want,) = sr.evaluate(sr.trace(fn, *specs), x, label)
+    xd = x.astype("float64")
+    exact = xd[np.arange(rows), label] + (xd * np.float64(np.float32(1e-3))).sum(-1)
+    err, ref_err = np.abs(got - exact), np.abs(want.astype("float64") - exact)
+    magnitude = np.abs(xd).sum(-1) * 1e-3 + np.abs(xd[np.arange(rows), label])
+    assert np.all(err <= np.maximum(ref_err, np.spacing(np.abs(exact).astype(F32)).astype("float64") +
+                                    n * 2.0 ** -52 * magnitude)), (err, ref_err)
+    assert got[2] == np.float32(x[2, 5] + 0.0)  # the cancelling row: exactly its label's logit
 
 
 @pytest.mark.parametrize("kind", ["sum", "max", "min"])

@@ -159,16 +159,18 @@ LANES = 8
 
 def reducible(fusion, operand_dtypes, kind: str, n_reduced: int, max_sum_row: int) -> bool:
     """Whether a reduction has a compiled loop here: a kind in COMPILED_REDUCTIONS of a compilable float chain;
-    a max/min over rows that merge into one loop (the lanes run over it), a sum over rows of at most
-    ``max_sum_row`` elements (what the unfused reduction sums by BLAS, ops/core.MAX_BLAS_ROW; longer ones keep
-    NumPy's pairwise sum, whose error grows as log n, where one accumulator's grows as n)."""
+    a max/min over rows that merge into one loop (the lanes run over it), a float32 sum over rows of any length
+    (its double accumulator's error, n 2^-53, stays far below float32 rounding: a cross-entropy's rows of
+    50304 logits run as one pass instead of the chain's passes and NumPy's sum), a float64 one over rows of at
+    most ``max_sum_row`` elements (what the unfused reduction sums by BLAS, ops/core.MAX_BLAS_ROW; longer ones
+    keep NumPy's pairwise sum, whose error grows as log n, where one accumulator's grows as n)."""
     row = int(np.prod(fusion.shape[len(fusion.shape) - n_reduced:]))
     if kind in ("max", "min"):
         extents, _, n_outer = _loop_nest(fusion.shape, fusion.shapes, len(fusion.shape) - n_reduced)
         if len(extents) - n_outer != 1:  # the lanes run over one merged row loop
             return False
     return (kind in COMPILED_REDUCTIONS and fusion.dtypes[-1] in FLOATS and compilable(fusion, operand_dtypes)
-            and (kind != "sum" or row <= max_sum_row))
+            and (kind != "sum" or row <= max_sum_row or fusion.dtypes[-1] == "float32"))
 
 
 def _reduce_function(fusion, dtypes, name, kind, n_reduced) -> str:
