@@ -15,6 +15,7 @@ from spmd_runtime.exec.backends import numpy_c as cpu_kernels
 from spmd_runtime.exec.fused import Fusion, compiled_fusions
 from spmd_runtime.exec.interpreter import Interpreter
 from spmd_runtime.exec.runner import communicator
+from spmd_runtime.models import gpt2
 from spmd_runtime.ops import special
 from simulated import run_everywhere
 from test_fusion import CASES, both, fusions
@@ -241,6 +242,31 @@ def test_training_step_compiled_matches_unfused(compiled, monkeypatch):
     args = [state["params"], state["opt_state"], {"tokens": x.astype(np.int32), "labels": y.astype(np.int32)}]
     for g, w in zip(run_everywhere(steps["1"].program, *args)[0], run_everywhere(steps["0"].program, *args)[0]):
         np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+
+
+def test_gpt2_loss_and_gradients_compiled_equal_the_reference_evaluator(compiled):
+    """nanoGPT's GPT-2 (exact GELU, a vocab of 50304 as GPT-2 124M's: the cross-entropy's sums over long rows)
+    with every loop compiled (the GELU and its backward's erfc alone, the long one-hot sums) against the
+    reference evaluator's loss and gradients, to float32 rounding."""
+    cfg = gpt2.GPTConfig(block_size=8, vocab_size=50304, n_layer=1, n_head=2, n_embd=16)
+    names = list(gpt2.param_shapes(cfg))
+    params = gpt2.init_params(cfg, seed=2)
+    rng = np.random.default_rng(3)
+    idx, targets = (rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32) for _ in range(2))
+
+    def fn(*args):
+        loss, grads = sr.value_and_grad(lambda p: gpt2.loss(cfg, dict(zip(names, p)), *args[-2:]))(list(args[:-2]))
+        return [loss] + grads
+    specs = [sr.TensorSpec(params[n].shape, F32) for n in names] + [sr.TensorSpec(idx.shape, "int32")] * 2
+    graph = sr.trace(fn, *specs)
+    program = sr.partition(graph, sr.Mesh((1,), ("x",)), in_specs=[(None,) * len(s.shape) for s in specs])
+    ops = {i.op for i in program.instrs}
+    assert {"gelu_exact", "erfc", "fused_reduce"} <= ops
+    assert len(compiled_fusions(program)) > 10
+    args = [params[n] for n in names] + [idx, targets]
+    got, want = run_everywhere(program, *args)[0], sr.evaluate(graph, *args)
+    for name, g, w in zip(["loss"] + names, got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-7 * np.abs(w).max(), err_msg=name)
 
 
 # ------------------------------------------------------------------------- policy and fallbacks
