@@ -15,6 +15,8 @@ from spmd_runtime.exec.backends import numpy_c as cpu_kernels
 from spmd_runtime.exec.fused import Fusion, compiled_fusions
 from spmd_runtime.exec.interpreter import Interpreter
 from spmd_runtime.exec.runner import communicator
+from spmd_runtime.models import gpt2
+from spmd_runtime.ops import special
 from simulated import run_everywhere
 from test_fusion import CASES, both, fusions
 
@@ -242,6 +244,31 @@ def test_training_step_compiled_matches_unfused(compiled, monkeypatch):
         np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
 
 
+def test_gpt2_loss_and_gradients_compiled_equal_the_reference_evaluator(compiled):
+    """nanoGPT's GPT-2 (exact GELU, a vocab of 50304 as GPT-2 124M's: the cross-entropy's sums over long rows)
+    with every loop compiled (the GELU and its backward's erfc alone, the long one-hot sums) against the
+    reference evaluator's loss and gradients, to float32 rounding."""
+    cfg = gpt2.GPTConfig(block_size=8, vocab_size=50304, n_layer=1, n_head=2, n_embd=16)
+    names = list(gpt2.param_shapes(cfg))
+    params = gpt2.init_params(cfg, seed=2)
+    rng = np.random.default_rng(3)
+    idx, targets = (rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32) for _ in range(2))
+
+    def fn(*args):
+        loss, grads = sr.value_and_grad(lambda p: gpt2.loss(cfg, dict(zip(names, p)), *args[-2:]))(list(args[:-2]))
+        return [loss] + grads
+    specs = [sr.TensorSpec(params[n].shape, F32) for n in names] + [sr.TensorSpec(idx.shape, "int32")] * 2
+    graph = sr.trace(fn, *specs)
+    program = sr.partition(graph, sr.Mesh((1,), ("x",)), in_specs=[(None,) * len(s.shape) for s in specs])
+    ops = {i.op for i in program.instrs}
+    assert {"gelu_exact", "erfc", "fused_reduce"} <= ops
+    assert len(compiled_fusions(program)) > 10
+    args = [params[n] for n in names] + [idx, targets]
+    got, want = run_everywhere(program, *args)[0], sr.evaluate(graph, *args)
+    for name, g, w in zip(["loss"] + names, got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-7 * np.abs(w).max(), err_msg=name)
+
+
 # ------------------------------------------------------------------------- policy and fallbacks
 def program_of_one_big_fusion(n):
     fused, _ = both(lambda x: snp.tanh(x * 2.0 + 1.0), [sr.TensorSpec((n,), F32)], sr.Mesh((1,), ("x",)),
@@ -277,6 +304,35 @@ def test_a_transcendental_op_outside_any_fusion_runs_compiled_and_others_stay_uf
     assert ulps(got, want) <= 4
     monkeypatch.setenv(cpu_kernels.MIN_ENV, "129")
     assert not Interpreter(program, communicator(program.mesh), np).cpu_kernels  # 128 elements: below the floor
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", ["erf", "erfc", "gelu_exact"])
+def test_the_special_functions_run_compiled_alone_equal_to_the_reference_to_rounding(name, dtype, monkeypatch,
+                                                                                    tmp_path):
+    """erf, erfc and the exact GELU (ops/special.py: float64 NumPy passes) get a compiled loop of their own
+    (glibc's erf/erfc in double, rounded once): on an uneven shape spanning both tails, zeros and the special
+    values, float32 results within 1 ulp of the reference evaluator's, float64 ones
+    within both approximations' errors (Cody's 1e-15 relative), NaN where it gives NaN."""
+    op = getattr(special, name)
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(cpu_kernels.MIN_ENV, "64")
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.uniform(-9, 9, 37 * 61 - 40), rng.uniform(-1e-3, 1e-3, 30),
+                        [0.0, -0.0, 30.0, -30.0, 1e30, -1e30, np.inf, -np.inf, np.nan, 1e-40]]).astype(dtype)
+    x = x.reshape(37, 61)
+    traced = sr.trace(op, sr.TensorSpec(x.shape, dtype))
+    program = sr.partition(traced, sr.Mesh((1,), ("x",)), in_specs=[(None, None)])
+    assert [i.op for i in program.instrs if i.op != "parameter"] == [name]
+    interp = Interpreter(program, communicator(program.mesh), np)
+    assert interp.cpu_kernels, f"{name} must run as a compiled loop"
+    (got,) = interp.run([x])
+    (want,) = sr.evaluate(traced, x)
+    assert got.dtype == want.dtype == np.dtype(dtype)
+    if dtype == F32:
+        assert ulps(got, want) <= 1
+    else:  # ulps() measures float64 to 2^9 ulps only (its int64 -> float64 step)
+        np.testing.assert_allclose(got, want, rtol=2e-15, atol=0)
 
 
 @pytest.mark.parametrize("cc, says", [("/no/such/cc", "no C compiler"), ("false", "must succeed; got exit 1")])
@@ -413,15 +469,42 @@ def test_the_reduction_source_accumulates_each_row_and_stores_no_chain_value():
     assert source.count("out[") == 1  # one store per row: the chain's values never reach memory
 
 
-def test_sums_over_rows_longer_than_blas_sums_stay_numpy(compiled):
-    """Rows over ops/core.MAX_BLAS_ROW keep NumPy's pairwise sum (unfused too): no compiled loop, same bits."""
+def test_float64_sums_over_rows_longer_than_blas_sums_stay_numpy(compiled):
+    """float64 rows over ops/core.MAX_BLAS_ROW keep NumPy's pairwise sum (unfused too): no compiled loop, same
+    bits (one double accumulator's error would grow as n)."""
     n = 5000
-    fused, plain = both(lambda a: snp.sum(a * 2.0, axis=-1), [sr.TensorSpec((3, n), F32)], sr.Mesh((1,), ("x",)),
-                        [(None, None)])
+    fused, plain = both(lambda a: snp.sum(a * 2.0, axis=-1), [sr.TensorSpec((3, n), "float64")],
+                        sr.Mesh((1,), ("x",)), [(None, None)])
     assert [i.op for i in fused.instrs if i.op == "fused_reduce"] == ["fused_reduce"]
     assert not compiled_fusions(fused)
-    x = np.random.default_rng(0).standard_normal((3, n)).astype(F32)
+    x = np.random.default_rng(0).standard_normal((3, n))
     np.testing.assert_array_equal(run_everywhere(fused, x)[0][0], run_everywhere(plain, x)[0][0])
+
+
+def test_float32_sums_over_long_rows_compile_and_land_within_float32_rounding_of_the_exact_sum(compiled):
+    """A cross-entropy's one-hot pick over 50304 classes (uneven rows, one holding its label last, one whose
+    terms cancel): one compiled pass accumulating in double, within one float32 rounding of the exact (float64)
+    sum, as close as the reference evaluator's pairwise float32 sum or closer."""
+    n, rows = 50304, 7
+    fn = lambda x, label: snp.sum(x * snp.astype(label[:, None] == snp.arange(n, dtype="int32")[None, :], F32) +
+                                  x * 1e-3, axis=-1)
+    specs = [sr.TensorSpec((rows, n), F32), sr.TensorSpec((rows,), "int32")]
+    fused, _ = both(fn, specs, sr.Mesh((1,), ("x",)), [(None, None), (None,)])
+    assert [i.op for i in fused.instrs if i.op == "fused_reduce"] == ["fused_reduce"]
+    assert compiled_fusions(fused)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((rows, n)).astype(F32) * 30
+    x[2] = np.concatenate([np.full(n // 2, 1e4, F32), np.full(n - n // 2, -1e4, F32)])  # cancels to 0
+    label = np.array([0, n - 1, 5, 17, 40000, 3, 9], np.int32)
+    (got,) = run_everywhere(fused, x, label)[0]
+    (want,) = sr.evaluate(sr.trace(fn, *specs), x, label)
+    xd = x.astype("float64")
+    exact = xd[np.arange(rows), label] + (xd * np.float64(np.float32(1e-3))).sum(-1)
+    err, ref_err = np.abs(got - exact), np.abs(want.astype("float64") - exact)
+    magnitude = np.abs(xd).sum(-1) * 1e-3 + np.abs(xd[np.arange(rows), label])
+    assert np.all(err <= np.maximum(ref_err, np.spacing(np.abs(exact).astype(F32)).astype("float64") +
+                                    n * 2.0 ** -52 * magnitude)), (err, ref_err)
+    assert got[2] == np.float32(x[2, 5] + 0.0)  # the cancelling row: exactly its label's logit
 
 
 @pytest.mark.parametrize("kind", ["sum", "max", "min"])

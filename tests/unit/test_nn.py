@@ -247,6 +247,16 @@ def test_cross_entropy_gradient_and_partitioned_class_dim():
     assert_all_ranks(program, [logits, labels], sr.evaluate(graph, logits, labels), tol=1e-12)
 
 
+def test_cross_entropy_of_a_minus_inf_logit_in_another_class_is_finite():
+    """The label's logit is picked by a select: a -inf logit elsewhere (a masked class) takes no part (a product
+    with a float one-hot would give -inf * 0 = NaN), as in PyTorch."""
+    logits = np.array([[1.0, -np.inf, 0.5], [-np.inf, 2.0, 0.0]])
+    labels = np.array([0, 2])
+    (got,) = _eval(lambda a, y: snn.cross_entropy(a, y, "none"), logits, labels)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np_cross_entropy(logits, labels, "none"), rtol=1e-13)
+
+
 def test_cross_entropy_refuses_float_labels():
     with pytest.raises(ValueError, match="integer labels"):
         sr.trace(lambda a, y: snn.cross_entropy(a, y), sr.TensorSpec((2, 3)), sr.TensorSpec((2,)))

@@ -42,6 +42,7 @@ from ...devices import to_host
 from ...opdef import lookup
 from ...ops.core import (ABS, ADD, AND, CONVERT, DIV, EQ, EXP, GE, GT, LE, LOG, LT, MAXIMUM, MINIMUM, MUL, NE, NEG,
                          NOT, OR, POW, SELECT, SQRT, SUB, TANH)
+from ...ops.special import ERF, ERFC, GELU_EXACT, SQRT_HALF
 from .steps import Fusion, RefIndex, Scratch, result_of
 
 KERNELS_ENV, MIN_ENV, CACHE_ENV = "SPMD_CPU_KERNELS", "SPMD_CPU_KERNEL_MIN", "SPMD_KERNEL_CACHE"
@@ -64,8 +65,16 @@ INFIX = {ADD.name: "+", SUB.name: "-", MUL.name: "*", DIV.name: "/", EQ.name: "=
 ARITHMETIC = tuple(op.name for op in (ADD, SUB, MUL, DIV, MAXIMUM, MINIMUM, NEG, ABS, EXP, LOG, TANH, SQRT, POW))
 # each op's C function: C's math library names them as the ops are named, but for abs
 MATH = {**{op.name: op.name for op in (EXP, LOG, TANH, SQRT, POW)}, ABS.name: "fabs"}
+# The special functions: their NumPy kernels (ops/special.py) evaluate Cody's approximations in float64 and round
+# once, ~100 ns per float32 element in NumPy passes (GPT-2 124M's exact GELU and its backward's erfc: ~0.3 s per
+# layer and pass); here glibc's erf/erfc in double (libmvec's vector forms from glibc 2.35), rounded once too:
+# both within a few double ulps of the true value, so equal to float32 rounding.
+SPECIAL = {ERF.name: "erf", ERFC.name: "erfc", GELU_EXACT.name: "spmd_gelu_exact"}
+SPECIAL_HELPERS = f"""
+static inline double spmd_gelu_exact(double x) {{ return 0.5 * x * erfc(x * -{SQRT_HALF.hex()}); }}
+"""
 # NumPy's integer loops differ (true_divide, power)
-FLOAT_ONLY = tuple(op.name for op in (DIV, EXP, LOG, TANH, SQRT, POW))
+FLOAT_ONLY = tuple(op.name for op in (DIV, EXP, LOG, TANH, SQRT, POW)) + tuple(SPECIAL)
 
 
 # ------------------------------------------------------------------------------------------- policy
@@ -86,7 +95,7 @@ def compilable(fusion, operand_dtypes) -> bool:
     if any(t not in C_TYPES for t in types) or any(len(s) != len(fusion.shape) for s in fusion.shapes):
         return False
     for (op, _), dtype in zip(fusion.steps, fusion.dtypes):
-        if op not in INFIX and op not in MATH and op not in (NEG.name, NOT.name, MAXIMUM.name, MINIMUM.name,
+        if op not in INFIX and op not in MATH and op not in SPECIAL and op not in (NEG.name, NOT.name, MAXIMUM.name, MINIMUM.name,
                                                               SELECT.name, CONVERT.name):
             return False
         if op in FLOAT_ONLY and dtype not in FLOATS:
@@ -150,16 +159,18 @@ LANES = 8
 
 def reducible(fusion, operand_dtypes, kind: str, n_reduced: int, max_sum_row: int) -> bool:
     """Whether a reduction has a compiled loop here: a kind in COMPILED_REDUCTIONS of a compilable float chain;
-    a max/min over rows that merge into one loop (the lanes run over it), a sum over rows of at most
-    ``max_sum_row`` elements (what the unfused reduction sums by BLAS, ops/core.MAX_BLAS_ROW; longer ones keep
-    NumPy's pairwise sum, whose error grows as log n, where one accumulator's grows as n)."""
+    a max/min over rows that merge into one loop (the lanes run over it), a float32 sum over rows of any length
+    (its double accumulator's error, n 2^-53, stays far below float32 rounding: a cross-entropy's rows of
+    50304 logits run as one pass instead of the chain's passes and NumPy's sum), a float64 one over rows of at
+    most ``max_sum_row`` elements (what the unfused reduction sums by BLAS, ops/core.MAX_BLAS_ROW; longer ones
+    keep NumPy's pairwise sum, whose error grows as log n, where one accumulator's grows as n)."""
     row = int(np.prod(fusion.shape[len(fusion.shape) - n_reduced:]))
     if kind in ("max", "min"):
         extents, _, n_outer = _loop_nest(fusion.shape, fusion.shapes, len(fusion.shape) - n_reduced)
         if len(extents) - n_outer != 1:  # the lanes run over one merged row loop
             return False
     return (kind in COMPILED_REDUCTIONS and fusion.dtypes[-1] in FLOATS and compilable(fusion, operand_dtypes)
-            and (kind != "sum" or row <= max_sum_row))
+            and (kind != "sum" or row <= max_sum_row or fusion.dtypes[-1] == "float32"))
 
 
 def _reduce_function(fusion, dtypes, name, kind, n_reduced) -> str:
@@ -288,6 +299,8 @@ def _value(op: str, a: list[str], types: list[str], dtype: str) -> str:
         return f"({a[0]} < 0 ? -{a[0]} : {a[0]})"
     if op == EXP.name:
         return _exp(a[0], dtype)
+    if op in SPECIAL:  # in double, rounded once, as the NumPy kernel
+        return f"(({ctype}){SPECIAL[op]}((double){a[0]}))"
     if op in MATH:
         return f"{MATH[op]}{'f' if dtype == 'float32' else ''}({', '.join(a)})"
     if op in POINTWISE:
@@ -342,7 +355,8 @@ def _vector_math() -> str:
     that library is absent (the loops then call the scalar functions)."""
     if platform.machine() != "x86_64" or _glibc() < (2, 22):
         return ""
-    names = [MATH[op.name] for op in (EXP, LOG, POW)] + ([MATH[TANH.name]] if _glibc() >= (2, 35) else [])
+    names = [MATH[op.name] for op in (EXP, LOG, POW)] + ([MATH[TANH.name], SPECIAL[ERF.name], SPECIAL[ERFC.name]]
+                                                         if _glibc() >= (2, 35) else [])
     simd = '__attribute__((simd("notinbranch")))'
     lines = ["#include <string.h>"]
     for n in names:
@@ -370,7 +384,8 @@ class KernelLibrary:
     _loaded: dict[str, ctypes.CDLL] = {}
 
     def __init__(self, functions: dict[str, str]):
-        source = "\n".join(["#include <math.h>", "#include <stdint.h>", _vector_math(), *functions.values()])
+        source = "\n".join(["#include <math.h>", "#include <stdint.h>", _vector_math(), SPECIAL_HELPERS,
+                            *functions.values()])
         self.lib = self._load(source)
 
     def function(self, name: str):
