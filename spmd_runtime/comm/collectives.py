@@ -162,7 +162,11 @@ def bind(mc, kind, xp, shape, dtype, *, reuse: bool = True, in_place: bool = Fal
                                   nonblocking=nonblocking, **attrs)
     if nonblocking and spec is REDUCE_SCATTER and xp is np:  # MPICH's nonblocking algorithm: blocking at the start
         run = bind(mc, kind, xp, shape, dtype, reuse=reuse, in_place=in_place, operand=operand, **attrs)
-        return lambda x: Pending((), run(x), None, what)
+
+        def start_blocking(x):
+            return Pending((), run(x), None, what)
+        start_blocking.persistent_requests = getattr(run, "persistent_requests", [])  # what ``release`` frees
+        return start_blocking
     plan = _Plan(mc, xp, tuple(shape), np.dtype(dtype), reuse, nonblocking, what, operand)
     run = _BINDERS[spec](plan, in_place=in_place, **attrs)
     return plan.starter(run) if nonblocking and not plan.starts_itself else run
