@@ -185,12 +185,13 @@ def test_a_donating_step_equals_the_plain_step(preset, monkeypatch):
     assert N == 1 or preset != "dp" or persistent > 0, "dp's gradient all-reduces should be persistent"
 
 
-@pytest.mark.parametrize("preset", ["dp", "fsdp", "megatron"])
+@pytest.mark.parametrize("preset", ["dp", "megatron"])
 @pytest.mark.sample_at_large_world()
 def test_an_accumulating_donating_step_equals_the_plain_step(preset):
     """Two micro-batches over scanned layers with the state donated: the accumulators are updated in place by
     the micro-batch scan's body (in the loop's own buffers) and every parameter in its donated buffer, under
-    real MPI: the same bits as the plain accumulating step over two steps."""
+    real MPI: the same bits as the plain accumulating step over two steps. (fsdp over scanned layers refuses
+    micro-batches, tests/unit/test_train.py: it ran the whole batch, so its case here compared nothing.)"""
     from spmd_runtime.exec.runner import Runtime
     cfg, mesh = LMConfig(**{**CFG.__dict__, "layers": 2}), mesh_of((N,), preset, False)
     plain = build_train_step_on_root(cfg, mesh, preset, OPT, WORLD, microbatches=2)
