@@ -27,8 +27,8 @@ def asked(monkeypatch):
         monkeypatch.setattr(Mesh, name, counted)
     groups = exchange._Layout._groups
 
-    def counted_groups(self, axes):
-        for g in groups(self, axes):
+    def counted_groups(self, axes, fixed=()):
+        for g in groups(self, axes, fixed):
             calls["exchange coordinates"] += 1
             yield g
     monkeypatch.setattr(exchange._Layout, "_groups", counted_groups)

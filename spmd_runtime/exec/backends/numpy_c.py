@@ -69,7 +69,7 @@ MATH = {**{op.name: op.name for op in (EXP, LOG, TANH, SQRT, POW)}, ABS.name: "f
 # once, ~100 ns per float32 element in NumPy passes (GPT-2 124M's exact GELU and its backward's erfc: ~0.3 s per
 # layer and pass); here glibc's erf/erfc in double (libmvec's vector forms from glibc 2.35), rounded once too:
 # both within a few double ulps of the true value, so equal to float32 rounding.
-SPECIAL = {ERF.name: "erf", ERFC.name: "erfc", GELU_EXACT.name: "spmd_gelu_exact"}
+SPECIAL = {**{op.name: op.name for op in (ERF, ERFC)}, GELU_EXACT.name: "spmd_gelu_exact"}  # C names erf, erfc as the ops
 SPECIAL_HELPERS = f"""
 static inline double spmd_gelu_exact(double x) {{ return 0.5 * x * erfc(x * -{SQRT_HALF.hex()}); }}
 """
