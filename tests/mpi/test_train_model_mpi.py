@@ -45,5 +45,9 @@ def test_gpt2_with_dropout_follows_the_reference_step(shape, preset):
         state, want = ts.reference_step(state, tokens, labels)
         np.testing.assert_allclose(loss, want, rtol=2e-6)
     for name, got in ts.named(ts.gather(local)).items():
-        np.testing.assert_allclose(got, ts.named(state)[name], rtol=1e-4, atol=1e-5, err_msg=name)  # the key bias: a zero
-        # gradient in exact arithmetic (softmax ignores it), rounding noise normalised by Adam
+        want = ts.named(state)[name]
+        if name.endswith("c_attn.bias"):  # the key bias (row 1): a zero gradient in exact arithmetic (softmax
+            # ignores it), so only rounding noise, which Adam normalises to steps of up to lr: 3 steps of lr <= 1e-2
+            np.testing.assert_allclose(got[1], want[1], rtol=0, atol=3e-2, err_msg=name)
+            got, want = got[[0, 2]], want[[0, 2]]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
