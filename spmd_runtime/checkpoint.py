@@ -65,6 +65,7 @@ from .comm.communicator import world
 from .dtypes import BFLOAT16
 from .exec.backend import to_host
 from .mesh import Mesh
+from .npy import load_npy
 from . import pytree
 from .program import SPMDProgram
 from .sharding import Sharding, parse_spec
@@ -703,7 +704,7 @@ def _open_block(path: Path, name: str, blk: dict, dtype, verify: bool) -> np.nda
     file = blk["file"]
     _check_regular(path / file, "a block file", f"{file} of {name!r}")
     try:
-        data = np.load(path / file, mmap_mode="r", allow_pickle=False)
+        data = load_npy(path / file, mmap_mode="r")
     except (ValueError, OSError, EOFError) as e:
         raise ValueError(f"block file {file} of {name!r} must be a readable .npy file; got {type(e).__name__}: "
                          f"{e} in {path} (corrupt header or truncated)") from None

@@ -25,6 +25,7 @@ from .mesh import Mesh
 from .cost import DEFAULT_MODEL, CostModel, collective_kind, group_size, wire_bytes
 from .opdef import lookup
 from .live_buffers import LiveBuffers
+from .npy import load_npy
 from .ops.control import SCAN, WHILE
 from .dtypes import LOW_PRECISION, dtype as parse_dtype
 from .program_check import check_program
@@ -486,7 +487,7 @@ def _dec(v):
             raise ValueError(f"a complex attribute is [real, imag]; got {parts!r}")
         return complex(*parts)
     if isinstance(v, dict) and "ndarray" in v:
-        value = np.load(io.BytesIO(base64.b64decode(v["ndarray"])), allow_pickle=False)
+        value = load_npy(io.BytesIO(base64.b64decode(v["ndarray"])))
         if "dtype" in v:
             want = parse_dtype(v["dtype"])
             if want not in LOW_PRECISION or want.itemsize != value.dtype.itemsize:
