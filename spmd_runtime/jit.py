@@ -193,7 +193,7 @@ class Jitted:
         for k, (x, spec) in enumerate(zip(leaves, specs)):
             if isinstance(x, DArray):
                 declared = x.sharding if spec is None else _sharding(spec, x)
-                if _on_split_axes(declared, x.mesh) == _on_split_axes(x.sharding, x.mesh):
+                if declared != x.sharding and _on_split_axes(declared, x.mesh) == _on_split_axes(x.sharding, x.mesh):
                     declared = x.sharding  # they differ only in axes of size 1: the same blocks on every rank
                 if declared != x.sharding and not (x.sharding.partial and not declared.partial):
                     raise ValueError(f"in_specs must match the layout of a DArray argument (a partial one may be "
@@ -317,11 +317,11 @@ def _agreed_type(failure, agreed: AgreedError):
 _TYPED: dict = {}  # exception type -> its agreed subclass
 
 
-
 def _on_split_axes(sharding: Sharding, mesh) -> Sharding:
     """``sharding`` without the mesh axes of size 1 (a split or a pending sum over one rank is no split)."""
     split = lambda axes: tuple(a for a in axes if mesh.axis_size(a) > 1)
     return dataclasses.replace(sharding, dims=tuple(split(d) for d in sharding.dims), partial=split(sharding.partial))
+
 
 def _agree_call(rt, mc, program, failure, described, sums, name):
     """One allgather: every rank compiled without error to the same program (else: what differs, the
