@@ -27,6 +27,7 @@ import spmd_runtime.nn as snn
 import spmd_runtime.numpy as snp
 import spmd_runtime.random as srandom
 from spmd_runtime.exec.backend import to_host
+from spmd_runtime.ops.core import with_gradients
 
 MESH_SHAPES = [(1,), (2,), (3,), (4,), (6,), (8,), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (1, 4)]
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12]
@@ -85,6 +86,7 @@ class _Builder:
                self.dynamic_slice, self.top_k, self.roll, self.split_slice, self.split_family, self.numpy_family,
                self.math_, self.index_arrays, self.at_update]
         ops.append(self.special_random)
+        ops.append(self.injected_gradient)
         out = ops[self.rng.integers(len(ops))](self.pick())
         if out is not None:
             self.pool.append(out)
@@ -229,6 +231,13 @@ class _Builder:
         if kind == 1:
             return t * srandom.uniform(key, t.shape, t.dtype, -1.0, 1.0)
         return snn.dropout(key, t, 0.3)
+
+    def injected_gradient(self, t):
+        """The gradient of a sum through with_gradients (ops/core.py) that gives t, beside its own derivative,
+        another pool tensor of its shape as a gradient: no instruction of its own, on any layout."""
+        others = [o for o in self.pool if o.shape == t.shape]
+        given = others[self.rng.integers(len(others))]
+        return sr.grad(lambda a: with_gradients(snp.sum(snp.tanh(a)), [a], [given]))(t)
 
     def logsumexp(self, t):
         return snp.tanh(snp.logsumexp(t, axis=int(self.rng.integers(t.ndim)))) if t.ndim else None

@@ -28,7 +28,7 @@ on every device); the shifts wrap from the last device to the first (the next ch
 (S - 1) / (v M + S - 1) instead of (S - 1) / (M + S - 1).
 
 The loop runs on stop-gradient copies of its inputs and returns the gradients itself; the result is
-``loss + sum((p - stop_gradient(p)) * grad_p)`` over the stage parameters, the head parameters and the
+``with_gradients(loss, [p...], [grad_p...])`` over the stage parameters, the head parameters and the
 micro-batches: the loss's value, whose derivative autodiff finds to be exactly the loop's gradients (so
 ``sr.value_and_grad`` of a model that calls ``pipeline_loss`` differentiates the embedding before it too).
 """
@@ -41,7 +41,7 @@ import numpy as np
 from .. import numpy as snp
 from ..bodies import capture, pytree_flatten, pytree_unflatten
 from ..ops.control import scan
-from ..ops.core import stop_gradient
+from ..ops.core import stop_gradient, with_gradients
 from ..pipeline import (check_stages, flat_param_specs, last_stage, one_f_one_b_schedule, pipeline, shift_stages,
                         split_param)
 from ..sharding import UNCONSTRAINED
@@ -119,10 +119,7 @@ def _with_gradients(loss, wrt, grads):
     summed: dict = {}
     for p, g in zip(wrt, grads):
         summed[p.id] = (p, summed[p.id][1] + g) if p.id in summed else (p, g)
-    out = stop_gradient(loss)
-    for p, g in summed.values():
-        out = out + snp.sum((p - stop_gradient(p)) * stop_gradient(g))  # value 0, derivative g
-    return out
+    return with_gradients(stop_gradient(loss), [p for p, _ in summed.values()], [g for _, g in summed.values()])
 
 
 def _one_stage(loss_fn):

@@ -36,6 +36,7 @@ def reduction(xp, kind: str):
 # ================================================================ records
 CONSTANT = define("constant", read_only=True)  # the program's array
 STOP_GRADIENT = define("stop_gradient")  # the value itself; no cotangent flows back through it
+WITH_GRADIENTS = define("with_gradients")  # its first operand's value, with the derivatives it is given
 UNARY_UFUNCS = {"neg": "negative", "exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "abs": "absolute",
                 "not": "logical_not"}
 BINARY_UFUNCS = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "true_divide", "pow": "power",
@@ -102,6 +103,21 @@ def stop_gradient(x) -> Tensor:
     numerically safe softmax subtracts (its row max) moves no gradient, as in JAX's and PyTorch's softmax."""
     x = asarray(x)
     return emit(STOP_GRADIENT, [x], {}, x.shape, x.dtype)
+
+
+def with_gradients(value, wrt, grads) -> Tensor:
+    """``value``, whose derivative in each array of ``wrt`` is, beside value's own, the matching array of ``grads``
+    (those get none): what a loop that computes its own gradients returns (``autodiff/scheduled.py``'s pipeline
+    schedules). ``value + sum((p - stop_gradient(p)) * stop_gradient(g))`` has the same derivatives but computes
+    its zero at run time, a pass over every parameter and its gradient; this op is its first operand (the
+    partitioner emits nothing for it) and its VJP gives each ``p`` the cotangent times ``g``."""
+    value, wrt, grads = asarray(value), [asarray(p) for p in wrt], [asarray(g) for g in grads]
+    if value.ndim != 0:
+        raise ValueError(f"with_gradients gives derivatives of a scalar; got a value of shape {value.shape}")
+    if len(wrt) != len(grads) or any(p.shape != g.shape for p, g in zip(wrt, grads)):
+        raise ValueError(f"with_gradients needs one gradient of each array's shape; got arrays of shapes "
+                         f"{[p.shape for p in wrt]} and gradients of shapes {[g.shape for g in grads]}")
+    return emit(WITH_GRADIENTS, [value, *wrt, *grads], {"count": len(wrt)}, value.shape, value.dtype)
 
 
 def full(shape, fill_value, dtype=None, *, device=None) -> Tensor:
@@ -635,6 +651,11 @@ def _parameter_kernel(xp, *, index, name=None):
 @opdef.kernel(STOP_GRADIENT)
 def _stop_gradient_kernel(xp, x):
     return x  # the same value: only differentiation treats it as a constant
+
+
+@opdef.kernel(WITH_GRADIENTS)
+def _with_gradients_kernel(xp, value, *wrt_and_grads, count):
+    return value  # the derivatives are differentiation's business
 
 
 @opdef.kernel(MESH_SPLIT)

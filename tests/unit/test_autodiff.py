@@ -12,6 +12,7 @@ from spmd_runtime.comm import run_simulated
 VJP_RULES = {record.name for record in VJP.ops()}
 from spmd_runtime.models import BlockConfig, block_params, transformer_block
 from spmd_runtime.nn import gelu, layer_norm, softmax
+from spmd_runtime.ops.core import with_gradients
 from spmd_runtime.trace import emit
 
 MESH_2 = sr.Mesh((2,), ("x",))
@@ -356,6 +357,42 @@ def test_stop_gradient_partitions_to_no_instruction():
     assert "stop_gradient" not in {i.op for i in program.instrs}
     for outs in run_simulated(2, lambda comm: sr.run(program, x, comm=comm)):
         np.testing.assert_allclose(outs[0], 2.0 * x)
+
+
+def test_with_gradients_gives_its_arrays_the_given_gradients_beside_the_values_own():
+    """d/dx of with_gradients(sum(x * x), [x, y], [gx, gy]) is 2 x + gx; d/dy is gy; the gradients get none; the
+    value is sum(x * x) even where a given gradient is not finite (the zero it stands for is never computed)."""
+    x, y, gx, gy = rand(3, 4), rand(5), rand(3, 4, seed=1), rand(5, seed=1)
+    gy[2] = np.inf
+    loss = lambda a, b, ga, gb: with_gradients(snp.sum(a * a), [a, b], [ga, gb])
+    f = lambda *args: value_and_grad(loss, argnums=(0, 1, 2, 3))(*args)
+    value, dx, dy, dgx, dgy = sr.evaluate(sr.trace(f, x, y, gx, gy), x, y, gx, gy)
+    np.testing.assert_allclose(value, np.sum(x * x))
+    np.testing.assert_allclose(dx, 2 * x + gx)
+    np.testing.assert_array_equal(dy, gy)
+    np.testing.assert_array_equal(dgx, np.zeros_like(gx))
+    np.testing.assert_array_equal(dgy, np.zeros_like(gy))
+
+
+def test_with_gradients_partitions_to_no_instruction_and_reads_neither_the_arrays_nor_the_gradients():
+    x, gx = rand(4, 6), rand(4, 6, seed=1)
+    graph = sr.trace(lambda a, ga: with_gradients(snp.sum(a), [a], [ga]), x, gx)
+    program = sr.partition(graph, MESH_2, in_specs=[("x", None), ("x", None)])
+    assert [i.op for i in program.instrs if i.op != "parameter"] == ["reduce", "all_reduce"]
+    for outs in run_simulated(2, lambda comm: sr.run(program, x, gx, comm=comm)):
+        np.testing.assert_allclose(outs[0], np.sum(x))
+
+
+@pytest.mark.parametrize("value,wrt,grads,match", [
+    ((3,), [(2,)], [(2,)], "with_gradients gives derivatives of a scalar; got a value of shape \\(3,\\)"),
+    ((), [(2,)], [(3,)], "with_gradients needs one gradient of each array's shape; got arrays of shapes "
+                         "\\[\\(2,\\)\\] and gradients of shapes \\[\\(3,\\)\\]"),
+    ((), [(2,)], [], "one gradient of each array's shape")])
+def test_with_gradients_refuses_a_non_scalar_value_and_gradients_of_other_shapes(value, wrt, grads, match):
+    specs = [sr.TensorSpec(value)] + [sr.TensorSpec(s) for s in wrt + grads]
+    n = len(wrt)
+    with pytest.raises(ValueError, match=match):
+        sr.trace(lambda v, *rest: with_gradients(v, rest[:n], rest[n:]), *specs)
 
 
 def test_softmax_backward_does_not_differentiate_its_row_max():

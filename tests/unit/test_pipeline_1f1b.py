@@ -194,6 +194,28 @@ def test_pipeline_1f1b_preset_trains_like_the_gpipe_preset(shape, microbatches):
     assert sum(c["trips"] for c in permutes) == 2 * (microbatches + s - 1)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_the_loops_gradients_reach_the_step_without_a_pass_over_the_parameters(schedule):
+    """The loss the loops return carries their gradients as with_gradients (ops/core.py), not as
+    loss + sum((p - stop_gradient(p)) * g): no instruction subtracts an operand from itself (that zero was a pass
+    over every parameter and gradient) and no scalar is all-reduced over the stages but the loss (the 1F1B preset's
+    step on 2 x 2; pipeline_loss's interleaved schedule on 2 stages)."""
+    if schedule == "1f1b":
+        program = sr.build_train_step(LM, sr.train_mesh((2, 2), "pipeline_1f1b"), "pipeline_1f1b", AdamW(),
+                                      microbatches=2).program
+    else:
+        _, program, _ = loss_program(sr.Mesh((2,), ("stage",)), schedule, 4, 2)
+
+    def codes(prog):
+        for ins in prog.instrs:
+            yield ins.attrs.get("code", "")
+            for body in [v for v in ins.attrs.values() if hasattr(v, "instrs")]:
+                yield from codes(body)
+    assert not [c for c in codes(program) if "sub(p0,p0)" in c or "sub(p1,p1)" in c]
+    scalars = [c for c in program.comm_summary() if c["bytes_in"] <= 8 and "stage" in c["axes"]]
+    assert len(scalars) <= 1, scalars
+
+
 @pytest.mark.parametrize("shape,axes,stages_,m,rows", [
     ((2,), ("stage",), 4, 4, B), ((4,), ("stage",), 8, 4, B), ((2, 2), ("stage", "data"), 4, 2, 3),
     ((2,), ("stage",), 6, 2, B), ((4, 2), ("stage", "data"), 8, 4, B)], ids=str)

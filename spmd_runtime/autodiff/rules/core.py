@@ -10,9 +10,9 @@ from ...ops.core import (ABS, ADD, AND, ARCCOS, ARCCOSH, ARCSIN, ARCSINH, ARCTAN
                          CBRT, COMPARISONS, CONSTANT, CONVERT, COPYSIGN, COS, COSH, DIV, EXP, EXP2, EXPM1, FMAX, FMIN,
                          FMOD, HYPOT, LOG, LOG1P, LOG2, LOG10, LOGADDEXP, LOGISTIC, MAXIMUM, MESH_SPLIT, MINIMUM, MUL,
                          NEG, NOT, OR, PARAMETER, PIECEWISE_CONSTANT, POW, RECIPROCAL, REDUCE, REMAINDER, RESHAPE,
-                         RSQRT, SELECT, SIN, SINH, SQRT, STOP_GRADIENT, SUB, TAN, TANH, TRANSPOSE, astype,
-                         broadcast_in_dim, cos, cosh, exp, floor, log, negative, power, reshape, signbit, sin, sinh,
-                         sqrt, sum, transpose, trunc, where)
+                         RSQRT, SELECT, SIN, SINH, SQRT, STOP_GRADIENT, SUB, TAN, TANH, TRANSPOSE, WITH_GRADIENTS,
+                         astype, broadcast_in_dim, cos, cosh, exp, floor, log, negative, power, reshape, signbit, sin,
+                         sinh, sqrt, sum, transpose, trunc, where)
 from ...ops.reductions import exclusive_cumprod
 from ...trace import emit
 from .table import vjp
@@ -181,6 +181,15 @@ def _convert_vjp(node, g, ops, y):
 @vjp(STOP_GRADIENT)
 def _stop_gradient_vjp(node, g, ops, y):
     return [None]
+
+
+@vjp(WITH_GRADIENTS)
+def _with_gradients_vjp(node, g, ops, y):
+    """The value's cotangent to the value; each ``wrt[i]`` the cotangent times ``grads[i]`` (in its own dtype);
+    the gradients nothing."""
+    count = node.attrs["count"]
+    given = lambda p, grad: lambda: astype(g * grad, p.dtype)
+    return [g] + [given(p, grad) for p, grad in zip(ops[1:1 + count], ops[1 + count:])] + [None] * count
 
 
 @vjp(MESH_SPLIT)

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...opdef import BROADCAST_LEVEL, ELEMENTWISE_LEVEL
 from ...ops.core import (BROADCAST_IN_DIM, CONSTANT, ELEMENTWISE_LIKE, MESH_SPLIT, PARAMETER, REDUCE, RESHAPE,
-                         STOP_GRADIENT, TRANSPOSE, reduce_identity)
+                         STOP_GRADIENT, TRANSPOSE, WITH_GRADIENTS, reduce_identity)
 from ...ops.spmd import ALL_TO_ALLV
 from ...sharding import Sharding
 from ..pending_sums import sum_carriers
@@ -123,9 +123,18 @@ def _constant_partition(ctx, node):
     return ctx.emit_like(node, CONSTANT.name, [], node.attrs, Sharding.replicated(len(node.shape)))
 
 
-@partition(MESH_SPLIT, STOP_GRADIENT)
+@propagation(WITH_GRADIENTS, level=ELEMENTWISE_LEVEL)
+def _with_gradients_propagation():
+    """The value's layout, both ways; the arrays it gives derivatives to and their gradients are not read."""
+    fwd = lambda node, ins, g, mesh: ins[0]
+    bwd = lambda node, out, ins, g, mesh: [out] + [None] * (len(ins) - 1)
+    return fwd, bwd
+
+
+@partition(MESH_SPLIT, STOP_GRADIENT, WITH_GRADIENTS)
 def _mesh_split_partition(ctx, node):
-    """No instruction of its own: the operand's value, laid out as wanted (UNCONSTRAINED dims: as propagated)."""
+    """No instruction of its own: the (first) operand's value, laid out as wanted (UNCONSTRAINED dims: as
+    propagated)."""
     return ctx.reshard(ctx.value(node.inputs[0]), ctx.sharding(node.id))
 
 
