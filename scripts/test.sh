@@ -15,7 +15,7 @@
 #
 # Knobs: SPMD_MPI_SIZES="1 2 3 4 8"  SPMD_STAGE_TIMEOUT=600 (seconds per MPI
 # stage)  SPMD_TEST_TIMEOUT=300 (seconds per test, pytest-timeout)
-# SPMD_FULL_TABLES=1 (at 4 and 8 ranks run every case of the tables tests/mpi/conftest.py
+# SPMD_FULL_TABLES=1 (from 3 ranks up run every case of the tables tests/mpi/conftest.py
 # samples there; by default one case per group and 1 in 6 of the rest)
 # MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (MPICH's waiting ranks yield their core)
 # SPMD_UNIT_WORKERS=auto (pytest-xdist processes for the unit stage: one per

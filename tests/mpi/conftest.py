@@ -46,17 +46,18 @@ def pytest_report_header(config):
 
 
 # ---- case tables at large world sizes -----------------------------------------------------------------------
-# The one sampling rule of the suite (scripts/test.sh's 20-minute budget: 4 and 8 ranks share 2 cores in CI; the unit
-# stage's simulated worlds run the same op tables on every mesh of 1-8 ranks, 1-d and 2-d). A test
+# The one sampling rule of the suite (scripts/test.sh's 20-minute budget: 3 to 8 ranks share 2 cores in CI; the unit
+# stage's simulated worlds run the same op tables on every mesh of 1-8 ranks, 1-d and 2-d, and test_reshard_mpi.py,
+# not sampled, exchanges uneven blocks on every mesh of the world). A test
 # marked ``@pytest.mark.sample_at_large_world(group=..., specific=...)`` runs its whole table below LARGE_WORLD
 # ranks; at LARGE_WORLD ranks and more, of each group of its cases (``group(**params)``: e.g. one op and
 # sharding on this world's several meshes; the whole table when no group is given) it runs
 #   - one case, picked by a stable hash of the group: one of those ``specific(**params)`` calls something only
 #     a large world has (mesh_cases.only_in_large_worlds: two split axes, 2x2 at 4 ranks, 2x4 / 4x2 at 8), else any one;
 #   - and every other case whose stable hash (crc32 of its name) is 0 modulo SAMPLE_EVERY.
-# So no group is dropped at 4 or 8 ranks and every rank selects the same cases. The rest are deselected (pytest says
+# So no group is dropped at 3, 4 or 8 ranks and every rank selects the same cases. The rest are deselected (pytest says
 # how many); SPMD_FULL_TABLES=1 runs every case at every world size.
-LARGE_WORLD = 4
+LARGE_WORLD = 3
 SAMPLE_EVERY = 6
 _SAMPLED = pytest.StashKey[int]()  # how many this run deselected
 

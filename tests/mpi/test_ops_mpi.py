@@ -2,8 +2,8 @@
 this world size (plus a device-reordered one), against the reference evaluator.
 
 Run as ``mpiexec -n N python -m pytest --with-mpi tests/mpi``; the parameters are
-built from N at collection time, so each world size runs its own meshes. At 4 and 8 ranks each case and
-sharding runs on one mesh that splits two axes (2x2; 2x4, 4x2) and on a sample of the others
+built from N at collection time, so each world size runs its own meshes. From 3 ranks up each case and
+sharding runs on one mesh, one that splits two axes where the world has it (2x2; 2x4, 4x2), and on a sample of the others
 (``sample_at_large_world``, tests/mpi/conftest.py).
 """
 import numpy as np

@@ -1,7 +1,7 @@
 """Training under real MPI, for any world size: a 2-step run of the partitioned LM training step on
 every 1-d and 2-d mesh of the world (plus one with reordered devices) matches the unpartitioned
-reference, and a checkpoint saved on one mesh resumes the same loss curve on another. At 4 and 8 ranks each
-2-d preset runs on 2x2, or one of 2x4 / 4x2, and a sample of the rest (``sample_at_large_world``, tests/mpi/conftest.py).
+reference, and a checkpoint saved on one mesh resumes the same loss curve on another. From 3 ranks up each
+2-d preset runs on one mesh (2x2 at 4 ranks, one of 2x4 / 4x2 at 8) and a sample of the rest (``sample_at_large_world``, tests/mpi/conftest.py).
 
 Run: ``mpiexec -n N python -m pytest --with-mpi tests/mpi/test_train_mpi.py -p no:cacheprovider``.
 Rank 0 traces and partitions (``build_train_step_on_root``) and computes the reference; assertions come

@@ -1,7 +1,7 @@
 """Windowed einsum under real MPI: the rings' nonblocking permutes (Isend/Irecv, progressed by MPI_Test between
 kernels) on every mesh of this world size, even and uneven, against the reference evaluator; and a training
-step whose gathers and reduce-scatters became rings gives the plain step's losses. At 4 and 8 ranks each pattern,
-size and ring length runs on 2x2, or one of 2x4 / 4x2, and a sample of the rest (``sample_at_large_world``, tests/mpi/conftest.py)."""
+step whose gathers and reduce-scatters became rings gives the plain step's losses. From 3 ranks up each pattern,
+size and ring length runs on one mesh (2x2 at 4 ranks, one of 2x4 / 4x2 at 8) and a sample of the rest (``sample_at_large_world``, tests/mpi/conftest.py)."""
 import numpy as np
 import pytest
 from mpi4py import MPI
