@@ -112,10 +112,10 @@ def new_strides(ins, operands) -> tuple | None:
     elementwise op's or a convert's (a ufunc and ``astype`` write in their operands' order) where every operand
     is C-ordered or a scalar.
     ``operands``: (local shape, strides) of each operand."""
-    c = c_strides(ins.shape)
     if ins.op in C_ORDERED:
-        return c
-    if (lookup(ins.op).ufunc or ins.op == CONVERT.name) and all(not s or (tuple(s) == tuple(ins.shape) and is_c_ordered(s, st))
-                                    for s, st in operands):
-        return c
+        return c_strides(ins.shape)
+    follows_operands = lookup(ins.op).ufunc or ins.op == CONVERT.name
+    c_ordered = lambda shape, strides: not shape or (tuple(shape) == tuple(ins.shape) and is_c_ordered(shape, strides))
+    if follows_operands and all(c_ordered(shape, strides) for shape, strides in operands):
+        return c_strides(ins.shape)
     return None
