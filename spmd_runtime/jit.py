@@ -15,7 +15,6 @@ Results are DArrays in the function's output structure.
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import inspect
 
 import numpy as np
@@ -193,7 +192,7 @@ class Jitted:
         for k, (x, spec) in enumerate(zip(leaves, specs)):
             if isinstance(x, DArray):
                 declared = x.sharding if spec is None else _sharding(spec, x)
-                if declared != x.sharding and _on_split_axes(declared, x.mesh) == _on_split_axes(x.sharding, x.mesh):
+                if declared != x.sharding and declared.on_split_axes(x.mesh) == x.sharding.on_split_axes(x.mesh):
                     declared = x.sharding  # they differ only in axes of size 1: the same blocks on every rank
                 if declared != x.sharding and not (x.sharding.partial and not declared.partial):
                     raise ValueError(f"in_specs must match the layout of a DArray argument (a partial one may be "
@@ -315,12 +314,6 @@ def _agreed_type(failure, agreed: AgreedError):
 
 
 _TYPED: dict = {}  # exception type -> its agreed subclass
-
-
-def _on_split_axes(sharding: Sharding, mesh) -> Sharding:
-    """``sharding`` without the mesh axes of size 1 (a split or a pending sum over one rank is no split)."""
-    split = lambda axes: tuple(a for a in axes if mesh.axis_size(a) > 1)
-    return dataclasses.replace(sharding, dims=tuple(split(d) for d in sharding.dims), partial=split(sharding.partial))
 
 
 def _agree_call(rt, mc, program, failure, described, sums, name):

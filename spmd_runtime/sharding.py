@@ -88,6 +88,12 @@ class Sharding:
     def without_partial(self) -> "Sharding":
         return Sharding(self.dims)
 
+    def on_split_axes(self, mesh: Mesh) -> "Sharding":
+        """This sharding without the mesh axes of size 1: a split or a pending sum over one rank is none, so two
+        shardings equal here hold the same blocks on every rank."""
+        split = lambda axes: tuple(a for a in axes if mesh.axis_size(a) > 1)
+        return Sharding(tuple(split(d) for d in self.dims), split(self.partial), self.reduce_op)
+
     def num_shards(self, mesh: Mesh, dim: int) -> int:
         return mesh.axis_size(self.dims[dim])
 

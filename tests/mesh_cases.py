@@ -25,7 +25,7 @@ def axes_choices(mesh: Mesh) -> list[tuple[str, ...]]:
     return [p for r in range(len(mesh.axis_names) + 1) for p in permutations(mesh.axis_names, r)]
 
 
-def only_in_large_worlds(shape: tuple[int, ...]) -> bool:
+def splits_two_axes(shape: tuple[int, ...]) -> bool:
     """Whether the mesh splits two axes or more: the 1- to 3-rank worlds have no such mesh (2x2 at 4 ranks; 2x4, 4x2
     at 8). What the sampled stages (3, 4 and 8 ranks) keep of each case table where they have one (tests/mpi/conftest.py)."""
     return sum(s > 1 for s in shape) >= 2

@@ -53,7 +53,7 @@ def pytest_report_header(config):
 # ranks; at LARGE_WORLD ranks and more, of each group of its cases (``group(**params)``: e.g. one op and
 # sharding on this world's several meshes; the whole table when no group is given) it runs
 #   - one case, picked by a stable hash of the group: one of those ``specific(**params)`` calls something only
-#     a large world has (mesh_cases.only_in_large_worlds: two split axes, 2x2 at 4 ranks, 2x4 / 4x2 at 8), else any one;
+#     a large world has (mesh_cases.splits_two_axes: two split axes, 2x2 at 4 ranks, 2x4 / 4x2 at 8), else any one;
 #   - and every other case whose stable hash (crc32 of its name) is 0 modulo SAMPLE_EVERY.
 # So no group is dropped at 3, 4 or 8 ranks and every rank selects the same cases. The rest are deselected (pytest says
 # how many); SPMD_FULL_TABLES=1 runs every case at every world size.

@@ -13,7 +13,7 @@ from mpi4py import MPI
 import spmd_runtime as sr
 from spmd_runtime.exec.backend import to_host
 
-from mesh_cases import meshes_for, only_in_large_worlds
+from mesh_cases import meshes_for, splits_two_axes
 from op_cases import all_cases, partition_case, tolerance
 
 CASES = all_cases()
@@ -27,7 +27,7 @@ PARAMS = [pytest.param(c, s, m, id=f"{c.name}-spec{i}-{m}") for c in CASES for i
 @pytest.mark.filterwarnings("ignore:spmd_runtime partitioner")
 @pytest.mark.parametrize("case,specs,mesh", PARAMS)
 @pytest.mark.sample_at_large_world(group=lambda case, specs, mesh: f"{case.name}-{specs}",
-                                   specific=lambda case, specs, mesh: only_in_large_worlds(mesh.shape))
+                                   specific=lambda case, specs, mesh: splits_two_axes(mesh.shape))
 def test_partitioned_matches_reference(case, specs, mesh):
     graph, program, args, expected = partition_case(case, specs, mesh)
     got = sr.run(program, *args)

@@ -23,7 +23,7 @@ from spmd_runtime.models.lm import LMConfig
 from spmd_runtime.optim import AdamW
 from spmd_runtime.train import build_train_step_on_root, train_mesh
 
-from mesh_cases import only_in_large_worlds
+from mesh_cases import splits_two_axes
 
 pytestmark = pytest.mark.mpi
 
@@ -74,7 +74,7 @@ def train(ts, local, batches):
 @pytest.mark.parametrize("shape,preset,reverse", cases(),
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 @pytest.mark.sample_at_large_world(group=lambda shape, preset, reverse: f"{len(shape)}-d {preset}",
-                                   specific=lambda shape, preset, reverse: only_in_large_worlds(shape))
+                                   specific=lambda shape, preset, reverse: splits_two_axes(shape))
 def test_two_steps_match_the_reference(shape, preset, reverse):
     ts = build_train_step_on_root(CFG, mesh_of(shape, preset, reverse), preset, OPT, WORLD)
     state, data = ts.init(seed=1), feed(2)

@@ -12,7 +12,7 @@ from spmd_runtime.models.lm import LMConfig
 from spmd_runtime.optim import AdamW
 from spmd_runtime.train import build_train_step, train_mesh
 
-from mesh_cases import meshes_for, only_in_large_worlds
+from mesh_cases import meshes_for, splits_two_axes
 from windowed_cases import PATTERNS, window_axes, windowed_program
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -24,7 +24,7 @@ PARAMS = [pytest.param(p, m, a, n, id=f"{p}-{m}-{'.'.join(a)}-{n}") for m in mes
 @pytest.mark.skipif(WORLD < 2, reason="a ring needs two ranks")
 @pytest.mark.parametrize("pattern,mesh,axes,size", PARAMS)
 @pytest.mark.sample_at_large_world(group=lambda pattern, mesh, axes, size: f"{pattern}-{size}-{mesh.axis_size(axes)}",
-                                   specific=lambda pattern, mesh, axes, size: only_in_large_worlds(mesh.shape))
+                                   specific=lambda pattern, mesh, axes, size: splits_two_axes(mesh.shape))
 def test_ring_matches_reference(pattern, mesh, axes, size):
     graph, args, program = windowed_program(pattern, mesh, axes, size)
     assert "collective_permute_start" in str(program)

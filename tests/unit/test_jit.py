@@ -257,3 +257,26 @@ def test_scatter_from_root_with_bad_root_data_raises_everywhere():
                              sr.Mesh((2,), ("x",)), comm=comm)
     for e in _errors(2, call):
         assert "scatter_from_root: the root rank 0 could not lay out its array" in e and "ndim 1" in e
+
+
+def test_a_darray_split_only_over_axes_of_size_one_is_taken_as_its_declared_layout():
+    """Laid out "split" over a 1-rank axis, an argument holds the same blocks as replicated: an in_spec of P() takes
+    it as it is (the ResNet fsdp step's running statistics on a 1-rank data axis); a split over a 2-rank axis is
+    still refused."""
+    x = np.arange(8, dtype="float32")
+    one, two = sr.Mesh((1, 2), ("data", "model")), sr.Mesh((2, 1), ("data", "model"))
+    assert sr.Sharding((("data",),)).on_split_axes(one) == sr.Sharding(((),))
+    assert sr.Sharding((("data", "model"),)).on_split_axes(two) == sr.Sharding((("data",),))
+    assert sr.Sharding(((),), ("model",)).on_split_axes(two) == sr.Sharding(((),))
+
+    def body(comm, mesh):
+        f = sr.jit(lambda a: a * 2.0, mesh=mesh, comm=comm, in_specs=(sr.P(),))
+        try:
+            return np.asarray(f(sr.device_put(x, sr.P("data"), mesh, comm=comm)))
+        except ValueError as e:
+            return str(e)
+
+    for got in run_simulated(2, body, one):
+        np.testing.assert_array_equal(got, 2 * x)
+    for got in run_simulated(2, body, two):
+        assert "in_specs must match the layout of a DArray argument" in got
