@@ -9,17 +9,16 @@ come from a least-squares line through (wire bytes, seconds), clamped at zero. R
 that ``partition(..., cost_profile=PATH)`` or ``$SPMD_COST_PROFILE`` then uses (cost.CostModel).
 
 ``hardware_profile`` then describes the machine for the predictor (``hardware.Hardware``, ``estimate.py``):
-GEMM FLOP/s per dtype, memory bandwidth, the interpreter's cost per instruction, the links inside a node
-and between nodes from all-reduce fits split by rank placement, and the scheduler's slice (how long a rank that
-computes keeps a core its peers share: ``Hardware.sync_wait_s``) (``--hardware FILE`` on the command line).
+GEMM FLOP/s per dtype (and the fraction of it a matmul with a small dim reaches), memory bandwidth, the
+interpreter's cost per instruction, the links inside a node and between nodes from all-reduce fits split by rank
+placement, and what a blocking collective costs ranks that share a core (``Hardware.sync_wait_s``)
+(``--hardware FILE`` on the command line).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -112,17 +111,20 @@ def _fit_line(points) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------ a hardware profile of this machine
-GEMM_SIZE = 512  # square matmuls: large enough for BLAS to reach its rate, small enough to take ~10 ms
-GEMM_CHAIN = 16  # matmuls per sample: long enough that every rank's run overlaps the others' (a core shared
-#                  by two ranks, or two hyperthreads of one core, shows as half the rate, as in a step)
+GEMM_SIZE = 512  # square matmuls: large enough for BLAS to reach its rate, small enough to take ~1 ms
+GEMM_RING_BYTES = 64 << 20  # distinct operands the GEMMs cycle through: far beyond a core's caches, so each
+#                             reads its operands from memory as a step's do (the instruction before wrote other
+#                             data); one pair of operands, repeated, stays cached and runs ~1.3x faster here
+GEMM_DIMS = (16, 32, 64, 128, 256)  # smallest dims timed for the profile's gemm_efficiency (the rest GEMM_SIZE)
 COPY_BYTES = 64 << 20  # a copy far larger than the caches: the memory bandwidth
 
 
 def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-machine") -> Hardware:
     """A ``Hardware`` profile of the machine the job runs on (collective; every rank gets it): every rank at
-    once (as in a step) times a float32 / float64 GEMM, a copy of ``COPY_BYTES`` and the interpreter's cost of
-    one small instruction, the slowest rank counting; the links come from ``doc``'s all-reduce fits, inside a
-    node from the groups of node-local ranks and between nodes from an all-reduce over one rank per node."""
+    once (as in a step) times float32 / float64 GEMMs on operands beyond its caches (and float32 ones with a
+    small dim, for ``gemm_efficiency``), a copy of ``COPY_BYTES`` and the interpreter's cost of one small
+    instruction, the slowest rank counting; the links come from ``doc``'s all-reduce fits, inside a node from the
+    groups of node-local ranks and between nodes from an all-reduce over one rank per node."""
     comm = world(comm)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())  # the ranks sharing this rank's memory
     per_node = node.Get_size()
@@ -131,8 +133,11 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     slowest = lambda seconds: max(comm.allgather(seconds))  # noqa: E731  (every rank's best, the slowest of them)
     with _one_blas_thread():  # one core's rate: the profile's compute unit (hardware.py)
         sharing = max(1.0, per_node / cores)  # ranks taking turns on a core each get 1 / sharing of it
-        flops = {d: sharing * GEMM_CHAIN * 2 * GEMM_SIZE ** 3 / slowest(_best(_gemm(d), repeats))
-                 for d in ("float32", "float64")}
+        rate = lambda dtype, dims: sharing * _gemm_flops(dims) / slowest(_best(_gemm(dtype, dims), repeats))  # noqa
+        square = (GEMM_SIZE,) * 3
+        flops = {d: rate(d, square) for d in ("float32", "float64")}
+        efficiency = tuple((d, min(1.0, float(np.mean([rate("float32", _narrow(d, i)) for i in range(3)]))
+                                / flops["float32"])) for d in GEMM_DIMS) + ((GEMM_SIZE, 1.0),)
     bandwidth = 2 * COPY_BYTES / slowest(_best(_copy(), repeats))
     overhead = slowest(_instruction_overhead(comm, repeats))
     intra = _link(doc, min(per_node, comm.Get_size()))
@@ -141,60 +146,72 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node
     slice_s = _slice(comm)
     sources = {"": f"measured by `python -m spmd_runtime calibrate --hardware` on {comm.Get_size()} rank(s), "
-                   f"{per_node} per node", "device": f"{GEMM_CHAIN} {GEMM_SIZE}^3 GEMMs and a {COPY_BYTES >> 20} MiB copy on "
-                   f"every rank at once (the slowest rank); memory: the node's RAM over its ranks",
+                   f"{per_node} per node", "device": f"{GEMM_SIZE}^3 GEMMs over {GEMM_RING_BYTES >> 20} MiB of "
+                   f"operands (gemm_efficiency: one dim {'/'.join(map(str, GEMM_DIMS))}, the mean of it as rows, "
+                   f"columns and summed length) and a {COPY_BYTES >> 20} MiB copy on every rank at once (the slowest "
+                   f"rank); memory: the node's RAM over its ranks",
                "node": "the all-reduce fit of a group of node-local ranks", "network":
                "an all-reduce over one rank per node" if nodes > 1 else "one node only: the node's link"}
     sources["device"] += f"; one BLAS thread, {cores} cores per node"
-    sources["node"] += ("; slice_s: the median round trip to a rank whose core a busy process shares"
+    sources["node"] += ("; slice_s: twice the wait per all-reduce of two ranks computing on one core"
                         if comm.Get_size() > 1 else "; slice_s: the default (one rank: no peer to time)")
     return Hardware(name, tuple(sorted(flops.items())), int(memory), bandwidth, per_node, intra, inter,
                     nodes if nodes > 1 else None, overhead, sources, cores, slice_s=slice_s,
-                    overlap=False)  # MPI over shared memory, no progress thread: messages move in the ranks' calls
+                    overlap=False,  # MPI over shared memory, no progress thread: messages move in the ranks' calls
+                    gemm_efficiency=efficiency)
 
 
-SLICE_TRIPS = 40  # round trips: ~0.2 s at a 4 ms slice
+SLICE_TRIPS = 100  # chunk + all-reduce rounds: ~0.2 s
+SLICE_CHUNK_S = 1e-3  # each rank's compute between two all-reduces (a step's instructions between collectives)
 
 
-@watchdog.collective(lambda frame: "calibrate's timing of the scheduler's slice (Barrier, Send / Recv, bcast)")
+@watchdog.collective(lambda frame: "calibrate's timing of ranks sharing a core (Barrier, Allreduce, bcast)")
 def _slice(comm, trips: int = SLICE_TRIPS) -> float:
-    """How long a rank that computes keeps a core that a blocked peer needs: rank 1 and a busy process share one
-    core, and rank 0 times ping-pongs with rank 1. Waiting in MPI, rank 1 yields its core to the busy process,
-    which keeps it to the scheduler's next tick; each message then waits for that tick (the ping-pong locks to
-    it: the median round trip is one slice). Every rank gets rank 0's median; one rank: ``DEFAULT_SLICE_S``."""
+    """What a blocking collective costs ranks that share a core, as ``Hardware.sync_wait_s`` charges it: ranks 0
+    and 1 move onto one core and, ``trips`` times, each computes ``SLICE_CHUNK_S`` and all-reduces with the
+    other. A round beyond both ranks' CPU time is their wait for each other (a rank blocked in MPI holding the
+    core its peer needs; a loaded machine's other processes taking it); ``sync_wait_s`` charges (p - 1) / p
+    slices at p ranks per core, so the slice is twice the wait at p = 2. Every rank gets rank 0's figure; one
+    rank: ``DEFAULT_SLICE_S``."""
     if comm.Get_size() < 2:
         return DEFAULT_SLICE_S
-    rank, buf, trips_s = comm.Get_rank(), np.zeros(1, np.float32), []
-    mask = os.sched_getaffinity(0)
-    cores = sorted(set().union(*comm.allgather(mask)))  # rank 0 on one core, rank 1 and the busy one on another
-    busy = _busy_on(cores[-1]) if rank == 1 else None
-    if rank == 0:
-        os.sched_setaffinity(0, {cores[0]})
+    rank, mask = comm.Get_rank(), os.sched_getaffinity(0)
+    pair = comm.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
     try:
-        comm.Barrier()
-        for _ in range(trips if rank < 2 else 0):
-            start = time.perf_counter()
-            if rank == 0:
-                comm.Send(buf, 1)
-                comm.Recv(buf, 1)
-            else:
-                comm.Recv(buf, 0)
-                comm.Send(buf, 0)
-            trips_s.append(time.perf_counter() - start)
+        if pair != MPI.COMM_NULL:
+            wait = _paired_wait(pair, min(set().union(*pair.allgather(mask))), trips)
+            pair.Free()
+        else:
+            wait = None
     finally:
-        if busy is not None:
-            busy.kill()
-            busy.wait()
         os.sched_setaffinity(0, mask)
-    return comm.bcast(float(np.median(trips_s)) if rank == 0 else None, root=0)
+    return comm.bcast(2.0 * wait if rank == 0 else None, root=0)
 
 
-def _busy_on(core: int) -> subprocess.Popen:
-    """A process that computes on ``core`` until killed, with this rank moved onto the same core."""
+def _paired_wait(pair, core: int, trips: int) -> float:
+    """Seconds per round beyond the two ranks' CPU time, both on ``core``."""
     os.sched_setaffinity(0, {core})
-    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
-    time.sleep(0.05)  # running before the first message
-    return busy
+    a, buf = np.ones((64, 64), np.float32), np.zeros(1, np.float32)
+    with _one_blas_thread():
+        per_chunk = _matmuls_in(a, SLICE_CHUNK_S)
+        pair.Barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(trips):
+            for _ in range(per_chunk):
+                a @ a
+            pair.Allreduce(MPI.IN_PLACE, buf)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    wall = max(pair.allgather(wall))
+    return max(0.0, wall - sum(pair.allgather(cpu))) / trips
+
+
+def _matmuls_in(a, seconds: float) -> int:
+    """How many ``a @ a`` take ``seconds`` of this process's CPU."""
+    count, start = 0, time.process_time()
+    while time.process_time() - start < 0.02:
+        a @ a
+        count += 1
+    return max(1, int(count * seconds / (time.process_time() - start)))
 
 
 def _cores(node) -> int:
@@ -220,13 +237,30 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def _gemm(dtype: str):
-    a = np.ones((GEMM_SIZE, GEMM_SIZE), dtype)
-    out = np.empty_like(a)
+def _gemm_flops(dims) -> float:
+    """FLOPs of one pass of ``_gemm(dtype, dims)``: the ring's matmuls."""
+    m, k, n = dims
+    return 2.0 * m * k * n * _ring(dims)
+
+
+def _ring(dims) -> int:
+    m, k, n = dims
+    return max(2, GEMM_RING_BYTES // (4 * (m * k + k * n + m * n)))
+
+
+def _narrow(d: int, which: int) -> tuple:
+    """(m, k, n) with dim ``which`` (rows, summed length, columns) ``d``, the others ``GEMM_SIZE``."""
+    return tuple(d if i == which else GEMM_SIZE for i in range(3))
+
+
+def _gemm(dtype: str, dims):
+    """One pass over a ring of distinct (a, b, out) triples, each matmul reading operands no cache holds."""
+    m, k, n = dims
+    ring = [(np.ones((m, k), dtype), np.ones((k, n), dtype), np.empty((m, n), dtype)) for _ in range(_ring(dims))]
 
     def chain():
-        for _ in range(GEMM_CHAIN):
-            np.matmul(a, a, out=out)
+        for a, b, out in ring:
+            np.matmul(a, b, out=out)
     return chain
 
 

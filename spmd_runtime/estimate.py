@@ -5,6 +5,8 @@
 - compute: each instruction's FLOPs (einsum and conv exact: 2 x the product of every index size; fused
   elementwise chains one FLOP per operation and element) and bytes (operands read, result written) on a
   roofline: ``max(flops / peak(dtype), bytes / memory bandwidth)`` plus the profile's per-instruction overhead,
+  an einsum's peak scaled by the profile's ``gemm_fraction`` of its smallest matmul dim (rows, columns or the
+  summed length: attention's head dim runs a CPU's BLAS at half its rate),
   over the compute units the rank gets (``Hardware.units_of``: a node's cores over the ranks placed on it; more
   than one speeds up only the BLAS work, einsums and convolutions, on up to ``threads_per_rank`` threads);
 - communication: each collective's wire bytes (``cost.wire_bytes``: the ring formulas) over the link its group
@@ -190,6 +192,8 @@ class _Walk:
         flops, nbytes = _flops_and_bytes(ins, shapes)
         threaded = min(self.units, self.hw.threads_per_rank) if self.units > 1 and ins.op in BLAS else 1.0
         rate = self.hw.peak_flops(ins.dtype) * threaded
+        if ins.op == EINSUM.name:
+            rate *= self.hw.gemm_fraction(_smallest_matmul_dim(ins.attrs["spec"], [shapes[a][0] for a in ins.args]))
         seconds = max(flops / rate, nbytes / self.hw.memory_bandwidth) + self.hw.overhead_s
         seconds /= min(self.units, 1.0)  # ranks sharing a core take turns on it
         self._record(InstrCost(ins.op, ins.out, flops, nbytes, seconds, 0.0, "", trips), trips)
@@ -262,3 +266,21 @@ def _einsum_flops(spec: str, operands) -> float:
         sizes.update(zip(labels, shape))
     total = float(math.prod(sizes.values()))
     return 2 * total if set(sizes) - set(output) else total
+
+
+def _smallest_matmul_dim(spec: str, operands) -> int:
+    """The smallest of the stacked matmul's rows (a's free letters), columns (b's) and summed length an einsum
+    runs as (ops/einsum.py); an einsum without one of them (a product, a dot per element) is no matmul: it gets
+    the full rate, and the roofline's bytes term prices it."""
+    inputs, output = spec.split("->")
+    terms = inputs.split(",")
+    if len(terms) != 2:
+        return 1 << 30
+    sizes: dict[str, int] = {}
+    for labels, shape in zip(terms, operands):
+        sizes.update(zip(labels, shape))
+    a, b = terms
+    groups = ([c for c in a if c not in b], [c for c in b if c not in a], [c for c in a if c in b and c not in output])
+    if not all(groups):
+        return 1 << 30
+    return min(math.prod(sizes[c] for c in g) for g in groups)

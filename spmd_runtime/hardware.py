@@ -5,6 +5,8 @@ A profile is a small JSON file (format ``spmd_runtime.hardware``)::
     {"format": "spmd_runtime.hardware", "name": "dgx-a100-80gb",
      "device":  {"flops": {"bfloat16": 312e12, "float32": 19.5e12, ...},   # dense peak FLOP/s per dtype
                  "memory_bytes": 85899345920, "memory_bandwidth": 2.039e12, "source": "..."},
+                 # optional "gemm_efficiency": {"32": 0.6, "128": 0.9, ...}: the fraction of "flops" a matmul
+                 # reaches when its smallest dim (rows, columns or the summed length) is that (default: 1)
      "node":    {"ranks": 8, "link": {"bandwidth": 300e9, "latency": 3e-6}, "source": "..."},  # inside a node
                  # optional "cores": compute units a node runs at once (default: "ranks", one device each)
                  # optional "slice_s": how long a computing rank keeps a shared core (default DEFAULT_SLICE_S)
@@ -24,10 +26,15 @@ nodes in rank order (ranks 0..R-1 on the first node), as MPI launchers place the
 (ranks share cores, as 8 ranks on a 2-core laptop) every instruction of it runs that much slower; over one
 (fewer ranks than cores) its einsums and convolutions run on up to ``threads_per_rank`` of them (BLAS threads).
 When ranks share a core, a rank that blocks at a collective often waits for a peer that is not running: the peer
-runs only once the scheduler takes its core from the computing rank holding it, after ``node.slice_s`` at most
-(``sync_wait_s``: the cost of one blocking collective for the rank's placement and group size).
+runs only once the scheduler takes its core from the rank holding it, after ``node.slice_s`` at most
+(``sync_wait_s``: the cost of one blocking collective for the rank's placement and group size). How long that is
+depends on the machine's other load more than on its kernel: a rank blocked in MPI that hands its core to a
+core-mate of its own job costs nothing (calibrate measured 0 on a quiet 2-core host), a foreign process that
+takes the core keeps it to the scheduler's next tick (4 ms); calibrate measures it as the job sees it.
 On a CPU host (``node.overlap`` false) a collective inside a node does not overlap the rank's compute: its own
 core copies and reduces the bytes, inside its MPI calls.
+A matmul whose smallest dim is small (attention's head dim, a gradient's narrow side) runs below the peak: the
+profile's ``gemm_efficiency`` points say how far, interpolated in the dim's logarithm (``gemm_fraction``).
 ``with_placement(ranks, threads)`` says how a job places its ranks and threads (``scripts/bench_train.py
 --predict`` gives its own); a profile file holds neither.
 """
@@ -38,10 +45,13 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 FORMAT = "spmd_runtime.hardware"
-# A rank computing on a shared core keeps it until the scheduler's next tick: Linux's EEVDF base slice (0.75 ms x
-# (1 + log2 cores)) is enforced at ticks, 4 ms at CONFIG_HZ=250 (common distribution kernels; this VM's). calibrate
-# measures it (calibrate.py ``_slice``); a profile without "node.slice_s" gets this.
+# The worst case, for a profile without "node.slice_s": a process computing on a shared core keeps it until the
+# scheduler's next tick (Linux's EEVDF base slice, 0.75 ms x (1 + log2 cores), is enforced at ticks: 4 ms at
+# CONFIG_HZ=250, common distribution kernels' and this VM's). calibrate measures the job's own (calibrate.py
+# ``_slice``: two ranks on one core).
 DEFAULT_SLICE_S = 4e-3
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware_profiles")
 
@@ -77,6 +87,7 @@ class Hardware:
     threads_per_rank: int = 1  # a job's BLAS threads per rank (placement, not in the file)
     slice_s: float = DEFAULT_SLICE_S  # how long a computing rank keeps a core its peers share (module doc)
     overlap: bool = True  # messages inside a node move while the rank computes (False: only in its MPI calls)
+    gemm_efficiency: tuple = ()  # ((smallest dim, fraction of the peak), ...) ascending; () : the peak at any size
 
     def __repr__(self):
         nodes = f" x {self.nodes} nodes" if self.nodes else ""
@@ -95,6 +106,15 @@ class Hardware:
                              f"for {sorted(rates)}")
         return rate
 
+    def gemm_fraction(self, smallest: int) -> float:
+        """The fraction of the peak a matmul reaches whose smallest dim is ``smallest``: the profile's points
+        interpolated in log(dim), the end points' values beyond them (1.0 without points)."""
+        points = self.gemm_efficiency
+        if not points:
+            return 1.0
+        dims = [math.log(d) for d, _ in points]
+        return float(np.interp(math.log(max(smallest, 1)), dims, [f for _, f in points]))
+
     @property
     def cores(self) -> int:
         return self.ranks_per_node if self.cores_per_node is None else self.cores_per_node
@@ -109,9 +129,8 @@ class Hardware:
         """Expected seconds ``rank`` waits at one blocking collective over a group of ``k`` for a peer that shares a
         core and is not running: 0 with a core per rank (or no peer). The collective ends once its last peer gets
         there; with p ranks per core that peer is off its core with probability (p - 1) / p, behind a computing
-        core-mate that keeps the core to the scheduler's next tick, one ``slice_s`` (ranks that block lock to
-        the tick: calibrate's ping-pong with a peer whose core is busy takes a whole slice, not half; and the
-        ticks of a node's cores are aligned, so peers off several cores come back together)."""
+        core-mate that keeps the core up to ``slice_s`` (calibrate: twice the wait per all-reduce of two ranks on
+        one core; the ticks of a node's cores are aligned, so peers off several cores come back together)."""
         p = 1.0 / self.units_of(rank, world)
         if p <= 1.0 or k <= 1:
             return 0.0
@@ -185,7 +204,9 @@ class Hardware:
                    cores_per_node=read.count("node.cores") if "cores" in doc.get("node", {}) else None,
                    slice_s=read.non_negative("node.slice_s") if "slice_s" in doc.get("node", {}) else DEFAULT_SLICE_S,
                    overlap=read.flag("node.overlap") if "overlap" in doc.get("node", {}) else
-                   "cores" not in doc.get("node", {}))
+                   "cores" not in doc.get("node", {}),
+                   gemm_efficiency=read.efficiency("device.gemm_efficiency")
+                   if "gemm_efficiency" in doc.get("device", {}) else ())
 
     def to_json(self) -> dict:
         doc = {"format": FORMAT, "name": self.name,
@@ -202,6 +223,8 @@ class Hardware:
         if self.slice_s != DEFAULT_SLICE_S:
             doc["node"]["slice_s"] = self.slice_s
         doc["node"]["overlap"] = self.overlap
+        if self.gemm_efficiency:
+            doc["device"]["gemm_efficiency"] = {str(d): f for d, f in self.gemm_efficiency}
         for where, text in self.sources.items():
             _at(doc, where)["source"] = text
         return doc
@@ -264,6 +287,20 @@ class _Reader:
         if not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"hardware profile field {path} must be zero or more; got {v!r} in {self.where}")
         return v
+
+    def efficiency(self, path: str) -> tuple:
+        """{"dim": fraction, ...}: whole dims of at least 1, fractions above 0 and at most 1, ascending by dim."""
+        points = []
+        for key in self.section(path):
+            if not (key.isdigit() and int(key) >= 1):
+                raise ValueError(f"hardware profile field {path} is keyed by a matmul's smallest dim, a whole "
+                                 f"number of at least 1; got key {key!r} in {self.where}")
+            f = self.positive(f"{path}.{key}")
+            if f > 1:
+                raise ValueError(f"hardware profile field {path}.{key} is a fraction of the peak, at most 1; got "
+                                 f"{f!r} in {self.where}")
+            points.append((int(key), f))
+        return tuple(sorted(points))
 
     def count(self, path: str) -> int:
         v = self.value(path)

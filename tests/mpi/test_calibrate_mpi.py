@@ -34,5 +34,8 @@ def test_the_hardware_profile_counts_the_nodes_cores_and_leaves_blas_threads_as_
     assert comm.allgather((hw.flops, hw.cores)) == [(hw.flops, hw.cores)] * WORLD  # every rank has the same
     assert all(rate > 0 for _, rate in hw.flops)
     assert os.sched_getaffinity(0) == mask  # the slice's timing moved ranks onto one core and back
-    assert comm.allgather(hw.slice_s) == [hw.slice_s] * WORLD and 0 < hw.slice_s < 1
+    assert comm.allgather(hw.slice_s) == [hw.slice_s] * WORLD and 0 <= hw.slice_s < 1  # 0: ranks on one core wait for nothing
+    dims = [d for d, _ in hw.gemm_efficiency]
+    assert dims == sorted(dims) and hw.gemm_efficiency[-1] == (512, 1.0)  # relative to the 512^3 rate
+    assert all(0 < f <= 1 for _, f in hw.gemm_efficiency)
     assert hw.overlap is False  # shared-memory MPI: messages move in the ranks' calls

@@ -278,3 +278,49 @@ def test_a_cpu_host_moves_its_messages_itself_and_a_gpu_node_overlaps_them(tmp_p
     doc["node"]["overlap"] = "no"
     with pytest.raises(ValueError, match="node.overlap must be true or false; got 'no'"):
         Hardware.from_json(doc, "bad.json")
+
+
+NARROW = dataclasses.replace(A100, gemm_efficiency=((32, 0.5), (128, 0.8), (512, 1.0)))
+
+
+@pytest.mark.parametrize("smallest, want", [(8, 0.5), (32, 0.5), (64, 0.65), (128, 0.8), (256, 0.9), (4096, 1.0)])
+def test_a_matmul_with_a_small_dim_runs_at_the_profiles_fraction_of_the_peak(smallest, want):
+    assert NARROW.gemm_fraction(smallest) == pytest.approx(want, rel=1e-12)  # log-linear, the ends held
+    assert A100.gemm_fraction(smallest) == 1.0  # no points: the peak at every size
+
+
+@pytest.mark.parametrize("spec, shapes, smallest", [
+    ("bqhd,bkhd->bhqk", [(4, 1024, 8, 32), (4, 1024, 8, 32)], 32),  # attention's scores: summed over the head dim
+    ("bhqk,bkhd->bqhd", [(4, 8, 1024, 1024), (4, 1024, 8, 32)], 32),  # its values: 32 columns
+    ("sd,df->sf", [(4096, 2048), (2048, 128)], 128),  # a narrow weight
+    ("sd,sf->df", [(4096, 2048), (4096, 4096)], 2048),  # a weight's gradient, all dims large
+])
+def test_an_einsums_smallest_matmul_dim_sets_its_rate(spec, shapes, smallest):
+    mesh = sr.Mesh((1,), ("x",))
+    program = _program(lambda a, b: snp.einsum(spec, a, b), [sr.TensorSpec(s, "bfloat16") for s in shapes], mesh)
+    compute_bound = dict(memory_bandwidth=1e18)  # attention at head dim 32 is memory-bound on an A100
+    full = _seconds(program.estimate(dataclasses.replace(A100, **compute_bound)), "einsum")
+    narrow = _seconds(program.estimate(dataclasses.replace(NARROW, **compute_bound)), "einsum")
+    overhead = A100.overhead_s
+    assert (narrow - overhead) == pytest.approx((full - overhead) / NARROW.gemm_fraction(smallest), rel=1e-6)
+
+
+def test_a_product_einsum_is_no_matmul_and_keeps_its_rate():
+    mesh = sr.Mesh((1,), ("x",))
+    program = _program(lambda a, b: snp.einsum("sd,d->sd", a, b), [sr.TensorSpec((4096, 16)), sr.TensorSpec((16,))],
+                       mesh)
+    assert program.estimate(NARROW).step_s == program.estimate(A100).step_s
+
+
+def test_gemm_efficiency_round_trips_and_bad_points_name_the_field(tmp_path):
+    NARROW.save(tmp_path / "narrow.json")
+    assert Hardware.load(tmp_path / "narrow.json").gemm_efficiency == NARROW.gemm_efficiency
+    for points, message in [({"32": 1.5}, r"device\.gemm_efficiency\.32 is a fraction of the peak, at most 1; "
+                                           r"got 1\.5"),
+                            ({"32": 0}, r"device\.gemm_efficiency\.32 must be a positive number; got 0\.0"),
+                            ({"wide": 0.5}, r"keyed by a matmul's smallest dim, a whole number of at least 1; got "
+                                            r"key 'wide'")]:
+        doc = _doc()
+        doc["device"]["gemm_efficiency"] = points
+        with pytest.raises(ValueError, match=message):
+            Hardware.from_json(doc, "bad.json")
