@@ -36,6 +36,7 @@ from .weights import checkpoint_to_safetensors, load_safetensors, safetensors_to
 from .jit import jit
 from .autoshard import autoshard
 from .autoshard_tensors import autoshard_jit, autoshard_tensors
+from .autotune import autotune
 from . import eager  # noqa: F401  (binds the DArray operators: eager ops outside jit)
 from .visualize import visualize_sharding
 from . import profile
@@ -52,7 +53,7 @@ __version__ = "0.1.0"
 # runtime's first use of MPI) installs the job guard: an uncaught exception, SIGINT/SIGTERM, a rank that exits
 # early or a collective nobody joins (SPMD_TIMEOUT) then ends the whole job with the rank named (comm/jobguard.py).
 
-__all__ = ["config", "jit", "autoshard", "autoshard_tensors", "autoshard_jit", "DArray", "device_put", "from_local", "scatter_from_root", "visualize_sharding", "profile",
+__all__ = ["config", "jit", "autoshard", "autoshard_tensors", "autoshard_jit", "autotune", "DArray", "device_put", "from_local", "scatter_from_root", "visualize_sharding", "profile",
            "distributed", "pytree", "P", "UNCONSTRAINED", "get_mesh", "set_mesh", "Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
            "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "stop_gradient",
            "scan", "fori_loop", "while_loop", "cond", "remat", "shard_map", "psum", "pmax", "pmin", "all_gather",

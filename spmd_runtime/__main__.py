@@ -1,5 +1,6 @@
 """Command line: ``python -m spmd_runtime {run,show} PROGRAM ...``, ``calibrate`` (under mpiexec), ``profile DIR``,
-``plan`` (a training step from shapes alone) and ``autoshard`` (layouts ranked by their predicted step)."""
+``plan`` (a training step from shapes alone) and ``autoshard`` (layouts ranked by their predicted step; with
+``--measure`` under mpiexec, the front-runners timed for real: ``sr.autotune``)."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ import numpy as np
 
 from .autoshard import autoshard
 from .autoshard_tensors import autoshard_tensors
+from .autotune import autotune
 from .calibrate import calibrate, hardware_profile, write_profile
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.agreement import AgreedError, agree, capture
@@ -25,6 +27,7 @@ from .models.lm import LMConfig
 from .optim import make_optimizer
 from .profile import summarize
 from .program import load_program
+from .train import run_on_root
 from .train.plan import plan_train_step
 from .train.presets import PRESETS, train_mesh
 
@@ -87,6 +90,9 @@ def _plan_parser(sub) -> None:
     auto.add_argument("--per-tensor", action="store_true", help="then search per-parameter shardings on the best "
                       "layout's mesh (sr.autoshard_tensors) and print its moves against the best preset")
     auto.add_argument("--budget", type=int, default=150, help="--per-tensor: layouts evaluated at most")
+    auto.add_argument("--measure", type=int, default=0, metavar="ROUNDS", help="then time the best-predicted layout "
+                      "of each preset for real, in this many interleaved rounds (sr.autotune; run under mpiexec -n "
+                      "--devices), and print them fastest measured first")
     _placement_arguments(auto)
     _model_arguments(auto)
 
@@ -146,11 +152,17 @@ def _autoshard(args) -> int:
     try:
         optimizer = make_optimizer(args.optimizer)
         hardware = _hardware(args, args.hardware)
-        found = autoshard(_config(args), args.devices, hardware, optimizer=optimizer,
-                          presets=args.presets.split(",") if args.presets else None,
-                          microbatches=tuple(int(m) for m in args.microbatches.split(",")) if args.microbatches
-                          else None, remats=tuple(args.remats.split(",")) if args.remats else None,
-                          prune=not args.exhaustive)
+        comm = world() if args.measure else None
+        search = lambda: autoshard(_config(args), args.devices, hardware, optimizer=optimizer,  # noqa: E731
+                                   presets=args.presets.split(",") if args.presets else None,
+                                   microbatches=tuple(int(m) for m in args.microbatches.split(","))
+                                   if args.microbatches else None,
+                                   remats=tuple(args.remats.split(",")) if args.remats else None,
+                                   prune=not args.exhaustive)
+        # measured: rank 0 searches (the others sleep), every rank times the same front-runners
+        found = comm.bcast(run_on_root(comm, search, "autoshard's search"), root=0) if comm else search()
+        if comm:
+            autotune(found, _config(args), comm, optimizer=optimizer, rounds=args.measure)
         if args.per_tensor:
             autoshard_tensors(_config(args), args.devices, hardware, start=found[0], optimizer=optimizer,
                               budget=args.budget)
