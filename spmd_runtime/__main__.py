@@ -12,7 +12,7 @@ import numpy as np
 from .autoshard import autoshard
 from .autoshard_tensors import autoshard_tensors
 from .autotune import autotune
-from .calibrate import calibrate, hardware_profile, write_profile
+from .calibrate import calibrate, hardware_profile, shared_core_slice, write_profile
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.agreement import AgreedError, agree, capture
 from .comm.communicator import world
@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     cal.add_argument("--repeats", type=int, default=5)
     cal.add_argument("--hardware", default=None, help="also write a hardware profile of this machine (GEMM FLOP/s, "
                      "memory bandwidth, links inside and between nodes) for program.estimate")
+    cal.add_argument("--wait-only", action="store_true", help="with --hardware FILE (written before): only time "
+                     "what a blocking collective costs ranks sharing cores as this job places them, and add it to "
+                     "FILE's node.slice_s_by_ranks_per_core (e.g. mpiexec -n 8 on 2 cores: four per core)")
     _plan_parser(sub)
     args = parser.parse_args(argv)
     if args.cmd == "profile":
@@ -182,6 +185,8 @@ def _calibrate(args) -> int:
               f"got --sizes {args.sizes!r} --repeats {args.repeats}", file=sys.stderr, flush=True)
         return 2
     comm = world()
+    if args.wait_only:
+        return _calibrate_wait(args, comm)
     doc = calibrate(comm, sizes, args.repeats)
     if comm.Get_rank() == 0:
         write_profile(doc, args.out)
@@ -195,6 +200,26 @@ def _calibrate(args) -> int:
             print(f"wrote {args.hardware}: {hardware}, FLOP/s {dict(hardware.flops)}, memory "
                   f"{hardware.memory_bandwidth / 1e9:.1f} GB/s, per instruction {hardware.overhead_s * 1e6:.1f} us, "
                   f"inside a node {hardware.intra}, between nodes {hardware.inter} (use program.estimate(path))")
+    return 0
+
+
+def _calibrate_wait(args, comm) -> int:
+    """``calibrate --wait-only``: the wait of ranks sharing cores as placed, added to an existing profile."""
+    error = None
+    if not args.hardware or not os.path.exists(args.hardware):
+        error = (f"calibrate --wait-only adds to a hardware profile written before (calibrate --hardware FILE); got "
+                 f"--hardware {args.hardware!r}, which is not a file")
+    elif comm.Get_size() < 2:
+        error = "calibrate --wait-only times ranks that share cores: run it under mpiexec -n 2 or more; got 1 rank"
+    if error:  # the same on every rank: every rank refuses before any collective
+        print(f"spmd_runtime calibrate: {error}", file=sys.stderr, flush=True)
+        return 2
+    per_core, slice_s = shared_core_slice(comm)
+    if comm.Get_rank() == 0:
+        hardware = Hardware.load(args.hardware).with_slice(per_core, slice_s)
+        hardware.save(args.hardware)
+        print(f"wrote {args.hardware}: slice_s {slice_s * 1e3:.3f} ms at {per_core:g} ranks per core; measured at "
+              f"{', '.join(f'{q:g}' for q, _ in hardware.slices)}")
     return 0
 
 

@@ -144,7 +144,7 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     nodes = comm.Get_size() // per_node
     inter = _inter_link(comm, per_node, nodes, repeats) if nodes > 1 else intra
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node
-    slice_s = _slice(comm)
+    per_core, slice_s = shared_core_slice(comm)
     sources = {"": f"measured by `python -m spmd_runtime calibrate --hardware` on {comm.Get_size()} rank(s), "
                    f"{per_node} per node", "device": f"{GEMM_SIZE}^3 GEMMs over {GEMM_RING_BYTES >> 20} MiB of "
                    f"operands (gemm_efficiency: one dim {'/'.join(map(str, GEMM_DIMS))}, the mean of it as rows, "
@@ -153,59 +153,74 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
                "node": "the all-reduce fit of a group of node-local ranks", "network":
                "an all-reduce over one rank per node" if nodes > 1 else "one node only: the node's link"}
     sources["device"] += f"; one BLAS thread, {cores} cores per node"
-    sources["node"] += ("; slice_s: twice the wait per all-reduce of two ranks computing on one core"
+    placement = f"as placed, {per_node} on {cores} cores" if per_node > cores else "two on one core"
+    sources["node"] += (f"; slice_s: the wait per all-reduce of ranks computing {placement}, over (p - 1) / p"
                         if comm.Get_size() > 1 else "; slice_s: the default (one rank: no peer to time)")
     return Hardware(name, tuple(sorted(flops.items())), int(memory), bandwidth, per_node, intra, inter,
                     nodes if nodes > 1 else None, overhead, sources, cores, slice_s=slice_s,
                     overlap=False,  # MPI over shared memory, no progress thread: messages move in the ranks' calls
-                    gemm_efficiency=efficiency)
+                    gemm_efficiency=efficiency, slices=((per_core, slice_s),) if per_core else ())
 
 
-SLICE_TRIPS = 100  # chunk + all-reduce rounds: ~0.2 s
+SLICE_TRIPS = 40  # chunk + all-reduce rounds per block
+SLICE_BLOCKS = 5  # blocks timed (the median kept): 200 rounds, ~0.4 s at two ranks per core
 SLICE_CHUNK_S = 1e-3  # each rank's compute between two all-reduces (a step's instructions between collectives)
 
 
 @watchdog.collective(lambda frame: "calibrate's timing of ranks sharing a core (Barrier, Allreduce, bcast)")
-def _slice(comm, trips: int = SLICE_TRIPS) -> float:
-    """What a blocking collective costs ranks that share a core, as ``Hardware.sync_wait_s`` charges it: ranks 0
-    and 1 move onto one core and, ``trips`` times, each computes ``SLICE_CHUNK_S`` and all-reduces with the
-    other. A round beyond both ranks' CPU time is their wait for each other (a rank blocked in MPI holding the
-    core its peer needs; a loaded machine's other processes taking it); ``sync_wait_s`` charges (p - 1) / p
-    slices at p ranks per core, so the slice is twice the wait at p = 2. Every rank gets rank 0's figure; one
-    rank: ``DEFAULT_SLICE_S``."""
+def shared_core_slice(comm, trips: int = SLICE_TRIPS) -> tuple:
+    """What a blocking collective costs ranks that share a core, as ``Hardware.sync_wait_s`` charges it: ranks
+    sharing cores each compute ``SLICE_CHUNK_S`` and all-reduce, ``trips`` times. A round beyond their compute
+    over the cores they share is their wait for each other (a rank polling in MPI on the core its peer needs; a
+    loaded machine's other processes taking it); ``sync_wait_s`` charges (p - 1) / p slices at p ranks per core,
+    so the slice is the wait over that. Where the job placed more ranks on the node than it has cores, the node's
+    ranks are timed as placed (p as the job will run; the wait grows faster than (p - 1) / p: with four per core
+    it is several times what two on one core show); else ranks 0 and 1 move onto one core (p = 2). Every rank
+    gets rank 0's (ranks per core, slice); one rank: (None, ``DEFAULT_SLICE_S``)."""
     if comm.Get_size() < 2:
-        return DEFAULT_SLICE_S
+        return None, DEFAULT_SLICE_S
     rank, mask = comm.Get_rank(), os.sched_getaffinity(0)
-    pair = comm.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    cores = _cores(node)
+    placed = node.Get_size() > cores
+    group = node if placed else comm.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
     try:
-        if pair != MPI.COMM_NULL:
-            wait = _paired_wait(pair, min(set().union(*pair.allgather(mask))), trips)
-            pair.Free()
+        if group != MPI.COMM_NULL:
+            if not placed:
+                os.sched_setaffinity(0, {min(set().union(*group.allgather(mask)))})
+            used = cores if placed else 1
+            wait = _shared_wait(group, used, trips)
+            p = group.Get_size() / used
+            measured = (p, wait * p / (p - 1))
+            if group is not node:
+                group.Free()
         else:
-            wait = None
+            measured = None
     finally:
+        node.Free()
         os.sched_setaffinity(0, mask)
-    return comm.bcast(2.0 * wait if rank == 0 else None, root=0)
+    return comm.bcast(measured if rank == 0 else None, root=0)
 
 
-def _paired_wait(pair, core: int, trips: int) -> float:
-    """Seconds per round beyond the two ranks' compute, both on ``core`` (the compute's CPU time only: a rank
-    that polls in MPI while its core-mate needs the core is part of the wait)."""
-    os.sched_setaffinity(0, {core})
+def _shared_wait(group, cores: int, trips: int) -> float:
+    """Seconds per round beyond the group's compute over the ``cores`` it shares (the compute's CPU time only: a
+    rank that polls in MPI while a core-mate needs the core is part of the wait)."""
     a, buf = np.ones((64, 64), np.float32), np.zeros(1, np.float32)
+    waits = []
     with _one_blas_thread():
         per_chunk = _matmuls_in(a, SLICE_CHUNK_S)
-        pair.Barrier()
-        start, cpu = time.perf_counter(), 0.0
-        for _ in range(trips):
-            chunk = time.process_time()
-            for _ in range(per_chunk):
-                a @ a
-            cpu += time.process_time() - chunk
-            pair.Allreduce(MPI.IN_PLACE, buf)
-        wall = time.perf_counter() - start
-    wall = max(pair.allgather(wall))
-    return max(0.0, wall - sum(pair.allgather(cpu))) / trips
+        for _ in range(SLICE_BLOCKS):  # the median block: one block's wait moves ~1.5x between runs
+            group.Barrier()
+            start, cpu = time.perf_counter(), 0.0
+            for _ in range(trips):
+                chunk = time.process_time()
+                for _ in range(per_chunk):
+                    a @ a
+                cpu += time.process_time() - chunk
+                group.Allreduce(MPI.IN_PLACE, buf)
+            wall = max(group.allgather(time.perf_counter() - start))
+            waits.append(max(0.0, wall - sum(group.allgather(cpu)) / cores) / trips)
+    return float(np.median(waits))
 
 
 def _matmuls_in(a, seconds: float) -> int:

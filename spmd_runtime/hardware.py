@@ -10,6 +10,8 @@ A profile is a small JSON file (format ``spmd_runtime.hardware``)::
      "node":    {"ranks": 8, "link": {"bandwidth": 300e9, "latency": 3e-6}, "source": "..."},  # inside a node
                  # optional "cores": compute units a node runs at once (default: "ranks", one device each)
                  # optional "slice_s": how long a computing rank keeps a shared core (default DEFAULT_SLICE_S)
+                 # optional "slice_s_by_ranks_per_core": {"2": 2e-5, "4": 1.5e-3}: slice_s as measured with that
+                 # many ranks per core (calibrate, as the job placed them), interpolated between; over "slice_s"
                  # optional "overlap": false where a node's messages move only inside the ranks' MPI calls,
                  # on their own cores (default: false when "cores" is given, a CPU host; else true)
      "network": {"bandwidth": 25e9, "latency": 5e-6, "source": "..."},   # between nodes, per rank, each way
@@ -51,7 +53,7 @@ FORMAT = "spmd_runtime.hardware"
 # The worst case, for a profile without "node.slice_s": a process computing on a shared core keeps it until the
 # scheduler's next tick (Linux's EEVDF base slice, 0.75 ms x (1 + log2 cores), is enforced at ticks: 4 ms at
 # CONFIG_HZ=250, common distribution kernels' and this VM's). calibrate measures the job's own (calibrate.py
-# ``_slice``: two ranks on one core).
+# ``shared_core_slice``: ranks sharing cores as placed, or two on one core).
 DEFAULT_SLICE_S = 4e-3
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware_profiles")
 
@@ -88,6 +90,7 @@ class Hardware:
     slice_s: float = DEFAULT_SLICE_S  # how long a computing rank keeps a core its peers share (module doc)
     overlap: bool = True  # messages inside a node move while the rank computes (False: only in its MPI calls)
     gemm_efficiency: tuple = ()  # ((smallest dim, fraction of the peak), ...) ascending; () : the peak at any size
+    slices: tuple = ()  # ((ranks per core, slice_s measured so), ...) ascending; (): slice_s at any sharing
 
     def __repr__(self):
         nodes = f" x {self.nodes} nodes" if self.nodes else ""
@@ -134,7 +137,22 @@ class Hardware:
         p = 1.0 / self.units_of(rank, world)
         if p <= 1.0 or k <= 1:
             return 0.0
-        return self.slice_s * (p - 1.0) / p
+        return self.slice_at(p) * (p - 1.0) / p
+
+    def slice_at(self, per_core: float) -> float:
+        """``slice_s`` for ``per_core`` ranks per core: the measured ``slices`` interpolated (linear in the ranks
+        per core, the end points' values beyond them), else ``slice_s``. How long a blocked rank waits grows faster
+        than the (p - 1) / p of ``sync_wait_s``: on a quiet 2-core host two ranks on one core waited ~0.02 ms per
+        all-reduce, four per core 1.1 ms (docs/BENCHMARKS.md, session 16)."""
+        if not self.slices:
+            return self.slice_s
+        return float(np.interp(per_core, [q for q, _ in self.slices], [v for _, v in self.slices]))
+
+    def with_slice(self, per_core: float, slice_s: float) -> "Hardware":
+        """The profile with the slice measured at ``per_core`` ranks per core added to ``slices`` (replacing one
+        measured at the same sharing)."""
+        kept = [(q, v) for q, v in self.slices if q != per_core]
+        return replace(self, slices=tuple(sorted(kept + [(float(per_core), float(slice_s))])))
 
     def with_placement(self, ranks_per_node: int, threads_per_rank: int = 1) -> "Hardware":
         """The same machine (its cores unchanged) with a job's placement: ``ranks_per_node`` ranks on each node,
@@ -206,7 +224,9 @@ class Hardware:
                    overlap=read.flag("node.overlap") if "overlap" in doc.get("node", {}) else
                    "cores" not in doc.get("node", {}),
                    gemm_efficiency=read.efficiency("device.gemm_efficiency")
-                   if "gemm_efficiency" in doc.get("device", {}) else ())
+                   if "gemm_efficiency" in doc.get("device", {}) else (),
+                   slices=read.slices("node.slice_s_by_ranks_per_core")
+                   if "slice_s_by_ranks_per_core" in doc.get("node", {}) else ())
 
     def to_json(self) -> dict:
         doc = {"format": FORMAT, "name": self.name,
@@ -225,6 +245,8 @@ class Hardware:
         doc["node"]["overlap"] = self.overlap
         if self.gemm_efficiency:
             doc["device"]["gemm_efficiency"] = {str(d): f for d, f in self.gemm_efficiency}
+        if self.slices:
+            doc["node"]["slice_s_by_ranks_per_core"] = {f"{q:g}": v for q, v in self.slices}
         for where, text in self.sources.items():
             _at(doc, where)["source"] = text
         return doc
@@ -300,6 +322,23 @@ class _Reader:
                 raise ValueError(f"hardware profile field {path}.{key} is a fraction of the peak, at most 1; got "
                                  f"{f!r} in {self.where}")
             points.append((int(key), f))
+        return tuple(sorted(points))
+
+    def slices(self, path: str) -> tuple:
+        """{"ranks per core": seconds, ...}: ranks per core a number above 1, seconds zero or more."""
+        points = []
+        for key, seconds in self.section(path).items():  # keys such as "1.5": not dotted paths
+            try:
+                per_core = float(key)
+            except ValueError:
+                per_core = math.nan
+            if not per_core > 1:
+                raise ValueError(f"hardware profile field {path} is keyed by ranks per core, a number above 1; got "
+                                 f"key {key!r} in {self.where}")
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+                raise ValueError(f"hardware profile field {path}[{key!r}] must be zero or more seconds; got "
+                                 f"{seconds!r} in {self.where}")
+            points.append((per_core, float(seconds)))
         return tuple(sorted(points))
 
     def count(self, path: str) -> int:

@@ -38,4 +38,29 @@ def test_the_hardware_profile_counts_the_nodes_cores_and_leaves_blas_threads_as_
     dims = [d for d, _ in hw.gemm_efficiency]
     assert dims == sorted(dims) and hw.gemm_efficiency[-1] == (512, 1.0)  # relative to the 512^3 rate
     assert all(0 < f <= 1 for _, f in hw.gemm_efficiency)
+    cores = hw.cores
+    if WORLD > 1:  # the wait timed as the job placed its ranks where they share cores, else two on one core
+        assert hw.slices == ((WORLD / cores if WORLD > cores else 2.0, hw.slice_s),)
+    else:
+        assert hw.slices == ()
     assert hw.overlap is False  # shared-memory MPI: messages move in the ranks' calls
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(WORLD < 2, reason="the wait of ranks sharing cores needs two ranks")
+def test_calibrate_wait_only_adds_this_placements_wait_to_a_profile(tmp_path_factory):
+    from spmd_runtime.__main__ import main
+    from spmd_runtime.hardware import Hardware
+    comm = MPI.COMM_WORLD
+    path = comm.bcast(str(tmp_path_factory.mktemp("wait") / "hw.json") if comm.Get_rank() == 0 else None)
+    if comm.Get_rank() == 0:
+        Hardware.load("dgx-a100-80gb").with_slice(9, 1.0).save(path)  # one measured before, at nine per core
+    comm.Barrier()
+    assert main(["calibrate", "--hardware", path, "--wait-only"]) == 0
+    comm.Barrier()
+    hw = Hardware.load(path)
+    cores = len(set().union(*comm.allgather(os.sched_getaffinity(0))))
+    per_core = WORLD / cores if WORLD > cores else 2.0
+    assert [q for q, _ in hw.slices] == sorted([per_core, 9.0]) and dict(hw.slices)[9.0] == 1.0  # kept
+    assert 0 <= dict(hw.slices)[per_core] < 1
+    assert main(["calibrate", "--hardware", path + ".missing", "--wait-only"]) == 2  # every rank refuses alike

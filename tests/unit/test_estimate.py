@@ -324,3 +324,28 @@ def test_gemm_efficiency_round_trips_and_bad_points_name_the_field(tmp_path):
         doc["device"]["gemm_efficiency"] = points
         with pytest.raises(ValueError, match=message):
             Hardware.from_json(doc, "bad.json")
+
+
+def test_a_wait_measured_per_sharing_is_interpolated_and_replaces_the_one_slice(tmp_path):
+    measured = CPU.with_slice(2, 2e-4).with_slice(4, 1.6e-3)
+    assert measured.slices == ((2.0, 2e-4), (4.0, 1.6e-3))
+    assert measured.slice_at(3) == pytest.approx(9e-4) and measured.slice_at(8) == 1.6e-3  # the ends held
+    assert CPU.slice_at(4) == CPU.slice_s  # none measured: the one slice
+    # four ranks per core (8 ranks on 2 cores) wait 3/4 of the slice measured at four per core, not the default's
+    assert measured.with_placement(8).sync_wait_s(0, 8, 8) == pytest.approx(0.75 * 1.6e-3)
+    assert measured.with_placement(4).sync_wait_s(0, 4, 4) == pytest.approx(0.5 * 2e-4)
+    assert measured.with_slice(2, 3e-4).slices == ((2.0, 3e-4), (4.0, 1.6e-3))  # re-measured: replaced
+    measured.save(tmp_path / "cpu.json")
+    assert Hardware.load(tmp_path / "cpu.json").slices == measured.slices
+
+
+@pytest.mark.parametrize("points, message", [
+    ({"1": 1e-3}, r"keyed by ranks per core, a number above 1; got key '1'"),
+    ({"two": 1e-3}, r"keyed by ranks per core, a number above 1; got key 'two'"),
+    ({"1.5": -1}, r"slice_s_by_ranks_per_core\['1\.5'\] must be zero or more seconds; got -1"),
+])
+def test_bad_waits_per_sharing_name_the_field(points, message):
+    doc = _doc()
+    doc["node"]["slice_s_by_ranks_per_core"] = points
+    with pytest.raises(ValueError, match=message):
+        Hardware.from_json(doc, "bad.json")
