@@ -138,9 +138,12 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
         flops = {d: rate(d, square) for d in ("float32", "float64")}
         efficiency = tuple((d, min(1.0, float(np.mean([rate("float32", _narrow(d, i)) for i in range(3)]))
                                 / flops["float32"])) for d in GEMM_DIMS) + ((GEMM_SIZE, 1.0),)
-    bandwidth = 2 * COPY_BYTES / slowest(_best(_copy(), repeats))
-    overhead = slowest(_instruction_overhead(comm, repeats))
-    intra = _link(doc, min(per_node, comm.Get_size()))
+    # per compute unit, as the flops: the predictor charges a rank with 1 / sharing of a core sharing x each of
+    # these inside a node (estimate.py), so a job with more ranks than cores must not count the turns twice
+    bandwidth = sharing * 2 * COPY_BYTES / slowest(_best(_copy(), repeats))
+    overhead = slowest(_instruction_overhead(comm, repeats)) / sharing
+    node_link = _link(doc, min(per_node, comm.Get_size()))
+    intra = Link(node_link.bandwidth * sharing, node_link.latency / sharing)
     nodes = comm.Get_size() // per_node
     inter = _inter_link(comm, per_node, nodes, repeats) if nodes > 1 else intra
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node

@@ -44,6 +44,12 @@ def test_the_hardware_profile_counts_the_nodes_cores_and_leaves_blas_threads_as_
     else:
         assert hw.slices == ()
     assert hw.overlap is False  # shared-memory MPI: messages move in the ranks' calls
+    # per compute unit: the copy's bandwidth as one rank alone on a core measures it (the others sleeping), not
+    # divided by the ranks taking turns on the cores (8 ranks on 2 cores measured 4.0 GB/s a rank, alone 15)
+    from spmd_runtime.calibrate import COPY_BYTES, _best, _copy
+    from spmd_runtime.train import run_on_root
+    alone = comm.bcast(run_on_root(comm, lambda: 2 * COPY_BYTES / _best(_copy(), 3)), root=0)
+    assert 1 / 3 < hw.memory_bandwidth / alone < 3
 
 
 @pytest.mark.mpi
