@@ -1,8 +1,8 @@
 """Predicted against measured training steps on this machine (issue 27): the predictor's error per layout.
 
     mpiexec -n 2 python -m spmd_runtime calibrate --hardware hw.json      # this machine's profile, once
-    mpiexec -n 4 python -m spmd_runtime calibrate --hardware hw.json --wait-only   # the wait of ranks sharing
-    mpiexec -n 8 python -m spmd_runtime calibrate --hardware hw.json --wait-only   # cores, at 2 and 4 per core
+    mpiexec -n 4 python -m spmd_runtime calibrate --hardware hw.json --sharing-only  # what ranks sharing cores
+    mpiexec -n 8 python -m spmd_runtime calibrate --hardware hw.json --sharing-only  # cost, at 2 and 4 per core
     python scripts/bench_predict.py --hardware hw.json                    # the table below, 3 rounds
     python scripts/bench_predict.py --hardware hw.json --ranks 1 2 --presets dp megatron --scale 1 10
     python scripts/bench_predict.py --hardware hw.json --measured OLD_LOG   # re-predict an earlier run's rows

@@ -12,7 +12,7 @@ import numpy as np
 from .autoshard import autoshard
 from .autoshard_tensors import autoshard_tensors
 from .autotune import autotune
-from .calibrate import calibrate, hardware_profile, shared_core_slice, write_profile
+from .calibrate import calibrate, hardware_profile, sharing_costs, write_profile
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm.agreement import AgreedError, agree, capture
 from .comm.communicator import world
@@ -55,9 +55,10 @@ def main(argv=None) -> int:
     cal.add_argument("--repeats", type=int, default=5)
     cal.add_argument("--hardware", default=None, help="also write a hardware profile of this machine (GEMM FLOP/s, "
                      "memory bandwidth, links inside and between nodes) for program.estimate")
-    cal.add_argument("--wait-only", action="store_true", help="with --hardware FILE (written before): only time "
-                     "what a blocking collective costs ranks sharing cores as this job places them, and add it to "
-                     "FILE's node.slice_s_by_ranks_per_core (e.g. mpiexec -n 8 on 2 cores: four per core)")
+    cal.add_argument("--sharing-only", action="store_true", help="with --hardware FILE (written before): only "
+                     "time what ranks sharing cores as this job places them cost (the wait per blocking collective, "
+                     "the interpreter's overhead per instruction) and add it to FILE (e.g. mpiexec -n 8 on 2 cores: "
+                     "four per core)")
     _plan_parser(sub)
     args = parser.parse_args(argv)
     if args.cmd == "profile":
@@ -185,8 +186,8 @@ def _calibrate(args) -> int:
               f"got --sizes {args.sizes!r} --repeats {args.repeats}", file=sys.stderr, flush=True)
         return 2
     comm = world()
-    if args.wait_only:
-        return _calibrate_wait(args, comm)
+    if args.sharing_only:
+        return _calibrate_sharing(args, comm)
     doc = calibrate(comm, sizes, args.repeats)
     if comm.Get_rank() == 0:
         write_profile(doc, args.out)
@@ -203,23 +204,24 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _calibrate_wait(args, comm) -> int:
-    """``calibrate --wait-only``: the wait of ranks sharing cores as placed, added to an existing profile."""
+def _calibrate_sharing(args, comm) -> int:
+    """``calibrate --sharing-only``: what sharing cores costs as placed, added to an existing profile."""
     error = None
     if not args.hardware or not os.path.exists(args.hardware):
-        error = (f"calibrate --wait-only adds to a hardware profile written before (calibrate --hardware FILE); got "
-                 f"--hardware {args.hardware!r}, which is not a file")
+        error = (f"calibrate --sharing-only adds to a hardware profile written before (calibrate --hardware FILE); "
+                 f"got --hardware {args.hardware!r}, which is not a file")
     elif comm.Get_size() < 2:
-        error = "calibrate --wait-only times ranks that share cores: run it under mpiexec -n 2 or more; got 1 rank"
+        error = "calibrate --sharing-only times ranks that share cores: run it under mpiexec -n 2 or more; got 1 rank"
     if error:  # the same on every rank: every rank refuses before any collective
         print(f"spmd_runtime calibrate: {error}", file=sys.stderr, flush=True)
         return 2
-    per_core, slice_s = shared_core_slice(comm)
+    per_core, slice_s, overhead = sharing_costs(comm, args.repeats)
     if comm.Get_rank() == 0:
-        hardware = Hardware.load(args.hardware).with_slice(per_core, slice_s)
+        hardware = Hardware.load(args.hardware).with_sharing(per_core, slice_s, overhead)
         hardware.save(args.hardware)
-        print(f"wrote {args.hardware}: slice_s {slice_s * 1e3:.3f} ms at {per_core:g} ranks per core; measured at "
-              f"{', '.join(f'{q:g}' for q, _ in hardware.slices)}")
+        per_instruction = "" if overhead is None else f", {overhead * 1e6:.1f} us per instruction"
+        print(f"wrote {args.hardware}: at {per_core:g} ranks per core slice_s {slice_s * 1e3:.3f} ms{per_instruction}; "
+              f"measured at {', '.join(f'{q:g}' for q, _ in hardware.slices)} ranks per core")
     return 0
 
 

@@ -162,7 +162,20 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     return Hardware(name, tuple(sorted(flops.items())), int(memory), bandwidth, per_node, intra, inter,
                     nodes if nodes > 1 else None, overhead, sources, cores, slice_s=slice_s,
                     overlap=False,  # MPI over shared memory, no progress thread: messages move in the ranks' calls
-                    gemm_efficiency=efficiency, slices=((per_core, slice_s),) if per_core else ())
+                    gemm_efficiency=efficiency, slices=((per_core, slice_s),) if per_core else (),
+                    overheads=((sharing, overhead),) if sharing > 1 else ())
+
+
+def sharing_costs(comm, repeats: int = 5) -> tuple:
+    """Collective: what sharing cores costs this job as placed, for ``Hardware.with_sharing``: (ranks per core,
+    the slice, the per-instruction overhead per core's turn, or None where the ranks do not share cores as placed:
+    then the slice is two ranks' on one core and the overhead is the profile's own)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    sharing = node.Get_size() / _cores(node)
+    node.Free()
+    per_core, slice_s = shared_core_slice(comm)
+    overhead = max(comm.allgather(_instruction_overhead(comm, repeats))) / sharing if sharing > 1 else None
+    return per_core, slice_s, overhead
 
 
 SLICE_TRIPS = 40  # chunk + all-reduce rounds per block

@@ -142,6 +142,7 @@ class _Walk:
     def __init__(self, mesh, hardware: Hardware, rank: int):
         self.mesh, self.hw, self.rank = mesh, hardware, rank
         self.units = hardware.units_of(rank, mesh.size)
+        self.overhead = hardware.overhead_at(1.0 / self.units)  # ranks taking turns on a core: measured per turn
         self.compute_s = self.comm_s = self.flops = self.wait_s = 0.0
         self.costs: list[InstrCost] = []
         self.notes: list[str] = []
@@ -194,7 +195,7 @@ class _Walk:
         rate = self.hw.peak_flops(ins.dtype) * threaded
         if ins.op == EINSUM.name:
             rate *= self.hw.gemm_fraction(_smallest_matmul_dim(ins.attrs["spec"], [shapes[a][0] for a in ins.args]))
-        seconds = max(flops / rate, nbytes / self.hw.memory_bandwidth) + self.hw.overhead_s
+        seconds = max(flops / rate, nbytes / self.hw.memory_bandwidth) + self.overhead
         seconds /= min(self.units, 1.0)  # ranks sharing a core take turns on it
         self._record(InstrCost(ins.op, ins.out, flops, nbytes, seconds, 0.0, "", trips), trips)
         return seconds

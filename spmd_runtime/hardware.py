@@ -16,7 +16,9 @@ A profile is a small JSON file (format ``spmd_runtime.hardware``)::
                  # on their own cores (default: false when "cores" is given, a CPU host; else true)
      "network": {"bandwidth": 25e9, "latency": 5e-6, "source": "..."},   # between nodes, per rank, each way
      "nodes": 16,            # optional: the cluster's node count (a mesh must then have nodes x ranks devices)
-     "overhead_s": 5e-6}     # what one instruction costs beyond its FLOPs and bytes (a launch, a dispatch)
+     "overhead_s": 5e-6,     # what one instruction costs beyond its FLOPs and bytes (a launch, a dispatch)
+     "overhead_s_by_ranks_per_core": {"4": 1.4e-5}}  # optional: as measured with ranks sharing cores (calibrate
+                             # --sharing-only), per core's turn; interpolated from overhead_s at one per core
 
 Bandwidths are bytes per second one rank sends (each way); ``source`` strings say where each value comes from.
 Shipped profiles (``spmd_runtime/hardware_profiles/``): ``dgx-a100-80gb``, ``dgx-h100``, ``tpu-v3``;
@@ -91,6 +93,7 @@ class Hardware:
     overlap: bool = True  # messages inside a node move while the rank computes (False: only in its MPI calls)
     gemm_efficiency: tuple = ()  # ((smallest dim, fraction of the peak), ...) ascending; () : the peak at any size
     slices: tuple = ()  # ((ranks per core, slice_s measured so), ...) ascending; (): slice_s at any sharing
+    overheads: tuple = ()  # ((ranks per core, overhead_s measured so), ...) ascending; (): overhead_s at any
 
     def __repr__(self):
         nodes = f" x {self.nodes} nodes" if self.nodes else ""
@@ -148,11 +151,24 @@ class Hardware:
             return self.slice_s
         return float(np.interp(per_core, [q for q, _ in self.slices], [v for _, v in self.slices]))
 
-    def with_slice(self, per_core: float, slice_s: float) -> "Hardware":
-        """The profile with the slice measured at ``per_core`` ranks per core added to ``slices`` (replacing one
-        measured at the same sharing)."""
-        kept = [(q, v) for q, v in self.slices if q != per_core]
-        return replace(self, slices=tuple(sorted(kept + [(float(per_core), float(slice_s))])))
+    def overhead_at(self, per_core: float) -> float:
+        """``overhead_s`` for ``per_core`` ranks per core: ranks taking turns on a core each run an instruction
+        slower than alone beyond their share of it (the interpreter's state evicted by its core-mates: 4.6 us alone,
+        14 us a turn at four per core, here); interpolated between ``overhead_s`` at one per core and the measured
+        ``overheads``, the last held beyond them."""
+        if not self.overheads or per_core <= 1:
+            return self.overhead_s
+        points = ((1.0, self.overhead_s),) + tuple(q for q in self.overheads if q[0] > 1)
+        return float(np.interp(per_core, [q for q, _ in points], [v for _, v in points]))
+
+    def with_sharing(self, per_core: float, slice_s: float, overhead_s: float | None = None) -> "Hardware":
+        """The profile with what ``per_core`` ranks per core were measured to cost added (replacing any measured at
+        the same sharing): the slice to ``slices``, the per-instruction overhead to ``overheads``."""
+        def put(points, value):
+            kept = [(q, v) for q, v in points if q != per_core]
+            return tuple(sorted(kept + [(float(per_core), float(value))]))
+        return replace(self, slices=put(self.slices, slice_s),
+                       overheads=self.overheads if overhead_s is None else put(self.overheads, overhead_s))
 
     def with_placement(self, ranks_per_node: int, threads_per_rank: int = 1) -> "Hardware":
         """The same machine (its cores unchanged) with a job's placement: ``ranks_per_node`` ranks on each node,
@@ -225,8 +241,10 @@ class Hardware:
                    "cores" not in doc.get("node", {}),
                    gemm_efficiency=read.efficiency("device.gemm_efficiency")
                    if "gemm_efficiency" in doc.get("device", {}) else (),
-                   slices=read.slices("node.slice_s_by_ranks_per_core")
-                   if "slice_s_by_ranks_per_core" in doc.get("node", {}) else ())
+                   slices=read.per_core("node.slice_s_by_ranks_per_core")
+                   if "slice_s_by_ranks_per_core" in doc.get("node", {}) else (),
+                   overheads=read.per_core("overhead_s_by_ranks_per_core")
+                   if "overhead_s_by_ranks_per_core" in doc else ())
 
     def to_json(self) -> dict:
         doc = {"format": FORMAT, "name": self.name,
@@ -247,6 +265,8 @@ class Hardware:
             doc["device"]["gemm_efficiency"] = {str(d): f for d, f in self.gemm_efficiency}
         if self.slices:
             doc["node"]["slice_s_by_ranks_per_core"] = {f"{q:g}": v for q, v in self.slices}
+        if self.overheads:
+            doc["overhead_s_by_ranks_per_core"] = {f"{q:g}": v for q, v in self.overheads}
         for where, text in self.sources.items():
             _at(doc, where)["source"] = text
         return doc
@@ -324,7 +344,7 @@ class _Reader:
             points.append((int(key), f))
         return tuple(sorted(points))
 
-    def slices(self, path: str) -> tuple:
+    def per_core(self, path: str) -> tuple:
         """{"ranks per core": seconds, ...}: ranks per core a number above 1, seconds zero or more."""
         points = []
         for key, seconds in self.section(path).items():  # keys such as "1.5": not dotted paths

@@ -54,19 +54,21 @@ def test_the_hardware_profile_counts_the_nodes_cores_and_leaves_blas_threads_as_
 
 @pytest.mark.mpi
 @pytest.mark.skipif(WORLD < 2, reason="the wait of ranks sharing cores needs two ranks")
-def test_calibrate_wait_only_adds_this_placements_wait_to_a_profile(tmp_path_factory):
+def test_calibrate_sharing_only_adds_this_placements_costs_to_a_profile(tmp_path_factory):
     from spmd_runtime.__main__ import main
     from spmd_runtime.hardware import Hardware
     comm = MPI.COMM_WORLD
     path = comm.bcast(str(tmp_path_factory.mktemp("wait") / "hw.json") if comm.Get_rank() == 0 else None)
     if comm.Get_rank() == 0:
-        Hardware.load("dgx-a100-80gb").with_slice(9, 1.0).save(path)  # one measured before, at nine per core
+        Hardware.load("dgx-a100-80gb").with_sharing(9, 1.0, 2e-5).save(path)  # one measured before, at nine per core
     comm.Barrier()
-    assert main(["calibrate", "--hardware", path, "--wait-only"]) == 0
+    assert main(["calibrate", "--hardware", path, "--sharing-only", "--repeats", "1"]) == 0
     comm.Barrier()
     hw = Hardware.load(path)
     cores = len(set().union(*comm.allgather(os.sched_getaffinity(0))))
     per_core = WORLD / cores if WORLD > cores else 2.0
     assert [q for q, _ in hw.slices] == sorted([per_core, 9.0]) and dict(hw.slices)[9.0] == 1.0  # kept
     assert 0 <= dict(hw.slices)[per_core] < 1
-    assert main(["calibrate", "--hardware", path + ".missing", "--wait-only"]) == 2  # every rank refuses alike
+    # the overhead per instruction is a placement's only where its ranks share cores as placed
+    assert [q for q, _ in hw.overheads] == sorted([9.0] + ([per_core] if WORLD > cores else []))
+    assert main(["calibrate", "--hardware", path + ".missing", "--sharing-only"]) == 2  # every rank refuses alike

@@ -327,14 +327,14 @@ def test_gemm_efficiency_round_trips_and_bad_points_name_the_field(tmp_path):
 
 
 def test_a_wait_measured_per_sharing_is_interpolated_and_replaces_the_one_slice(tmp_path):
-    measured = CPU.with_slice(2, 2e-4).with_slice(4, 1.6e-3)
+    measured = CPU.with_sharing(2, 2e-4).with_sharing(4, 1.6e-3)
     assert measured.slices == ((2.0, 2e-4), (4.0, 1.6e-3))
     assert measured.slice_at(3) == pytest.approx(9e-4) and measured.slice_at(8) == 1.6e-3  # the ends held
     assert CPU.slice_at(4) == CPU.slice_s  # none measured: the one slice
     # four ranks per core (8 ranks on 2 cores) wait 3/4 of the slice measured at four per core, not the default's
     assert measured.with_placement(8).sync_wait_s(0, 8, 8) == pytest.approx(0.75 * 1.6e-3)
     assert measured.with_placement(4).sync_wait_s(0, 4, 4) == pytest.approx(0.5 * 2e-4)
-    assert measured.with_slice(2, 3e-4).slices == ((2.0, 3e-4), (4.0, 1.6e-3))  # re-measured: replaced
+    assert measured.with_sharing(2, 3e-4).slices == ((2.0, 3e-4), (4.0, 1.6e-3))  # re-measured: replaced
     measured.save(tmp_path / "cpu.json")
     assert Hardware.load(tmp_path / "cpu.json").slices == measured.slices
 
@@ -349,3 +349,18 @@ def test_bad_waits_per_sharing_name_the_field(points, message):
     doc["node"]["slice_s_by_ranks_per_core"] = points
     with pytest.raises(ValueError, match=message):
         Hardware.from_json(doc, "bad.json")
+
+
+def test_an_instruction_costs_its_overhead_as_measured_at_the_ranks_sharing(tmp_path):
+    measured = dataclasses.replace(CPU, overhead_s=5e-6).with_sharing(4, 0.0, 1.4e-5)
+    assert measured.overhead_at(1) == 5e-6 and measured.overhead_at(0.5) == 5e-6  # a core or more: alone
+    assert measured.overhead_at(2.5) == pytest.approx(9.5e-6) and measured.overhead_at(8) == 1.4e-5
+    assert measured.with_sharing(2, 0.0).overheads == measured.overheads  # a slice alone leaves them
+    mesh = sr.Mesh((8,), ("x",))
+    program = _program(lambda x: x + 1.0, [sr.TensorSpec((8, 2))], mesh, in_specs=[("x", None)], fuse=False)
+    adds = lambda hw: [c.compute_s for c in program.estimate(hw.with_placement(8), 0).instrs if c.op == "add"]  # noqa
+    base, shared = adds(dataclasses.replace(CPU, overhead_s=5e-6)), adds(measured)
+    # eight ranks on two cores: four turns per core, each instruction's turn costing the overhead measured so
+    assert shared[0] - base[0] == pytest.approx(4 * (1.4e-5 - 5e-6), rel=1e-9)
+    measured.save(tmp_path / "cpu.json")
+    assert Hardware.load(tmp_path / "cpu.json").overheads == ((4.0, 1.4e-5),)
