@@ -174,7 +174,7 @@ def sharing_costs(comm, repeats: int = 5) -> tuple:
     sharing = node.Get_size() / _cores(node)
     node.Free()
     per_core, slice_s = shared_core_slice(comm)
-    overhead = max(comm.allgather(_instruction_overhead(comm, repeats))) / sharing if sharing > 1 else None
+    overhead = max(comm.allgather(_instruction_overhead(comm, repeats, typical=True))) if sharing > 1 else None
     return per_core, slice_s, overhead
 
 
@@ -303,8 +303,11 @@ def _copy():
     return lambda: np.copyto(dst, src)
 
 
-def _instruction_overhead(comm, repeats: int, n: int = 200) -> float:
-    """Seconds the interpreter spends on one instruction beyond its work: a chain of ``n`` adds of 8 floats."""
+def _instruction_overhead(comm, repeats: int, n: int = 200, typical: bool = False) -> float:
+    """Seconds the interpreter spends on one instruction beyond its work: a chain of ``n`` adds of 8 floats, the
+    best of ``repeats``; ``typical``: the median of the rank's own CPU time per chain instead, the ranks' chains
+    started together (ranks taking turns on a core: a chain is shorter than the scheduler's slice, so its wall
+    time says which rank the core ran first; its CPU time is what a turn costs)."""
     def chain(x):
         for _ in range(n):
             x = x + 1.0
@@ -313,7 +316,16 @@ def _instruction_overhead(comm, repeats: int, n: int = 200) -> float:
     program = partition(trace(chain, TensorSpec((8 * comm.Get_size(),))), mesh, in_specs=[("x",)], fuse=False,
                         overlap=False)
     block = np.ones(8, np.float32)
-    return _best(lambda: run_local(program, block, comm=comm), repeats) / n
+    if not typical:
+        return _best(lambda: run_local(program, block, comm=comm), repeats) / n
+    run_local(program, block, comm=comm)  # warm-up
+    seconds = []
+    for _ in range(max(repeats, 5)):
+        comm.Barrier()
+        start = time.process_time()
+        run_local(program, block, comm=comm)
+        seconds.append(time.process_time() - start)
+    return float(np.median(seconds)) / n
 
 
 def _link(doc: dict, k: int) -> Link:
