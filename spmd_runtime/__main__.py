@@ -205,24 +205,33 @@ def _calibrate(args) -> int:
 
 
 def _calibrate_sharing(args, comm) -> int:
-    """``calibrate --sharing-only``: what sharing cores costs as placed, added to an existing profile."""
-    error = None
-    if not args.hardware or not os.path.exists(args.hardware):
-        error = (f"calibrate --sharing-only adds to a hardware profile written before (calibrate --hardware FILE); "
-                 f"got --hardware {args.hardware!r}, which is not a file")
-    elif comm.Get_size() < 2:
-        error = "calibrate --sharing-only times ranks that share cores: run it under mpiexec -n 2 or more; got 1 rank"
-    if error:  # the same on every rank: every rank refuses before any collective
+    """``calibrate --sharing-only``: what sharing cores costs as placed, added to an existing profile. Rank 0 reads
+    the profile before anything is timed and every rank gets its verdict, so a file only rank 0 can see (or not
+    see) fails every rank alike, before any collective of the timing."""
+    if comm.Get_size() < 2:
+        print("spmd_runtime calibrate: --sharing-only times ranks that share cores: run it under mpiexec -n 2 or more; "
+              "got 1 rank", file=sys.stderr, flush=True)
+        return 2
+    hardware, error = capture(lambda: _existing_profile(args.hardware), describe=str) if comm.Get_rank() == 0 else (None, None)
+    error = comm.bcast(error, root=0)
+    if error:
         print(f"spmd_runtime calibrate: {error}", file=sys.stderr, flush=True)
         return 2
     per_core, slice_s, overhead = sharing_costs(comm, args.repeats)
     if comm.Get_rank() == 0:
-        hardware = Hardware.load(args.hardware).with_sharing(per_core, slice_s, overhead)
+        hardware = hardware.with_sharing(per_core, slice_s, overhead)
         hardware.save(args.hardware)
         per_instruction = "" if overhead is None else f", {overhead * 1e6:.1f} us per instruction"
         print(f"wrote {args.hardware}: at {per_core:g} ranks per core slice_s {slice_s * 1e3:.3f} ms{per_instruction}; "
               f"measured at {', '.join(f'{q:g}' for q, _ in hardware.slices)} ranks per core")
     return 0
+
+
+def _existing_profile(path) -> Hardware:
+    if not path or not os.path.exists(path):
+        raise ValueError(f"calibrate --sharing-only adds to a hardware profile written before (calibrate --hardware "
+                         f"FILE); got --hardware {path!r}, which is not a file")
+    return Hardware.load(path)
 
 
 def _show(args) -> int:
