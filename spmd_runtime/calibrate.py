@@ -162,8 +162,7 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     return Hardware(name, tuple(sorted(flops.items())), int(memory), bandwidth, per_node, intra, inter,
                     nodes if nodes > 1 else None, overhead, sources, cores, slice_s=slice_s,
                     overlap=False,  # MPI over shared memory, no progress thread: messages move in the ranks' calls
-                    gemm_efficiency=efficiency, slices=((per_core, slice_s),) if per_core else (),
-                    overheads=((sharing, overhead),) if sharing > 1 else ())
+                    gemm_efficiency=efficiency, slices=((per_core, slice_s),) if per_core else ())
 
 
 def sharing_costs(comm, repeats: int = 5) -> tuple:

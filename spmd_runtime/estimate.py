@@ -259,12 +259,19 @@ def _flops_and_bytes(ins, shapes) -> tuple[float, float]:
     return float(math.prod(ins.shape)), nbytes
 
 
+def _einsum_sizes(spec: str, operands) -> tuple[list[str], str, dict[str, int]]:
+    """(the input terms, the output term, each index's size) of an einsum on operands of these shapes."""
+    inputs, output = spec.split("->")
+    terms = inputs.split(",")
+    sizes: dict[str, int] = {}
+    for labels, shape in zip(terms, operands):
+        sizes.update(zip(labels, shape))
+    return terms, output, sizes
+
+
 def _einsum_flops(spec: str, operands) -> float:
     """2 x the product of every index's size when some index is summed (a multiply-add each), else the product."""
-    inputs, output = spec.split("->")
-    sizes: dict[str, int] = {}
-    for labels, shape in zip(inputs.split(","), operands):
-        sizes.update(zip(labels, shape))
+    _, output, sizes = _einsum_sizes(spec, operands)
     total = float(math.prod(sizes.values()))
     return 2 * total if set(sizes) - set(output) else total
 
@@ -273,13 +280,9 @@ def _smallest_matmul_dim(spec: str, operands) -> int:
     """The smallest of the stacked matmul's rows (a's free letters), columns (b's) and summed length an einsum
     runs as (ops/einsum.py); an einsum without one of them (a product, a dot per element) is no matmul: it gets
     the full rate, and the roofline's bytes term prices it."""
-    inputs, output = spec.split("->")
-    terms = inputs.split(",")
+    terms, output, sizes = _einsum_sizes(spec, operands)
     if len(terms) != 2:
         return 1 << 30
-    sizes: dict[str, int] = {}
-    for labels, shape in zip(terms, operands):
-        sizes.update(zip(labels, shape))
     a, b = terms
     groups = ([c for c in a if c not in b], [c for c in b if c not in a], [c for c in a if c in b and c not in output])
     if not all(groups):

@@ -17,7 +17,7 @@ A profile is a small JSON file (format ``spmd_runtime.hardware``)::
      "network": {"bandwidth": 25e9, "latency": 5e-6, "source": "..."},   # between nodes, per rank, each way
      "nodes": 16,            # optional: the cluster's node count (a mesh must then have nodes x ranks devices)
      "overhead_s": 5e-6,     # what one instruction costs beyond its FLOPs and bytes (a launch, a dispatch)
-     "overhead_s_by_ranks_per_core": {"4": 1.4e-5}}  # optional: as measured with ranks sharing cores (calibrate
+     "overhead_s_by_ranks_per_core": {"4": 6e-6}}  # optional: as measured with ranks sharing cores (calibrate
                              # --sharing-only), per core's turn; interpolated from overhead_s at one per core
 
 Bandwidths are bytes per second one rank sends (each way); ``source`` strings say where each value comes from.
@@ -115,11 +115,8 @@ class Hardware:
     def gemm_fraction(self, smallest: int) -> float:
         """The fraction of the peak a matmul reaches whose smallest dim is ``smallest``: the profile's points
         interpolated in log(dim), the end points' values beyond them (1.0 without points)."""
-        points = self.gemm_efficiency
-        if not points:
-            return 1.0
-        dims = [math.log(d) for d, _ in points]
-        return float(np.interp(math.log(max(smallest, 1)), dims, [f for _, f in points]))
+        logs = tuple((math.log(d), f) for d, f in self.gemm_efficiency)
+        return _interpolated(logs, math.log(max(smallest, 1))) if logs else 1.0
 
     @property
     def cores(self) -> int:
@@ -135,8 +132,9 @@ class Hardware:
         """Expected seconds ``rank`` waits at one blocking collective over a group of ``k`` for a peer that shares a
         core and is not running: 0 with a core per rank (or no peer). The collective ends once its last peer gets
         there; with p ranks per core that peer is off its core with probability (p - 1) / p, behind a computing
-        core-mate that keeps the core up to ``slice_s`` (calibrate: twice the wait per all-reduce of two ranks on
-        one core; the ticks of a node's cores are aligned, so peers off several cores come back together)."""
+        core-mate that keeps the core up to ``slice_at(p)`` (calibrate: the wait per all-reduce of ranks sharing
+        cores, over the (p - 1) / p of the sharing it was timed at; the ticks of a node's cores are aligned, so
+        peers off several cores come back together)."""
         p = 1.0 / self.units_of(rank, world)
         if p <= 1.0 or k <= 1:
             return 0.0
@@ -147,19 +145,16 @@ class Hardware:
         per core, the end points' values beyond them), else ``slice_s``. How long a blocked rank waits grows faster
         than the (p - 1) / p of ``sync_wait_s``: on a quiet 2-core host two ranks on one core waited ~0.02 ms per
         all-reduce, four per core 1.1 ms (docs/BENCHMARKS.md, session 16)."""
-        if not self.slices:
-            return self.slice_s
-        return float(np.interp(per_core, [q for q, _ in self.slices], [v for _, v in self.slices]))
+        return _interpolated(self.slices, per_core) if self.slices else self.slice_s
 
     def overhead_at(self, per_core: float) -> float:
         """``overhead_s`` for ``per_core`` ranks per core: ranks taking turns on a core each run an instruction
-        slower than alone beyond their share of it (the interpreter's state evicted by its core-mates: 4.6 us alone,
-        14 us a turn at four per core, here); interpolated between ``overhead_s`` at one per core and the measured
+        slower than alone beyond their share of it (the interpreter's state evicted by its core-mates: 4.4 us of CPU
+        alone, 5.1 at two per core, 6.1 at four, here); interpolated between ``overhead_s`` at one per core and the measured
         ``overheads``, the last held beyond them."""
         if not self.overheads or per_core <= 1:
             return self.overhead_s
-        points = ((1.0, self.overhead_s),) + tuple(q for q in self.overheads if q[0] > 1)
-        return float(np.interp(per_core, [q for q, _ in points], [v for _, v in points]))
+        return _interpolated(((1.0, self.overhead_s),) + self.overheads, per_core)
 
     def with_sharing(self, per_core: float, slice_s: float, overhead_s: float | None = None) -> "Hardware":
         """The profile with what ``per_core`` ranks per core were measured to cost added (replacing any measured at
@@ -275,6 +270,11 @@ class Hardware:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=2)
             f.write("\n")
+
+
+def _interpolated(points: tuple, x: float) -> float:
+    """The piecewise-linear value at ``x`` of ascending ``(x, y)`` points, the end points' values beyond them."""
+    return float(np.interp(x, [a for a, _ in points], [b for _, b in points]))
 
 
 def shipped_names() -> list[str]:
