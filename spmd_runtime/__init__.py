@@ -20,7 +20,7 @@ from .program import SPMDProgram, load_program
 from .exec import run, run_local
 from .autodiff import grad, value_and_grad
 from .autodiff.scheduled import pipeline_loss
-from .ops.control import cond, fori_loop, remat, scan, while_loop
+from .ops.control import checkpoint_name, checkpoint_policies, cond, fori_loop, remat, scan, while_loop
 from .ops.core import stop_gradient
 from .ops.manual import (all_gather, all_to_all, axis_index, pbroadcast, pmax, pmin, ppermute, psum, psum_scatter,
                          shard_map)
@@ -55,7 +55,7 @@ __version__ = "0.1.0"
 
 __all__ = ["config", "jit", "autoshard", "autoshard_tensors", "autoshard_jit", "autotune", "DArray", "device_put", "from_local", "scatter_from_root", "visualize_sharding", "profile",
            "distributed", "pytree", "P", "UNCONSTRAINED", "get_mesh", "set_mesh", "Mesh", "Sharding", "parse_spec", "TensorSpec", "Graph", "Tensor", "trace", "mesh_split", "evaluate",
-           "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "stop_gradient",
+           "partition", "plan_reshard", "SPMDProgram", "load_program", "run", "run_local", "grad", "value_and_grad", "stop_gradient", "checkpoint_name", "checkpoint_policies",
            "scan", "fori_loop", "while_loop", "cond", "remat", "shard_map", "psum", "pmax", "pmin", "all_gather",
            "psum_scatter", "all_to_all", "ppermute", "axis_index", "pbroadcast", "pipeline", "pipeline_loss", "save_checkpoint", "load_checkpoint",
            "checkpoint_info", "LMConfig", "SGD", "AdamW", "Adafactor", "DynamicLossScale", "Schedule", "ConstantSchedule",

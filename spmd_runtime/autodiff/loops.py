@@ -5,8 +5,9 @@ nodes, then its backward nodes (``backward_from`` with cotangent parameters for 
 nodes read by backward nodes are the residuals; the remat policy picks which are SAVED (stacked by the
 forward scan as extra ys: "everything_saveable" all, "cheap_recomputed" (the default) all but cheap
 pointwise and layout ops whose operands cost no more to store, "dots_saveable" contraction results,
-"nothing_saveable" none) and which the backward body recomputes from the iteration's carry (then
-stacked too), its x slice and the loop invariants. The forward scan node is rewritten in place to
+"nothing_saveable" none, ``save_only_these_names`` the values ``checkpoint_name`` gave those names) and
+which the backward body recomputes from the iteration's carry (then stacked too), its x slice and the loop
+invariants. The forward scan node is rewritten in place to
 also output the saved residuals (JAX's partial evaluation, done on the traced graph), and a reverse
 scan over them emits the cotangents: carry cotangents flow through its carry, loop-invariant
 cotangents are summed in its carry, xs cotangents are its stacked ys.
@@ -23,7 +24,7 @@ import numpy as np
 from ..bodies import TUPLE_DTYPE, TUPLE_SHAPE, BodyGraph, extract, inline, tracing
 from ..dtypes import is_floating
 from ..graph import TensorSpec
-from ..ops.control import COND, LOOP_OUT, SCAN, WHILE
+from ..ops.control import CHECKPOINT_NAME, COND, LOOP_OUT, SCAN, WHILE, SaveOnlyTheseNames
 from ..ops.core import BROADCAST_IN_DIM, PARAMETER, RESHAPE, TRANSPOSE, zeros
 from ..ops.einsum import EINSUM
 from ..opdef import OPS
@@ -94,10 +95,17 @@ def _residuals(joint, ct_ids: set, in_ids: set, policy: str) -> list[int]:
         on_ct[n.id] = n.id in ct_ids or any(on_ct[i] for i in n.inputs)
         on_in[n.id] = n.id in in_ids or any(on_in[i] for i in n.inputs)
     read = {i for n in joint.nodes if on_ct[n.id] for i in n.inputs if not on_ct[i]}
-    saveable = {"everything_saveable": lambda n: True, "cheap_recomputed": lambda n: True,
-                "nothing_saveable": lambda n: False, "dots_saveable": lambda n: n.op == EINSUM.name}[policy]
+    saveable = _saveable(policy)
     saved = {v for v in read if _storable(joint, v, on_in) and saveable(joint.nodes[v])}
     return sorted(_cheap_recomputed(joint, saved, on_in) if policy == "cheap_recomputed" else saved)
+
+
+def _saveable(policy):
+    """Whether the policy saves a node (when the backward reads it)."""
+    if isinstance(policy, SaveOnlyTheseNames):
+        return lambda n: n.op == CHECKPOINT_NAME.name and n.attrs["name"] in policy.names
+    return {"everything_saveable": lambda n: True, "cheap_recomputed": lambda n: True,
+            "nothing_saveable": lambda n: False, "dots_saveable": lambda n: n.op == EINSUM.name}[policy]
 
 
 def _storable(joint, v: int, on_in: dict) -> bool:

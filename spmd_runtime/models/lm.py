@@ -30,15 +30,18 @@ from .. import numpy as snp
 from ..checkpoint import SliceOf, StackOf
 from ..dtypes import FLOATING
 from ..nn import gelu
-from ..ops.control import remat, scan
+from ..ops.control import remat, save_only_these_names, scan
 from ..ops.core import stop_gradient
 from ..pipeline import micro_batches, pipeline, stages_of_layers
-from .moe import EXPERT_COLUMN, EXPERT_ROW, ROUTER, Gating, MoEConfig, check_moe, moe_ffn, one_hot
+from .moe import ALL_TO_ALL_NAMES, EXPERT_COLUMN, EXPERT_ROW, ROUTER, Gating, MoEConfig, check_moe, moe_ffn, one_hot
 from .roles import COLUMN, COLUMN_BIAS, NORM, ROW_BIAS, ParamRole
 from .transformer import PARAM_ROLES as BLOCK_ROLES
 
 STACKED = "layers_"  # with scan_layers, block parameter k of every layer is "layers_<k>", shape (layers, ...)
-REMAT_POLICIES = {"none": None, "full": "nothing_saveable", "dots": "dots_saveable"}
+# "full_save_all_to_all": full recompute, but an MoE layer's all-to-all results (``moe.ALL_TO_ALL_NAMES``) are
+# saved, so the recomputed forward sends nothing again (dense blocks: the same as "full")
+REMAT_POLICIES = {"none": None, "full": "nothing_saveable", "dots": "dots_saveable",
+                  "full_save_all_to_all": save_only_these_names(*ALL_TO_ALL_NAMES)}
 BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "w1", "w2")
 MOE_BLOCK_PARAMS = ("ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "ln2_g", "ln2_b", "wg", "we1", "we2")
 GATE_PARAMS = ("w3",)  # gated FFNs: the gate's projection (d, ffn), beside w1
@@ -83,8 +86,9 @@ class LMConfig:
     # layers as ONE sr.scan over parameters stacked on a leading layer dim; None (default): scanned for dense
     # models, unrolled for MoE ones (their MoE and dense blocks differ; see ``scanned``)
     scan_layers: bool | None = None
-    remat: str = "none"  # what the backward pass recomputes of each layer: "none", "full" or "dots" (scanned
-    #                      layers: the scan's policy; unrolled ones, as MoE models run: each block its own remat)
+    remat: str = "none"  # what the backward pass recomputes of each layer: "none", "full", "dots" or
+    #                      "full_save_all_to_all" (REMAT_POLICIES; scanned layers: the scan's policy; unrolled
+    #                      ones, as MoE models run: each block its own remat)
     # the model family of the published configs: per-head dim independent of d / heads (GShard's 16 x 128 at
     # d = 1024; None: d // heads), biases on every projection (GPT-2, Megatron: "<weight>_b"), and the dense
     # FFN: "gelu" (GELU MLP), "geglu" / "swiglu" (gated: act(x w1) * (x w3), then w2; Shazeer 2020)

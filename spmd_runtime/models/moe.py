@@ -16,9 +16,11 @@ Tokens come in as G groups of S tokens (the group dim split like the batch). Per
 
 Then dispatch ``GSEC,GSM->EGCM`` (one-hot mask), the expert FFN ``EGCM,EMH->EGCH`` / ``EGCH,EHM->EGCM``
 and combine ``GSEC,EGCM->GSM``. Parallelism is annotations only (``annotate(x, role)``): the roles
-'groups' (G,S,M), 'expert_in' (E,G,C,M) and 'expert_hidden' (E,G,C,H). With the group dim split over
-the expert axis and E split over it, the partitioner emits one all-to-all into the experts and one back
-(plus the same two in the backward pass); no collective is written here. 'groups' also pins the (G,S,E,C)
+'groups' (G,S,M), 'expert_in' (E,G,C,M), 'expert_hidden' (E,G,C,H) and 'expert_out' (E,G,C,M back in the
+tokens' layout, before the combine). With the group dim split over the expert axis and E split over it, the
+partitioner emits one all-to-all into the experts and one back (plus the same two in the backward pass); no
+collective is written here. Both results are named (``ALL_TO_ALL_NAMES``, ``checkpoint_name``): under
+``LMConfig(remat="full_save_all_to_all")`` they are saved, and the recomputed forward sends nothing. 'groups' also pins the (G,S,E,C)
 combine and dispatch tensors (any rank: the group dim first), so their cotangents stay with the tokens.
 """
 from __future__ import annotations
@@ -30,9 +32,11 @@ import numpy as np
 
 from .. import numpy as snp
 from ..nn import gelu
+from ..ops.control import checkpoint_name
 from .roles import ParamRole
 
 SECOND_POLICIES = ("all", "random")
+ALL_TO_ALL_NAMES = ("moe_expert_in", "moe_expert_out")  # the checkpoint names of the all-to-alls' results
 GATE_DTYPE = "float32"
 
 # Sharding hints: the roles of ``moe_ffn``'s weights (its argument names), so a trainer splits them by role
@@ -165,11 +169,14 @@ def moe_ffn(x, wg, w1, w2, cfg: MoEConfig, annotate=no_annotation, noise=None):
     gating = top2_gating(snp.einsum("GSM,ME->GSE", x, wg), cfg, noise)
     # pinned to the token layout, so their cotangents (through the combine einsum's VJP) stay there too
     combine, dispatch = (annotate(snp.astype(t, x.dtype), "groups") for t in (gating.combine, gating.dispatch))
-    expert_in = annotate(snp.einsum("GSEC,GSM->EGCM", dispatch, x), "expert_in")
+    # each all-to-all's result named (ALL_TO_ALL_NAMES): a remat policy that saves them recomputes the experts
+    # from the saved input, and the combine's VJP reads the saved output, so no all-to-all is sent again
+    expert_in = checkpoint_name(annotate(snp.einsum("GSEC,GSM->EGCM", dispatch, x), "expert_in"), "moe_expert_in")
     hidden = annotate(gelu(snp.einsum("EGCM,EMH->EGCH", expert_in, w1)), "expert_hidden")
     expert_out = annotate(snp.einsum("EGCH,EHM->EGCM", hidden, w2), "expert_in")
-    return annotate(snp.einsum("GSEC,EGCM->GSM", combine, expert_out), "groups"), gating
+    back = checkpoint_name(annotate(expert_out, "expert_out"), "moe_expert_out")  # in the tokens' layout
+    return annotate(snp.einsum("GSEC,EGCM->GSM", combine, back), "groups"), gating
 
 
-__all__ = ["MoEConfig", "Gating", "check_moe", "top2_gating", "moe_ffn", "one_hot", "SECOND_POLICIES",
+__all__ = ["MoEConfig", "Gating", "check_moe", "top2_gating", "moe_ffn", "one_hot", "SECOND_POLICIES", "ALL_TO_ALL_NAMES",
            "PARAM_ROLES"]

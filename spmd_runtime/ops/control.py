@@ -1,4 +1,5 @@
-"""Control flow as ops with a body: ``scan``, ``fori_loop``, ``while_loop``, ``cond`` and ``remat``.
+"""Control flow as ops with a body: ``scan``, ``fori_loop``, ``while_loop``, ``cond`` and ``remat`` (with its
+policies, and ``checkpoint_name``, the identity that names a value for one).
 
 Each call traces its body ONCE into a ``BodyGraph`` (``spmd_runtime/bodies.py``) and emits ONE node
 holding it. A control node has several results: the node itself is a 0-d placeholder (a "tuple") and
@@ -24,6 +25,8 @@ reverse scan over saved residuals), the binders in ``exec/rules/control.py`` (th
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .. import opdef
@@ -37,6 +40,7 @@ from . import core
 SCAN = define("scan")
 WHILE = define("while")
 COND = define("cond")
+CHECKPOINT_NAME = define("checkpoint_name")  # its operand's value, named (attrs: name) for a remat policy
 
 
 def _loop_owned(ins, operands) -> bool:
@@ -56,6 +60,46 @@ def _loop_owned(ins, operands) -> bool:
 
 LOOP_OUT = define("loop_out", fresh_if=_loop_owned)  # result ``index`` of a control node
 POLICIES = ("cheap_recomputed", "everything_saveable", "nothing_saveable", "dots_saveable")
+
+
+@dataclass(frozen=True)
+class SaveOnlyTheseNames:
+    """The remat policy that saves the values named by ``checkpoint_name`` with one of ``names`` and recomputes
+    everything else (JAX's ``checkpoint_policies.save_only_these_names``): e.g. an MoE layer's all-to-all
+    results, so that its recomputed forward sends nothing again."""
+    names: tuple[str, ...]
+
+    def __post_init__(self):
+        if not self.names or not all(isinstance(n, str) and n for n in self.names):
+            raise ValueError(f"save_only_these_names takes one or more non-empty names; got {self.names!r}")
+
+    def __repr__(self):
+        return f"save_only_these_names{self.names!r}"
+
+
+class checkpoint_policies:  # noqa: N801  (JAX's namespace: sr.checkpoint_policies.save_only_these_names(...))
+    """The remat policies by JAX's names (``jax.checkpoint_policies``): pass one as ``sr.remat(f, policy)`` or
+    ``sr.scan(..., policy=...)``."""
+    nothing_saveable, everything_saveable, dots_saveable = "nothing_saveable", "everything_saveable", "dots_saveable"
+
+    @staticmethod
+    def save_only_these_names(*names: str) -> SaveOnlyTheseNames:
+        return save_only_these_names(*names)
+
+
+def save_only_these_names(*names: str) -> SaveOnlyTheseNames:
+    """The policy that saves the values ``checkpoint_name`` gave one of ``names`` and recomputes the rest."""
+    return SaveOnlyTheseNames(tuple(names))
+
+
+def checkpoint_name(x, name: str) -> Tensor:
+    """``x``, named for a remat policy (JAX's ``ad_checkpoint.checkpoint_name``): under
+    ``checkpoint_policies.save_only_these_names(name, ...)`` the backward pass reads it saved instead of
+    recomputing it. No instruction of its own after partitioning."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"checkpoint_name takes a non-empty string name; got {name!r}")
+    x = core.asarray(x)
+    return emit(CHECKPOINT_NAME, [x], {"name": name}, x.shape, x.dtype)
 DEFAULT_POLICY = "cheap_recomputed"  # a scan's: save all but what is cheaper to recompute (autodiff/loops.py)
 
 
@@ -209,7 +253,8 @@ def cond(pred, true_fun, false_fun, *operands):
 def remat(fn, policy="nothing_saveable"):
     """``fn`` whose intermediates the backward pass recomputes instead of storing (JAX's ``checkpoint``).
     ``policy``: "nothing_saveable" (recompute all), "dots_saveable" (keep contraction results),
-    "cheap_recomputed" (keep all but cheap pointwise and layout ops), "everything_saveable". As a scan body
+    "cheap_recomputed" (keep all but cheap pointwise and layout ops), "everything_saveable", or
+    ``checkpoint_policies.save_only_these_names(...)`` (keep the values ``checkpoint_name`` gave those names). As a scan body
     it sets the scan's policy; elsewhere it runs ``fn`` as a one-step scan with that policy."""
     _check_policy(policy)
 
@@ -223,8 +268,9 @@ def remat(fn, policy="nothing_saveable"):
 
 
 def _check_policy(policy):
-    if policy not in POLICIES:
-        raise ValueError(f"a remat policy is one of {POLICIES}; got {policy!r}")
+    if not isinstance(policy, SaveOnlyTheseNames) and policy not in POLICIES:
+        raise ValueError(f"a remat policy is one of {POLICIES} or checkpoint_policies.save_only_these_names(...); "
+                         f"got {policy!r}")
 
 
 def _unwrap_remat(f, policy):
@@ -244,6 +290,11 @@ def _evaluate(graph, args, xp):
 @opdef.kernel(LOOP_OUT)
 def _loop_out_kernel(xp, t, index):
     return t[index]
+
+
+@opdef.kernel(CHECKPOINT_NAME)
+def _checkpoint_name_kernel(xp, x, name):
+    return x  # the same value: only a remat policy reads the name
 
 
 # ``policy`` and ``results`` are graph attributes; a program's control instruction (run by its binder) has neither.

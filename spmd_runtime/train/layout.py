@@ -207,14 +207,17 @@ class Layout:
         return {param_kind(n): spec[1:] for n, spec in specs.items() if self.roles[n].stacked}
 
 
-MOE_ROLES = ("groups", "expert_in", "expert_hidden")
+MOE_ROLES = ("groups", "expert_in", "expert_hidden", "expert_out")
 
 
 def moe_activation_spec(preset: Preset, role: str, ndim: int) -> tuple:
     """'groups' (G, ...): groups split like the batch; 'expert_in' (E, G, C, M) and 'expert_hidden'
-    (E, G, C, H): experts on the expert axes, groups on the rest of the batch axes, H on the model axes."""
+    (E, G, C, H): experts on the expert axes, groups on the rest of the batch axes, H on the model axes;
+    'expert_out' (E, G, C, M): back with the tokens, groups split like the batch."""
     if role == "groups":
         return (preset.batch or None,) + (None,) * (ndim - 1)
+    if role == "expert_out":
+        return (None, preset.batch or None) + (None,) * (ndim - 2)
     rest = tuple(a for a in preset.batch if a not in preset.experts) or None
     hidden = (preset.model or None) if role == "expert_hidden" else None
     return (preset.experts or None, rest, None, hidden)

@@ -33,13 +33,14 @@ def test_loop_matches_reference(case, mesh):
 
 
 # ---------------------------------------------------------------- the reference itself
-@pytest.mark.parametrize("policy", ["everything_saveable", "cheap_recomputed", "nothing_saveable", "dots_saveable"])
+@pytest.mark.parametrize("policy", ["everything_saveable", "cheap_recomputed", "nothing_saveable", "dots_saveable",
+                                    sr.checkpoint_policies.save_only_these_names("pre")], ids=str)
 def test_scan_gradient_matches_finite_differences(policy):
     rng = np.random.default_rng(0)
     h, ws, b = rng.standard_normal((3, 4)), 0.5 * rng.standard_normal((3, 4, 4)), rng.standard_normal(4)
 
     def loss(h, ws, b):
-        body = sr.remat(lambda c, w: (snp.tanh(c @ w + b), snp.sum(c)), policy)
+        body = sr.remat(lambda c, w: (snp.tanh(sr.checkpoint_name(c @ w, "pre") + b), snp.sum(c)), policy)
         c, ys = sr.scan(body, h, ws)
         return snp.sum(c * c) + snp.sum(ys * ys)
 
@@ -93,6 +94,50 @@ def test_the_default_policy_stacks_what_is_costly_to_recompute_and_recomputes_th
     everything = saved_residuals(body, "everything_saveable")[0]
     for got, want in zip(sr.evaluate(graph, *args), sr.evaluate(everything, *args)):
         np.testing.assert_array_equal(got, want)
+
+
+def named_block(c, w):
+    h = sr.checkpoint_name(c @ w, "proj")
+    return snp.tanh(h) * h + c, None
+
+
+def backward_einsums(graph) -> int:
+    return sum(n.op == "einsum" for n in [s for s in graph.nodes if s.op == "scan"][-1].attrs["body"].nodes)
+
+
+def test_save_only_these_names_stacks_the_named_values_and_recomputes_the_rest():
+    """JAX's ``checkpoint_name`` + ``checkpoint_policies.save_only_these_names``: the named product is stacked,
+    so the backward body does not recompute it (one einsum fewer than "nothing_saveable"); a name the policy
+    does not list saves nothing; the gradient is the same to the bit as saving everything."""
+    policies = sr.checkpoint_policies
+    graph, ops, elements = saved_residuals(named_block, policies.save_only_these_names("proj"))
+    assert ops == ["checkpoint_name"] and elements == 4 * 6
+    nothing = saved_residuals(named_block, policies.nothing_saveable)[0]
+    assert backward_einsums(graph) == backward_einsums(nothing) - 1
+    assert saved_residuals(named_block, policies.save_only_these_names("other"))[1:] == ([], 0)
+    rng = np.random.default_rng(5)
+    args = [rng.standard_normal((4, 6)), 0.3 * rng.standard_normal((3, 6, 6))]
+    everything = saved_residuals(named_block, "everything_saveable")[0]
+    for got, want in zip(sr.evaluate(graph, *args), sr.evaluate(everything, *args)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_checkpoint_name_is_no_instruction_and_bad_names_and_policies_are_refused():
+    def f(x):
+        return snp.sum(sr.checkpoint_name(snp.sin(x), "s") * 2.0)
+    x = np.linspace(0.0, 1.0, 12).reshape(4, 3)
+    graph = sr.trace(sr.value_and_grad(f), x)
+    for mesh in (sr.Mesh((1,), ("x",)), sr.Mesh((3,), ("x",)), sr.Mesh((2, 2), ("x", "y"))):
+        program = sr.partition(graph, mesh, in_specs=[("x", None)])
+        assert "checkpoint_name" not in {i.op for i in program.instrs}
+        assert_matches(program, [x], sr.evaluate(graph, x))
+    with pytest.raises(ValueError, match="checkpoint_name takes a non-empty string name; got ''"):
+        sr.trace(lambda x: sr.checkpoint_name(x, ""), x)
+    with pytest.raises(ValueError, match=r"save_only_these_names takes one or more non-empty names; got \(\)"):
+        sr.checkpoint_policies.save_only_these_names()
+    with pytest.raises(ValueError, match="a remat policy is one of .* or checkpoint_policies.save_only_these_names"
+                                         r"\(\.\.\.\); got 'some'"):
+        sr.remat(lambda x: x, "some")
 
 
 # ---------------------------------------------------------------- partitioned once

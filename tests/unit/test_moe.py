@@ -137,7 +137,7 @@ def expert_parallel(mesh, expert_axis="data"):
     """GShard roles on ``mesh``: groups on every axis, the expert axis minor; experts on the expert axis."""
     rest = tuple(a for a in mesh.axis_names if a != expert_axis)
     return {"groups": (rest + (expert_axis,),), "expert_in": (expert_axis, rest or None),
-            "expert_hidden": (expert_axis, rest or None)}
+            "expert_hidden": (expert_axis, rest or None), "expert_out": (None, rest + (expert_axis,))}
 
 
 def partition_layer(mesh, g, e, grad, roles=None, s=8):
@@ -183,7 +183,8 @@ EXPERT_PARTITION_CASES = [  # mesh, groups, experts, roles -> forward collective
      [A2AV, ("all_reduce", ("model",)), ("all_reduce", ("model",)), A2AV, ("all_reduce", ("model", "data"))]),
     # Megatron experts: hidden dim on model; the second expert einsum's partial sum is all-reduced over it
     ((2, 2), ("data", "model"), 4, 4,
-     {"groups": ("data",), "expert_in": ("data", None), "expert_hidden": ("data", None, None, "model")},
+     {"groups": ("data",), "expert_in": ("data", None), "expert_hidden": ("data", None, None, "model"),
+      "expert_out": (None, "data")},
      [A2A, ("all_reduce", ("model",)), A2A], [A2A, ("all_reduce", ("model",)), A2A, ("all_reduce", ("data",))]),
 ]
 

@@ -136,6 +136,36 @@ def test_unrolled_blocks_rematerialised_one_by_one_step_as_without_and_hold_less
     assert full.program.peak_bytes() < plain.program.peak_bytes()
 
 
+def all_to_alls(program) -> tuple[int, float]:
+    sent = [c for c in program.comm_summary() if c["kind"].startswith("all_to_all")]
+    return len(sent), sum(c["wire_bytes"] for c in sent)
+
+
+def test_full_remat_that_saves_the_all_to_alls_sends_none_twice_and_steps_as_without():
+    """remat="full_save_all_to_all": each block recomputed, but an MoE layer's two all-to-all results are saved
+    (``checkpoint_name`` + ``save_only_these_names``): the step sends the plain step's 4 all-to-alls per MoE
+    layer where "full" sends 6 (its recomputed forward's two again), and is the same step to rounding, on
+    every rank (experts 8: the partitioner moves the tokens, not the dispatch mask, as at GShard's size)."""
+    cfg = dataclasses.replace(MOE, experts=8, capacity_factor=2.0)
+    tokens, labels = batch(cfg)
+    steps = {r: build(dataclasses.replace(cfg, remat=r), (4,), "moe", donate=True)
+             for r in ("none", "full", "full_save_all_to_all")}
+    sent = {r: all_to_alls(ts.program) for r, ts in steps.items()}
+    moe_layers = cfg.layers // cfg.moe_every
+    assert sent["full_save_all_to_all"] == sent["none"] and sent["none"][0] == 4 * moe_layers, sent
+    assert sent["full"][0] == 6 * moe_layers and sent["full"][1] == 1.5 * sent["none"][1], sent
+    saved = steps["full_save_all_to_all"]
+    state = saved.init(0)
+    want_state, want_loss = steps["none"].reference_step(state, tokens, labels)
+    got_state, got_loss = saved.reference_step(state, tokens, labels)
+    assert got_loss == pytest.approx(want_loss, rel=1e-12)
+    for got, want in zip(pytree.flatten(got_state)[0], pytree.flatten(want_state)[0]):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-13)
+    for outs in run_everywhere(saved.program, state["params"], state["opt_state"], {"tokens": tokens,
+                                                                                     "labels": labels}):
+        assert float(outs[-1]) == pytest.approx(want_loss, rel=1e-10)
+
+
 @pytest.mark.parametrize("saved_scanned", [False, True], ids=["unrolled->stacked", "stacked->unrolled"])
 def test_checkpoints_load_across_the_stacked_and_unrolled_layouts(tmp_path, saved_scanned):
     """The stacked layout is a view of the same parameters: a checkpoint saved in one layout (and on one

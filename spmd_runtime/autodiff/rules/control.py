@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from ...bodies import capture, inline
 from ...graph import TensorSpec
-from ...ops.control import COND, LOOP_OUT, SCAN, WHILE, cond, scan
+from ...ops.control import CHECKPOINT_NAME, COND, LOOP_OUT, SCAN, WHILE, cond, scan
 from ...trace import current_graph
 from ..engine import backward_from
 from ..loops import TupleCotangent, add_results, floating, linearize, zeros_like
 from .table import vjp
+
+
+@vjp(CHECKPOINT_NAME)
+def checkpoint_name_vjp(node, g, ops, y):
+    return [g]  # an identity: the name only tells a remat policy what to save
 
 
 @vjp(LOOP_OUT)
