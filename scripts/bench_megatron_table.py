@@ -89,6 +89,8 @@ def parse_args(argv=None):
     ap.add_argument("--rows", default=None, help="comma-separated row names (1.7B, ..., 1T, gshard); default all")
     ap.add_argument("--max-ranks", type=int, default=4096, help="skip rows on more ranks than this")
     ap.add_argument("--remat", default="full", choices=["full", "none"], help="full: the paper's full recompute")
+    ap.add_argument("--moe-unrolled", action="store_true", help="the MoE row's 36 blocks unrolled (default: ONE scan "
+                    "over its 18 groups of a dense and an MoE block)")
     ap.add_argument("--moe-remat", default="full_save_all_to_all", choices=["full_save_all_to_all", "full", "none"],
                     help="the MoE row's remat: full_save_all_to_all (default: full recompute, the all-to-all "
                          "results saved) or full (the all-to-alls sent again by the recomputed forward)")
@@ -237,13 +239,14 @@ def gshard_formulas(g) -> dict:
 def plan_gshard(args) -> None:
     g = GSHARD
     head = (f"GShard MoE(2048E, 36L): d={g['d']} heads={g['heads']}x{g['head_dim']} ffn={g['ffn']} "
-            f"experts={g['experts']} on {g['ranks']} ranks, preset moe, Adafactor, remat {args.moe_remat}")
+            f"experts={g['experts']} on {g['ranks']} ranks, preset moe, Adafactor, remat {args.moe_remat}, "
+            f"{'unrolled' if args.moe_unrolled else 'scanned in groups of moe_every blocks'}")
     if g["ranks"] > args.max_ranks:
         print(f"{head}\n  skipped: {g['ranks']} ranks > --max-ranks {args.max_ranks}\n")
         return
     fields = {k: v for k, v in g.items() if k != "ranks"}
     try:
-        cfg = sr.LMConfig(dtype=args.dtype, remat=args.moe_remat, **fields)  # unrolled: each block its own remat
+        cfg = sr.LMConfig(dtype=args.dtype, remat=args.moe_remat, scan_layers=not args.moe_unrolled, **fields)
         plan = plan_train_step(cfg, sr.Mesh((g["ranks"], 1), ("data", "model")), "moe",
                                sr.Adafactor())  # factored over the last two dims: each expert's moments its own
     except Exception as e:  # say why, as for the Table 1 rows

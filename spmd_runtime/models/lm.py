@@ -33,11 +33,15 @@ from ..nn import gelu
 from ..ops.control import remat, save_only_these_names, scan
 from ..ops.core import stop_gradient
 from ..pipeline import micro_batches, pipeline, stages_of_layers
-from .moe import ALL_TO_ALL_NAMES, EXPERT_COLUMN, EXPERT_ROW, ROUTER, Gating, MoEConfig, check_moe, moe_ffn, one_hot
+from .moe import (ALL_TO_ALL_NAMES, EXPERT_COLUMN, EXPERT_ROW, GATE_DTYPE, ROUTER, Gating, MoEConfig, check_moe,
+                  moe_ffn, one_hot)
 from .roles import COLUMN, COLUMN_BIAS, NORM, ROW_BIAS, ParamRole
 from .transformer import PARAM_ROLES as BLOCK_ROLES
 
 STACKED = "layers_"  # with scan_layers, block parameter k of every layer is "layers_<k>", shape (layers, ...)
+# with scan_layers and MoE blocks: the layers run as a scan over groups of ``moe_every`` blocks (the last one MoE),
+# "layers<r>_<k>" holding parameter k of block r of every group, shape (layers / moe_every, ...)
+GROUPED = re.compile(r"layers(\d+)_(\w+)")
 # "full_save_all_to_all": full recompute, but an MoE layer's all-to-all results (``moe.ALL_TO_ALL_NAMES``) are
 # saved, so the recomputed forward sends nothing again (dense blocks: the same as "full")
 REMAT_POLICIES = {"none": None, "full": "nothing_saveable", "dots": "dots_saveable",
@@ -119,9 +123,10 @@ class LMConfig:
             raise ValueError(f"LMConfig remat must be one of {sorted(REMAT_POLICIES)}; got {self.remat!r}")
         if self.scan_layers not in (None, True, False):
             raise ValueError(f"LMConfig scan_layers must be True, False or None (auto); got {self.scan_layers!r}")
-        if self.scan_layers and self.moe_every:
-            raise ValueError(f"LMConfig scan_layers stacks identical dense blocks; got moe_every={self.moe_every} "
-                             f"(MoE blocks have other parameters): use scan_layers=False or None")
+        if self.scan_layers and self.moe_every and self.layers % self.moe_every:
+            raise ValueError(f"LMConfig scan_layers with MoE blocks scans whole groups of moe_every blocks; got "
+                             f"layers={self.layers}, moe_every={self.moe_every}: make moe_every divide layers, or "
+                             f"scan_layers=False")
         if self.moe_every or self.experts:
             if not 1 <= self.moe_every <= self.layers:
                 raise ValueError(f"LMConfig moe_every must be in [1, layers] for a mixture of experts (every "
@@ -131,8 +136,8 @@ class LMConfig:
     @property
     def scanned(self) -> bool:
         """Whether the layers run as one scan over stacked parameters: ``scan_layers``, or when it is None
-        (the default) for dense models. MoE models stay unrolled: a scan over groups of ``moe_every``
-        blocks is not built."""
+        (the default) for dense models. An MoE model's scan (``scan_layers=True``) runs over groups of
+        ``moe_every`` blocks; by default MoE models run unrolled."""
         return (not self.moe_every) if self.scan_layers is None else self.scan_layers
 
     @property
@@ -185,7 +190,10 @@ def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
     """name -> shape, in the order the traced loss takes them."""
     d, block = cfg.d, block_shapes(cfg)
     shapes = OrderedDict(embed=(cfg.vocab, d), pos=(cfg.seq, d))
-    if cfg.scanned:
+    if cfg.scanned and cfg.moe_every:  # one stack per block of a group
+        groups = cfg.layers // cfg.moe_every
+        shapes.update((f"layers{r}_{k}", (groups,) + block[k]) for r in range(cfg.moe_every) for k in cfg.block_params(r))
+    elif cfg.scanned:
         shapes.update((STACKED + k, (cfg.layers,) + block[k]) for k in cfg.block_params())
     for i in range(0 if cfg.scanned else cfg.layers):
         shapes.update((f"l{i}_{k}", block[k]) for k in cfg.block_params(i))
@@ -197,14 +205,32 @@ def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
 
 def param_kind(name: str) -> str:
     """The kind of a parameter regardless of its layer: 'wq', 'ln1_g', 'embed', ..."""
-    if is_stacked(name):
+    if name.startswith(STACKED):
         return name[len(STACKED):]
+    if GROUPED.fullmatch(name):
+        return GROUPED.fullmatch(name).group(2)
     return name.split("_", 1)[1] if name[0] == "l" and name.split("_", 1)[0][1:].isdigit() else name
 
 
 def is_stacked(name: str) -> bool:
-    """Whether ``name`` holds one block parameter of every layer on a leading layer dim (scanned layers)."""
-    return name.startswith(STACKED)
+    """Whether ``name`` holds one block parameter of every layer (or group of blocks) on a leading dim (scanned
+    layers)."""
+    return name.startswith(STACKED) or GROUPED.fullmatch(name) is not None
+
+
+def layer_key(name: str) -> str:
+    """The key a scan's body reads the slice of stacked parameter ``name`` by: its kind ('wq'); in a group of
+    blocks, '<r>_<kind>' ('1_we1': block r of the group)."""
+    grouped = GROUPED.fullmatch(name)
+    return f"{grouped.group(1)}_{grouped.group(2)}" if grouped else param_kind(name)
+
+
+def stacked_layers(cfg: "LMConfig", name: str) -> list[int]:
+    """The unrolled layers whose parameter stacked ``name`` holds, in order (block r of each group)."""
+    grouped = GROUPED.fullmatch(name)
+    if grouped is None:
+        return list(range(cfg.layers))
+    return list(range(int(grouped.group(1)), cfg.layers, cfg.moe_every))
 
 
 def param_role(name: str) -> ParamRole:
@@ -224,14 +250,17 @@ def layer_views(cfg: LMConfig, names) -> dict:
     <prefix><parameter>): a stacked "<prefix>layers_<k>" is the stack of "<prefix>l<i>_<k>" over the layers,
     an unrolled "<prefix>l<i>_<k>" is slice i of "<prefix>layers_<k>". The stacked layout is a view of the
     same parameters, so checkpoints written either way load into both."""
-    views = {}
+    views, kinds = {}, "|".join(ALL_BLOCK_PARAMS + MOE_BLOCK_PARAMS)
     for name in names:
-        stacked = re.fullmatch(rf"(.*){STACKED}({'|'.join(ALL_BLOCK_PARAMS)})", name)
-        unrolled = re.fullmatch(rf"(.*)l(\d+)_({'|'.join(ALL_BLOCK_PARAMS)})", name)
+        stacked = re.fullmatch(rf"(.*)layers(\d*)_({kinds})", name)
+        unrolled = re.fullmatch(rf"(.*)l(\d+)_({kinds})", name)
         if stacked:
-            prefix, kind = stacked.groups()
-            views[name] = StackOf(tuple(f"{prefix}l{i}_{kind}" for i in range(cfg.layers)))
-        elif unrolled and not cfg.moe_every:
+            prefix, r, kind = stacked.groups()
+            views[name] = StackOf(tuple(f"{prefix}l{i}_{kind}" for i in stacked_layers(cfg, f"layers{r}_{kind}")))
+        elif unrolled and cfg.moe_every:  # block i % moe_every of group i // moe_every
+            prefix, i, kind = unrolled.groups()
+            views[name] = SliceOf(f"{prefix}layers{int(i) % cfg.moe_every}_{kind}", int(i) // cfg.moe_every)
+        elif unrolled:
             prefix, i, kind = unrolled.groups()
             views[name] = SliceOf(f"{prefix}{STACKED}{kind}", int(i))
     return views
@@ -242,7 +271,7 @@ def init_params(cfg: LMConfig, seed: int = 0) -> "OrderedDict[str, np.ndarray]":
     With scan_layers the layer parameters are the same arrays as without, stacked."""
     if cfg.scanned:
         flat = init_params(dataclasses.replace(cfg, scan_layers=False, remat="none"), seed)
-        return OrderedDict((n, np.stack([flat[f"l{i}_{param_kind(n)}"] for i in range(cfg.layers)])
+        return OrderedDict((n, np.stack([flat[f"l{i}_{param_kind(n)}"] for i in stacked_layers(cfg, n)])
                             if is_stacked(n) else flat[n]) for n in param_shapes(cfg))
     rng = np.random.default_rng(seed)
     residual_scale = 1.0 / math.sqrt(2 * cfg.layers)  # GPT-2: residual projections shrink with depth
@@ -309,7 +338,9 @@ def _forward(cfg: LMConfig, params, tokens, annotate, run_layers=None):
     p = dict(zip(param_shapes(cfg), params))
     x = annotate(embed(cfg, p["embed"], tokens) + positional(p["pos"], tokens.shape[0]), "residual")
     gatings = []
-    if cfg.scanned:  # ONE loop over the stacked (dense) layers: traced and partitioned once
+    if cfg.scanned and cfg.moe_every:  # ONE loop over the groups of blocks
+        x, gatings = _grouped_layers(cfg, p, x, annotate, run_layers)
+    elif cfg.scanned:  # ONE loop over the stacked (dense) layers: traced and partitioned once
         block = lambda x, layer: dense_block(cfg, x, layer, annotate)
         stacked = {k: p[STACKED + k] for k in cfg.block_params()}
         x = (run_layers or scan_layers)(cfg, block, x, stacked)
@@ -335,6 +366,24 @@ def _unrolled_block(cfg: LMConfig, i: int, annotate):
         y, gating = moe_ffn(a, layer["wg"], layer["we1"], layer["we2"], cfg.moe, annotate)
         return annotate(x + y, "residual"), (gating.aux_loss, gating.dropped, gating.routed)
     return run
+
+
+def _grouped_layers(cfg: LMConfig, p: dict, x, annotate, run_layers=None):
+    """The layers of an MoE model as ONE scan over groups of ``moe_every`` blocks (the last one MoE), the
+    parameters of block r of every group stacked ("layers<r>_<kind>"); the carry is the residual and the MoE
+    blocks' gating scalars summed (aux loss, dropped, routed). Returns (x, [their Gating])."""
+    k = cfg.moe_every
+    stacked = {layer_key(n): p[n] for n in p if GROUPED.fullmatch(n)}
+
+    def group(carry, layer):
+        x, stats = carry
+        for r in range(k):
+            x, s = _unrolled_block(cfg, r, annotate)(x, {kind: layer[f"{r}_{kind}"] for kind in cfg.block_params(r)})
+            stats = tuple(a + b for a, b in zip(stats, s)) if s else stats
+        return x, stats
+    zero = snp.zeros((), GATE_DTYPE)
+    x, stats = (run_layers or scan_layers)(cfg, group, (x, (zero, zero, zero)), stacked)
+    return x, [Gating(None, None, *stats)]
 
 
 def scan_layers(cfg: LMConfig, block, x, stacked):
@@ -484,5 +533,6 @@ def cross_entropy(logits, labels, axis=None):
 
 
 __all__ = ["LMConfig", "param_shapes", "param_kind", "param_role", "param_roles", "PARAM_ROLES", "is_stacked",
+           "layer_key", "stacked_layers",
            "layer_views", "pipelined_layers", "init_params", "lm_loss", "lm_loss_and_metrics", "lm_logits",
            "cross_entropy", "embed"]

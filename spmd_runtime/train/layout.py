@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import pytree
 from ..mesh import Mesh
-from ..models.lm import LMConfig, param_kind, param_role, param_roles, param_shapes
+from ..models.lm import LMConfig, layer_key, param_role, param_roles, param_shapes
 from ..models.roles import ParamRole
 from ..optim import Optimizer
 from ..sharding import parse_spec
@@ -202,9 +202,9 @@ class Layout:
 
     def layer_specs(self, specs: dict) -> dict:
         """Of per-parameter ``specs`` (``use`` or ``update``), those of the stacked layer parameters, keyed as the
-        model keys one layer's parameters (``param_kind``) and without the leading layer dim: the specs of one
-        layer's slice, where a loop over the layers uses it."""
-        return {param_kind(n): spec[1:] for n, spec in specs.items() if self.roles[n].stacked}
+        model keys one layer's parameters (``layer_key``: the kind, '<r>_<kind>' in a group of blocks) and without
+        the leading layer dim: the specs of one layer's slice, where a loop over the layers uses it."""
+        return {layer_key(n): spec[1:] for n, spec in specs.items() if self.roles[n].stacked}
 
 
 MOE_ROLES = ("groups", "expert_in", "expert_hidden", "expert_out")

@@ -218,9 +218,11 @@ def stage_gathers(program, inside=False) -> tuple[list, list]:
                "axes \\('data', 'model'\\)"),
     (dataclasses.replace(LM, layers=3), (2, 2), "needs the stage count to divide the layers; got 2 stages "
                                                "\\(mesh axis 'stage'\\) for layers=3"),
-    (dataclasses.replace(LM, scan_layers=False), (2,), "pipelines the scanned layers; got an unrolled model"),
-], ids=["no stage axis", "stages do not divide layers", "unrolled"])
+    (dataclasses.replace(LM, scan_layers=False), (2,), "pipelines the scanned dense layers; got an unrolled model"),
+    (dataclasses.replace(LM, scan_layers=True, moe_every=2, experts=2), (2,),
+     "pipelines the scanned dense layers; got MoE blocks \\(a pipeline of MoE groups is not built\\)"),
+], ids=["no stage axis", "stages do not divide layers", "unrolled", "moe"])
 def test_bad_pipeline_presets_raise(cfg, shape, message):
     mesh = sr.train_mesh((2, 2), "megatron") if shape is None else sr.train_mesh(shape, "pipeline")
-    with pytest.raises(ValueError, match=message):
-        sr.build_train_step(cfg, mesh, "pipeline", microbatches=2)
+    with pytest.raises(ValueError, match=message):  # (MoE: one micro-batch, as its gradient accumulation is not built)
+        sr.build_train_step(cfg, mesh, "pipeline", microbatches=1 if cfg.moe_every else 2)

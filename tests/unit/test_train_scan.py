@@ -39,6 +39,43 @@ def test_layers_are_scanned_by_default_for_dense_models_and_unrolled_for_moe():
     assert "layers_wq" in param_shapes(LMConfig()) and "l1_we1" in param_shapes(LMConfig(moe_every=2, experts=2))
 
 
+@pytest.mark.parametrize("shape, preset, remat", [((1,), "dp", "none"), ((4,), "moe", "none"),
+                                                  ((4,), "moe", "full_save_all_to_all"), ((2, 2), "moe", "full")],
+                         ids=["dp-1", "moe-4", "moe-4-remat", "moe-2x2-full"])
+def test_moe_layers_scanned_in_groups_step_as_unrolled_in_a_program_that_does_not_grow(shape, preset, remat):
+    """scan_layers=True with MoE blocks: ONE scan over groups of moe_every blocks ("layers<r>_<kind>" stacks
+    block r of every group): the same initial parameters (stacked), the same loss and updated state as the
+    unrolled model, on every rank against the reference step, the same all-to-all bytes, and a program that
+    does not grow with the groups."""
+    cfg = dataclasses.replace(MOE, experts=8, capacity_factor=2.0, remat=remat)
+    tokens, labels = batch(cfg)
+    unrolled, scanned = (build(dataclasses.replace(cfg, scan_layers=s), shape, preset, donate=True)
+                         for s in (False, True))
+    assert [n for n in param_shapes(scanned.cfg) if "we1" in n] == ["layers1_we1"]
+    flat, stacked = unrolled.init(0), scanned.init(0)
+    for name, value in stacked["params"].items():  # group g's block r is unrolled layer g * moe_every + r
+        layers = [f"l{i}_{name.split('_', 1)[1]}" for i in sr.models.lm.stacked_layers(cfg, name)] \
+            if sr.models.lm.is_stacked(name) else None
+        want = np.stack([flat["params"][n] for n in layers]) if layers else flat["params"][name]
+        np.testing.assert_array_equal(value, want, err_msg=name)
+    (want_state, want_loss), (got_state, got_loss) = (ts.reference_step(st, tokens, labels)
+                                                      for ts, st in ((unrolled, flat), (scanned, stacked)))
+    assert got_loss == pytest.approx(want_loss, rel=1e-12)
+    for name, value in got_state["params"].items():
+        layers = sr.models.lm.stacked_layers(cfg, name) if sr.models.lm.is_stacked(name) else None
+        want = (np.stack([want_state["params"][f"l{i}_{name.split('_', 1)[1]}"] for i in layers]) if layers
+                else want_state["params"][name])
+        np.testing.assert_allclose(value, want, rtol=1e-9, atol=1e-12, err_msg=name)
+    for outs in run_everywhere(scanned.program, stacked["params"], stacked["opt_state"], {"tokens": tokens,
+                                                                                         "labels": labels}):
+        assert float(outs[-1]) == pytest.approx(want_loss, rel=1e-10)
+    if preset == "moe":
+        assert all_to_alls(scanned.program)[1] == all_to_alls(unrolled.program)[1] > 0
+    deeper = build(dataclasses.replace(cfg, scan_layers=True, layers=8), shape, preset)
+    assert len(deeper.program.instrs) == len(build(dataclasses.replace(cfg, scan_layers=True), shape,
+                                                   preset).program.instrs) < len(unrolled.program.instrs)
+
+
 def test_scanned_layers_compute_the_unrolled_loss():
     tokens, labels = batch()
 
@@ -110,8 +147,8 @@ def test_bad_accumulation_and_remat_settings_raise():
         build(CFG, (1,), "dp", 3)
     with pytest.raises(ValueError, match="remat must be one of"):
         LMConfig(remat="some")
-    with pytest.raises(ValueError, match="scan_layers stacks identical dense blocks; got moe_every=1"):
-        LMConfig(scan_layers=True, moe_every=1, experts=2)
+    with pytest.raises(ValueError, match="scans whole groups of moe_every blocks; got layers=3, moe_every=2"):
+        LMConfig(layers=3, scan_layers=True, moe_every=2, experts=2)
 
 
 MOE = dataclasses.replace(CFG, scan_layers=None, layers=4, moe_every=2, experts=4, capacity_factor=4.0)
@@ -166,14 +203,21 @@ def test_full_remat_that_saves_the_all_to_alls_sends_none_twice_and_steps_as_wit
         assert float(outs[-1]) == pytest.approx(want_loss, rel=1e-10)
 
 
+LAYOUT_CASES = [  # the unrolled config, (saver mesh, preset), (loader mesh, preset)
+    (dataclasses.replace(CFG, layers=3, scan_layers=False), ((2, 2), "megatron_wus"), ((4,), "wus")),
+    (dataclasses.replace(CFG, layers=4, scan_layers=False, moe_every=2, experts=4), ((4,), "moe"), ((2, 2), "moe")),
+]
+
+
 @pytest.mark.parametrize("saved_scanned", [False, True], ids=["unrolled->stacked", "stacked->unrolled"])
-def test_checkpoints_load_across_the_stacked_and_unrolled_layouts(tmp_path, saved_scanned):
+@pytest.mark.parametrize("unrolled, saving, loading", LAYOUT_CASES, ids=["dense", "moe-groups"])
+def test_checkpoints_load_across_the_stacked_and_unrolled_layouts(tmp_path, saved_scanned, unrolled, saving, loading):
     """The stacked layout is a view of the same parameters: a checkpoint saved in one layout (and on one
-    mesh) loads into the other, every rank's blocks equal to its blocks of the same state in that layout."""
-    unrolled = dataclasses.replace(CFG, layers=3, scan_layers=False)
+    mesh) loads into the other, every rank's blocks equal to its blocks of the same state in that layout (MoE:
+    block r of group g is unrolled layer g * moe_every + r)."""
     scanned = dataclasses.replace(unrolled, scan_layers=True)
-    saver = build(scanned if saved_scanned else unrolled, (2, 2), "megatron_wus")
-    loader = build(unrolled if saved_scanned else scanned, (4,), "wus")
+    saver = build(scanned if saved_scanned else unrolled, *saving)
+    loader = build(unrolled if saved_scanned else scanned, *loading)
     rng = np.random.default_rng(3)  # optimizer state too, so m and v differ from the weights
     state = sr.pytree.tree_map(lambda v: (v + rng.standard_normal(np.shape(v))).astype(v.dtype), saver.init(0))
     path = str(tmp_path / "ckpt")
@@ -182,15 +226,19 @@ def test_checkpoints_load_across_the_stacked_and_unrolled_layouts(tmp_path, save
         saver.save(path, saver.shard_state(state, comm.Get_rank()), step=1, comm=comm)
         return loader.named(loader.load(path, comm=comm))
     saved = saver.named(state)
+    k = unrolled.moe_every or 1
+    stack = (lambda r: f"layers{r}_") if unrolled.moe_every else (lambda r: "layers_")
 
     def in_loader_layout(name):  # the same tensor, read from the saved state by hand
         if name in saved:
             return saved[name]
-        if "layers_" in name:
-            return np.stack([saved[name.replace("layers_", f"l{i}_")] for i in range(3)])
+        grouped = re.search(r"\.layers(\d*)_", name)
+        if grouped:
+            r = int(grouped.group(1) or 0)
+            return np.stack([saved[name.replace(grouped.group(0), f".l{i}_")] for i in range(r, unrolled.layers, k)])
         i = int(re.search(r"\.l(\d+)_", name).group(1))
-        return saved[re.sub(r"\.l\d+_", ".layers_", name)][i]
-    assert any("layers_" in n for n in loader.state_names + saver.state_names) and len(loader.state_names) > 20
+        return saved[re.sub(r"\.l\d+_", "." + stack(i % k), name)][i // k]
+    assert any("layers" in n for n in loader.state_names + saver.state_names) and len(loader.state_names) > 20
     ios = {io.name: io for io in loader.program.inputs}
     for rank, blocks in enumerate(run_simulated(4, body)):
         assert list(blocks) == loader.state_names
