@@ -55,7 +55,7 @@ def parse_args(argv=None):
     ap.add_argument("--capacity-factor", type=float, default=2.0)
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                     help="layers as one sr.scan over stacked parameters (default: dense models scan, MoE unroll)")
-    ap.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="with scanned layers")
+    ap.add_argument("--remat", default="none", choices=["none", "full", "dots", "full_save_all_to_all"])
     ap.add_argument("--microbatches", type=int, default=1,
                     help="gradient accumulation over this many slices (pipeline preset: its micro-batches)")
     ap.add_argument("--donate", action="store_true",

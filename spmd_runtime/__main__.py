@@ -122,7 +122,10 @@ def _model_arguments(parser) -> None:
     parser.add_argument("--ffn-kind", default="gelu", help="gelu | geglu | swiglu")
     parser.add_argument("--bias", action="store_true", help="biases on every projection (GPT-2, Megatron)")
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype (master weights and state: float32)")
-    parser.add_argument("--remat", default="none", help="none | full | dots")
+    parser.add_argument("--remat", default="none", help="none | full | dots | full_save_all_to_all (MoE: the "
+                        "all-to-alls' results saved)")
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="the layers as one scan (default: dense models; MoE ones in groups of --moe-every)")
     parser.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor")
     parser.add_argument("--tied", action="store_true", help="output layer tied to the embedding")
 
@@ -131,7 +134,7 @@ def _config(args) -> LMConfig:
     return LMConfig(layers=args.layers, d=args.d, heads=args.heads, ffn=args.ffn or 4 * args.d, vocab=args.vocab,
                     seq=args.seq, batch=args.batch, dtype=args.dtype, remat=args.remat, tied=args.tied,
                     experts=args.experts, moe_every=args.moe_every, head_dim=args.head_dim, bias=args.bias,
-                    ffn_kind=args.ffn_kind)
+                    ffn_kind=args.ffn_kind, scan_layers=args.scan_layers)
 
 
 def _plan(args) -> int:
