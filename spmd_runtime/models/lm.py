@@ -192,7 +192,8 @@ def param_shapes(cfg: LMConfig) -> "OrderedDict[str, tuple[int, ...]]":
     shapes = OrderedDict(embed=(cfg.vocab, d), pos=(cfg.seq, d))
     if cfg.scanned and cfg.moe_every:  # one stack per block of a group
         groups = cfg.layers // cfg.moe_every
-        shapes.update((f"layers{r}_{k}", (groups,) + block[k]) for r in range(cfg.moe_every) for k in cfg.block_params(r))
+        shapes.update((f"layers{r}_{k}", (groups,) + block[k])
+                      for r in range(cfg.moe_every) for k in cfg.block_params(r))
     elif cfg.scanned:
         shapes.update((STACKED + k, (cfg.layers,) + block[k]) for k in cfg.block_params())
     for i in range(0 if cfg.scanned else cfg.layers):
@@ -248,7 +249,8 @@ def param_roles(cfg: LMConfig) -> "OrderedDict[str, ParamRole]":
 def layer_views(cfg: LMConfig, names) -> dict:
     """How a checkpoint of the other layer layout reads into ``names`` (parameters, and optimizer state named
     <prefix><parameter>): a stacked "<prefix>layers_<k>" is the stack of "<prefix>l<i>_<k>" over the layers,
-    an unrolled "<prefix>l<i>_<k>" is slice i of "<prefix>layers_<k>". The stacked layout is a view of the
+    an unrolled "<prefix>l<i>_<k>" is slice i of "<prefix>layers_<k>" (MoE groups: "<prefix>layers<r>_<k>" stacks
+    layers r, r + moe_every, ...). The stacked layout is a view of the
     same parameters, so checkpoints written either way load into both."""
     views, kinds = {}, "|".join(ALL_BLOCK_PARAMS + MOE_BLOCK_PARAMS)
     for name in names:

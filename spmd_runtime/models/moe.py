@@ -20,8 +20,9 @@ and combine ``GSEC,EGCM->GSM``. Parallelism is annotations only (``annotate(x, r
 tokens' layout, before the combine). With the group dim split over the expert axis and E split over it, the
 partitioner emits one all-to-all into the experts and one back (plus the same two in the backward pass); no
 collective is written here. Both results are named (``ALL_TO_ALL_NAMES``, ``checkpoint_name``): under
-``LMConfig(remat="full_save_all_to_all")`` they are saved, and the recomputed forward sends nothing. 'groups' also pins the (G,S,E,C)
-combine and dispatch tensors (any rank: the group dim first), so their cotangents stay with the tokens.
+``LMConfig(remat="full_save_all_to_all")`` they are saved, and the recomputed forward sends nothing. 'groups'
+also pins the (G,S,E,C) combine and dispatch tensors (any rank: the group dim first), so their cotangents stay
+with the tokens.
 """
 from __future__ import annotations
 
@@ -178,5 +179,6 @@ def moe_ffn(x, wg, w1, w2, cfg: MoEConfig, annotate=no_annotation, noise=None):
     return annotate(snp.einsum("GSEC,EGCM->GSM", combine, back), "groups"), gating
 
 
-__all__ = ["MoEConfig", "Gating", "check_moe", "top2_gating", "moe_ffn", "one_hot", "SECOND_POLICIES", "ALL_TO_ALL_NAMES",
+__all__ = ["MoEConfig", "Gating", "check_moe", "top2_gating", "moe_ffn", "one_hot", "SECOND_POLICIES",
+           "ALL_TO_ALL_NAMES",
            "PARAM_ROLES"]

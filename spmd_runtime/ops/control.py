@@ -254,8 +254,8 @@ def remat(fn, policy="nothing_saveable"):
     """``fn`` whose intermediates the backward pass recomputes instead of storing (JAX's ``checkpoint``).
     ``policy``: "nothing_saveable" (recompute all), "dots_saveable" (keep contraction results),
     "cheap_recomputed" (keep all but cheap pointwise and layout ops), "everything_saveable", or
-    ``checkpoint_policies.save_only_these_names(...)`` (keep the values ``checkpoint_name`` gave those names). As a scan body
-    it sets the scan's policy; elsewhere it runs ``fn`` as a one-step scan with that policy."""
+    ``checkpoint_policies.save_only_these_names(...)`` (keep the values ``checkpoint_name`` gave those names). As a
+    scan body it sets the scan's policy; elsewhere it runs ``fn`` as a one-step scan with that policy."""
     _check_policy(policy)
 
     def remat_fn(*args):

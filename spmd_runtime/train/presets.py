@@ -160,9 +160,9 @@ def check_pipeline(cfg: LMConfig, mesh: Mesh, preset: Preset, microbatches: int)
                          f"'pipeline') names them {PIPELINE_AXES})")
     stages = mesh.axis_size(preset.stage[0])
     if not cfg.scanned or cfg.moe_every:
-        raise ValueError(f"preset {preset.name!r} pipelines the scanned dense layers; got "
-                         f"{'MoE blocks (a pipeline of MoE groups is not built)' if cfg.moe_every else 'an unrolled model'}"
-                         f" (scan_layers={cfg.scan_layers}, moe_every={cfg.moe_every})")
+        what = "MoE blocks (a pipeline of MoE groups is not built)" if cfg.moe_every else "an unrolled model"
+        raise ValueError(f"preset {preset.name!r} pipelines the scanned dense layers; got {what} "
+                         f"(scan_layers={cfg.scan_layers}, moe_every={cfg.moe_every})")
     if cfg.layers % stages:
         raise ValueError(f"preset {preset.name!r} needs the stage count to divide the layers; got {stages} stages "
                          f"(mesh axis {preset.stage[0]!r}) for layers={cfg.layers}")
