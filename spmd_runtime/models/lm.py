@@ -208,8 +208,9 @@ def param_kind(name: str) -> str:
     """The kind of a parameter regardless of its layer: 'wq', 'ln1_g', 'embed', ..."""
     if name.startswith(STACKED):
         return name[len(STACKED):]
-    if GROUPED.fullmatch(name):
-        return GROUPED.fullmatch(name).group(2)
+    grouped = GROUPED.fullmatch(name)
+    if grouped:
+        return grouped.group(2)
     return name.split("_", 1)[1] if name[0] == "l" and name.split("_", 1)[0][1:].isdigit() else name
 
 

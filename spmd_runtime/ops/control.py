@@ -60,6 +60,7 @@ def _loop_owned(ins, operands) -> bool:
 
 LOOP_OUT = define("loop_out", fresh_if=_loop_owned)  # result ``index`` of a control node
 POLICIES = ("cheap_recomputed", "everything_saveable", "nothing_saveable", "dots_saveable")
+DEFAULT_POLICY = "cheap_recomputed"  # a scan's: save all but what is cheaper to recompute (autodiff/loops.py)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,6 @@ def checkpoint_name(x, name: str) -> Tensor:
         raise ValueError(f"checkpoint_name takes a non-empty string name; got {name!r}")
     x = core.asarray(x)
     return emit(CHECKPOINT_NAME, [x], {"name": name}, x.shape, x.dtype)
-DEFAULT_POLICY = "cheap_recomputed"  # a scan's: save all but what is cheaper to recompute (autodiff/loops.py)
 
 
 # ---------------------------------------------------------------- the control node

@@ -81,11 +81,15 @@ def scatter_loop(dtype):
         return None
     fn = _typed(getattr(lib, f"pool_scatter_{DTYPES[np.dtype(dtype).name]}"), 4, 10)
 
+    acc = []  # the double accumulator, made on the first call and reused (one output shape per bound instruction)
+
     def run(g, taps, shape, geo):
         b, h, w, oh, ow, _, kw, sh, sw, lh, lw = geo
         g, taps = np.ascontiguousarray(g), np.ascontiguousarray(taps, dtype=np.int32)
-        out, acc = np.empty(shape, g.dtype), np.empty(math.prod(shape), np.float64)
-        fn(g.ctypes.data, taps.ctypes.data, out.ctypes.data, acc.ctypes.data, b, h, w, oh, ow, kw, sh, sw, lh, lw)
+        if not acc or acc[0].size != math.prod(shape):
+            acc[:] = [np.empty(math.prod(shape), np.float64)]
+        out = np.empty(shape, g.dtype)
+        fn(g.ctypes.data, taps.ctypes.data, out.ctypes.data, acc[0].ctypes.data, b, h, w, oh, ow, kw, sh, sw, lh, lw)
         return out
     return run
 

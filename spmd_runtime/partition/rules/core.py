@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from ...opdef import BROADCAST_LEVEL, ELEMENTWISE_LEVEL
+from ...ops.control import CHECKPOINT_NAME
 from ...ops.core import (BROADCAST_IN_DIM, CONSTANT, ELEMENTWISE_LIKE, MESH_SPLIT, PARAMETER, REDUCE, RESHAPE,
                          STOP_GRADIENT, TRANSPOSE, WITH_GRADIENTS, reduce_identity)
 from ...ops.spmd import ALL_TO_ALLV
@@ -28,7 +29,7 @@ def _elementwise_propagation():
     return fwd, bwd
 
 
-@propagation(MESH_SPLIT, STOP_GRADIENT, level=ELEMENTWISE_LEVEL)
+@propagation(MESH_SPLIT, STOP_GRADIENT, CHECKPOINT_NAME, level=ELEMENTWISE_LEVEL)
 def _mesh_split_propagation():
     """The value keeps its operand's layout and offers the operand its own. For a mesh_split the annotation is
     the value's sharding (pinned); dims it leaves UNCONSTRAINED are refined from the operand like an
@@ -131,7 +132,7 @@ def _with_gradients_propagation():
     return fwd, bwd
 
 
-@partition(MESH_SPLIT, STOP_GRADIENT, WITH_GRADIENTS)
+@partition(MESH_SPLIT, STOP_GRADIENT, CHECKPOINT_NAME, WITH_GRADIENTS)
 def _mesh_split_partition(ctx, node):
     """No instruction of its own: the (first) operand's value, laid out as wanted (UNCONSTRAINED dims: as
     propagated)."""
