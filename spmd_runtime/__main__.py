@@ -225,7 +225,8 @@ def _calibrate_sharing(args, comm) -> int:
         hardware = hardware.with_sharing(per_core, slice_s, overhead)
         hardware.save(args.hardware)
         per_instruction = "" if overhead is None else f", {overhead * 1e6:.1f} us per instruction"
-        print(f"wrote {args.hardware}: at {per_core:g} ranks per core slice_s {slice_s * 1e3:.3f} ms{per_instruction}; "
+        slices = ", ".join(f"{s * 1e3:.3f} ms after {since * 1e3:.2f} ms" for since, s in slice_s)
+        print(f"wrote {args.hardware}: at {per_core:g} ranks per core slice_s {slices} of compute{per_instruction}; "
               f"measured at {', '.join(f'{q:g}' for q, _ in hardware.slices)} ranks per core")
     return 0
 

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
@@ -147,7 +148,7 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
     nodes = comm.Get_size() // per_node
     inter = _inter_link(comm, per_node, nodes, repeats) if nodes > 1 else intra
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node
-    per_core, slice_s = shared_core_slice(comm)
+    per_core, curve = shared_core_slice(comm)
     sources = {"": f"measured by `python -m spmd_runtime calibrate --hardware` on {comm.Get_size()} rank(s), "
                    f"{per_node} per node", "device": f"{GEMM_SIZE}^3 GEMMs over {GEMM_RING_BYTES >> 20} MiB of "
                    f"operands (gemm_efficiency: one dim {'/'.join(map(str, GEMM_DIMS))}, the mean of it as rows, "
@@ -157,17 +158,22 @@ def hardware_profile(doc: dict, comm=None, repeats: int = 5, name: str = "this-m
                "an all-reduce over one rank per node" if nodes > 1 else "one node only: the node's link"}
     sources["device"] += f"; one BLAS thread, {cores} cores per node"
     placement = f"as placed, {per_node} on {cores} cores" if per_node > cores else "two on one core"
-    sources["node"] += (f"; slice_s: the wait per all-reduce of ranks computing {placement}, over (p - 1) / p"
-                        if comm.Get_size() > 1 else "; slice_s: the default (one rank: no peer to time)")
-    return Hardware(name, tuple(sorted(flops.items())), int(memory), bandwidth, per_node, intra, inter,
-                    nodes if nodes > 1 else None, overhead, sources, cores, slice_s=slice_s,
-                    overlap=False,  # MPI over shared memory, no progress thread: messages move in the ranks' calls
-                    gemm_efficiency=efficiency, slices=((per_core, slice_s),) if per_core else ())
+    sources["node"] += (f"; slice_s: the wait per all-reduce of ranks computing {placement}, over (p - 1) / p, "
+                        f"after chunks of {'/'.join(f'{c * 1e3:g}' for c in SLICE_CHUNKS_S)} ms of CPU each (the "
+                        f"longest's slice as slice_s)" if per_core else
+                        "; slice_s: the default (one rank: no peer to time)")
+    measured = Hardware(name, tuple(sorted(flops.items())), int(memory), bandwidth, per_node, intra, inter,
+                        nodes if nodes > 1 else None, overhead, sources, cores,
+                        overlap=False,  # MPI over shared memory, no progress thread: messages move in the ranks' calls
+                        gemm_efficiency=efficiency)
+    if not per_core:
+        return measured  # one rank: the default slice
+    return replace(measured, slice_s=curve[-1][1]).with_sharing(per_core, curve)
 
 
 def sharing_costs(comm, repeats: int = 5) -> tuple:
     """Collective: what sharing cores costs this job as placed, for ``Hardware.with_sharing``: (ranks per core,
-    the slice, the per-instruction overhead per core's turn, or None where the ranks do not share cores as placed:
+    the slice's points, the per-instruction overhead per core's turn, or None where the ranks do not share cores as placed:
     then the slice is two ranks' on one core and the overhead is the profile's own)."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     sharing = node.Get_size() / _cores(node)
@@ -177,21 +183,23 @@ def sharing_costs(comm, repeats: int = 5) -> tuple:
     return per_core, slice_s, overhead
 
 
-SLICE_TRIPS = 40  # chunk + all-reduce rounds per block
-SLICE_BLOCKS = 5  # blocks timed (the median kept): 200 rounds, ~0.4 s at two ranks per core
-SLICE_CHUNK_S = 1e-3  # each rank's compute between two all-reduces (a step's instructions between collectives)
+SLICE_CHUNKS_S = (1e-4, 5e-4, 2e-3, 8e-3)  # each rank's CPU between two all-reduces: a step's compute between syncs
+SLICE_BLOCK_CPU_S = 0.04  # each rank's CPU per timed block: the rounds per block (4..100) at each chunk
+SLICE_BLOCKS = 5  # blocks timed (the median kept): ~3.5 s in all at four ranks per core, ~1.7 s at two
 
 
 @watchdog.collective(lambda frame: "calibrate's timing of ranks sharing a core (Barrier, Allreduce, bcast)")
-def shared_core_slice(comm, trips: int = SLICE_TRIPS) -> tuple:
+def shared_core_slice(comm, chunks=SLICE_CHUNKS_S) -> tuple:
     """What a blocking collective costs ranks that share a core, as ``Hardware.sync_wait_s`` charges it: ranks
-    sharing cores each compute ``SLICE_CHUNK_S`` and all-reduce, ``trips`` times. A round beyond their compute
-    over the cores they share is their wait for each other (a rank polling in MPI on the core its peer needs; a
-    loaded machine's other processes taking it); ``sync_wait_s`` charges (p - 1) / p slices at p ranks per core,
-    so the slice is the wait over that. Where the job placed more ranks on the node than it has cores, the node's
-    ranks are timed as placed (p as the job will run; the wait grows faster than (p - 1) / p: with four per core
-    it is several times what two on one core show); else ranks 0 and 1 move onto one core (p = 2). Every rank
-    gets rank 0's (ranks per core, slice); one rank: (None, ``DEFAULT_SLICE_S``)."""
+    sharing cores each compute a chunk of each length in ``chunks`` and all-reduce, many times. A round beyond
+    their compute over the cores they share is their wait for each other (a rank polling in MPI on the core its
+    peer needs; a loaded machine's other processes taking it). It grows with the chunk (the ranks drift apart
+    while they compute), so each chunk gives a point (the compute's wall time per round, the slice):
+    ``sync_wait_s`` charges (p - 1) / p slices at p ranks per core, so the slice is the wait over that. Where the
+    job placed more ranks on the node than it has cores, the node's ranks are timed as placed (p as the job will
+    run; the wait grows faster than (p - 1) / p: with four per core it is several times what two on one core
+    show); else ranks 0 and 1 move onto one core (p = 2). Every rank gets rank 0's (ranks per core, the points);
+    one rank: (None, ``DEFAULT_SLICE_S``)."""
     if comm.Get_size() < 2:
         return None, DEFAULT_SLICE_S
     rank, mask = comm.Get_rank(), os.sched_getaffinity(0)
@@ -204,9 +212,9 @@ def shared_core_slice(comm, trips: int = SLICE_TRIPS) -> tuple:
             if not placed:
                 os.sched_setaffinity(0, {min(set().union(*group.allgather(mask)))})
             used = cores if placed else 1
-            wait = _shared_wait(group, used, trips)
             p = group.Get_size() / used
-            measured = (p, wait * p / (p - 1))
+            measured = (p, tuple((since, wait * p / (p - 1)) for since, wait in
+                                 (_shared_wait(group, used, chunk) for chunk in chunks)))
             if group is not node:
                 group.Free()
         else:
@@ -217,25 +225,29 @@ def shared_core_slice(comm, trips: int = SLICE_TRIPS) -> tuple:
     return comm.bcast(measured if rank == 0 else None, root=0)
 
 
-def _shared_wait(group, cores: int, trips: int) -> float:
-    """Seconds per round beyond the group's compute over the ``cores`` it shares (the compute's CPU time only: a
-    rank that polls in MPI while a core-mate needs the core is part of the wait)."""
+def _shared_wait(group, cores: int, chunk_s: float) -> tuple:
+    """(seconds of compute per round, seconds per round beyond it) for ranks computing ``chunk_s`` of CPU each
+    between all-reduces, both over the ``cores`` the group shares (the compute's CPU time only: a rank that
+    polls in MPI while a core-mate needs the core is part of the wait)."""
     a, buf = np.ones((64, 64), np.float32), np.zeros(1, np.float32)
-    waits = []
+    trips = max(4, min(100, round(SLICE_BLOCK_CPU_S / chunk_s)))
+    computes, waits = [], []
     with _one_blas_thread():
-        per_chunk = _matmuls_in(a, SLICE_CHUNK_S)
+        per_chunk = _matmuls_in(a, chunk_s)
         for _ in range(SLICE_BLOCKS):  # the median block: one block's wait moves ~1.5x between runs
             group.Barrier()
             start, cpu = time.perf_counter(), 0.0
             for _ in range(trips):
-                chunk = time.process_time()
+                begun = time.process_time()
                 for _ in range(per_chunk):
                     a @ a
-                cpu += time.process_time() - chunk
+                cpu += time.process_time() - begun
                 group.Allreduce(MPI.IN_PLACE, buf)
             wall = max(group.allgather(time.perf_counter() - start))
-            waits.append(max(0.0, wall - sum(group.allgather(cpu)) / cores) / trips)
-    return float(np.median(waits))
+            compute = sum(group.allgather(cpu)) / cores
+            computes.append(compute / trips)
+            waits.append(max(0.0, wall - compute) / trips)
+    return float(np.median(computes)), float(np.median(waits))
 
 
 def _matmuls_in(a, seconds: float) -> int:

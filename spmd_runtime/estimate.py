@@ -144,6 +144,7 @@ class _Walk:
         self.units = hardware.units_of(rank, mesh.size)
         self.overhead = hardware.overhead_at(1.0 / self.units)  # ranks taking turns on a core: measured per turn
         self.compute_s = self.comm_s = self.flops = self.wait_s = 0.0
+        self.since_sync = 0.0  # this rank's compute seconds since it last synced with a peer (sync_wait_s)
         self.costs: list[InstrCost] = []
         self.notes: list[str] = []
 
@@ -151,30 +152,41 @@ class _Walk:
         """Seconds of one pass over ``program`` (its costs recorded ``trips`` times)."""
         shapes = {i.out: (i.shape, i.dtype) for i in program.instrs}
         clock = channel = 0.0
-        pending: dict[int, tuple[float, float]] = {}  # a start's slot -> (its channel finish, its done's wait)
+        pending: dict[int, tuple[float, int]] = {}  # a start's slot -> (its channel finish, the ranks it syncs)
         for ins in program.instrs:
             kind = KINDS.get(ins.op) or BY_START.get(ins.op)
             if kind is not None:
                 seconds, link, k = self._collective(kind, ins, shapes)
-                wait = self.hw.sync_wait_s(self.rank, self.mesh.size, k)
                 blocking = ins.op not in BY_START
-                self._record(InstrCost(ins.op, ins.out, 0.0, 0.0, 0.0, seconds, link, trips,
-                                       wait if blocking else 0.0), trips)
+                wait = self._sync(k) if blocking else 0.0
+                self._record(InstrCost(ins.op, ins.out, 0.0, 0.0, 0.0, seconds, link, trips, wait), trips)
                 channel = max(clock, channel) + seconds
                 if blocking:
                     clock = channel = channel + wait
                 else:
                     if link == "node" and not self.hw.overlap:  # the rank's own core moves it, in its MPI calls
                         clock = channel
-                    pending[ins.out] = (channel, wait)
+                    pending[ins.out] = (channel, k)
             elif ins.op in BY_DONE:
-                done, wait = pending.pop(ins.args[0], (clock, 0.0))
+                done, k = pending.pop(ins.args[0], (clock, 1))
+                wait = self._sync(k)
                 if wait:
                     self._record(InstrCost(ins.op, ins.out, 0.0, 0.0, 0.0, 0.0, "", trips, wait), trips)
                 clock = max(clock, done) + wait
             else:
-                clock += self._compute(ins, shapes, trips)
+                seconds = self._compute(ins, shapes, trips)
+                clock += seconds
+                self.since_sync += seconds
         return max(clock, channel)
+
+    def _sync(self, k: int) -> float:
+        """The wait at a sync with ``k`` ranks (a blocking collective, a start's done), which ends the rank's
+        compute since its last one. A loop's body is walked once, so its first sync is charged as on the first
+        trip (after the compute before the loop), not as later trips see it (after the body's tail)."""
+        wait = self.hw.sync_wait_s(self.rank, self.mesh.size, k, self.since_sync) if k > 1 else 0.0
+        if k > 1:
+            self.since_sync = 0.0
+        return wait
 
     def _record(self, cost: InstrCost, trips: int) -> None:
         self.costs.append(cost)

@@ -10,8 +10,9 @@ A profile is a small JSON file (format ``spmd_runtime.hardware``)::
      "node":    {"ranks": 8, "link": {"bandwidth": 300e9, "latency": 3e-6}, "source": "..."},  # inside a node
                  # optional "cores": compute units a node runs at once (default: "ranks", one device each)
                  # optional "slice_s": how long a computing rank keeps a shared core (default DEFAULT_SLICE_S)
-                 # optional "slice_s_by_ranks_per_core": {"2": 2e-5, "4": 1.5e-3}: slice_s as measured with that
-                 # many ranks per core (calibrate, as the job placed them), interpolated between; over "slice_s"
+                 # optional "slice_s_by_ranks_per_core": {"2": 2e-5, "4": [[4e-4, 2e-4], [0.008, 3.7e-3]]}:
+                 # slice_s as measured with that many ranks per core (calibrate, as the job placed them), a
+                 # number or [compute since the last sync, slice_s] points; interpolated between; over "slice_s"
                  # optional "overlap": false where a node's messages move only inside the ranks' MPI calls,
                  # on their own cores (default: false when "cores" is given, a CPU host; else true)
      "network": {"bandwidth": 25e9, "latency": 5e-6, "source": "..."},   # between nodes, per rank, each way
@@ -31,7 +32,8 @@ nodes in rank order (ranks 0..R-1 on the first node), as MPI launchers place the
 (fewer ranks than cores) its einsums and convolutions run on up to ``threads_per_rank`` of them (BLAS threads).
 When ranks share a core, a rank that blocks at a collective often waits for a peer that is not running: the peer
 runs only once the scheduler takes its core from the rank holding it, after ``node.slice_s`` at most
-(``sync_wait_s``: the cost of one blocking collective for the rank's placement and group size). How long that is
+(``sync_wait_s``: the cost of one blocking collective for the rank's placement, group size and compute since its
+last sync: the longer the ranks compute apart, the further their turns on the shared cores drift). How long that is
 depends on the machine's other load more than on its kernel: a rank blocked in MPI that hands its core to a
 core-mate of its own job costs nothing (calibrate measured 0 on a quiet 2-core host), a foreign process that
 takes the core keeps it to the scheduler's next tick (4 ms); calibrate measures it as the job sees it.
@@ -92,7 +94,8 @@ class Hardware:
     slice_s: float = DEFAULT_SLICE_S  # how long a computing rank keeps a core its peers share (module doc)
     overlap: bool = True  # messages inside a node move while the rank computes (False: only in its MPI calls)
     gemm_efficiency: tuple = ()  # ((smallest dim, fraction of the peak), ...) ascending; () : the peak at any size
-    slices: tuple = ()  # ((ranks per core, slice_s measured so), ...) ascending; (): slice_s at any sharing
+    slices: tuple = ()  # ((ranks per core, ((compute since the last sync, slice_s), ...)), ...) ascending, as
+    # measured so; (): slice_s at any sharing and compute
     overheads: tuple = ()  # ((ranks per core, overhead_s measured so), ...) ascending; (): overhead_s at any
 
     def __repr__(self):
@@ -128,24 +131,28 @@ class Hardware:
         placed = min(self.ranks_per_node, world - node * self.ranks_per_node)
         return self.cores / max(placed, 1)
 
-    def sync_wait_s(self, rank: int, world: int, k: int) -> float:
+    def sync_wait_s(self, rank: int, world: int, k: int, since_s: float = 0.0) -> float:
         """Expected seconds ``rank`` waits at one blocking collective over a group of ``k`` for a peer that shares a
-        core and is not running: 0 with a core per rank (or no peer). The collective ends once its last peer gets
-        there; with p ranks per core that peer is off its core with probability (p - 1) / p, behind a computing
-        core-mate that keeps the core up to ``slice_at(p)`` (calibrate: the wait per all-reduce of ranks sharing
-        cores, over the (p - 1) / p of the sharing it was timed at; the ticks of a node's cores are aligned, so
-        peers off several cores come back together)."""
+        core and is not running, ``since_s`` seconds of the rank's compute after its last sync: 0 with a core per
+        rank (or no peer). The collective ends once its last peer gets there; with p ranks per core that peer is
+        off its core with probability (p - 1) / p, behind a computing core-mate that keeps the core up to
+        ``slice_at(p, since_s)`` (calibrate: the wait per all-reduce of ranks sharing cores, over the (p - 1) / p
+        of the sharing it was timed at; the ticks of a node's cores are aligned, so peers off several cores come
+        back together)."""
         p = 1.0 / self.units_of(rank, world)
         if p <= 1.0 or k <= 1:
             return 0.0
-        return self.slice_at(p) * (p - 1.0) / p
+        return self.slice_at(p, since_s) * (p - 1.0) / p
 
-    def slice_at(self, per_core: float) -> float:
-        """``slice_s`` for ``per_core`` ranks per core: the measured ``slices`` interpolated (linear in the ranks
-        per core, the end points' values beyond them), else ``slice_s``. How long a blocked rank waits grows faster
-        than the (p - 1) / p of ``sync_wait_s``: on a quiet 2-core host two ranks on one core waited ~0.02 ms per
-        all-reduce, four per core 1.1 ms (docs/BENCHMARKS.md, session 16)."""
-        return _interpolated(self.slices, per_core) if self.slices else self.slice_s
+    def slice_at(self, per_core: float, since_s: float = 0.0) -> float:
+        """``slice_s`` for ``per_core`` ranks per core, ``since_s`` seconds of compute after the last sync: the
+        measured ``slices`` interpolated (linear in the compute since the sync, then in the ranks per core; the end
+        points' values beyond them), else ``slice_s``. The wait grows with both: the ranks drift apart on their
+        shared cores while they compute (at four per core ~0.3 of the compute's wall time up to ~8 ms of it, less
+        beyond), and faster than the (p - 1) / p of ``sync_wait_s`` (docs/BENCHMARKS.md, sessions 16 and 18)."""
+        if not self.slices:
+            return self.slice_s
+        return _interpolated(tuple((q, _interpolated(curve, since_s)) for q, curve in self.slices), per_core)
 
     def overhead_at(self, per_core: float) -> float:
         """``overhead_s`` for ``per_core`` ranks per core: ranks taking turns on a core each run an instruction
@@ -156,14 +163,15 @@ class Hardware:
             return self.overhead_s
         return _interpolated(((1.0, self.overhead_s),) + self.overheads, per_core)
 
-    def with_sharing(self, per_core: float, slice_s: float, overhead_s: float | None = None) -> "Hardware":
+    def with_sharing(self, per_core: float, slice_s, overhead_s: float | None = None) -> "Hardware":
         """The profile with what ``per_core`` ranks per core were measured to cost added (replacing any measured at
-        the same sharing): the slice to ``slices``, the per-instruction overhead to ``overheads``."""
+        the same sharing): the slice (seconds, or ``((compute since the last sync, seconds), ...)``) to ``slices``,
+        the per-instruction overhead to ``overheads``."""
         def put(points, value):
             kept = [(q, v) for q, v in points if q != per_core]
-            return tuple(sorted(kept + [(float(per_core), float(value))]))
-        return replace(self, slices=put(self.slices, slice_s),
-                       overheads=self.overheads if overhead_s is None else put(self.overheads, overhead_s))
+            return tuple(sorted(kept + [(float(per_core), value)]))
+        return replace(self, slices=put(self.slices, _curve(slice_s)),
+                       overheads=self.overheads if overhead_s is None else put(self.overheads, float(overhead_s)))
 
     def with_placement(self, ranks_per_node: int, threads_per_rank: int = 1) -> "Hardware":
         """The same machine (its cores unchanged) with a job's placement: ``ranks_per_node`` ranks on each node,
@@ -236,7 +244,7 @@ class Hardware:
                    "cores" not in doc.get("node", {}),
                    gemm_efficiency=read.efficiency("device.gemm_efficiency")
                    if "gemm_efficiency" in doc.get("device", {}) else (),
-                   slices=read.per_core("node.slice_s_by_ranks_per_core")
+                   slices=read.slice_curves("node.slice_s_by_ranks_per_core")
                    if "slice_s_by_ranks_per_core" in doc.get("node", {}) else (),
                    overheads=read.per_core("overhead_s_by_ranks_per_core")
                    if "overhead_s_by_ranks_per_core" in doc else ())
@@ -259,7 +267,8 @@ class Hardware:
         if self.gemm_efficiency:
             doc["device"]["gemm_efficiency"] = {str(d): f for d, f in self.gemm_efficiency}
         if self.slices:
-            doc["node"]["slice_s_by_ranks_per_core"] = {f"{q:g}": v for q, v in self.slices}
+            doc["node"]["slice_s_by_ranks_per_core"] = {f"{q:g}": curve[0][1] if len(curve) == 1 else
+                                                        [list(point) for point in curve] for q, curve in self.slices}
         if self.overheads:
             doc["overhead_s_by_ranks_per_core"] = {f"{q:g}": v for q, v in self.overheads}
         for where, text in self.sources.items():
@@ -270,6 +279,14 @@ class Hardware:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=2)
             f.write("\n")
+
+
+def _curve(slice_s) -> tuple:
+    """A slice as ``slices`` holds it: ``((compute since the last sync, seconds), ...)`` ascending; a number is
+    one point, the same after any compute."""
+    if isinstance(slice_s, (int, float)):
+        return ((0.0, float(slice_s)),)
+    return tuple(sorted((float(since), float(seconds)) for since, seconds in slice_s))
 
 
 def _interpolated(points: tuple, x: float) -> float:
@@ -286,6 +303,15 @@ def _at(doc: dict, where: str) -> dict:
     for key in where.split(".") if where else []:
         node = node[key]
     return node
+
+
+def _seconds(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v < math.inf
+
+
+def _ascending_points(v) -> bool:
+    return (isinstance(v, list) and bool(v) and all(isinstance(p, list) and len(p) == 2 and all(map(_seconds, p))
+                                                    for p in v) and all(a[0] < b[0] for a, b in zip(v, v[1:])))
 
 
 class _Reader:
@@ -348,18 +374,33 @@ class _Reader:
         """{"ranks per core": seconds, ...}: ranks per core a number above 1, seconds zero or more."""
         points = []
         for key, seconds in self.section(path).items():  # keys such as "1.5": not dotted paths
-            try:
-                per_core = float(key)
-            except ValueError:
-                per_core = math.nan
-            if not per_core > 1:
-                raise ValueError(f"hardware profile field {path} is keyed by ranks per core, a number above 1; got "
-                                 f"key {key!r} in {self.where}")
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+            if not _seconds(seconds):
                 raise ValueError(f"hardware profile field {path}[{key!r}] must be zero or more seconds; got "
                                  f"{seconds!r} in {self.where}")
-            points.append((per_core, float(seconds)))
+            points.append((self._per_core_key(path, key), float(seconds)))
         return tuple(sorted(points))
+
+    def slice_curves(self, path: str) -> tuple:
+        """{"ranks per core": seconds or [[compute since the last sync, seconds], ...], ...}: as ``per_core``, a
+        curve's points pairs of zero or more seconds, their compute ascending."""
+        curves = []
+        for key, value in self.section(path).items():
+            if not (_seconds(value) or _ascending_points(value)):
+                raise ValueError(f"hardware profile field {path}[{key!r}] must be zero or more seconds, or a list of "
+                                 f"[compute since the last sync, seconds] pairs of zero or more, the compute "
+                                 f"ascending; got {value!r} in {self.where}")
+            curves.append((self._per_core_key(path, key), _curve(value)))
+        return tuple(sorted(curves))
+
+    def _per_core_key(self, path: str, key: str) -> float:
+        try:
+            per_core = float(key)
+        except ValueError:
+            per_core = math.nan
+        if not per_core > 1:
+            raise ValueError(f"hardware profile field {path} is keyed by ranks per core, a number above 1; got "
+                             f"key {key!r} in {self.where}")
+        return per_core
 
     def count(self, path: str) -> int:
         v = self.value(path)

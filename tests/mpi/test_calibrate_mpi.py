@@ -46,7 +46,12 @@ def test_the_hardware_profile_counts_the_nodes_cores_and_leaves_blas_threads_as_
     assert all(0 < f <= 1 for _, f in hw.gemm_efficiency)
     cores = hw.cores_per_node
     if WORLD > 1:  # the wait timed as the job placed its ranks where they share cores, else two on one core
-        assert hw.slices == ((local / cores if local > cores else 2.0, hw.slice_s),)
+        [(per_core, curve)] = hw.slices
+        assert per_core == (local / cores if local > cores else 2.0)
+        from spmd_runtime.calibrate import SLICE_CHUNKS_S
+        computes = [since for since, _ in curve]  # a point per chunk, each's compute per round its own
+        assert len(curve) == len(SLICE_CHUNKS_S) and computes == sorted(set(computes)) and computes[0] > 0
+        assert all(0 <= s < 1 for _, s in curve) and hw.slice_s == curve[-1][1]  # the longest chunk's as slice_s
     else:
         assert hw.slices == ()
     assert hw.overlap is False  # shared-memory MPI: messages move in the ranks' calls
@@ -76,8 +81,8 @@ def test_calibrate_sharing_only_adds_this_placements_costs_to_a_profile(tmp_path
     local, cores = node.Get_size(), len(set().union(*node.allgather(os.sched_getaffinity(0))))
     node.Free()
     per_core = local / cores if local > cores else 2.0
-    assert [q for q, _ in hw.slices] == sorted([per_core, 9.0]) and dict(hw.slices)[9.0] == 1.0  # kept
-    assert 0 <= dict(hw.slices)[per_core] < 1
+    assert [q for q, _ in hw.slices] == sorted([per_core, 9.0]) and dict(hw.slices)[9.0] == ((0.0, 1.0),)  # kept
+    assert all(0 <= s < 1 for _, s in dict(hw.slices)[per_core])
     # the overhead per instruction is a placement's only where its ranks share cores as placed
     assert [q for q, _ in hw.overheads] == sorted([9.0] + ([per_core] if local > cores else []))
     assert main(["calibrate", "--hardware", path + ".missing", "--sharing-only"]) == 2  # every rank refuses alike

@@ -330,21 +330,69 @@ def test_gemm_efficiency_round_trips_and_bad_points_name_the_field(tmp_path):
 
 def test_a_wait_measured_per_sharing_is_interpolated_and_replaces_the_one_slice(tmp_path):
     measured = CPU.with_sharing(2, 2e-4).with_sharing(4, 1.6e-3)
-    assert measured.slices == ((2.0, 2e-4), (4.0, 1.6e-3))
+    assert measured.slices == ((2.0, ((0.0, 2e-4),)), (4.0, ((0.0, 1.6e-3),)))  # a number: the same after any compute
     assert measured.slice_at(3) == pytest.approx(9e-4) and measured.slice_at(8) == 1.6e-3  # the ends held
     assert CPU.slice_at(4) == CPU.slice_s  # none measured: the one slice
     # four ranks per core (8 ranks on 2 cores) wait 3/4 of the slice measured at four per core, not the default's
     assert measured.with_placement(8).sync_wait_s(0, 8, 8) == pytest.approx(0.75 * 1.6e-3)
     assert measured.with_placement(4).sync_wait_s(0, 4, 4) == pytest.approx(0.5 * 2e-4)
-    assert measured.with_sharing(2, 3e-4).slices == ((2.0, 3e-4), (4.0, 1.6e-3))  # re-measured: replaced
+    assert measured.with_sharing(2, 3e-4).slices == ((2.0, ((0.0, 3e-4),)), (4.0, ((0.0, 1.6e-3),)))  # replaced
     measured.save(tmp_path / "cpu.json")
     assert Hardware.load(tmp_path / "cpu.json").slices == measured.slices
+
+
+# at four per core the slice grows with the compute since the last sync (calibrate's chunks), at two it is flat
+GROWING = CPU.with_sharing(4, ((1e-3, 1e-3), (5e-3, 5e-3), (2e-2, 8e-3))).with_sharing(2, 2e-4)
+
+
+@pytest.mark.parametrize("per_core, since, want", [
+    (4, 0.0, 1e-3),  # before the first point: its value
+    (4, 3e-3, 3e-3),  # between points: linear in the compute
+    (4, 0.1, 8e-3),  # beyond the last: its value
+    (3, 3e-3, (3e-3 + 2e-4) / 2),  # between sharings: each curve at the compute, then linear in the ranks per core
+    (2, 0.1, 2e-4),
+])
+def test_a_slice_measured_after_chunks_of_compute_grows_with_the_compute_since_the_last_sync(per_core, since, want):
+    assert GROWING.slice_at(per_core, since) == pytest.approx(want, rel=1e-12)
+    assert GROWING.with_placement(int(2 * per_core)).sync_wait_s(0, int(2 * per_core), 2, since) == pytest.approx(
+        want * (per_core - 1) / per_core, rel=1e-12)
+
+
+def test_a_curve_of_slices_survives_its_file(tmp_path):
+    GROWING.save(tmp_path / "cpu.json")
+    assert Hardware.load(tmp_path / "cpu.json").slices == GROWING.slices
+    assert json.loads((tmp_path / "cpu.json").read_text())["node"]["slice_s_by_ranks_per_core"] == {
+        "2": 2e-4, "4": [[1e-3, 1e-3], [5e-3, 5e-3], [2e-2, 8e-3]]}
+
+
+def _compute_then_reduce(mesh, work: int):
+    """``work`` dependent multiplies of each rank's [64, 64] block, then a sum over the mesh: a chunk, a sync."""
+    def f(x):
+        for _ in range(work):
+            x = x * 0.5
+        return snp.sum(x, axis=0)
+    return _program(f, [sr.TensorSpec((mesh.size * 64, 64))], mesh, in_specs=[("x", None)], fuse=False)
+
+
+def test_the_wait_at_a_sync_follows_the_compute_before_it():
+    mesh = sr.Mesh((8,), ("x",))
+    hw = CPU.with_sharing(4, ((0.0, 0.0), (1e-4, 1e-3))).with_placement(8)  # 10 x the compute, to 0.1 ms of it
+    estimates = [_compute_then_reduce(mesh, work).estimate(hw, 0) for work in (1, 40)]
+    for e in estimates:  # each wait is the curve's at the compute since the start (the first sync)
+        assert e.wait_s == pytest.approx(hw.sync_wait_s(0, 8, 8, e.compute_s), rel=1e-9)
+    assert 0 < estimates[0].wait_s < estimates[1].wait_s
+    flat = CPU.with_sharing(4, 1e-3).with_placement(8)  # a number: the same wait after any compute
+    assert [_compute_then_reduce(mesh, w).estimate(flat, 0).wait_s for w in (1, 40)] == [0.75e-3] * 2
 
 
 @pytest.mark.parametrize("points, message", [
     ({"1": 1e-3}, r"keyed by ranks per core, a number above 1; got key '1'"),
     ({"two": 1e-3}, r"keyed by ranks per core, a number above 1; got key 'two'"),
-    ({"1.5": -1}, r"slice_s_by_ranks_per_core\['1\.5'\] must be zero or more seconds; got -1"),
+    ({"1.5": -1}, r"slice_s_by_ranks_per_core\['1\.5'\] must be zero or more seconds, or a list .*; got -1"),
+    ({"4": [[1e-3, 1e-4], [1e-4, 2e-4]]}, r"\['4'\] .* the compute ascending; got \[\[0\.001, 0\.0001\], \[0\.0001"),
+    ({"4": [[1e-3, -1]]}, r"pairs of zero or more, .*; got \[\[0\.001, -1\]\]"),
+    ({"4": []}, r"got \[\]"),
+    ({"4": [[1e-3]]}, r"got \[\[0\.001\]\]"),
 ])
 def test_bad_waits_per_sharing_name_the_field(points, message):
     doc = _doc()
